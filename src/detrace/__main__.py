@@ -1,0 +1,5 @@
+"""`python -m detrace` is the same as the `detrace` command."""
+
+from detrace.cli import run
+
+run()

@@ -1,0 +1,68 @@
+"""The `detrace` command line: one module per subcommand, each exposing `main(argv) -> int`.
+
+Errors derived from `DetraceError` are printed as one sentence on stderr and mapped to their exit code;
+no traceback reaches the user for anything they can fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from detrace.errors import DetraceError
+
+# subcommand -> (module, one-line help). Modules are imported lazily so `detrace doctor` stays fast.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run", "run CMD with the tracer injected into every Python process it starts"),
+    "diff": ("diff", "compare two run directories and name the first divergent bit"),
+    "locate": ("locate", "drive the whole ladder on CMD (or the reference workload) to find the culprit op"),
+    "check": ("check", "run CMD N times and require bit-identical traces"),
+    "check-resume": ("check_resume", "verify that stopping at step K and resuming changes no bit"),
+    "replay": ("replay", "kernel rung: re-execute one captured op to test it for nondeterminism"),
+    "report": ("report", "write a self-contained HTML report of a run or locate directory"),
+    "compare": ("compare", "measure an intentional change against the run-to-run variation of a baseline"),
+    "verify-checkpoint": ("verify_checkpoint", "check a checkpoint against its fingerprint manifest"),
+    "doctor": ("doctor", "audit this environment's determinism settings"),
+    "certify": ("certify", "check a trace's invariants (ranks, steps, dense sequence numbers)"),
+    "validate": ("validate", "run the validation matrix of the reference workload"),
+    "fingerprint": ("fingerprint", "print the fingerprint of tensors in a .pt/.safetensors file or a demo"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: detrace COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "Run 'detrace COMMAND --help' for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        from detrace import __version__
+
+        print(f"detrace {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"detrace: error: unknown command {name!r}; run 'detrace --help' for the list", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(f"detrace.cli.{COMMANDS[name][0]}")
+        return module.main(rest)
+    except DetraceError as err:
+        print(f"detrace {name}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"detrace {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

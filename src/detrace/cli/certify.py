@@ -1,0 +1,9 @@
+"""`detrace certify`: not implemented yet (tracked in issue #4)."""
+
+from __future__ import annotations
+
+from detrace.errors import NotImplementedYet
+
+
+def main(argv: list[str]) -> int:
+    raise NotImplementedYet("'detrace certify' is not available in this build yet (issue #4)")

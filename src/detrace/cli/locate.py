@@ -1,0 +1,9 @@
+"""`detrace locate`: not implemented yet (tracked in issue #7)."""
+
+from __future__ import annotations
+
+from detrace.errors import NotImplementedYet
+
+
+def main(argv: list[str]) -> int:
+    raise NotImplementedYet("'detrace locate' is not available in this build yet (issue #7)")

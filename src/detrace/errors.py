@@ -1,0 +1,51 @@
+"""The error hierarchy of detrace. Every error the CLI can report maps to one exit code.
+
+Exit codes follow the contract in DESIGN.md: 1 means "the answer is no" (diverged, nondeterministic,
+corrupted), 2 means "no answer could be given" (bad input, incomparable, unreadable).
+"""
+
+from __future__ import annotations
+
+
+class DetraceError(Exception):
+    """Base class. The message is one sentence meant for the user; the CLI prints it without a traceback."""
+
+    exit_code: int = 2
+
+
+class UsageError(DetraceError):
+    """Bad command-line arguments or API arguments (malformed SPEC, unknown rung, missing CMD)."""
+
+
+class NotImplementedYet(DetraceError):
+    """A subcommand of the contract that this build does not provide yet."""
+
+
+class TraceError(DetraceError):
+    """A trace directory or file that is missing, empty, malformed or of another schema version."""
+
+
+class IncomparableError(DetraceError):
+    """Two runs that cannot be compared (different world sizes, schemas or parallel layouts)."""
+
+
+class CheckpointError(DetraceError):
+    """A checkpoint that is missing, unreadable, or of an unknown format."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A checkpoint whose tensors do not match their fingerprint manifest."""
+
+    exit_code = 1
+
+
+class DeterminismError(DetraceError):
+    """A determinism setting that conflicts with the recipe, or that was applied too late to take effect."""
+
+
+class CommandFailed(DetraceError):
+    """The user's command (CMD) could not be started, crashed, or ran past its timeout."""
+
+
+class FingerprintError(DetraceError, TypeError):
+    """A tensor that cannot be fingerprinted (meta tensors, tensors without storage)."""

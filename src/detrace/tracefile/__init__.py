@@ -1,0 +1,39 @@
+"""The trace format: where the recording wing (detrace.tracing) and the analysis wing (detrace.compare) meet.
+
+A run directory holds one append-only Apache Arrow IPC file per rank (`rank-00000.arrow`), a per-rank footer
+written atomically when the rank closes cleanly (`rank-00000.json`), and optionally a run header written by the
+launcher (`run.json`). Nothing else in detrace reads or writes these files directly.
+"""
+
+from detrace.tracefile.layout import footer_path, rank_path, run_header_path
+from detrace.tracefile.reader import RankTrace, RunInfo, iter_batches, open_run, read_rank
+from detrace.tracefile.schema import (
+    ARROW_SCHEMA,
+    FIELDS,
+    PHASES,
+    ROLES,
+    RUNGS,
+    SCHEMA_VERSION,
+    rung_includes,
+)
+from detrace.tracefile.writer import RankWriter, write_json_atomic
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "FIELDS",
+    "PHASES",
+    "ROLES",
+    "RUNGS",
+    "SCHEMA_VERSION",
+    "RankTrace",
+    "RankWriter",
+    "RunInfo",
+    "footer_path",
+    "iter_batches",
+    "open_run",
+    "rank_path",
+    "read_rank",
+    "run_header_path",
+    "rung_includes",
+    "write_json_atomic",
+]

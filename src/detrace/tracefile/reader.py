@@ -1,0 +1,167 @@
+"""Reading traces back, tolerating the torn tail of a rank that was killed mid-write.
+
+A rank file that was closed cleanly is a standard Arrow IPC file. A rank killed mid-run has no file footer and
+may end in a half-written batch: we read the file as an IPC stream after its 8-byte magic, keep every complete
+batch, and report the torn tail (which rank, last complete step) instead of raising.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from detrace.errors import TraceError
+from detrace.tracefile.layout import footer_path, rank_path, run_header_path
+from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION
+from detrace.windows import parse_window
+
+_MAGIC = b"ARROW1\x00\x00"
+_RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
+
+
+class BatchStream:
+    """Iterates the complete record batches of one rank file; `torn` and `detail` are set once exhausted."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.torn = False
+        self.detail: str | None = None
+        try:
+            data = pa.memory_map(str(self.path)).read_buffer()
+        except FileNotFoundError:
+            raise TraceError(f"trace file {self.path} does not exist") from None
+        except OSError as err:
+            raise TraceError(f"cannot read trace file {self.path}: {err.strerror or err}") from None
+        if data.size < len(_MAGIC) or data[: len(_MAGIC)].to_pybytes() != _MAGIC:
+            raise TraceError(f"{self.path} is not a detrace trace file (no Arrow header)")
+        try:
+            self._reader = pa.ipc.open_stream(data.slice(len(_MAGIC)))
+        except (pa.ArrowInvalid, OSError):
+            raise TraceError(f"{self.path} is truncated before its schema: no record survived") from None
+        metadata = self._reader.schema.metadata or {}
+        version = metadata.get(b"detrace.schema", b"").decode()
+        if version != SCHEMA_VERSION:
+            raise TraceError(f"{self.path} has trace schema {version or 'none'!r}; this detrace reads {SCHEMA_VERSION}")
+        if not self._reader.schema.remove_metadata().equals(ARROW_SCHEMA):
+            raise TraceError(f"{self.path} has columns that differ from schema {SCHEMA_VERSION}")
+        self.header: dict[str, Any] = json.loads(metadata.get(b"detrace.header", b"{}"))
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        while True:
+            try:
+                batch = self._reader.read_next_batch()
+            except StopIteration:
+                return
+            except (pa.ArrowInvalid, OSError) as err:
+                self.torn = True
+                self.detail = f"torn tail: {err}"
+                return
+            yield batch
+
+
+def iter_batches(path: str | Path) -> BatchStream:
+    """Stream the complete batches of a rank file in bounded memory."""
+    return BatchStream(path)
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One rank's records, header and footer."""
+
+    rank: int
+    path: Path
+    header: dict[str, Any]
+    footer: dict[str, Any] | None
+    table: pa.Table
+    torn: bool
+    """The file ends in a partial batch (the process died mid-write)."""
+    detail: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """The rank closed its trace cleanly (footer present, no torn tail)."""
+        return self.footer is not None and not self.torn
+
+    @property
+    def last_step(self) -> int:
+        """The last step with at least one record (-1 when empty)."""
+        if self.table.num_rows == 0:
+            return -1
+        return int(self.table.column("step")[-1].as_py())
+
+    @property
+    def last_complete_step(self) -> int:
+        """The last step known to be fully recorded: all of them when complete, else the one before the last."""
+        return self.last_step if self.complete else self.last_step - 1
+
+
+def read_footer(run_dir: str | Path, rank: int) -> dict[str, Any] | None:
+    path = footer_path(run_dir, rank)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise TraceError(f"rank footer {path} is unreadable: {err}") from None
+
+
+def read_rank(run_dir: str | Path, rank: int) -> RankTrace:
+    """Read all complete records of one rank into memory."""
+    path = rank_path(run_dir, rank)
+    stream = BatchStream(path)
+    batches = list(stream)
+    table = pa.Table.from_batches(batches, schema=stream._reader.schema)
+    return RankTrace(rank=rank, path=path, header=stream.header, footer=read_footer(run_dir, rank),
+                     table=table, torn=stream.torn, detail=stream.detail)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run directory holds: its header and the ranks that wrote a trace."""
+
+    path: Path
+    header: dict[str, Any]
+    """The launcher's run.json when present, else the header of the lowest rank."""
+    ranks: tuple[int, ...]
+    world_size: int
+    rank_headers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def missing_ranks(self) -> tuple[int, ...]:
+        """Ranks below world_size without a trace file (excluding ranks outside the recorded window)."""
+        window = self.header.get("ranks", "all")
+        wanted = parse_window(window) if isinstance(window, str) else None
+        return tuple(r for r in range(self.world_size)
+                     if r not in self.ranks and (wanted is None or r in wanted))
+
+
+def open_run(path: str | Path) -> RunInfo:
+    """Open a run directory, checking that it exists and holds at least one readable rank trace."""
+    run_dir = Path(path)
+    if not run_dir.exists():
+        raise TraceError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise TraceError(f"{run_dir} is not a directory")
+    try:
+        ranks = sorted(int(m.group(1)) for p in run_dir.iterdir() if (m := _RANK_FILE.match(p.name)))
+    except OSError as err:
+        raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
+    if not ranks:
+        raise TraceError(f"{run_dir} holds no trace (no rank-*.arrow files)")
+    rank_headers = {rank: BatchStream(rank_path(run_dir, rank)).header for rank in ranks}
+    header: dict[str, Any] = dict(rank_headers[ranks[0]])
+    header_file = run_header_path(run_dir)
+    if header_file.exists():
+        try:
+            header.update(json.loads(header_file.read_text()))
+        except (OSError, ValueError) as err:
+            raise TraceError(f"run header {header_file} is unreadable: {err}") from None
+    world_size = int(header.get("world_size") or max(ranks) + 1)
+    return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size,
+                   rank_headers=rank_headers)

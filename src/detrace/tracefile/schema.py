@@ -1,0 +1,61 @@
+"""The record schema of a trace: one row per fingerprinted tensor or exact metric.
+
+Identity of a record within a rank is (step, phase, module, name, occurrence, role, index); `seq` orders records
+in the rank's execution order and is dense from 0. Records of one op/module/collective call share `event`
+(the seq of the call's first record), so the diff can tell inputs from outputs of the same call.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "detrace.trace/1"
+
+# Ordered: each rung includes the ones before it.
+RUNGS = ("metrics", "semantic", "module", "op")
+PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", "data", "other")
+ROLES = (
+    "input",  # argument of a module/op/collective call
+    "output",  # result of a call
+    "mutated",  # tensor written in place by the call (recorded after the call)
+    "grad_input",  # module backward: gradients w.r.t. the module's inputs
+    "grad_output",  # module backward: gradients w.r.t. the module's outputs
+    "grad",  # optimizer: a parameter's gradient going in
+    "param",  # optimizer: a parameter coming out
+    "state",  # optimizer: a state tensor coming out (exp_avg, ...)
+    "metric",  # an exact scalar (loss, grad norm, detrace.metric)
+    "component",  # one component (data, scales) of a quantized tensor
+)
+
+# (name, type, nullable, doc)
+FIELDS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
+    ("seq", pa.int64(), False, "per-rank sequence number, dense from 0, in execution order"),
+    ("step", pa.int64(), False, "training step (optimizer steps completed before this record)"),
+    ("rung", pa.string(), False, "metrics | semantic | module | op"),
+    ("phase", pa.string(), False, "forward | backward | optimizer | collective | p2p | recompute | data | other"),
+    ("module", pa.string(), True, "innermost nn.Module qualified name in scope, if any"),
+    ("name", pa.string(), False, "op name (aten.mm.default), module name, collective (all_reduce) or metric"),
+    ("occurrence", pa.int32(), False, "how many calls with this (phase, module, name) came before in this step"),
+    ("event", pa.int64(), False, "seq of the first record of the call this record belongs to"),
+    ("role", pa.string(), False, "input | output | mutated | grad_input | grad_output | grad | param | ..."),
+    ("index", pa.int32(), False, "position of the tensor among the call's tensors of that role"),
+    ("shape", pa.list_(pa.int64()), False, "tensor shape"),
+    ("dtype", pa.string(), False, "torch dtype name without 'torch.'"),
+    ("numel", pa.int64(), False, "number of elements"),
+    ("digest", pa.uint64(), True, "fingerprint; null when not taken (tensor above --max-numel)"),
+    ("chunks", pa.list_(pa.uint64()), True, "chunk-wise digests along dim 0, when recorded"),
+    ("value", pa.float64(), True, "exact metric value (every float up to 64 bits converts exactly)"),
+    ("collectives", pa.int64(), False, "collectives completed on this rank before this record (all groups)"),
+    ("group", pa.string(), True, "collective/p2p records: ranks of the process group, e.g. '0,1'"),
+    ("group_seq", pa.int64(), True, "collective/p2p records: index of the call within its group on this rank"),
+    ("peer", pa.int32(), True, "p2p records: the peer rank"),
+    ("extra", pa.string(), True, "JSON object with rung-specific facts, e.g. {'matches_forward': true}"),
+)
+
+ARROW_SCHEMA = pa.schema([pa.field(name, typ, nullable=nullable) for name, typ, nullable, _ in FIELDS])
+COLUMN_NAMES = tuple(name for name, *_ in FIELDS)
+
+
+def rung_includes(rung: str, other: str) -> bool:
+    """Whether recording at `rung` also records `other` (each rung includes the ones below it)."""
+    return RUNGS.index(other) <= RUNGS.index(rung)
