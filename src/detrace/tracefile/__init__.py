@@ -5,6 +5,7 @@ written atomically when the rank closes cleanly (`rank-00000.json`), and optiona
 launcher (`run.json`). Nothing else in detrace reads or writes these files directly.
 """
 
+from detrace.tracefile.capture import Capture, load_capture, resolve_op, save_capture
 from detrace.tracefile.layout import footer_path, rank_path, run_header_path
 from detrace.tracefile.reader import RankTrace, RunInfo, iter_batches, open_run, read_rank
 from detrace.tracefile.schema import (
@@ -25,15 +26,19 @@ __all__ = [
     "ROLES",
     "RUNGS",
     "SCHEMA_VERSION",
+    "Capture",
     "RankTrace",
     "RankWriter",
     "RunInfo",
     "footer_path",
     "iter_batches",
+    "load_capture",
     "open_run",
     "rank_path",
     "read_rank",
+    "resolve_op",
     "run_header_path",
     "rung_includes",
+    "save_capture",
     "write_json_atomic",
 ]

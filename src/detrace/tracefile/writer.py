@@ -82,6 +82,18 @@ class RankWriter:
         if len(self._rows) >= self.batch_records or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
+    def add_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
+        """Write many records at once (columnar, for bulk producers); buffered rows are flushed first."""
+        if batch.schema.remove_metadata() != ARROW_SCHEMA:
+            raise TraceError("record batch does not match the trace schema")
+        self.flush()
+        if batch.num_rows == 0:
+            return
+        self._writer.write(batch)
+        self._file.flush()
+        self.records += batch.num_rows
+        self.last_step = int(batch.column("step")[-1].as_py())
+
     def flush(self) -> None:
         """Write buffered records as one batch and hand them to the OS (they survive a SIGKILL)."""
         self._last_flush = time.monotonic()
