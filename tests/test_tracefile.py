@@ -1,0 +1,174 @@
+"""The trace format: append-only rank files, torn tails, headers and footers, and capture files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.feather as feather
+import pytest
+import torch
+
+from detrace.errors import TraceError
+from detrace.tracefile import (
+    ARROW_SCHEMA,
+    RankWriter,
+    footer_path,
+    load_capture,
+    open_run,
+    rank_path,
+    read_rank,
+    resolve_op,
+    save_capture,
+)
+
+
+def row(seq: int, step: int, **over: object) -> dict[str, object]:
+    base = dict(seq=seq, step=step, rung="op", phase="forward", module="layers.0", name="aten.mm.default",
+                occurrence=seq, event=seq, role="output", index=0, shape=[2, 3], dtype="float32", numel=6,
+                digest=(seq * 0x9E3779B97F4A7C15) % 2**64, collectives=0)
+    base.update(over)
+    return base
+
+
+def write(run: Path, rank: int, n: int, *, close: bool = True, batch: int = 4) -> RankWriter:
+    writer = RankWriter(run, rank, header={"world_size": 2, "rung": "op"}, batch_records=batch)
+    for i in range(n):
+        writer.add(row(i, i // 3))
+    if close:
+        writer.close({"layout": {"default": [0, 1]}})
+    return writer
+
+
+def test_round_trip_with_every_column(tmp_path: Path) -> None:
+    writer = RankWriter(tmp_path, 0, header={"world_size": 1})
+    writer.add(row(0, 0, digest=2**64 - 1, chunks=[1, 2**63], value=None, extra=json.dumps({"a": 1})))
+    writer.add(row(1, 0, role="metric", name="loss", value=0.1 + 0.2, digest=None, module=None))
+    writer.add(row(2, 1, phase="collective", name="all_reduce", group="0,1", group_seq=7, peer=None, collectives=3))
+    writer.close()
+    trace = read_rank(tmp_path, 0)
+    assert trace.complete and not trace.torn
+    rows = trace.table.to_pylist()
+    assert rows[0]["digest"] == 2**64 - 1 and rows[0]["chunks"] == [1, 2**63]
+    assert rows[1]["value"] == 0.1 + 0.2  # exact bits survive
+    assert rows[1]["digest"] is None
+    assert rows[2]["group_seq"] == 7
+    assert trace.footer is not None and trace.footer["records"] == 3 and trace.footer["last_step"] == 1
+
+
+def test_closed_rank_file_is_a_standard_arrow_file(tmp_path: Path) -> None:
+    write(tmp_path, 0, 10)
+    table = feather.read_table(rank_path(tmp_path, 0))  # what pandas.read_feather / Polars read_ipc use
+    assert table.num_rows == 10
+    assert table.schema.remove_metadata().equals(ARROW_SCHEMA)
+
+
+def test_unclosed_rank_keeps_every_flushed_batch(tmp_path: Path) -> None:
+    writer = write(tmp_path, 0, 10, close=False, batch=4)  # 8 rows flushed in 2 batches, 2 still buffered
+    trace = read_rank(tmp_path, 0)
+    assert trace.table.num_rows == 8
+    assert not trace.complete and trace.footer is None
+    assert trace.last_step == 2 and trace.last_complete_step == 1
+    writer.close()
+
+
+def test_torn_tail_is_reported_not_raised(tmp_path: Path) -> None:
+    write(tmp_path, 0, 12, close=False, batch=4)
+    path = rank_path(tmp_path, 0)
+    data = path.read_bytes()
+    path.write_bytes(data[:-30])  # cut inside the last batch, as a SIGKILL mid-write would
+    trace = read_rank(tmp_path, 0)
+    assert trace.torn and "torn tail" in (trace.detail or "")
+    assert trace.table.num_rows == 8
+
+
+def test_existing_trace_is_never_silently_overwritten(tmp_path: Path) -> None:
+    write(tmp_path, 0, 3)
+    with pytest.raises(TraceError, match="already holds a trace"):
+        RankWriter(tmp_path, 0, header={})
+    forced = RankWriter(tmp_path, 0, header={}, force=True)
+    assert not footer_path(tmp_path, 0).exists()  # the stale footer cannot vouch for the new file
+    forced.close()
+
+
+def test_open_run_reads_headers_and_ranks(tmp_path: Path) -> None:
+    write(tmp_path, 0, 3)
+    write(tmp_path, 1, 3)
+    info = open_run(tmp_path)
+    assert info.ranks == (0, 1) and info.world_size == 2 and info.missing_ranks == ()
+    assert info.header["rung"] == "op"
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.mkdir(), "holds no trace"),
+        (lambda p: p.write_text("x"), "is not a directory"),
+        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"garbage")), "not a detrace trace file"),
+        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"ARROW1\x00\x00\x01")), "truncated before its schema"),
+    ],
+)
+def test_bad_run_directories_raise_one_sentence(tmp_path: Path, setup, message: str) -> None:
+    target = tmp_path / "run"
+    setup(target)
+    with pytest.raises(TraceError, match=message):
+        open_run(target)
+
+
+def test_other_schema_version_is_refused(tmp_path: Path) -> None:
+    schema = ARROW_SCHEMA.with_metadata({"detrace.schema": "detrace.trace/0"})
+    with open(rank_path(tmp_path, 0), "wb") as handle, pa.ipc.new_file(handle, schema):
+        pass
+    with pytest.raises(TraceError, match=r"detrace\.trace/0"):
+        read_rank(tmp_path, 0)
+
+
+def test_unwritable_directory_is_a_trace_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(TraceError, match="cannot create trace directory"):
+        RankWriter(blocker / "run", 0, header={})
+
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.int8, torch.int64, torch.uint16, torch.uint64,
+          torch.bool, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_capture_round_trips_every_dtype_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
+    raw = torch.randint(0, 256, (3, 8 * dtype.itemsize), dtype=torch.uint8)
+    tensor = raw.view(dtype)[:, :5]  # non-contiguous
+    path = save_capture(tmp_path / "c.safetensors", op="aten.clone.default", args=[tensor],
+                        kwargs={"memory_format": torch.contiguous_format}, outputs=[tensor.clone()], meta={"rank": 1})
+    capture = load_capture(path)
+    (back,) = capture.args
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8))
+    assert capture.kwargs["memory_format"] is torch.contiguous_format and capture.meta == {"rank": 1}
+
+
+def test_capture_replays_the_op(tmp_path: Path) -> None:
+    target = torch.zeros(4, 2)
+    indices = [torch.tensor([0, 1, 1, 3])]
+    values = torch.ones(4, 2)
+    path = save_capture(tmp_path / "c.safetensors", op="aten.index_put.default", args=[target, indices, values, True],
+                        kwargs={}, outputs=[], meta={})
+    capture = load_capture(path)
+    out = resolve_op(capture.op)(*capture.args, **capture.kwargs)
+    assert out[:, 0].tolist() == [1.0, 2.0, 0.0, 1.0]
+
+
+def test_bad_captures(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="does not exist"):
+        load_capture(tmp_path / "none.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(TraceError, match="not a readable detrace capture"):
+        load_capture(tmp_path / "bad.safetensors")
+    with pytest.raises(TraceError, match="does not exist in this PyTorch build"):
+        resolve_op("aten.no_such_op.default")
+    with pytest.raises(TraceError, match="cannot capture"):
+        save_capture(tmp_path / "x.safetensors", op="aten.add.Tensor", args=[object()], kwargs={}, outputs=[],
+                     meta={})
