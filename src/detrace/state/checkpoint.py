@@ -1,0 +1,241 @@
+"""Checkpoint directories: sharded writes, an atomic commit, and verified reads.
+
+Layout of a checkpoint root (what `TrainState.save(root)` and `DETRACE_CKPT_DIR` name):
+
+    root/latest                  the name of the current version, replaced atomically (os.replace)
+    root/step-00000012/          one complete version
+        manifest.json            fingerprints of every stored tensor chunk + checksums of the JSON files
+        dcp_metadata.json        torch.distributed.checkpoint's metadata, as JSON
+        __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, read weights_only)
+        state.json               the shared state's non-tensor values (optimizer hyper-parameters, scheduler)
+        rank-0.json ...          each rank's own state: step, RNG, data position, extra
+    root/.tmp-step-00000014/     a save in progress: invisible until committed
+
+Every rank writes its part into the temporary directory; rank 0 writes the manifest last, renames the
+directory into place and only then repoints `latest`. A crash at any moment leaves `latest` naming the
+previous, complete version; the half-written one is never read and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from detrace.errors import CheckpointError
+from detrace.state import dist, manifest, tree
+from detrace.state.storage import (
+    FingerprintingSavePlanner,
+    JsonFileSystemReader,
+    JsonFileSystemWriter,
+    read_json,
+    read_metadata,
+    write_json,
+)
+
+LATEST_FILE = "latest"
+SHARED_FILE = "state.json"
+_VERSION = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loaded:
+    """What `read` hands back to a TrainState."""
+
+    step: int
+    """Number of completed optimizer steps at save time."""
+    shared: dict[str, Any]
+    """The shared state (model, optimizer, ...), its tensors those of the template, filled in place."""
+    local: dict[str, Any]
+    """This rank's own state (RNG, data position, extra)."""
+    directory: Path
+    """The version directory that was read."""
+
+
+def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any], keep: int = 1) -> Path:
+    """Save a checkpoint of `step` under `root` on every rank; returns the committed version directory.
+
+    `shared` is the same on every rank (DCP deduplicates replicated tensors and shards DTensors); `local`
+    is this rank's own. Collective: every rank of the process group must call it.
+    """
+    if keep < 1:
+        raise CheckpointError(f"keep must be at least 1, not {keep}")
+    rank, world = dist.rank_and_world()
+    root.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        _remove_stale(root)
+    dist.barrier()  # no rank picks a name while rank 0 may still be removing stale directories
+    name = _free_name(root, step)
+    tmp = root / f"{_TMP_PREFIX}{name}"
+
+    shared_skeleton, shared_tensors = tree.split(shared, "")
+    local_skeleton, local_tensors = tree.split(local, f"rank{rank}")
+    planner = FingerprintingSavePlanner()
+    with _single_process_is_intended():
+        dcp.save(
+            {**shared_tensors, **local_tensors},
+            storage_writer=JsonFileSystemWriter(tmp, sync_files=True),
+            planner=planner,
+            no_dist=not dist.active(),
+        )
+    if rank == 0:
+        write_json(tmp / SHARED_FILE, shared_skeleton)
+    write_json(tmp / _rank_file(rank), {"rank": rank, "step": step, "state": local_skeleton})
+    write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks()))
+    dist.barrier()  # every rank's part is on disk before rank 0 commits
+    if rank == 0:
+        _commit(root, tmp, name, step=step, world=world, keep=keep)
+    dist.barrier()  # nobody returns (and, say, exits) before the checkpoint is visible
+    return root / name
+
+
+def resolve(path: Path) -> Path:
+    """The version directory that `path` (a checkpoint root or a version directory) designates."""
+    if (path / manifest.MANIFEST_FILE).is_file():
+        return path
+    latest = path / LATEST_FILE
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if not _VERSION.fullmatch(name):
+            raise CheckpointError(f"{latest} does not name a checkpoint version ({name!r})")
+        return path / name
+    if not path.exists():
+        raise CheckpointError(f"there is no checkpoint at {path}")
+    raise CheckpointError(f"{path} is not a detrace checkpoint (no {manifest.MANIFEST_FILE}, no {LATEST_FILE})")
+
+
+def read(path: Path, *, shared: dict[str, Any]) -> Loaded:
+    """Verify and load the checkpoint at `path` on every rank (collective).
+
+    `shared` is a template of the shared state (what `write` got, from the current model and optimizer):
+    DCP loads into its tensors in place, in whatever sharding they have now.
+    """
+    directory = resolve(path)
+    rank, world = dist.rank_and_world()
+    document = manifest.verify(directory)
+    if document["world_size"] != world:
+        raise CheckpointError(
+            f"{directory} was saved by {document['world_size']} ranks and cannot resume {world}: "
+            "each rank's RNG and data position belong to one rank"
+        )
+    shared_skeleton = read_json(directory / SHARED_FILE)
+    local_document = read_json(directory / _rank_file(rank))
+    _, template_tensors = tree.split(shared, "")
+    _check_same_tensors(directory, set(tree.tensor_keys(shared_skeleton)), set(template_tensors))
+
+    # This rank's own tensors (RNG states, ...) are allocated from what was saved, not from a template.
+    metadata = read_metadata(directory)
+    local_tensors = {}
+    for key in tree.tensor_keys(local_document["state"]):
+        entry = metadata.state_dict_metadata[key]
+        local_tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    try:
+        with _single_process_is_intended():
+            dcp.load(
+                {**template_tensors, **local_tensors},
+                storage_reader=JsonFileSystemReader(directory),
+                planner=DefaultLoadPlanner(flatten_state_dict=False),
+                no_dist=not dist.active(),
+            )
+    except (RuntimeError, ValueError) as err:
+        # DCP wraps per-rank failures; its message names the offending key.
+        raise CheckpointError(f"{directory} does not fit this training state: {str(err).splitlines()[0]}") from None
+    return Loaded(
+        step=document["step"],
+        shared=tree.join(shared_skeleton, template_tensors),
+        local=tree.join(local_document["state"], local_tensors),
+        directory=directory,
+    )
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """DCP warns that it assumes a single process when there is no process group; here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _check_same_tensors(directory: Path, saved: set[str], current: set[str]) -> None:
+    if saved - current:
+        raise CheckpointError(
+            f"{directory} holds tensor {sorted(saved - current)[0]!r} that this training state does not have"
+        )
+    if current - saved:
+        raise CheckpointError(
+            f"this training state has tensor {sorted(current - saved)[0]!r} that {directory} does not hold"
+        )
+
+
+def _commit(root: Path, tmp: Path, name: str, *, step: int, world: int, keep: int) -> None:
+    records = [record for rank in range(world) for record in read_json(tmp / _fingerprint_file(rank))]
+    for rank in range(world):
+        (tmp / _fingerprint_file(rank)).unlink()
+    files = [path for path in tmp.iterdir() if path.suffix == ".json"]
+    write_json(tmp / manifest.MANIFEST_FILE, manifest.build(step=step, world_size=world, records=records, files=files))
+    _fsync_dir(tmp)
+    os.rename(tmp, root / name)
+    _fsync_dir(root)
+    # The version becomes the current one only now, in one atomic step.
+    pointer = root / f"{_TMP_PREFIX}{LATEST_FILE}"
+    pointer.write_text(name + "\n")
+    with pointer.open("rb") as stream:
+        os.fsync(stream.fileno())
+    os.replace(pointer, root / LATEST_FILE)
+    _fsync_dir(root)
+    _remove_old(root, current=name, keep=keep)
+
+
+def _free_name(root: Path, step: int) -> str:
+    """`step-00000012`, or `step-00000012.N` when that step was saved before (e.g. by a rerun)."""
+    base = f"step-{step:08d}"
+    name, suffix = base, 0
+    while (root / name).exists():
+        suffix += 1
+        name = f"{base}.{suffix}"
+    return name
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove what crashed saves left behind (temporary directories and pointer files)."""
+    for path in root.iterdir():
+        if path.name.startswith(_TMP_PREFIX):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _remove_old(root: Path, *, current: str, keep: int) -> None:
+    """Keep the `keep` most recently committed versions, the current one always among them."""
+    versions = [
+        path for path in root.iterdir()
+        if _VERSION.fullmatch(path.name) and path.name != current and (path / manifest.MANIFEST_FILE).is_file()
+    ]
+    versions.sort(key=lambda path: (path / manifest.MANIFEST_FILE).stat().st_mtime_ns, reverse=True)
+    for path in versions[keep - 1 :]:
+        shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank}.json"
+
+
+def _fingerprint_file(rank: int) -> str:
+    return f"fingerprints-rank-{rank}.json"

@@ -1,0 +1,238 @@
+"""Resumable, deterministic data order and per-sample seeded randomness for DataLoader workers.
+
+Two things decide which bits a batch has: which samples it holds (the sampler's order and position) and
+what random augmentation they got. A plain DataLoader resumes neither exactly: the sampler restarts its
+epoch, and worker RNGs are seeded per worker at iterator start, so after a mid-epoch restart each sample
+lands on another worker, at another point of that worker's random stream.
+
+Here the order is a pure function of (seed, epoch, rank) and the position counts samples handed to the
+training loop (not the ones DataLoader prefetched). Each sample's randomness is seeded from
+(seed, epoch, sample index) right before it is loaded, so it is the same on whichever worker, in whichever
+process, with any `num_workers`: a resumed epoch gets exactly the augmentations the continuous one got.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from detrace.errors import CheckpointError, UsageError
+
+
+class ResumableSampler(Sampler[int]):
+    """A deterministic sampler whose state (epoch, position) can be saved and restored.
+
+    Like `torch.utils.data.DistributedSampler`: each epoch's order is a permutation drawn from
+    `seed + epoch`, padded (or, with `drop_last`, cut) to a multiple of `num_replicas`, and rank `r` takes
+    every `num_replicas`-th index from `r`. Iterating it yields the rest of the current epoch from
+    `position`, advancing `position` as indices are handed out, and moves to the next epoch at its end.
+    Inside a DataLoader that prefetches, let `ResumableLoader` (or torchdata's StatefulDataLoader) count
+    what the training loop consumed instead.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_samples < 1:
+            raise UsageError(f"num_samples must be positive, not {num_samples}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise UsageError(f"rank {rank} is not one of num_replicas={num_replicas} replicas")
+        if drop_last and num_samples < num_replicas:
+            raise UsageError(f"with drop_last, {num_samples} samples leave nothing for {num_replicas} replicas")
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        """Samples of one epoch on this rank."""
+        if self.drop_last:
+            return self.num_samples // self.num_replicas
+        return -(-self.num_samples // self.num_replicas)
+
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's sample indices of `epoch`, in order."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        total = len(self) * self.num_replicas
+        if total > len(order):  # pad by repeating from the start, as DistributedSampler does
+            order += (order * (-(-total // len(order))))[: total - len(order)]
+        return order[:total][self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        self._roll_over()
+        order = self.indices(self.epoch)
+        while self.position < len(order):
+            index = order[self.position]
+            self.position += 1
+            yield index
+        self._roll_over()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and position, with the configuration they are only meaningful for."""
+        self._roll_over()
+        return {"epoch": self.epoch, "position": self.position, **self._config()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in self._config().items():
+            if state.get(key) != value:
+                raise CheckpointError(
+                    f"the checkpoint's sampler has {key}={state.get(key)!r}, this one has {key}={value!r}"
+                )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "drop_last": self.drop_last,
+        }
+
+    def _roll_over(self) -> None:
+        """A finished epoch is the start of the next one: saving at an epoch boundary resumes there."""
+        if self.position >= len(self):
+            self.epoch += 1
+            self.position = 0
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit seed of sample `index` in `epoch`: well mixed (NumPy's SeedSequence), independent of
+    worker, rank and position, different from epoch to epoch."""
+    high, low = np.random.SeedSequence([seed, epoch, index]).generate_state(2, dtype=np.uint32)
+    return (int(high) << 32) | int(low)
+
+
+@contextlib.contextmanager
+def seeded_rngs(seed: int) -> Iterator[None]:
+    """Seed torch's CPU RNG, `random` and NumPy's global RNG from `seed` for the duration of the block,
+    then put back the states they had: in a worker nothing leaks into the next sample, and with
+    `num_workers=0` the training loop's own RNG streams are left untouched."""
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that would also reseed CUDA's
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFF_FFFF)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
+class SeededDataset(Dataset):
+    """A dataset indexed by `(index, seed)`: loads `dataset[index]` under `seeded_rngs(seed)`."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        with seeded_rngs(seed):
+            return self.dataset[index]
+
+
+class ResumableLoader:
+    """Batches of a map-style dataset in `ResumableSampler` order, with per-sample seeded randomness.
+
+    Each `iter()` yields the rest of the sampler's current epoch, from its position, through a
+    `torch.utils.data.DataLoader` (so `num_workers`, `collate_fn`, `pin_memory`, ... work as usual; the
+    DataLoader gets its own generator, so starting an epoch does not draw from the global torch RNG).
+    The sampler's position advances as batches are handed to the loop, not as workers prefetch them, so
+    `state_dict()` after a step is exactly the data position of that step.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        sampler: ResumableSampler,
+        batch_size: int,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise UsageError(f"batch_size must be positive, not {batch_size}")
+        for name in ("sampler", "batch_sampler", "shuffle", "generator", "worker_init_fn", "persistent_workers"):
+            if name in dataloader_kwargs:
+                raise UsageError(f"ResumableLoader sets the DataLoader's {name} itself; do not pass it")
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.dataloader_kwargs = dataloader_kwargs
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.sampler
+        self._roll_over()
+        epoch, start = sampler.epoch, sampler.position
+        keys = [(index, sample_seed(sampler.seed, epoch, index)) for index in sampler.indices(epoch)[start:]]
+        batches = [keys[at : at + self.batch_size] for at in range(0, len(keys), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        loader = DataLoader(
+            SeededDataset(self.dataset),
+            batch_sampler=batches,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            # A generator of its own: without one, every iter() would draw its worker base seed from the
+            # global torch RNG and so shift the training loop's dropout masks by one draw per epoch.
+            generator=torch.Generator().manual_seed(sampler.seed),
+            **self.dataloader_kwargs,
+        )
+        position = start
+        for batch_keys, batch in zip(batches, loader):
+            position += len(batch_keys)
+            # Consumed as soon as it is handed over: a checkpoint after this step must not replay it.
+            sampler.position = position
+            yield batch
+        self._roll_over()
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch."""
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        self._roll_over()
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def _roll_over(self) -> None:
+        """Past the last batch of an epoch (or past the last full one, with `drop_last`), the next epoch starts."""
+        rest = len(self.sampler) - self.sampler.position
+        if rest <= 0 or (self.drop_last and rest < self.batch_size):
+            self.sampler.epoch += 1
+            self.sampler.position = 0

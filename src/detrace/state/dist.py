@@ -1,0 +1,35 @@
+"""The few collectives a checkpoint needs, that also work without a process group (one process)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    """Whether this process is part of an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) without a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if active() else (0, 1)
+
+
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for without a process group."""
+    if active():
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on at least one rank, so that every rank takes the same branch."""
+    if not active():
+        return flag
+    # NCCL reduces only device tensors; any backend that offers gloo (alone or in a "cpu:gloo,cuda:nccl" pair)
+    # reduces CPU tensors.
+    backend = str(dist.get_backend())
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

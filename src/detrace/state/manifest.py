@@ -1,0 +1,180 @@
+"""The fingerprint manifest of a checkpoint: built last when saving, checked first when loading.
+
+`manifest.json` lists the fingerprint (detrace.digest) of every tensor chunk that torch.distributed.checkpoint
+stored and the SHA-256 of every JSON file beside them. A checkpoint without it is incomplete (the commit
+protocol writes it last), and any stored bit that no longer matches it is reported by tensor name, so a
+corrupted checkpoint is never trained on silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrace import __version__
+from detrace.errors import CheckpointCorrupted, CheckpointError
+from detrace.state import dist
+from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
+
+MANIFEST_FILE = "manifest.json"
+SCHEMA = "detrace.checkpoint/1"
+
+# Verification loads stored chunks in batches of about this many bytes, so memory stays bounded while the
+# fingerprints of a batch are still computed in one bulk call.
+_BATCH_BYTES = 256 * 2**20
+
+
+def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> list[dict[str, Any]]:
+    """Manifest records of (fqn, offsets, data) chunks: fingerprints computed in one bulk call."""
+    from detrace.digest import fingerprint_many
+
+    chunks = list(chunks)
+    prints = fingerprint_many([data for _, _, data in chunks])
+    return [
+        {"fqn": fqn, "offsets": list(offsets), **_record(print_)}
+        for (fqn, offsets, _), print_ in zip(chunks, prints)
+    ]
+
+
+def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], files: Sequence[Path]) -> dict:
+    """The manifest document of a checkpoint whose chunks have `records` and whose JSON files are `files`."""
+    tensors: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        tensors.setdefault(record["fqn"], []).append({key: value for key, value in record.items() if key != "fqn"})
+    for entries in tensors.values():
+        entries.sort(key=lambda entry: entry["offsets"])
+    return {
+        "schema": SCHEMA,
+        "step": step,
+        "world_size": world_size,
+        "detrace": __version__,
+        "torch": torch.__version__,
+        "files": {path.name: _sha256(path) for path in sorted(files)},
+        "tensors": dict(sorted(tensors.items())),
+    }
+
+
+def read(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint directory."""
+    if not (directory / MANIFEST_FILE).is_file():
+        raise CheckpointError(f"{directory} is not a complete detrace checkpoint (it has no {MANIFEST_FILE})")
+    manifest = read_json(directory / MANIFEST_FILE)
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise CheckpointError(f"{directory / MANIFEST_FILE} is not a detrace checkpoint manifest ({SCHEMA})")
+    return manifest
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """Check a checkpoint directory against its manifest; return the manifest.
+
+    Every rank of a process group verifies its share of the chunks (the whole checkpoint is read once in
+    total) and all ranks agree on the verdict, so that none goes on to load while another has found damage.
+    Raises CheckpointCorrupted naming the tensors or files that do not match.
+    """
+    rank, world = dist.rank_and_world()
+    problems: list[str] = []
+    error: CheckpointError | None = None
+    try:
+        manifest = read(directory)
+        problems += _check_files(directory, manifest)
+        if not problems:
+            chunks = stored_chunks(directory)
+            if rank == 0:
+                problems += _check_coverage(manifest, chunks)
+            problems += _check_chunks(directory, manifest, chunks[rank::world])
+    except CheckpointCorrupted as err:
+        problems.append(str(err))
+    except CheckpointError as err:
+        error = err
+    if dist.any_rank(error is not None or bool(problems)):
+        if error is not None:
+            raise error
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CheckpointCorrupted(f"{directory}: {problems[0]}{more}")
+        raise CheckpointCorrupted(f"{directory}: another rank found damage; see its error")
+    return manifest
+
+
+def _check_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    problems = []
+    for name, digest in manifest["files"].items():
+        path = directory / name
+        if Path(name).name != name or not path.is_file():
+            problems.append(f"file {name} is missing")
+        elif _sha256(path) != digest:
+            problems.append(f"file {name} does not match its checksum in the manifest")
+    return problems
+
+
+def _check_coverage(manifest: dict[str, Any], chunks: list[StoredChunk]) -> list[str]:
+    stored = {(chunk.fqn, chunk.offsets) for chunk in chunks}
+    return [
+        f"tensor {fqn!r} is in the manifest but not in the checkpoint"
+        for fqn, entries in manifest["tensors"].items()
+        if any((fqn, tuple(entry["offsets"])) not in stored for entry in entries)
+    ]
+
+
+def _check_chunks(directory: Path, manifest: dict[str, Any], chunks: list[StoredChunk]) -> list[str]:
+    from detrace.digest import fingerprint_many
+
+    problems: list[str] = []
+    expected = {
+        (fqn, tuple(entry.pop("offsets"))): entry
+        for fqn, entries in manifest["tensors"].items()
+        for entry in (dict(entry) for entry in entries)
+    }
+    batch: list[tuple[StoredChunk, torch.Tensor]] = []
+
+    def flush() -> None:
+        prints = fingerprint_many([data for _, data in batch])
+        for (chunk, _), print_ in zip(batch, prints):
+            if _record(print_) != expected[(chunk.fqn, chunk.offsets)]:
+                problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")
+        batch.clear()
+
+    size = 0
+    for chunk in chunks:
+        if (chunk.fqn, chunk.offsets) not in expected:
+            problems.append(f"tensor {_describe(chunk)} has no fingerprint in the manifest")
+            continue
+        try:
+            data = load_chunk(directory, chunk)
+        except CheckpointCorrupted as err:
+            problems.append(str(err))
+            continue
+        batch.append((chunk, data))
+        size += data.numel() * data.element_size()
+        if size >= _BATCH_BYTES:
+            flush()
+            size = 0
+    if batch:
+        flush()
+    return problems
+
+
+def _describe(chunk: StoredChunk) -> str:
+    where = f" (chunk at {list(chunk.offsets)})" if any(chunk.offsets) else ""
+    return f"{chunk.fqn!r}{where}"
+
+
+def _record(print_: Any) -> dict[str, Any]:
+    return {
+        "digest": f"{print_.digest:x}",
+        "dtype": str(print_.dtype),
+        "shape": list(print_.shape),
+        "numel": int(print_.numel),
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()

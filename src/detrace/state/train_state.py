@@ -1,0 +1,214 @@
+"""`TrainState`: everything a bit-exact resume needs, saved and loaded as one checkpoint.
+
+It also implements the environment contract by which `detrace check-resume` (or a job scheduler) makes an
+unmodified training script stop, save and resume:
+
+    DETRACE_CKPT_DIR=path       where checkpoints go
+    DETRACE_STOP_AT=K           after step K completes, save and stop the training loop
+    DETRACE_RESUME=1            load the checkpoint from DETRACE_CKPT_DIR at start
+    DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
+
+A training loop needs two calls: `start = state.resume_if_requested()` before it, and
+`if state.end_of_step(step): break` after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from detrace.errors import CheckpointError, UsageError
+from detrace.state import checkpoint, rng
+
+ENV_CKPT_DIR = "DETRACE_CKPT_DIR"
+ENV_STOP_AT = "DETRACE_STOP_AT"
+ENV_RESUME = "DETRACE_RESUME"
+ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
+
+# Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
+CONTROLS = {
+    "skip-rng": "do not restore the RNG states",
+    "skip-data": "do not restore the data position",
+}
+
+
+class TrainState:
+    """The model, optimizer, LR scheduler, grad scaler, every RNG, the data position and the step.
+
+    Args:
+        model: the module being trained; plain, DDP-wrapped or sharded with FSDP2 (`fully_shard`).
+        optimizer: its optimizer, if any.
+        scheduler: an LR scheduler (anything with `state_dict`/`load_state_dict`).
+        scaler: a `torch.amp.GradScaler`.
+        data: the data position: a `ResumableLoader`, `ResumableSampler`, torchdata `StatefulDataLoader`,
+            or anything else with `state_dict`/`load_state_dict`. Saved per rank.
+        generators: explicit `torch.Generator`s the training draws from (beside the global ones).
+        extra: a dict of further per-rank state: objects with `state_dict`/`load_state_dict`, tensors
+            (restored in place), or JSON values (replaced in this dict on load).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Any = None,
+        generators: Sequence[torch.Generator] = (),
+        extra: MutableMapping[str, Any] | None = None,
+    ) -> None:
+        for name, value in (("scheduler", scheduler), ("scaler", scaler), ("data", data)):
+            if value is not None and not _is_stateful(value):
+                raise UsageError(f"TrainState's {name} needs state_dict() and load_state_dict()")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.data = data
+        self.generators = tuple(generators)
+        self.extra = extra if extra is not None else {}
+        self.step = 0
+        """Completed optimizer steps: set by `end_of_step` and `load`."""
+
+    def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
+        """Write a checkpoint of the current state under `path` (collective); returns the version directory.
+
+        Atomic: until it returns, `path` still designates the previous checkpoint. Keeps the `keep` most
+        recent versions.
+        """
+        return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep)
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Verify the checkpoint at `path` against its manifest, restore everything, return the step."""
+        return self._load(Path(path), control=None)
+
+    def resume_if_requested(self) -> int:
+        """Load from DETRACE_CKPT_DIR when DETRACE_RESUME=1; the step to continue from (0 otherwise)."""
+        resume = os.environ.get(ENV_RESUME, "")
+        if resume not in ("", "0", "1"):
+            raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
+        control = os.environ.get(ENV_RESUME_CONTROL) or None
+        if control is not None and control not in CONTROLS:
+            known = ", ".join(CONTROLS)
+            raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+        if resume != "1":
+            return 0
+        return self._load(_checkpoint_dir(), control=control)
+
+    def end_of_step(self, step: int) -> bool:
+        """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
+        return True so that the loop stops."""
+        self.step = step
+        stop_at = os.environ.get(ENV_STOP_AT)
+        if not stop_at:
+            return False
+        try:
+            stop = int(stop_at)
+        except ValueError:
+            raise UsageError(f"{ENV_STOP_AT} must be a step number, not {stop_at!r}") from None
+        if step != stop:
+            return False
+        self.save(_checkpoint_dir())
+        return True
+
+    def _shared(self) -> dict[str, Any]:
+        """State that is the same on every rank, replicated (DDP) or sharded (FSDP2) across them."""
+        if self.optimizer is None:
+            shared: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        else:
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            shared = {"model": model_state, "optimizer": optimizer_state}
+        if self.scheduler is not None:
+            shared["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            shared["scaler"] = self.scaler.state_dict()
+        return shared
+
+    def _local(self) -> dict[str, Any]:
+        """This rank's own state."""
+        local: dict[str, Any] = {"rng": rng.capture(self.generators)}
+        if self.data is not None:
+            local["data"] = self.data.state_dict()
+        local["extra"] = {
+            name: value.state_dict() if _is_stateful(value) else value for name, value in self.extra.items()
+        }
+        return local
+
+    def _load(self, path: Path, *, control: str | None) -> int:
+        template = self._shared()
+        loaded = checkpoint.read(path, shared=template)
+        shared, local = loaded.shared, loaded.local
+        if set(shared) != set(template):
+            raise CheckpointError(
+                f"{loaded.directory} holds {', '.join(sorted(shared))}; "
+                f"this TrainState has {', '.join(sorted(template))}"
+            )
+        if self.optimizer is None:
+            set_model_state_dict(self.model, shared["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer,
+                model_state_dict=shared["model"], optim_state_dict=shared["optimizer"],
+            )
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(shared["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(shared["scaler"])
+        if ("data" in local) != (self.data is not None):
+            raise CheckpointError(f"{loaded.directory} and this TrainState disagree on whether there is data state")
+        if self.data is not None and control != "skip-data":
+            self.data.load_state_dict(local["data"])
+        self._load_extra(local["extra"], loaded.directory)
+        # RNG last: nothing above may draw from a generator after it is restored.
+        if control != "skip-rng":
+            rng.restore(local["rng"], self.generators)
+        self.step = loaded.step
+        _continue_trace_clock(loaded.step)
+        return loaded.step
+
+    def _load_extra(self, saved: Mapping[str, Any], directory: Path) -> None:
+        if set(saved) != set(self.extra):
+            raise CheckpointError(
+                f"{directory} holds extra state {sorted(saved)}, this TrainState has {sorted(self.extra)}"
+            )
+        for name, value in saved.items():
+            current = self.extra[name]
+            if _is_stateful(current):
+                current.load_state_dict(value)
+            elif isinstance(current, torch.Tensor):
+                with torch.no_grad():
+                    current.copy_(value)
+            else:
+                self.extra[name] = value
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _checkpoint_dir() -> Path:
+    directory = os.environ.get(ENV_CKPT_DIR)
+    if not directory:
+        raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
+    return Path(directory)
+
+
+def _continue_trace_clock(step: int) -> None:
+    """Let an active tracer count steps on from `step`. Only a tracer that is already imported can be
+    recording; its module is another part of detrace and may be absent from this build."""
+    tracing = sys.modules.get("detrace.tracing")
+    set_step = getattr(tracing, "set_step", None)
+    if callable(set_step):
+        set_step(step)
