@@ -1,9 +1,57 @@
-"""`detrace replay`: not implemented yet (tracked in issue #7)."""
+"""`detrace replay RUN --event ID`: the kernel rung alone, on an op call captured in a run directory."""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from detrace.cli._args import ArgumentParser
+from detrace.replay import ReplayConfig, ReplayResult, find_capture, replay_file
+
+
+def render(result: ReplayResult, console: Console) -> None:
+    """The human summary: verdict, where the call came from, and one row per arm."""
+    meta = result.meta
+    where = ", ".join(f"{k} {meta[k]}" for k in ("rank", "step", "phase", "module") if meta.get(k) is not None)
+    verdict = "[bold red]nondeterministic[/]" if result.nondeterministic else "[bold green]deterministic[/]"
+    console.print(f"{result.op}{f' ({where})' if where else ''}: {verdict} over {result.base.repeats} repeats "
+                  f"with {result.base.threads} thread(s), deterministic algorithms "
+                  f"{'on' if result.base.deterministic else 'off'}")
+    if result.nondeterministic:
+        console.print(f"  up to {result.base.differing_elements} elements differ, by up to {result.base.max_ulp} ULP")
+        console.print("  fixed by: " + (", ".join(result.fixed_by) or "none of the switches tried"))
+    table = Table("threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
+                  "max ULP", "note")
+    for arm in result.arms:
+        table.add_row(str(arm.threads), "on" if arm.deterministic else "off", str(arm.repeats), str(arm.distinct),
+                      str(arm.differing_elements), str(arm.max_ulp), arm.error or "")
+    console.print(table)
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace replay' is not available in this build yet (issue #7)")
+    parser = ArgumentParser("replay", "Kernel rung: re-execute one captured op call many times, with 1 and N "
+                            "threads and deterministic algorithms off and on. Exit 0 deterministic, 1 not.")
+    parser.add_argument("run", metavar="RUN", help="run directory holding capture/rank-*-seq*.safetensors")
+    parser.add_argument("--event", required=True, metavar="ID",
+                        help="the captured call: its seq number, or the path of its capture file")
+    parser.add_argument("--rank", type=int, default=None, help="the rank, when several ranks captured that seq")
+    parser.add_argument("--repeats", type=int, default=ReplayConfig().repeats, help="executions per arm")
+    parser.add_argument("--threads", default=None, metavar="N[,N...]",
+                        help="thread counts to try (default: 1 and the traced run's count)")
+    parser.add_argument("--json", action="store_true", help="print the detrace.replay/1 object on stdout")
+    args = parser.parse_args(argv)
+    threads = None
+    if args.threads:
+        try:
+            threads = tuple(int(t) for t in args.threads.split(","))
+        except ValueError:
+            parser.error(f"--threads takes comma-separated integers, not {args.threads!r}")
+    config = ReplayConfig(repeats=args.repeats, threads=threads)
+    result = replay_file(find_capture(args.run, args.event, rank=args.rank), config)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        render(result, Console(highlight=False))
+    return 1 if result.nondeterministic else 0

@@ -1,0 +1,408 @@
+"""The ladder driver: from "two runs of CMD differ" to "this op, this step, this rank", without touching CMD.
+
+`locate` runs CMD under the zero-edit tracer (`detrace.tracing.launch.run_traced`) a bounded number of times,
+each run narrower than the last, and compares pairs of runs with `detrace.diff`:
+
+    rung 1  semantic (metrics + collectives + optimizer), every step, every rank    2 runs
+            identical: "deterministic over N steps"; else the earliest divergent step and the origin ranks
+    rung 2  module, only that step, only those ranks                                  2 runs
+    rung 3  op, only that step, only those ranks: the first op with equal inputs
+            and different outputs (the culprit)                                       2 runs
+    rung 4  capture of the culprit's call (that op only, that step, that rank),
+            then `detrace.replay` on it: is the op itself nondeterministic, and what fixes it    1 run
+
+That is 7 runs. Nondeterminism is random: a narrower pair may happen not to differ. Each narrow pair is then run
+once more (at most 2 extra pairs, so at most 11 runs); if it still does not differ, the verdict is
+"inconclusive" with what the broader rungs established. Every run starts from the same state (a fresh process
+of the same command, environment and working directory), and every run directory is kept under `out`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
+from detrace.tracefile import open_run, read_rank, write_json_atomic
+
+LOCATE_SCHEMA = "detrace.locate/1"
+LADDER_SCHEMA = "detrace.ladder/1"
+LOCATE_FILE = "locate.json"
+"""The `detrace.locate/1` object, as `detrace locate --json` prints it."""
+LADDER_FILE = "ladder.json"
+"""Everything the rungs established (stages, diffs, the culprit's records, every replay arm): the report's input."""
+REPORT_FILE = "report.html"
+
+BASE_RUNS = 7
+"""Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
+MAX_RUNS = 11
+"""Runs at most: each of the two narrow pairs may be run once more."""
+
+DEFAULT_STEPS = 4
+"""Steps of the embedded default workload. The `index` dispatch's backward runs at every step, so the first
+step already differs; a few more show the divergence spreading, at a few seconds per run on two cores."""
+
+
+def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
+    """The embedded default: the reference workload with its nondeterministic `index` MoE dispatch on 2 threads."""
+    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--steps", str(steps),
+            "--threads", "2", "--dispatch", "index"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocateConfig:
+    """One `detrace locate` invocation."""
+
+    command: tuple[str, ...]
+    """CMD, exactly as `detrace run` would start it (a script, `python -m ...`, `torchrun ...`)."""
+    out: Path
+    """Directory that receives every run directory, locate.json, ladder.json and report.html."""
+    timeout: float | None = 900.0
+    """Seconds one run of CMD may take before it counts as hung; None waits forever."""
+    retries: int = 1
+    """Extra attempts of a narrow pair whose runs happen not to differ (nondeterminism is random)."""
+    max_numel: int | None = None
+    """Skip fingerprinting tensors above this many elements at the module and op rungs (shape still recorded)."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """How the kernel rung replays the culprit."""
+    env: dict[str, str] | None = None
+    """Extra environment for CMD (the same for every run, so every arm starts from the same state)."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError("locate needs a command to run")
+        if self.timeout is not None and not self.timeout > 0:
+            raise UsageError(f"--timeout must be a positive number of seconds, not {self.timeout}")
+        if not 0 <= self.retries <= 1:
+            raise UsageError("locate retries a narrow pair at most once (retries must be 0 or 1)")
+
+
+class RunFailed(CommandFailed):
+    """CMD crashed or hung during one run of the ladder; carries the end of its output."""
+
+    def __init__(self, message: str, output_tail: str = "") -> None:
+        super().__init__(message)
+        self.output_tail = output_tail
+
+
+@dataclass(kw_only=True)
+class Stage:
+    """One rung of the ladder as it ran."""
+
+    rung: str
+    """semantic | module | op | kernel."""
+    steps: str
+    ranks: str
+    runs: list[str] = field(default_factory=list)
+    """Run directories, in the order they ran (pairs: a, b; a retried pair: c, d)."""
+    diff: dict[str, Any] | None = None
+    """The `detrace.diff/1` object of the pair that settled this rung (kernel rung: none)."""
+    note: str = ""
+    """What the rung established, in one sentence."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rung": self.rung, "steps": self.steps, "ranks": self.ranks, "runs": self.runs,
+                "diff": self.diff, "note": self.note}
+
+
+@dataclass(kw_only=True)
+class LocateResult:
+    """What the ladder found."""
+
+    verdict: str
+    """deterministic | nondeterministic | inconclusive."""
+    message: str
+    """The one-sentence answer."""
+    command: list[str]
+    out: Path
+    steps: int = 0
+    """Steps the broad rung recorded."""
+    culprit: dict[str, Any] | None = None
+    """rank, step, phase, module, name, origin (as in diff)."""
+    culprit_records: list[dict[str, Any]] = field(default_factory=list)
+    """The culprit call's records in both op-rung runs: role, index, shape, dtype, equal."""
+    replay: ReplayResult | None = None
+    stages: list[Stage] = field(default_factory=list)
+    report: str = ""
+
+    @property
+    def runs(self) -> list[str]:
+        return [run for stage in self.stages for run in stage.runs]
+
+    @property
+    def exit_code(self) -> int:
+        return {"deterministic": 0, "nondeterministic": 1}.get(self.verdict, 2)
+
+    def to_json(self) -> dict[str, Any]:
+        """Exactly DESIGN.md's `detrace.locate/1` object."""
+        culprit = None if self.culprit is None else {k: self.culprit[k] for k in
+                                                      ("rank", "step", "phase", "module", "name", "origin")}
+        return {"schema": LOCATE_SCHEMA, "verdict": self.verdict, "culprit": culprit,
+                "replay": None if self.replay is None else self.replay.summary(),
+                "runs": self.runs, "report": self.report}
+
+    def ladder_json(self) -> dict[str, Any]:
+        """`detrace.ladder/1`: everything `detrace report` draws."""
+        return {"schema": LADDER_SCHEMA, "verdict": self.verdict, "message": self.message,
+                "command": self.command, "steps": self.steps, "culprit": self.culprit,
+                "culprit_records": self.culprit_records,
+                "replay": None if self.replay is None else self.replay.to_json(),
+                "stages": [s.to_json() for s in self.stages], "runs": self.runs, "report": self.report}
+
+
+class Progress:
+    """What the ladder tells its caller while it works; the CLI renders it with rich, the API stays silent."""
+
+    def run_started(self, name: str, planned: int) -> None:
+        """A run of CMD begins; `planned` is the number of runs the ladder now expects in total."""
+
+    def run_finished(self, name: str, elapsed: float) -> None:
+        """That run ended (successfully)."""
+
+    def rung(self, stage: Stage) -> None:
+        """A rung reached its conclusion (`stage.note`)."""
+
+
+def _ranks_spec(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in sorted(set(ranks)))
+
+
+def _divergence(diff_json: dict[str, Any]) -> str:
+    first = diff_json["first"]
+    where = f"{first['phase']} {first['name']}" + (f" in {first['module']}" if first.get("module") else "")
+    return f"step {first['step']}, rank {first['rank']}: {where} ({first['role']})"
+
+
+class Ladder:
+    """Runs the rungs in order; see the module docstring."""
+
+    def __init__(self, config: LocateConfig, progress: Progress | None = None) -> None:
+        self.config = config
+        self.progress = progress or Progress()
+        self.planned = BASE_RUNS
+        self.stages: list[Stage] = []
+
+    # -- running CMD ---------------------------------------------------------------------------------------
+
+    def _run(self, stage: Stage, name: str, *, rung: str, capture: str | None = None) -> Path:
+        from detrace.tracing.launch import run_traced
+
+        out = self.config.out / name
+        self.progress.run_started(name, self.planned)
+        stage.runs.append(str(out))
+        result = run_traced(list(self.config.command), out, rung=rung, steps=stage.steps, ranks=stage.ranks,
+                            max_numel=self.config.max_numel if rung in ("module", "op") else None,
+                            capture=capture, env=self.config.env, timeout=self.config.timeout, quiet=True)
+        if result.returncode != 0:
+            raise RunFailed(f"CMD exited with status {result.returncode} in run {name} of the ladder (kept in "
+                            f"{out}); a command that fails on its own cannot be located", result.output_tail)
+        self.progress.run_finished(name, result.elapsed)
+        return out
+
+    def _pair(self, stage: Stage, rung: str, first: str, second: str) -> dict[str, Any]:
+        from detrace.compare import diff
+
+        prefix = f"{len(self.stages)}-{rung}"
+        a = self._run(stage, f"{prefix}-{first}", rung=rung)
+        b = self._run(stage, f"{prefix}-{second}", rung=rung)
+        return diff(a, b).to_json()
+
+    def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
+        """Run a pair at `rung` in the stage's window; once more if it does not reproduce the divergence."""
+        names = iter("abcdef")
+        for attempt in range(1 + self.config.retries):
+            if attempt:
+                self.planned += 2
+            result = self._pair(stage, rung, next(names), next(names))
+            if result["verdict"] == "incomparable":
+                raise TraceError(f"the {rung} runs of the ladder are not comparable: {result['reason']}")
+            if result["verdict"] == "diverged" and result["first"] is not None:
+                return result
+        return None
+
+    # -- the rungs -----------------------------------------------------------------------------------------
+
+    def run(self) -> LocateResult:
+        cfg = self.config
+        result = LocateResult(verdict="inconclusive", message="", command=list(cfg.command), out=cfg.out)
+        result.stages = self.stages
+
+        broad = Stage(rung="semantic", steps="all", ranks="all")
+        self.stages.append(broad)
+        broad.diff = self._pair(broad, "semantic", "a", "b")
+        result.steps = _recorded_steps(Path(broad.runs[0]))
+        if broad.diff["verdict"] == "incomparable":
+            raise TraceError(f"two runs of the same command are not comparable: {broad.diff['reason']}")
+        if broad.diff["verdict"] == "identical":
+            broad.note = f"the two runs are bit-identical over {result.steps} steps"
+            self.progress.rung(broad)
+            result.verdict = "deterministic"
+            result.message = f"deterministic over {result.steps} steps: every recorded bit of two runs is identical"
+            return result
+        first = broad.diff["first"]
+        origin_ranks = broad.diff["origin_ranks"] or [first["rank"]]
+        step = first["step"]
+        broad.note = (f"the runs part at {_divergence(broad.diff)}; origin rank(s) "
+                      f"{_ranks_spec(origin_ranks)}")
+        self.progress.rung(broad)
+        result.culprit = _culprit(first)
+
+        window = {"steps": str(step), "ranks": _ranks_spec(origin_ranks)}
+        for rung in ("module", "op"):
+            stage = Stage(rung=rung, **window)
+            self.stages.append(stage)
+            stage.diff = self._narrow(stage, rung)
+            if stage.diff is None:
+                stage.note = (f"{len(stage.runs)} runs at the {rung} rung in step {step} on rank(s) "
+                              f"{window['ranks']} did not differ: the nondeterminism did not recur there")
+                self.progress.rung(stage)
+                result.message = (f"inconclusive: runs part at step {step} on rank(s) {window['ranks']}, but the "
+                                  f"{rung}-rung reruns of that step were identical ({stage.note})")
+                return result
+            stage.note = f"first {'origin' if stage.diff['first']['origin'] else 'divergence'}: " + _divergence(
+                stage.diff)
+            self.progress.rung(stage)
+            result.culprit = _culprit(stage.diff["first"])
+
+        op_stage = self.stages[-1]
+        culprit = op_stage.diff["first"] if op_stage.diff else None
+        assert culprit is not None
+        result.culprit_records = _call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
+        result.verdict = "nondeterministic"
+        result.message = (f"culprit: {culprit['name']}" + (f" in {culprit['module']}" if culprit.get("module") else "")
+                          + f", {culprit['phase']} of step {culprit['step']} on rank {culprit['rank']}")
+        result.replay = self._kernel(culprit)
+        if result.replay is not None:
+            fix = ", ".join(result.replay.fixed_by) or "no switch tried"
+            result.message += ("; the op itself is nondeterministic (fixed by " + fix + ")"
+                               if result.replay.nondeterministic else
+                               "; replayed alone it was deterministic, so its inputs or surroundings decide")
+        return result
+
+    def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
+        stage = Stage(rung="kernel", steps=str(culprit["step"]), ranks=str(culprit["rank"]))
+        self.stages.append(stage)
+        occurrence = _occurrence(Path(self.stages[-2].runs[-1]), culprit)
+        selector = (f"step={culprit['step']},rank={culprit['rank']},phase={culprit['phase']},"
+                    f"name={culprit['name']},occurrence={occurrence}")
+        if culprit.get("module"):
+            selector += f",module={culprit['module']}"
+        run = self._run(stage, f"{len(self.stages)}-capture", rung="op", capture=selector)
+        captures = list_captures(run)
+        if not captures:
+            stage.note = f"the capture run recorded no call matching {selector}; nothing to replay"
+            self.progress.rung(stage)
+            return None
+        replayed = replay_file(captures[0], self.config.replay)
+        stage.note = (f"replayed {replayed.base.repeats}x: " + (
+            f"nondeterministic, up to {replayed.base.differing_elements} elements differ by up to "
+            f"{replayed.base.max_ulp} ULP; fixed by {', '.join(replayed.fixed_by) or 'no switch tried'}"
+            if replayed.nondeterministic else "deterministic in isolation"))
+        self.progress.rung(stage)
+        return replayed
+
+
+def _culprit(first: dict[str, Any]) -> dict[str, Any]:
+    return {k: first.get(k) for k in ("rank", "step", "seq", "rung", "phase", "module", "name", "role", "origin")}
+
+
+def _recorded_steps(run_dir: Path) -> int:
+    """Steps covered by a run: one more than the last step any rank recorded."""
+    try:
+        info = open_run(run_dir)
+    except TraceError as err:
+        raise TraceError(f"CMD ran but left no trace in {run_dir} ({err}); is it a Python program that "
+                         "trains with torch?") from None
+    return 1 + max(read_rank(run_dir, rank).last_step for rank in info.ranks)
+
+
+def _rows(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    return read_rank(run_dir, rank).table.to_pylist()
+
+
+def _occurrence(run_dir: Path, first: dict[str, Any]) -> int:
+    """The culprit's occurrence counter (diff names its seq; the capture selector wants the occurrence)."""
+    for row in _rows(run_dir, first["rank"]):
+        if row["seq"] == first["seq"]:
+            return int(row["occurrence"])
+    raise TraceError(f"record {first['seq']} of rank {first['rank']} is missing from {run_dir}")
+
+
+def _call_records(run_a: str, run_b: str, first: dict[str, Any]) -> list[dict[str, Any]]:
+    """The culprit call's records in both runs, side by side: which inputs matched and which outputs did not."""
+    def call(run: str) -> dict[tuple[str, int], dict[str, Any]]:
+        rows = _rows(Path(run), first["rank"])
+        event = next((r["event"] for r in rows if r["seq"] == first["seq"]), None)
+        return {(r["role"], r["index"]): r for r in rows if event is not None and r["event"] == event}
+
+    a, b = call(run_a), call(run_b)
+    records = []
+    for key in a.keys() | b.keys():
+        ra, rb = a.get(key), b.get(key)
+        row = ra or rb
+        assert row is not None
+        records.append({"role": key[0], "index": key[1], "shape": row["shape"], "dtype": row["dtype"],
+                        "numel": row["numel"], "equal": ra is not None and rb is not None
+                        and ra["digest"] == rb["digest"] and ra["shape"] == rb["shape"]})
+    order = {"input": 0, "mutated": 1, "output": 2}
+    return sorted(records, key=lambda r: (order.get(r["role"], 3), r["role"], r["index"]))
+
+
+def default_out(base: Path | None = None) -> Path:
+    """A fresh `detrace-locate-<timestamp>` directory name under `base` (the working directory by default)."""
+    base = base or Path.cwd()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = base / f"detrace-locate-{stamp}"
+    n = 1
+    while out.exists():
+        n += 1
+        out = base / f"detrace-locate-{stamp}-{n}"
+    return out
+
+
+def prepare_out(out: Path, *, force: bool) -> None:
+    """Create the output directory; refuse to mix a new ladder into an old one unless `force`."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out {out} is not empty; choose another directory or pass --force")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create --out {out}: {err.strerror}") from None
+
+
+def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False) -> LocateResult:
+    """Drive the ladder on `config.command`; write locate.json, ladder.json and report.html into `config.out`.
+
+    Raises `RunFailed` (a `CommandFailed`) when CMD crashes or hangs in any run, `TraceError` when its traces
+    cannot be compared. Runs already made stay in `config.out`.
+    """
+    from detrace.report.html import write_report
+
+    prepare_out(config.out, force=force)
+    result = Ladder(config, progress).run()
+    result.report = str(config.out / REPORT_FILE)
+    write_json_atomic(config.out / LADDER_FILE, result.ladder_json())
+    write_report(config.out, Path(result.report))
+    write_json_atomic(config.out / LOCATE_FILE, result.to_json())
+    return result
+
+
+def load_ladder(out: str | Path) -> dict[str, Any]:
+    """Read a locate directory's ladder.json."""
+    path = Path(out) / LADDER_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(f"{out} is not a locate directory (no {LADDER_FILE})") from None
+    except (OSError, ValueError) as err:
+        raise TraceError(f"{path} is unreadable: {err}") from None
+    if data.get("schema") != LADDER_SCHEMA:
+        raise TraceError(f"{path} has schema {data.get('schema')!r}; this detrace reads {LADDER_SCHEMA}")
+    return data

@@ -1,0 +1,330 @@
+"""The kernel rung: re-execute one captured op call in isolation and test the op itself for nondeterminism.
+
+The op rung names the first op whose inputs matched and whose output differed between two runs. That alone does
+not say whether the op is nondeterministic or merely sensitive to something around it (a data race in a custom
+kernel, memory reuse, a different algorithm chosen by a heuristic). The kernel rung answers it: the op's captured
+inputs (`detrace.tracefile.save_capture`) are fed to the same op overload many times under each *arm* of
+(thread count) x (deterministic algorithms off/on). Every repeat starts from fresh copies of the captured inputs,
+so an in-place op never sees its own previous result. An arm is deterministic when every repeat gives the same
+bits; the *base* arm reproduces the traced run's settings, and a switch is reported in `fixed_by` when applying it
+to the base arm makes the op deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from detrace.errors import TraceError, UsageError
+from detrace.tracefile import Capture, load_capture, resolve_op
+
+FIX_DETERMINISTIC = "torch.use_deterministic_algorithms(True)"
+FIX_ONE_THREAD = "torch.set_num_threads(1)"
+
+# Float formats without a sign bit (E8M0 scales): their bit patterns are ordered like unsigned integers.
+_UNSIGNED_FLOATS = (torch.float8_e8m0fnu,)
+
+_CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """How hard the kernel rung tries. The defaults find the CPU accumulate kernels' nondeterminism reliably."""
+
+    repeats: int = 20
+    """Least number of executions of the op per arm; each compares its outputs with the arm's first one."""
+    min_seconds: float = 1.0
+    """Keep repeating an arm that has shown no difference yet until it has run this long: a race between
+    threads only shows when the OS runs them at the same moment."""
+    max_repeats: int = 1000
+    """Most executions per arm while `min_seconds` has not passed."""
+    threads: tuple[int, ...] | None = None
+    """Intra-op thread counts to try; None means 1 and the traced run's count (at least 2, so a capture taken
+    on one thread is still tried with a parallel kernel)."""
+
+    def __post_init__(self) -> None:
+        if self.repeats < 2:
+            raise UsageError(f"replay needs at least 2 repeats to compare, not {self.repeats}")
+        if self.max_repeats < self.repeats or self.min_seconds < 0:
+            raise UsageError("replay needs max_repeats >= repeats and a non-negative min_seconds")
+        if self.threads is not None and (not self.threads or min(self.threads) < 1):
+            raise UsageError(f"replay thread counts must be positive integers, not {self.threads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArmResult:
+    """The op under one (threads, deterministic) setting."""
+
+    threads: int
+    deterministic: bool
+    """torch.use_deterministic_algorithms was on."""
+    repeats: int
+    """Executions that completed."""
+    distinct: int
+    """Distinct output bit patterns among the repeats (1 = deterministic)."""
+    differing_elements: int
+    """Largest number of output elements that differed from the first repeat, over all repeats."""
+    max_ulp: int
+    """Largest difference from the first repeat in units in the last place (integers: in units)."""
+    matches_capture: bool
+    """The first repeat reproduced the traced run's own output bits."""
+    error: str | None = None
+    """Why the arm could not run, e.g. the op has no deterministic implementation."""
+
+    @property
+    def nondeterministic(self) -> bool:
+        return self.error is None and self.distinct > 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"threads": self.threads, "deterministic": self.deterministic, "repeats": self.repeats,
+                "distinct": self.distinct, "differing_elements": self.differing_elements,
+                "max_ulp": self.max_ulp, "matches_capture": self.matches_capture, "error": self.error}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    """The kernel rung's verdict on one captured op call."""
+
+    op: str
+    meta: dict[str, Any]
+    """Where the call came from (rank, step, phase, module, occurrence, seq, threads, deterministic)."""
+    shapes: list[dict[str, Any]]
+    """dtype and shape of each tensor input ("in") and traced output ("out"), in call order."""
+    base: ArmResult
+    """The arm with the traced run's thread count and deterministic setting."""
+    arms: list[ArmResult] = field(default_factory=list)
+    fixed_by: list[str] = field(default_factory=list)
+    """Switches that, applied alone to the base setting, make the op deterministic."""
+
+    @property
+    def nondeterministic(self) -> bool:
+        return self.base.nondeterministic
+
+    def summary(self) -> dict[str, Any]:
+        """The `replay` object of DESIGN.md's `detrace.locate/1`."""
+        return {"nondeterministic": self.nondeterministic, "repeats": self.base.repeats,
+                "differing_elements": self.base.differing_elements, "max_ulp": self.base.max_ulp,
+                "fixed_by": list(self.fixed_by)}
+
+    def to_json(self) -> dict[str, Any]:
+        """`detrace.replay/1`: the summary plus the op, its origin, shapes and every arm."""
+        return {"schema": "detrace.replay/1", "op": self.op, **self.summary(), "meta": self.meta,
+                "shapes": self.shapes, "base": self.base.to_json(), "arms": [a.to_json() for a in self.arms]}
+
+
+@contextlib.contextmanager
+def _setting(threads: int, deterministic: bool) -> Iterator[None]:
+    """Apply one arm's global settings and restore the caller's afterwards, whatever happens."""
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
+
+
+def _fresh(value: Any, device: torch.device) -> Any:
+    """A deep copy of the captured arguments with new tensor storage, so in-place ops start from scratch."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, copy=True)
+    if isinstance(value, list):
+        return [_fresh(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fresh(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _fresh(v, device) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _written_args(op: Any, args: list[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors the op's schema says it writes (`Tensor(a!)`): the result of ops that return nothing."""
+    written: list[torch.Tensor] = []
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        written += _tensors(value)
+    return written
+
+
+def _call(op: Any, capture: Capture, device: torch.device) -> list[torch.Tensor]:
+    args, kwargs = _fresh(capture.args, device), _fresh(capture.kwargs, device)
+    with torch.no_grad():
+        result = op(*args, **kwargs)
+    outputs = _tensors(result) or _written_args(op, args, kwargs)
+    return [t.detach().to("cpu") for t in outputs]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's raw bits as unsigned integers of its element width (complex: real and imaginary parts)."""
+    t = t.contiguous()
+    if t.is_complex():
+        t = torch.view_as_real(t).contiguous()
+    width = t.element_size()
+    flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
+    return flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]).astype(np.uint64)
+
+
+def _ulp(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    """(differing elements, largest distance): in ULPs for floats, in units for integers and booleans.
+
+    Floats are sign-magnitude, so the distance between two values of one sign is the difference of their
+    magnitude bits, and across signs it is their sum (+0 and -0 are 0 apart). Computed in uint64, which holds
+    the sum of two magnitudes of any float up to 64 bits.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel()), 0
+    ba, bb = _bits(a), _bits(b)
+    differ = ba != bb
+    count = int(differ.sum())
+    if not count:
+        return 0, 0
+    if (a.is_floating_point() or a.is_complex()) and a.dtype not in _UNSIGNED_FLOATS:
+        width = 8 * a.element_size() // (2 if a.is_complex() else 1)
+        sign = np.uint64(1) << np.uint64(width - 1)
+        ma, mb = ba[differ] & ~sign, bb[differ] & ~sign
+        same = (ba[differ] & sign) == (bb[differ] & sign)
+        dist = np.where(same, np.maximum(ma, mb) - np.minimum(ma, mb), ma + mb)
+        return count, int(dist.max())
+    if a.is_floating_point():
+        # no sign bit: consecutive values are consecutive integers
+        ma, mb = ba[differ], bb[differ]
+        return count, int((np.maximum(ma, mb) - np.minimum(ma, mb)).max())
+    va, vb = a.reshape(-1)[torch.from_numpy(differ)], b.reshape(-1)[torch.from_numpy(differ)]
+    return count, int((va.to(torch.int64) - vb.to(torch.int64)).abs().max())
+
+
+def _compare(first: list[torch.Tensor], other: list[torch.Tensor]) -> tuple[int, int]:
+    if len(first) != len(other):
+        return sum(t.numel() for t in first), 0
+    count = ulp = 0
+    for a, b in zip(first, other, strict=True):
+        c, u = _ulp(a, b)
+        count, ulp = count + c, max(ulp, u)
+    return count, ulp
+
+
+def _run_arm(op: Any, capture: Capture, device: torch.device, *, threads: int, deterministic: bool,
+             config: ReplayConfig) -> ArmResult:
+    first: list[torch.Tensor] | None = None
+    patterns: set[bytes] = set()
+    repeats = differing = max_ulp = 0
+    error = None
+    started = time.monotonic()
+    with _setting(threads, deterministic):
+        # Repeat for a minimum count *and* a minimum time: a race between threads only shows when the OS runs
+        # them at the same moment, which on a loaded machine may take more than a handful of short calls.
+        # A difference already seen settles the arm.
+        while repeats < config.repeats or (len(patterns) == 1 and repeats < config.max_repeats
+                                           and time.monotonic() - started < config.min_seconds):
+            try:
+                outputs = _call(op, capture, device)
+            except RuntimeError as err:
+                # Deterministic mode refuses ops without a deterministic implementation; report it, don't crash.
+                error = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                break
+            repeats += 1
+            patterns.add(hashlib.blake2b(b"".join(_bits(t).tobytes() for t in outputs)).digest())
+            if first is None:
+                first = outputs
+                continue
+            count, ulp = _compare(first, outputs)
+            differing, max_ulp = max(differing, count), max(max_ulp, ulp)
+    matches = first is not None and bool(capture.outputs) and _compare(capture.outputs, first) == (0, 0)
+    return ArmResult(threads=threads, deterministic=deterministic, repeats=repeats, distinct=len(patterns),
+                     differing_elements=differing, max_ulp=max_ulp, matches_capture=matches, error=error)
+
+
+def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str | None = None) -> ReplayResult:
+    """Run the kernel rung on one captured call (see the module docstring)."""
+    config = config or ReplayConfig()
+    op = resolve_op(capture.op)
+    target = torch.device(device or capture.meta.get("device") or "cpu")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        target = torch.device("cpu")
+    run_threads = int(capture.meta.get("threads") or torch.get_num_threads())
+    run_det = bool(capture.meta.get("deterministic", False))
+    threads = config.threads or tuple(sorted({1, max(2, run_threads)}))
+    settings = [(t, d) for t in threads for d in (False, True)]
+    base_setting = (run_threads, run_det)
+    if base_setting not in settings:
+        settings.insert(0, base_setting)
+    arms = {s: _run_arm(op, capture, target, threads=s[0], deterministic=s[1], config=config)
+            for s in settings}
+    base = arms[base_setting]
+    fixed_by = []
+    if base.nondeterministic:
+        det_arm = arms.get((base_setting[0], True))
+        if not run_det and det_arm is not None and det_arm.error is None and not det_arm.nondeterministic:
+            fixed_by.append(FIX_DETERMINISTIC)
+        one_arm = arms.get((1, run_det))
+        if base_setting[0] > 1 and one_arm is not None and one_arm.error is None and not one_arm.nondeterministic:
+            fixed_by.append(FIX_ONE_THREAD)
+    shapes = [{"role": "in", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+              for t in _tensors([*capture.args, *capture.kwargs.values()])]
+    shapes += [{"role": "out", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+               for t in capture.outputs]
+    return ReplayResult(op=capture.op, meta=dict(capture.meta), shapes=shapes, base=base,
+                        arms=list(arms.values()), fixed_by=fixed_by)
+
+
+def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) -> Path:
+    """The capture file of `event` in a run directory: a capture's seq number, or the path of a capture file."""
+    path = Path(event)
+    if path.suffix == ".safetensors" or path.is_file():
+        if not path.is_file() and not path.is_absolute():
+            path = Path(run_dir) / event
+        if not path.is_file():
+            raise TraceError(f"capture file {event} does not exist")
+        return path
+    if not event.isdigit():
+        raise UsageError(f"--event must be a capture's seq number or a capture file path, not {event!r}")
+    folder = Path(run_dir) / "capture"
+    if not folder.is_dir():
+        raise TraceError(f"{run_dir} holds no capture (run it with a capture selector first, see 'detrace locate')")
+    found = sorted(p for p in folder.iterdir()
+                   if (m := _CAPTURE_FILE.match(p.name)) and int(m.group(2)) == int(event)
+                   and (rank is None or int(m.group(1)) == rank))
+    if not found:
+        held = sorted(p.name for p in folder.glob("*.safetensors"))
+        raise TraceError(f"{folder} holds no capture of event {event}" + (f" (it holds {', '.join(held)})"
+                                                                           if held else ""))
+    if len(found) > 1:
+        raise UsageError(f"event {event} was captured on several ranks ({', '.join(p.name for p in found)}); "
+                         "pick one with --rank")
+    return found[0]
+
+
+def list_captures(run_dir: str | Path) -> list[Path]:
+    """Every capture file of a run directory, by rank then seq."""
+    folder = Path(run_dir) / "capture"
+    if not folder.is_dir():
+        return []
+    files = [(int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir() if (m := _CAPTURE_FILE.match(p.name))]
+    return [p for *_, p in sorted(files)]
+
+
+def replay_file(path: str | Path, config: ReplayConfig | None = None) -> ReplayResult:
+    """Load a capture file and replay it."""
+    return replay(load_capture(path), config)
