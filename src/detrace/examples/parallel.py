@@ -1,0 +1,383 @@
+"""Parallel layouts of the reference model: DDP, FSDP2, tensor, expert and pipeline parallelism, and two
+combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun.
+
+| layout  | mesh (dims)      | what is split                                  | how gradients meet            |
+|---------|------------------|------------------------------------------------|-------------------------------|
+| none    | -                | nothing                                        | -                             |
+| ddp     | dp=W             | the data                                       | DistributedDataParallel       |
+| fsdp    | dp=W             | the data; every parameter sharded on dim 0     | fully_shard (reduce-scatter)  |
+| tp      | tp=W             | attention heads, MLP hidden (DTensor col/row)  | DTensor (all-reduce in layer) |
+| ep      | ep=W             | the data; the experts (tokens via all_to_all)  | all-reduce of non-expert grads|
+| pp      | pp=2             | the layers: 2 stages, 1F1B schedule, send/recv | none needed                   |
+| dp-ep   | dp=W/2, ep=2     | data over dp x ep; experts over ep             | non-expert over all, experts over dp |
+| pp-dp   | pp=2, dp=W/2     | layers over pp; data over dp                   | all-reduce over dp            |
+
+Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
+buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
+parameters over this group, those over that one", and it does not compose with a pipeline schedule's
+separate backward.
+
+Every metric the trainer prints is reduced here the same way in every layout (`ParallelModel.metrics`):
+each rank contributes the share it owns, the shares are all-gathered and summed in rank order, so the
+printed bits do not depend on a collective's internal reduction order and are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from detrace.errors import UsageError
+from detrace.examples.model import Experts, HybridLM, ModelConfig, lm_losses
+
+# layout -> its mesh as (dim name, size or None for "the rest of the world"), outermost first
+LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
+    "none": (),
+    "ddp": (("dp", None),),
+    "fsdp": (("dp", None),),
+    "tp": (("tp", None),),
+    "ep": (("ep", None),),
+    "pp": (("pp", 2),),
+    "dp-ep": (("dp", None), ("ep", 2)),
+    "pp-dp": (("pp", 2), ("dp", None)),
+}
+PP_MICROBATCHES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Where this process sits: the mesh of the layout and its coordinates in it."""
+
+    kind: str
+    """One of `LAYOUTS`."""
+    rank: int
+    """Global rank (0 without torch.distributed)."""
+    world: int
+    """World size (1 without torch.distributed)."""
+    device: torch.device
+    """cuda:<local rank> when CUDA is available, else cpu."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Mesh dimension -> size, outermost first; empty for "none"."""
+    coords: dict[str, int] = field(default_factory=dict)
+    """Mesh dimension -> this rank's coordinate."""
+    mesh: DeviceMesh | None = None
+    """The device mesh (None for "none")."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            raise UsageError(f"parallel layout {self.kind!r} must be one of {', '.join(LAYOUTS)}")
+
+    def size(self, dim: str) -> int:
+        return self.sizes.get(dim, 1)
+
+    def coord(self, dim: str) -> int:
+        return self.coords.get(dim, 0)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        assert self.mesh is not None
+        return self.mesh.get_group(dim)
+
+    @property
+    def data_streams(self) -> int:
+        """How many different batches one step consumes: data parallel and expert parallel ranks each read
+        their own; tensor and pipeline parallel ranks share one."""
+        return self.size("dp") * self.size("ep")
+
+    @property
+    def data_rank(self) -> int:
+        return self.coord("dp") * self.size("ep") + self.coord("ep")
+
+
+def setup(kind: str) -> Layout:
+    """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh."""
+    if kind not in LAYOUTS:
+        raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
+    cuda = torch.cuda.is_available()
+    if kind == "none":
+        return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2 or "MASTER_ADDR" not in os.environ:
+        raise UsageError(f"--parallel {kind} needs 2 or more processes: launch it with torchrun --nproc-per-node N")
+    fixed = math.prod(size for _, size in LAYOUTS[kind] if size is not None)
+    if world % fixed or world // fixed < 1 or (None in dict(LAYOUTS[kind]).values() and world == fixed):
+        raise UsageError(f"--parallel {kind} needs a world size that is a multiple of {2 * fixed}, not {world}")
+    sizes = {name: size if size is not None else world // fixed for name, size in LAYOUTS[kind]}
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    coords = {name: mesh.get_local_rank(name) for name in sizes}
+    return Layout(
+        kind=kind, rank=dist.get_rank(), world=world, device=device, sizes=sizes, coords=coords, mesh=mesh
+    )
+
+
+def teardown(layout: Layout) -> None:
+    if layout.mesh is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# expert parallelism: experts split over the "ep" dimension, tokens exchanged with all_to_all_single
+
+
+class AllToAllExchange:
+    """Send each routed token to the rank holding its expert, run the local experts, send the results back.
+
+    Rank r of the ep group holds global experts [r * L, (r + 1) * L). Rows arrive grouped by (source rank,
+    local expert); they are regrouped by local expert with split/cat (no accumulation), and the reverse
+    permutation is applied before the return trip.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, n_local: int) -> None:
+        self.group, self.n_local = group, n_local
+        self.ep = dist.get_world_size(group)
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+        ep, L = self.ep, self.n_local
+        recv_counts = torch.empty_like(counts)  # [ep * L]: rows from source s for my local expert e at s*L+e
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        send_splits = counts.view(ep, L).sum(1).tolist()
+        recv_splits = recv_counts.view(ep, L).sum(1).tolist()
+        received = all_to_all(routed, recv_splits, send_splits, self.group)  # [sum(recv_splits), D]
+        sizes = recv_counts.tolist()
+        chunks = received.split(sizes)
+        by_expert = [s * L + e for e in range(L) for s in range(ep)]  # (source, expert) -> (expert, source)
+        out = experts(torch.cat([chunks[i] for i in by_expert]), recv_counts.view(ep, L).sum(0).tolist())
+        out_chunks = dict(zip(by_expert, out.split([sizes[i] for i in by_expert]), strict=True))
+        back = torch.cat([out_chunks[i] for i in range(ep * L)])
+        return all_to_all(back, send_splits, recv_splits, self.group)  # [R, D], in `routed`'s order
+
+
+def _shard_experts(model: HybridLM, layout: Layout) -> None:
+    """Keep only this ep rank's slice of every MoE layer's experts and route tokens through all_to_all."""
+    ep, r = layout.size("ep"), layout.coord("ep")
+    if model.cfg.n_experts % ep:
+        raise UsageError(f"{model.cfg.n_experts} experts do not split evenly over expert-parallel degree {ep}")
+    n_local = model.cfg.n_experts // ep
+    for moe in model.moe_layers():
+        for name, w in list(moe.experts.named_parameters()):
+            setattr(moe.experts, name, nn.Parameter(w.detach()[r * n_local : (r + 1) * n_local].clone()))
+        moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the gradients of `params` over `group`: one flat buffer, one all-reduce."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = g.view_as(p)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tensor parallelism
+
+
+def _tensor_parallel(model: HybridLM, layout: Layout) -> None:
+    """Column-shard wq/wk/wv and w1/w3, row-shard wo and w2 (Megatron-style; no sequence parallelism).
+    SSM, MoE, norms, embedding and head stay replicated: their inputs and gradients are the same on
+    every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = model.cfg
+    tp = layout.size("tp")
+    if cfg.quant != "none":
+        raise UsageError("fake-quantized linears are not supported under tensor parallelism")
+    if cfg.n_heads % tp or cfg.ffn_hidden % tp:
+        raise UsageError(f"n_heads {cfg.n_heads} and ffn_hidden {cfg.ffn_hidden} must divide by tp {tp}")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan: dict[str, ColwiseParallel | RowwiseParallel] = {}
+    for name, _ in model.named_modules():
+        if name.endswith(".attn"):
+            plan.update({f"{name}.wq": col, f"{name}.wk": col, f"{name}.wv": col, f"{name}.wo": row})
+        elif name.endswith(".mlp"):
+            plan.update({f"{name}.w1": col, f"{name}.w3": col, f"{name}.w2": row})
+    assert layout.mesh is not None
+    parallelize_module(model, layout.mesh["tp"], plan)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pipeline parallelism
+
+
+def _pipeline_stage(model: HybridLM, stage: int, stages: int) -> HybridLM:
+    """Cut `model` down to stage `stage` of `stages`: contiguous layers, the embedding on the first stage,
+    the norm, head and MTP head on the last. Layer names (layers.<i>) stay those of the whole model."""
+    n = len(model.layers)
+    if n < stages:
+        raise UsageError(f"{n} layers cannot fill {stages} pipeline stages")
+    bounds = [round(i * n / stages) for i in range(stages + 1)]
+    for i in range(n):
+        if not bounds[stage] <= i < bounds[stage + 1]:
+            del model.layers[str(i)]
+    if stage > 0:
+        model.embedding = None
+    if stage < stages - 1:
+        model.norm = model.output = model.mtp = None
+    return model
+
+
+class ParallelModel:
+    """The reference model placed on a layout, with the trainer's per-step operations:
+    `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int) -> None:
+        self.cfg, self.layout = cfg, layout
+        # Same initial weights on every rank: each shards what it was given.
+        torch.manual_seed(seed)
+        self.raw = HybridLM(cfg).to(layout.device)
+        self._lm: list[torch.Tensor] = []
+        self._mtp: list[torch.Tensor] = []
+        self.module: nn.Module = self.raw
+        self.schedule = None
+        kind = layout.kind
+        if layout.size("ep") > 1:
+            _shard_experts(self.raw, layout)
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(self.raw)
+        elif kind == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            assert layout.mesh is not None
+            for layer in self.raw.layers.values():
+                fully_shard(layer, mesh=layout.mesh)
+            fully_shard(self.raw, mesh=layout.mesh)
+        elif kind == "tp":
+            _tensor_parallel(self.raw, layout)
+        if layout.size("pp") > 1:
+            self._build_pipeline(batch_size, seq_len)
+        # parameter lists for the hand-written gradient averages
+        named = list(self.raw.named_parameters())
+        self._experts = [p for n, p in named if _is_expert(n)]
+        self._dense = [p for n, p in named if not _is_expert(n)]
+
+    def _build_pipeline(self, batch_size: int, seq_len: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        if batch_size % PP_MICROBATCHES:
+            raise UsageError(f"batch size {batch_size} must divide into {PP_MICROBATCHES} pipeline microbatches")
+        layout = self.layout
+        stage, stages = layout.coord("pp"), layout.size("pp")
+        _pipeline_stage(self.raw, stage, stages)
+        # Example microbatches for the stage's input and output, so the stage does not infer shapes with
+        # an extra forward (which would run the MoE layers once more than the schedule does).
+        mb, cfg, dev = batch_size // PP_MICROBATCHES, self.cfg, layout.device
+        hidden = torch.empty(mb, seq_len, cfg.dim, device=dev, requires_grad=True)  # grads flow back
+        tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
+        logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
+        self.schedule = Schedule1F1B(
+            PipelineStage(
+                self.raw,
+                stage,
+                stages,
+                dev,
+                input_args=tokens if stage == 0 else hidden,
+                output_args=logits if stage == stages - 1 else hidden,
+                group=layout.group("pp"),
+            ),
+            n_microbatches=PP_MICROBATCHES,
+            loss_fn=self._loss,
+        )
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lm, mtp = lm_losses(logits, targets)
+        self._lm.append(lm.detach())
+        self._mtp.append(mtp.detach())
+        return lm + self.cfg.mtp_loss_coef * mtp
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
+        self._lm, self._mtp = [], []
+        if self.schedule is not None:
+            if self.layout.coord("pp") == 0:
+                self.schedule.step(inputs)
+            else:
+                self.schedule.step(target=targets, losses=[])
+        else:
+            logits = self.module(inputs)
+            loss = self._loss(logits, targets)
+            loss.backward()
+        layout = self.layout
+        if layout.size("ep") > 1:
+            # Dense parameters saw only this rank's batch: average over every rank. A local expert's
+            # gradient already sums the contributions of every ep rank's batch (their tokens came to it):
+            # divide by ep, then average over its dp replicas, to get the same mean as plain data parallel.
+            _average_gradients(self._dense, dist.group.WORLD)
+            for p in self._experts:
+                if p.grad is not None:
+                    p.grad /= layout.size("ep")
+            if layout.size("dp") > 1:
+                _average_gradients(self._experts, layout.group("dp"))
+        elif layout.kind == "pp-dp":
+            _average_gradients(self._experts + self._dense, layout.group("dp"))
+
+    def _owned(self, name: str, param: torch.Tensor) -> bool:
+        """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over
+        pp (each stage its own), over ep if it is an expert, over its DTensor mesh dims; on every other mesh
+        dimension it is a replica, and only coordinate 0 counts it."""
+        from torch.distributed.tensor import DTensor
+
+        split = {"pp"} | ({"ep"} if _is_expert(name) else set())
+        if isinstance(param, DTensor):
+            split |= set(param.device_mesh.mesh_dim_names or ())
+        return all(self.layout.coord(d) == 0 for d in self.layout.sizes if d not in split)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """loss, lm, mtp, aux, grad_norm of this step over the whole world (float32 scalars, same on all ranks).
+
+        loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
+        """
+        from torch.distributed.tensor import DTensor
+
+        layout, cfg = self.layout, self.cfg
+        has_loss = bool(self._lm) and layout.coord("tp") == 0
+        per_stream = 1.0 / layout.data_streams
+        share = torch.zeros(4, device=layout.device)  # lm, mtp, aux, squared grad norm
+        if has_loss:
+            share[0] = torch.stack(self._lm).mean() * per_stream
+            share[1] = torch.stack(self._mtp).mean() * per_stream
+        if layout.coord("tp") == 0:
+            micro = PP_MICROBATCHES if self.schedule is not None else 1
+            for moe in self.raw.moe_layers():
+                share[2] += moe.pop_aux_loss().to(layout.device) / micro * per_stream
+        else:
+            for moe in self.raw.moe_layers():
+                moe.pop_aux_loss()
+        for name, p in self.raw.named_parameters():
+            if p.grad is not None and self._owned(name, p):
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                share[3] += g.float().square().sum()
+        if layout.world > 1:
+            gathered = [torch.empty_like(share) for _ in range(layout.world)]
+            dist.all_gather(gathered, share)
+            total = torch.zeros_like(share)
+            for s in gathered:  # rank order: the sum's bits do not depend on the collective's algorithm
+                total += s
+        else:
+            total = share
+        lm, mtp, aux, sq = total.unbind()
+        loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+        return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
+
+

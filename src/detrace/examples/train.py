@@ -1,0 +1,175 @@
+"""The reference trainer: `python -m detrace.examples.train [options]`, also under torchrun.
+
+    python -m detrace.examples.train --preset tiny --steps 20 --seed 0 --threads 2 --dispatch index
+    torchrun --standalone --nproc-per-node 2 -m detrace.examples.train --parallel ddp --threads 1
+
+It prints one line per step on rank 0, with the exact bits of the loss and of the gradient norm:
+
+    step 3 loss 5.512713 (0x40b06926) lm 5.489... mtp 5.49... aux 1.00... grad_norm 1.234 (0x3f9df3b6)
+
+It knows nothing of detrace's tracer: `detrace run -- python -m detrace.examples.train ...` injects it from
+outside. With `--deterministic` it applies `detrace.deterministic(seed)`; without, it seeds torch and leaves
+every other setting at PyTorch's default (and the "index" MoE dispatch is then nondeterministic on CPU with
+2+ threads). Checkpoint/resume goes through `detrace.TrainState` and its environment contract
+(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch.utils.data import DataLoader
+
+from detrace.errors import DetraceError, UsageError
+from detrace.examples import parallel
+from detrace.examples.data import SyntheticTokens, split_batch
+from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
+
+PROG = "detrace.examples.train"
+WARMUP_STEPS = 10
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run of the reference workload. Checked in `__post_init__`."""
+
+    preset: str = "tiny"
+    """Model and batch sizes: a key of `model.PRESETS`."""
+    steps: int = 20
+    """Optimizer steps of the whole run (a resumed run still ends at this step)."""
+    seed: int = 0
+    """Seeds the weights, the data stream and the sampler's shuffle."""
+    threads: int = 2
+    """torch.set_num_threads for this process (CPU nondeterminism needs 2 or more)."""
+    dispatch: str = "index"
+    """MoE dispatch: "index" or "fixed" (see `model.ModelConfig.dispatch`)."""
+    recompute: bool = False
+    """Activation recompute on every layer."""
+    quant: str = "none"
+    """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
+    parallel: str = "none"
+    """Parallel layout: a key of `parallel.LAYOUTS`."""
+    deterministic: bool = False
+    """Apply `detrace.deterministic(seed)` before anything else."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warmup over the first steps)."""
+    batch_size: int | None = None
+    """Sequences per data stream per step; None takes the preset's."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise UsageError(f"preset {self.preset!r} must be one of {', '.join(PRESETS)}")
+        if self.steps < 1 or self.threads < 1 or (self.batch_size is not None and self.batch_size < 1):
+            raise UsageError("--steps, --threads and --batch-size must be positive")
+        if self.parallel not in parallel.LAYOUTS:
+            raise UsageError(f"parallel layout {self.parallel!r} must be one of {', '.join(parallel.LAYOUTS)}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be positive, not {self.lr}")
+
+    def model_config(self) -> ModelConfig:
+        base = PRESETS[self.preset]["model"]
+        assert isinstance(base, ModelConfig)
+        return replace(base, dispatch=self.dispatch, recompute=self.recompute, quant=self.quant)
+
+
+def parse_args(argv: Sequence[str]) -> TrainConfig:
+    p = argparse.ArgumentParser(prog=PROG, description="Train the detrace reference model (hybrid SSM/attention/MoE).")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--dispatch", default="index", choices=DISPATCHES)
+    p.add_argument("--recompute", action="store_true", help="activation recompute on every layer")
+    p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
+    p.add_argument("--parallel", default="none", choices=list(parallel.LAYOUTS))
+    p.add_argument(
+        "--deterministic", action=argparse.BooleanOptionalAction, default=False,
+        help="apply detrace.deterministic(seed) (default: off, PyTorch's defaults)",
+    )
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per data stream (default: preset)")
+    args = p.parse_args(list(argv))
+    return TrainConfig(**{k: v for k, v in vars(args).items()})
+
+
+def bits(x: torch.Tensor) -> str:
+    """The exact bits of a float32 scalar, as 0x followed by 8 hex digits."""
+    return "0x" + struct.pack(">f", float(x)).hex()
+
+
+def train(cfg: TrainConfig) -> None:
+    """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
+    import detrace
+    from detrace.state import ResumableSampler
+
+    torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        detrace.deterministic(cfg.seed)
+    else:
+        torch.manual_seed(cfg.seed)
+    layout = parallel.setup(cfg.parallel)
+    try:
+        preset = PRESETS[cfg.preset]
+        batch_size = cfg.batch_size or int(preset["batch_size"])  # type: ignore[call-overload]
+        seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
+        model_cfg = cfg.model_config()
+        pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len)
+        params = [p for p in pm.raw.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
+        dataset = SyntheticTokens(
+            num_samples=cfg.steps * batch_size * layout.data_streams,
+            seq_len=seq_len,
+            vocab_size=model_cfg.vocab_size,
+            seed=cfg.seed,
+        )
+        sampler = ResumableSampler(
+            len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
+        )
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=sampler)
+        start = state.resume_if_requested()
+        if layout.rank == 0:
+            print(
+                f"{PROG}: preset={cfg.preset} parallel={cfg.parallel} world={layout.world} dispatch={cfg.dispatch}"
+                f" recompute={cfg.recompute} quant={cfg.quant} deterministic={cfg.deterministic}"
+                f" threads={cfg.threads} seed={cfg.seed} steps={start + 1}-{cfg.steps}",
+                flush=True,
+            )
+        batches = iter(loader)
+        for step in range(start + 1, cfg.steps + 1):
+            inputs, targets = (t.to(layout.device) for t in split_batch(next(batches)))
+            pm.forward_backward(inputs, targets)
+            m = pm.metrics()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if layout.rank == 0:
+                print(
+                    f"step {step} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
+                    f" mtp {float(m['mtp']):.6f} aux {float(m['aux']):.6f}"
+                    f" grad_norm {float(m['grad_norm']):.6f} ({bits(m['grad_norm'])})",
+                    flush=True,
+                )
+            if state.end_of_step(step):
+                break
+    finally:
+        parallel.teardown(layout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(parse_args(sys.argv[1:] if argv is None else argv))
+    except DetraceError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
