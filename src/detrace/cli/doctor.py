@@ -1,9 +1,46 @@
-"""`detrace doctor`: not implemented yet (tracked in issue #5)."""
+"""`detrace doctor`: audit this environment's determinism settings; exit 1 when one is off.
+
+Each switch of the recipe (detrace.recipe) is shown as ok, pending (at its default: `detrace.deterministic()`
+sets it when the training script calls it), conflict (set against the recipe) or too-late, followed by the
+risks the recipe cannot remove. A table on a terminal, plain lines when piped.
+"""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+import sys
+
+from detrace.cli._args import ArgumentParser
+from detrace.recipe import Finding, audit
+
+_STYLE = {"ok": "green", "pending": "cyan", "risk": "yellow", "conflict": "bold red", "too-late": "bold red"}
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace doctor' is not available in this build yet (issue #5)")
+    ArgumentParser("doctor", description="Audit this environment's determinism settings.").parse_args(argv)
+    findings = audit()
+    if sys.stdout.isatty():
+        _print_table(findings)
+    else:
+        for finding in findings:
+            print(f"{finding.status:<8}  {finding.name} = {finding.value}  ({finding.detail})")
+    off = [finding for finding in findings if finding.off]
+    summary = (
+        f"{len(off)} setting{'s' if len(off) > 1 else ''} off: {', '.join(finding.name for finding in off)}"
+        if off
+        else "no setting is off"
+    )
+    print(f"detrace doctor: {summary}")
+    return 1 if off else 0
+
+
+def _print_table(findings: list[Finding]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="detrace doctor: determinism settings")
+    for column in ("status", "setting", "value", "detail"):
+        table.add_column(column, overflow="fold")
+    for finding in findings:
+        style = _STYLE[finding.status]
+        table.add_row(f"[{style}]{finding.status}[/]", finding.name, finding.value, finding.detail)
+    Console().print(table)

@@ -1,9 +1,24 @@
-"""`detrace verify-checkpoint`: not implemented yet (tracked in issue #5)."""
+"""`detrace verify-checkpoint PATH`: check a checkpoint against its fingerprint manifest.
+
+PATH is a checkpoint root (DETRACE_CKPT_DIR, whose `latest` names the current version) or one version
+directory. Exit 0 when every stored tensor and file matches, 1 on a mismatch (naming the tensor or file),
+2 when there is no readable checkpoint at PATH.
+"""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+from detrace.cli._args import ArgumentParser
+from detrace.state import verify_checkpoint
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace verify-checkpoint' is not available in this build yet (issue #5)")
+    parser = ArgumentParser("verify-checkpoint", description="Check a checkpoint against its fingerprint manifest.")
+    parser.add_argument("path", metavar="PATH", help="checkpoint directory (a root with 'latest', or one version)")
+    args = parser.parse_args(argv)
+    manifest = verify_checkpoint(args.path)
+    chunks = sum(len(entries) for entries in manifest["tensors"].values())
+    print(
+        f"ok: {args.path} (step {manifest['step']}, {len(manifest['tensors'])} tensors in {chunks} chunks, "
+        f"{len(manifest['files'])} files, world size {manifest['world_size']}) matches its manifest"
+    )
+    return 0

@@ -211,7 +211,7 @@ class ResumableLoader:
             **self.dataloader_kwargs,
         )
         position = start
-        for batch_keys, batch in zip(batches, loader):
+        for batch_keys, batch in zip(batches, loader, strict=True):
             position += len(batch_keys)
             # Consumed as soon as it is handed over: a checkpoint after this step must not replay it.
             sampler.position = position

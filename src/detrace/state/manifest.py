@@ -36,7 +36,7 @@ def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -
     prints = fingerprint_many([data for _, _, data in chunks])
     return [
         {"fqn": fqn, "offsets": list(offsets), **_record(print_)}
-        for (fqn, offsets, _), print_ in zip(chunks, prints)
+        for (fqn, offsets, _), print_ in zip(chunks, prints, strict=True)
     ]
 
 
@@ -133,7 +133,7 @@ def _check_chunks(directory: Path, manifest: dict[str, Any], chunks: list[Stored
 
     def flush() -> None:
         prints = fingerprint_many([data for _, data in batch])
-        for (chunk, _), print_ in zip(batch, prints):
+        for (chunk, _), print_ in zip(batch, prints, strict=True):
             if _record(print_) != expected[(chunk.fqn, chunk.offsets)]:
                 problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")
         batch.clear()

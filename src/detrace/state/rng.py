@@ -65,7 +65,7 @@ def restore(state: dict[str, Any], generators: Sequence[torch.Generator] = ()) -
         }
     )
     torch.set_rng_state(state["torch"])
-    for generator, saved in zip(generators, saved_generators):
+    for generator, saved in zip(generators, saved_generators, strict=True):
         generator.set_state(saved)
     if "cuda" in state:
         cuda_states = state["cuda"]

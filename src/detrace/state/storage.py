@@ -157,7 +157,8 @@ def load_chunk(directory: Path, chunk: StoredChunk) -> torch.Tensor:
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     if len(record) != chunk.length:
-        raise CheckpointError(f"{path} is truncated: tensor {chunk.fqn!r} is missing {chunk.length - len(record)} bytes")
+        missing = chunk.length - len(record)
+        raise CheckpointCorrupted(f"{path} is truncated: tensor {chunk.fqn!r} is missing {missing} bytes")
     try:
         data = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
     except Exception as err:  # any damage to the record surfaces as some exception of torch's reader

@@ -1,0 +1,409 @@
+"""The determinism recipe: one call that sets and validates every switch that decides determinism.
+
+`deterministic(seed)` turns on deterministic kernels, turns off autotuners and reduced-precision math,
+pins the collective algorithm, seeds every global RNG, and fails closed: a setting the user made that
+contradicts the recipe is an error naming it, and an environment variable that can no longer take effect
+(because CUDA or NCCL already started) is an error in strict mode and a warning otherwise.
+
+`audit()` reports each switch (ok, pending, conflict, too late) and the risks the recipe cannot remove
+(thread count, hash seed); `detrace doctor` prints it. `settings()` is the flat snapshot stored in every
+trace header; it is cheap and never initialises CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from detrace.errors import DeterminismError, UsageError
+
+UNSET = "<unset>"
+
+Status = Literal["ok", "pending", "conflict", "too-late", "risk"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One line of the audit."""
+
+    name: str
+    """The setting: a torch flag (`torch.backends.cudnn.benchmark`) or an environment variable."""
+    value: str
+    """Its current value (`<unset>` for an unset environment variable)."""
+    status: Status
+    """`ok` (as the recipe wants), `pending` (at its default; `deterministic()` sets it), `conflict`
+    (someone set it against the recipe), `too-late` (it can no longer take effect in this process) or
+    `risk` (not a switch; a condition under which runs may still differ)."""
+    detail: str
+    """What the setting prevents, or what is wrong and what to do."""
+
+    @property
+    def off(self) -> bool:
+        """Whether this finding makes the environment non-deterministic (`detrace doctor` exits 1)."""
+        return self.status in ("conflict", "too-late")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeterminismSettings:
+    """What `deterministic()` established."""
+
+    seed: int
+    """The seed given to Python's `random`, NumPy and torch (CPU and every CUDA device)."""
+    strict: bool
+    """Whether nondeterministic ops raise (True) or only warn (False), and late settings raise or warn."""
+    settings: Mapping[str, str] = field(default_factory=dict)
+    """The snapshot of `settings()` right after the recipe was applied."""
+    notices: tuple[str, ...] = ()
+    """Warnings of non-strict mode: settings that came too late to take effect."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Switch:
+    """One setting of the recipe and how to read, judge and apply it."""
+
+    name: str
+    prevents: str
+    read: Callable[[], str]
+    default: str
+    accept: Callable[[bool], frozenset[str]]
+    apply: Callable[[bool], None] | None = None
+    deadline: Literal["cuda", "nccl"] | None = None
+
+
+def _env(name: str) -> Callable[[], str]:
+    return lambda: os.environ.get(name, UNSET)
+
+
+def _set_env(name: str, value: str) -> Callable[[bool], None]:
+    def apply(strict: bool) -> None:
+        os.environ[name] = value
+
+    return apply
+
+
+def _always(*values: str) -> Callable[[bool], frozenset[str]]:
+    return lambda strict: frozenset(values)
+
+
+def _inductor(attribute: str, env: str) -> Callable[[], str]:
+    """An Inductor option: from its config if Inductor is imported (importing it costs a second), else
+    from the environment variable its config is initialised from."""
+
+    def read() -> str:
+        config = sys.modules.get("torch._inductor.config")
+        if config is not None:
+            return str(bool(getattr(config, attribute)))
+        return str(os.environ.get(env) == "1")
+
+    return read
+
+
+def _inductor_deterministic(strict: bool) -> None:
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.deterministic = True
+
+
+def _deterministic_algorithms() -> str:
+    if not torch.are_deterministic_algorithms_enabled():
+        return "False"
+    return "warn_only" if torch.is_deterministic_algorithms_warn_only_enabled() else "True"
+
+
+def _set_fill_uninitialized_memory(strict: bool) -> None:
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+
+
+def _set_cudnn_deterministic(strict: bool) -> None:
+    torch.backends.cudnn.deterministic = True
+
+
+def _set_cudnn_benchmark(strict: bool) -> None:
+    torch.backends.cudnn.benchmark = False
+
+
+def _set_cudnn_tf32(strict: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def _set_matmul_tf32(strict: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+SWITCHES: tuple[_Switch, ...] = (
+    # Prevents kernels whose result depends on thread/atomic scheduling (index_put_ with accumulate,
+    # scatter_add on CUDA, ...): they get a deterministic implementation or raise (warn when not strict).
+    _Switch(
+        name="torch.use_deterministic_algorithms",
+        prevents="kernels whose result depends on thread scheduling (atomics, unordered accumulation)",
+        read=_deterministic_algorithms,
+        default="False",
+        accept=lambda strict: frozenset({"True"} if strict else {"True", "warn_only"}),
+        apply=lambda strict: torch.use_deterministic_algorithms(True, warn_only=not strict),
+    ),
+    # Prevents uninitialised memory (torch.empty) from leaking run-dependent garbage into results.
+    _Switch(
+        name="torch.utils.deterministic.fill_uninitialized_memory",
+        prevents="uninitialised memory (torch.empty) leaking run-dependent garbage into results",
+        read=lambda: str(bool(torch.utils.deterministic.fill_uninitialized_memory)),  # type: ignore[attr-defined]
+        default="True",
+        accept=_always("True"),
+        apply=_set_fill_uninitialized_memory,
+    ),
+    # Prevents cuDNN from choosing convolution algorithms that accumulate with atomics.
+    _Switch(
+        name="torch.backends.cudnn.deterministic",
+        prevents="cuDNN convolution algorithms that accumulate with atomics",
+        read=lambda: str(torch.backends.cudnn.deterministic),
+        default="False",
+        accept=_always("True"),
+        apply=_set_cudnn_deterministic,
+    ),
+    # Prevents cuDNN's autotuner from picking, by timing, a different algorithm in each run.
+    _Switch(
+        name="torch.backends.cudnn.benchmark",
+        prevents="cuDNN's autotuner picking, by timing, a different convolution algorithm in each run",
+        read=lambda: str(torch.backends.cudnn.benchmark),
+        default="False",
+        accept=_always("False"),
+        apply=_set_cudnn_benchmark,
+    ),
+    # Prevents TF32 convolutions, whose rounding differs from FP32 and between GPU generations.
+    _Switch(
+        name="torch.backends.cudnn.allow_tf32",
+        prevents="TF32 convolutions, whose rounding differs from FP32 and between GPU generations",
+        read=lambda: str(torch.backends.cudnn.allow_tf32),
+        default="True",
+        accept=_always("False"),
+        apply=_set_cudnn_tf32,
+    ),
+    # Prevents TF32 matmuls, whose rounding differs from FP32 and between GPU generations.
+    _Switch(
+        name="torch.backends.cuda.matmul.allow_tf32",
+        prevents="TF32 matmuls, whose rounding differs from FP32 and between GPU generations",
+        read=lambda: str(torch.backends.cuda.matmul.allow_tf32),
+        default="False",
+        accept=_always("False"),
+        apply=_set_matmul_tf32,
+    ),
+    # Prevents reduced-precision (TF32/bf16) internal float32 matmuls chosen via the precision knob.
+    _Switch(
+        name="torch.float32_matmul_precision",
+        prevents="float32 matmuls computed internally in TF32 or bfloat16",
+        read=torch.get_float32_matmul_precision,
+        default="highest",
+        accept=_always("highest"),
+    ),
+    # Prevents the override that forces TF32 in cuBLAS whatever the flags above say.
+    _Switch(
+        name="TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+        prevents="the override that forces TF32 in cuBLAS whatever torch's flags say",
+        read=_env("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"),
+        default=UNSET,
+        accept=_always(UNSET, "0"),
+    ),
+    # Prevents cuBLAS from splitting work over several workspaces per stream in a run-dependent way; cuBLAS
+    # reads it when its first handle is created, i.e. it must be set before CUDA starts.
+    _Switch(
+        name="CUBLAS_WORKSPACE_CONFIG",
+        prevents="cuBLAS splitting reductions over workspaces in a run-dependent way",
+        read=_env("CUBLAS_WORKSPACE_CONFIG"),
+        default=UNSET,
+        accept=_always(":4096:8", ":16:8"),
+        apply=_set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+        deadline="cuda",
+    ),
+    # Prevents NCCL from switching, by message size or topology, between algorithms (or to in-network
+    # NVLS/CollNet reduction) with different reduction orders; read when a communicator is created.
+    _Switch(
+        name="NCCL_ALGO",
+        prevents="NCCL switching between algorithms with different reduction orders",
+        read=_env("NCCL_ALGO"),
+        default=UNSET,
+        accept=_always("Ring", "Tree"),
+        apply=_set_env("NCCL_ALGO", "Ring"),
+        deadline="nccl",
+    ),
+    # Prevents Transformer Engine from using its nondeterministic (atomic) fused-attention backward kernels.
+    _Switch(
+        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+        prevents="Transformer Engine's nondeterministic fused-attention backward kernels",
+        read=_env("NVTE_ALLOW_NONDETERMINISTIC_ALGO"),
+        default=UNSET,
+        accept=_always("0"),
+        apply=_set_env("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0"),
+    ),
+    # Prevents Inductor from benchmarking candidate kernels on the device and keeping the fastest.
+    _Switch(
+        name="torch._inductor.config.deterministic",
+        prevents="Inductor choosing compiled kernels by on-device benchmarks",
+        read=_inductor("deterministic", "TORCHINDUCTOR_DETERMINISTIC"),
+        default="False",
+        accept=_always("True"),
+        apply=_inductor_deterministic,
+    ),
+    # Prevents Inductor's max-autotune from picking GEMM/pointwise configurations by timing.
+    _Switch(
+        name="torch._inductor.config.max_autotune",
+        prevents="Inductor's max-autotune picking kernel configurations by timing",
+        read=_inductor("max_autotune", "TORCHINDUCTOR_MAX_AUTOTUNE"),
+        default="False",
+        accept=_always("False"),
+    ),
+    # Prevents Inductor's coordinate-descent tuner from picking kernel parameters by timing.
+    _Switch(
+        name="torch._inductor.config.coordinate_descent_tuning",
+        prevents="Inductor's coordinate-descent tuner picking kernel parameters by timing",
+        read=_inductor("coordinate_descent_tuning", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"),
+        default="False",
+        accept=_always("False"),
+    ),
+)
+
+# Values this module set itself: re-running the recipe (say non-strict, then strict) is not a conflict.
+_applied: dict[str, str] = {}
+_seeded: dict[str, str] = {}
+
+
+def deterministic(seed: int, *, strict: bool = True) -> DeterminismSettings:
+    """Set and validate every switch that decides determinism, and seed every RNG.
+
+    Nothing is changed unless every switch can be applied: a conflicting setting raises DeterminismError
+    naming it; an environment variable that CUDA or NCCL has already read raises in strict mode and warns
+    otherwise. In strict mode an op without a deterministic implementation raises when it runs; otherwise
+    it warns.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise UsageError(f"the seed must be an integer from 0 to 2**32-1, not {seed!r}")
+    findings = _judge(strict, applying=True)
+    conflicts = [finding for finding in findings if finding.status == "conflict"]
+    if conflicts:
+        names = ", ".join(f"{finding.name}={finding.value}" for finding in conflicts)
+        raise DeterminismError(f"conflicting setting {names}: {conflicts[0].detail}")
+    late = [finding for finding in findings if finding.status == "too-late"]
+    if late and strict:
+        raise DeterminismError(late[0].detail)
+    notices = tuple(finding.detail for finding in late)
+    for notice in notices:
+        warnings.warn(notice, RuntimeWarning, stacklevel=2)
+
+    for switch in SWITCHES:
+        if switch.apply is not None and switch.read() not in switch.accept(strict):
+            switch.apply(strict)
+            _applied[switch.name] = switch.read()
+
+    random.seed(seed)  # Python's global RNG (random.shuffle, random.random in user code)
+    np.random.seed(seed)  # NumPy's global RandomState (augmentation code that uses np.random)
+    torch.manual_seed(seed)  # torch's CPU generator and, lazily, every CUDA device's (no CUDA init here)
+    _seeded.update({"detrace.seed": str(seed), "detrace.strict": str(strict)})
+    return DeterminismSettings(seed=seed, strict=strict, settings=settings(), notices=notices)
+
+
+def settings() -> dict[str, str]:
+    """A flat, JSON-able snapshot of every determinism-relevant setting in force; cheap, no CUDA init."""
+    snapshot = {switch.name: switch.read() for switch in SWITCHES}
+    snapshot.update(
+        {
+            "detrace.seed": _seeded.get("detrace.seed", UNSET),
+            "detrace.strict": _seeded.get("detrace.strict", UNSET),
+            "torch.version": torch.__version__,
+            "torch.num_threads": str(torch.get_num_threads()),
+            "torch.num_interop_threads": str(torch.get_num_interop_threads()),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", UNSET),
+            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", UNSET),
+            "cuda.initialized": str(torch.cuda.is_initialized()),
+        }
+    )
+    return snapshot
+
+
+def audit() -> list[Finding]:
+    """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
+    strict = _seeded.get("detrace.strict", "True") == "True"
+    return [*_judge(strict), *_risks()]
+
+
+def _judge(strict: bool, *, applying: bool = False) -> list[Finding]:
+    """Findings of every switch; with `applying`, a switch the recipe would set past its deadline is late."""
+    findings = []
+    for switch in SWITCHES:
+        value = switch.read()
+        if value in switch.accept(strict):
+            status: Status = "ok"
+            detail = f"prevents {switch.prevents}"
+        elif value == switch.default or value == _applied.get(switch.name):
+            started = _started(switch.deadline)
+            status = "too-late" if started else "pending"
+            detail = (
+                f"{switch.name} must be set before {started} starts, and it already has: set it in the "
+                f"environment that launches the process ({_example(switch)}); it prevents {switch.prevents}"
+                if started
+                else f"detrace.deterministic() sets it; it prevents {switch.prevents}"
+            )
+            if status == "pending" and applying:
+                status = "ok"
+        else:
+            status = "conflict"
+            detail = f"the recipe needs {' or '.join(sorted(switch.accept(strict)))}; it prevents {switch.prevents}"
+        findings.append(Finding(name=switch.name, value=value, status=status, detail=detail))
+    return findings
+
+
+def _risks() -> list[Finding]:
+    findings = []
+    threads = os.environ.get("OMP_NUM_THREADS", UNSET)
+    if threads == UNSET:
+        findings.append(
+            Finding(
+                name="OMP_NUM_THREADS",
+                value=UNSET,
+                status="risk",
+                detail=(
+                    f"torch uses {torch.get_num_threads()} threads here, one per core: CPU reductions split "
+                    "their work by thread count, so runs on machines with other core counts may differ; "
+                    "set OMP_NUM_THREADS (or torch.set_num_threads) explicitly"
+                ),
+            )
+        )
+    if sys.flags.hash_randomization and os.environ.get("PYTHONHASHSEED", "random") == "random":
+        findings.append(
+            Finding(
+                name="PYTHONHASHSEED",
+                value=os.environ.get("PYTHONHASHSEED", UNSET),
+                status="risk",
+                detail=(
+                    "string hashes are randomised per process, so code that iterates over a set of strings "
+                    "sees another order in each run; set PYTHONHASHSEED=0 where the process is launched"
+                ),
+            )
+        )
+    return findings
+
+
+def _started(deadline: str | None) -> str | None:
+    """The name of the runtime that has already read a setting with this deadline, if it started."""
+    if deadline == "cuda" and torch.cuda.is_initialized():
+        return "CUDA"
+    if deadline == "nccl" and _nccl_started():
+        return "NCCL"
+    return None
+
+
+def _nccl_started() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+
+def _example(switch: _Switch) -> str:
+    value = min(switch.accept(True) - {UNSET})
+    return f"{switch.name}={value}"
