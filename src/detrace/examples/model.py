@@ -108,7 +108,7 @@ class ModelConfig:
         if self.dispatch not in DISPATCHES:
             raise UsageError(f"dispatch {self.dispatch!r} must be one of {', '.join(DISPATCHES)}")
         if min(self.vocab_size, self.dim, self.ssm_state, self.ssm_conv, self.ffn_hidden) < 1:
-            raise UsageError("model sizes must be positive")
+            raise UsageError("vocab_size, dim, ssm_state, ssm_conv and ffn_hidden must be positive")
 
 
 # `tiny` trains a step in well under a second on 2 CPU cores, yet routes 8 x 32 x 4 = 1024 token copies per

@@ -17,13 +17,13 @@ every other setting at PyTorch's default (and the "index" MoE dispatch is then n
 from __future__ import annotations
 
 import argparse
+import itertools
 import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils.data import DataLoader
 
 from detrace.errors import DetraceError, UsageError
 from detrace.examples import parallel
@@ -32,6 +32,8 @@ from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConf
 
 PROG = "detrace.examples.train"
 WARMUP_STEPS = 10
+# Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
+NUM_SAMPLES = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +107,7 @@ def bits(x: torch.Tensor) -> str:
 def train(cfg: TrainConfig) -> None:
     """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
     import detrace
-    from detrace.state import ResumableSampler
+    from detrace.state import ResumableLoader, ResumableSampler
 
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
@@ -123,16 +125,13 @@ def train(cfg: TrainConfig) -> None:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
         dataset = SyntheticTokens(
-            num_samples=cfg.steps * batch_size * layout.data_streams,
-            seq_len=seq_len,
-            vocab_size=model_cfg.vocab_size,
-            seed=cfg.seed,
+            num_samples=NUM_SAMPLES, seq_len=seq_len, vocab_size=model_cfg.vocab_size, seed=cfg.seed
         )
         sampler = ResumableSampler(
             len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
         )
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=sampler)
+        loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
+        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader)
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
@@ -141,7 +140,7 @@ def train(cfg: TrainConfig) -> None:
                 f" threads={cfg.threads} seed={cfg.seed} steps={start + 1}-{cfg.steps}",
                 flush=True,
             )
-        batches = iter(loader)
+        batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
         for step in range(start + 1, cfg.steps + 1):
             inputs, targets = (t.to(layout.device) for t in split_batch(next(batches)))
             pm.forward_backward(inputs, targets)

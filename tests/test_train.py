@@ -1,0 +1,85 @@
+"""The reference trainer, single process: its output, its determinism, its errors, and exact resume through
+`detrace.TrainState`'s environment contract."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from detrace.errors import UsageError
+from detrace.examples.train import TrainConfig, bits, main
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_CONTROL", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det)
+
+
+def _steps(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("detrace.examples.train: preset=tiny")
+    return [line for line in out if line.startswith("step ")]
+
+
+def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _steps(capsys, ["--steps", "3", "--dispatch", "fixed"])
+    assert [line.split()[1] for line in lines] == ["1", "2", "3"]
+    fields = lines[0].split()  # step 1 loss <decimal> (<hex bits>) ...
+    loss, exact = float(fields[3]), struct.unpack(">f", bytes.fromhex(fields[4][3:-1]))[0]
+    assert abs(loss - exact) < 1e-5 and 4.0 < exact < 10.0
+
+
+def test_fixed_dispatch_runs_are_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--steps", "3", "--dispatch", "fixed", "--threads", "2"]
+    assert _steps(capsys, argv) == _steps(capsys, argv)
+
+
+def test_deterministic_recipe_makes_index_dispatch_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--steps", "3", "--dispatch", "index", "--threads", "2", "--deterministic"]
+    assert _steps(capsys, argv) == _steps(capsys, argv)
+
+
+def test_exact_resume(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    argv = ["--steps", "4", "--dispatch", "fixed", "--recompute"]
+    full = _steps(capsys, argv)
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.setenv("DETRACE_STOP_AT", "2")
+    assert _steps(capsys, argv) == full[:2]
+    monkeypatch.delenv("DETRACE_STOP_AT")
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    assert _steps(capsys, argv) == full[2:]
+
+
+def test_bits_are_the_float32_encoding() -> None:
+    assert bits(torch.tensor(1.0)) == "0x3f800000"
+    assert bits(torch.tensor(-2.5)) == "0xc0200000"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--parallel", "ddp"], "--parallel ddp needs 2 or more processes"),
+        (["--steps", "0"], "must be positive"),
+        (["--lr", "-1"], "--lr must be positive"),
+    ],
+)
+def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("detrace.examples.train: error: ") and message in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_config_rejects_unknown_preset() -> None:
+    with pytest.raises(UsageError, match="preset"):
+        TrainConfig(preset="huge")
