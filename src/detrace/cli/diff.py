@@ -1,9 +1,33 @@
-"""`detrace diff`: not implemented yet (tracked in issue #4)."""
+"""`detrace diff A B [--json] [--rank R]`: compare two run directories and name the first divergent bit.
+
+Exit codes: 0 identical, 1 diverged, 2 incomparable or unreadable (one sentence on stderr, never a traceback).
+"""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+import json
+
+from detrace.cli._args import ArgumentParser
+from detrace.compare import diff
+from detrace.errors import IncomparableError
+from detrace.report.terminal import render_diff
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace diff' is not available in this build yet (issue #4)")
+    parser = ArgumentParser("diff", "Compare two run directories record by record: are they bit-identical, and "
+                            "if not, where did the first bit diverge and how did it spread across ranks?")
+    parser.add_argument("a", metavar="A", help="run directory of the first run")
+    parser.add_argument("b", metavar="B", help="run directory of the second run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema detrace.diff/1)")
+    parser.add_argument("--rank", type=int, metavar="R", help="compare only rank R")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes aligning ranks in parallel (default: every core, for large runs)")
+    args = parser.parse_args(argv)
+    result = diff(args.a, args.b, rank=args.rank, workers=args.workers)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    if result.verdict == "incomparable":
+        raise IncomparableError(result.reason or "the runs are not comparable")
+    if not args.json:
+        render_diff(result)
+    return result.exit_code

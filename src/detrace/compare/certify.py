@@ -1,0 +1,146 @@
+"""`detrace certify`: the invariants one trace must satisfy before anyone trusts a diff of it.
+
+- every expected rank wrote a trace, and closed it (footer present, no torn tail, footer's count = records read);
+- every expected step is present on every expected rank;
+- sequence numbers are dense from 0 (no record lost or duplicated);
+- no collective or send/recv is left incomplete at the end of a window: an input record without its output
+  (the window closed between issue and completion, or the rank died inside the call).
+Ranks are checked in parallel, each streamed batch by batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
+from detrace.compare.pool import default_workers, map_ranks
+from detrace.tracefile import iter_batches, open_run, rank_path
+from detrace.tracefile.reader import read_footer
+from detrace.windows import parse_window
+
+_COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CertifyResult:
+    """What certify checked and every violation it found (one sentence each)."""
+
+    run: str
+    ranks: list[int]
+    """The expected ranks."""
+    steps: list[int]
+    """The expected steps."""
+    records: int
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+@dataclass(frozen=True)
+class _RankFacts:
+    rank: int
+    records: int
+    steps: frozenset[int]
+    violations: list[str]
+
+
+def spans(values: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3,7" (in the SPEC grammar)."""
+    parts: list[str] = []
+    start = prev = None
+    for value in [*sorted(values), None]:
+        if start is not None and (value is None or value != prev + 1):  # type: ignore[operator]
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if value is not None and start is None:
+            start = value
+        prev = value
+    return ",".join(parts)
+
+
+def _open_call(row: dict[str, Any]) -> str:
+    group = f" group {row['group']}" if row["group"] else ""
+    peer = f" peer {row['peer']}" if row["peer"] is not None else ""
+    return f"{row['name']}#{row['group_seq']}{group}{peer} (seq {row['event']}, step {row['step']})"
+
+
+def check_rank(task: tuple[str, int]) -> _RankFacts:
+    """Stream one rank file and check its own invariants (pool entry point)."""
+    run_dir, rank = task
+    stream = iter_batches(rank_path(run_dir, rank))
+    footer = read_footer(run_dir, rank)
+    violations: list[str] = []
+    steps: set[int] = set()
+    expected_seq = 0
+    seq_faults = 0
+    records = 0
+    open_calls: dict[int, dict[str, Any]] = {}  # event -> its input record, until its output arrives
+    for batch in stream:
+        if not batch.num_rows:
+            continue
+        seqs = batch.column("seq").to_numpy()
+        batch_steps = batch.column("step").to_numpy()
+        previous = np.concatenate(([expected_seq - 1], seqs[:-1]))
+        bad = np.flatnonzero(seqs != previous + 1)
+        if bad.size:
+            if not seq_faults:
+                i = int(bad[0])
+                violations.append(f"rank {rank}: seq is not dense: expected {previous[i] + 1}, found {seqs[i]} "
+                                  f"at step {batch_steps[i]}")
+            seq_faults += int(bad.size)
+        expected_seq = int(seqs[-1]) + 1
+        records += batch.num_rows
+        steps.update(np.unique(batch_steps).tolist())
+        calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
+        for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
+            if row["role"] in INPUT_ROLES:
+                open_calls.setdefault(row["event"], row)
+                continue
+            opened = open_calls.pop(row["event"], None)
+            if opened is not None and any(s not in steps for s in range(opened["step"], row["step"])):
+                violations.append(f"rank {rank}: {_open_call(opened)} completed only at step {row['step']}, "
+                                  f"after its step window ended")
+    violations += [f"rank {rank}: {_open_call(row)} has its input but no output" for row in open_calls.values()]
+    if seq_faults > 1:
+        violations.append(f"rank {rank}: the seq order breaks {seq_faults} times in all")
+    if stream.torn:
+        violations.append(f"rank {rank}: the trace ends in a torn batch (the process died while writing)")
+    if footer is None:
+        violations.append(f"rank {rank}: no footer: the rank never closed its trace")
+    elif footer.get("records") is not None and footer["records"] != records:
+        violations.append(f"rank {rank}: the footer counts {footer['records']} records, the file holds {records}")
+    return _RankFacts(rank, records, frozenset(steps), violations)
+
+
+def certify(run: str | Path, *, expected_ranks: str | None = None, expected_steps: str | None = None,
+            workers: int | None = None) -> CertifyResult:
+    """Check a run directory's invariants. SPECs default to the windows the run was recorded with.
+
+    Raises TraceError when the directory is missing, empty or unreadable.
+    """
+    info = open_run(run)
+    rank_window = parse_window(expected_ranks or str(info.header.get("ranks", "all")))
+    step_window = parse_window(expected_steps or str(info.header.get("steps", "all")))
+    ranks = rank_window.expand(info.world_size) if not rank_window.bounded else rank_window.expand()
+    present = [r for r in ranks if r in info.ranks]
+    if workers is None:
+        workers = default_workers(len(present), sum(rank_path(run, r).stat().st_size for r in present))
+    facts = map_ranks(check_rank, [(str(run), r) for r in present], workers=workers)
+    last = max((max(f.steps) for f in facts if f.steps), default=-1)
+    steps = step_window.expand() if step_window.bounded else step_window.expand(last + 1)
+    violations = [f"rank {r}: no trace file" for r in ranks if r not in info.ranks]
+    for fact in facts:
+        missing = [s for s in steps if s not in fact.steps]
+        if missing:
+            violations.append(f"rank {fact.rank}: {len(missing)} expected steps missing ({spans(missing)})")
+        violations += fact.violations
+    return CertifyResult(run=str(run), ranks=ranks, steps=steps, records=sum(f.records for f in facts),
+                         violations=violations)

@@ -1,0 +1,182 @@
+"""Synthetic traces of a data-parallel training loop, written through the real writer.
+
+The fixtures of the diff's unit tests and the workload of bench/diff.py: traces of any size, produced in
+bulk (`RankWriter.add_batch`), with a known answer. Each step of each rank records, in order:
+
+    forward   `ops` op calls (input, output) in modules layers.0-3      rung op
+    metric    loss                                                       rung metrics
+    backward  `ops` op calls (input, output)                             rung op
+    collective  all_reduce of the gradient over every rank (input, output)   rung semantic
+    optimizer   grad in, param out                                       rung semantic
+
+Digests stand for data: forward, backward and the all_reduce input depend on the rank (each rank has its own
+batch); the all_reduce output, the gradient and the parameter are the same on every rank.
+
+`Fault` is an injected fault, named as such: one backward op on one rank at one step gets different output bits.
+The difference then flows as it would in training: through the rest of that rank's backward into its all_reduce
+input, out of the all_reduce into every rank, and into every record of every later step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from detrace.errors import UsageError
+from detrace.tracefile import ARROW_SCHEMA, RankWriter
+
+_NAMES = ("aten.mm.default", "aten.add.Tensor")
+_FLIP = np.uint64(0x5DEECE66D)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyntheticRun:
+    """The shape of a synthetic run."""
+
+    ranks: int = 2
+    """World size."""
+    steps: int = 4
+    """Training steps."""
+    ops: int = 8
+    """Op calls per step in forward and again in backward."""
+    batch_records: int = 4096
+    """Records per written batch (the writer's default flush size)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "steps", "ops", "batch_records"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"SyntheticRun.{name} must be at least 1, not {getattr(self, name)}")
+
+    @property
+    def records_per_step(self) -> int:
+        return 4 * self.ops + 5
+
+    @property
+    def records_per_rank(self) -> int:
+        return self.steps * self.records_per_step
+
+    @property
+    def group(self) -> str:
+        """The all_reduce's process group: every rank, in the SPEC grammar."""
+        return ",".join(map(str, range(self.ranks))) if self.ranks <= 16 else f"0-{self.ranks - 1}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """Injected fault: backward op `op` on `rank` at `step` produces different output bits in run B."""
+
+    rank: int
+    step: int
+    op: int
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The columns every rank shares, and which records depend on the rank."""
+
+    columns: dict[str, pa.Array]
+    step: np.ndarray
+    kind: np.ndarray  # 0 forward/metric, 1 backward op, 2 all_reduce input, 3 all_reduce output, 4 optimizer
+    op: np.ndarray  # backward op index, -1 elsewhere
+    role_output: np.ndarray
+    metric: np.ndarray
+
+
+@functools.lru_cache(maxsize=4)
+def _template(run: SyntheticRun) -> _Template:
+    step_rows: list[tuple] = []  # (rung, phase, module, name, occurrence, role, kind, op, collective_done)
+    for phase, kind in (("forward", 0), ("backward", 1)):
+        for k in range(run.ops):
+            for role in ("input", "output"):
+                step_rows.append(("op", phase, f"layers.{k % 4}", _NAMES[k % 2], k // 4, role, kind,
+                                  k if kind else -1, 0))
+        if phase == "forward":
+            step_rows.append(("metrics", "forward", None, "loss", 0, "metric", 0, -1, 0))
+    step_rows.append(("semantic", "collective", None, "all_reduce", 0, "input", 2, -1, 0))
+    step_rows.append(("semantic", "collective", None, "all_reduce", 0, "output", 3, -1, 1))
+    step_rows.append(("semantic", "optimizer", None, "sgd", 0, "grad", 4, -1, 1))
+    step_rows.append(("semantic", "optimizer", None, "sgd", 0, "param", 4, -1, 1))
+    per_step = len(step_rows)
+    n = per_step * run.steps
+    rung, phase, module, name, occurrence, role, kind, op, done = (list(c) for c in zip(*step_rows, strict=True))
+    seq = np.arange(n, dtype=np.int64)
+    step = seq // per_step
+    # A call's input and output share `event` (the seq of its first record); the metric is its own call.
+    first_of_call = np.array([r != "output" and r != "param" for r in role] * run.steps)
+    event = np.maximum.accumulate(np.where(first_of_call, seq, 0))
+    is_collective = np.array([p == "collective" for p in phase] * run.steps)
+    is_metric = np.array([r == "metric" for r in role] * run.steps)
+    tile = functools.partial(np.tile, reps=run.steps)
+    columns = {
+        "seq": pa.array(seq),
+        "step": pa.array(step),
+        "rung": pa.array(rung * run.steps),
+        "phase": pa.array(phase * run.steps),
+        "module": pa.array(module * run.steps, type=pa.string()),
+        "name": pa.array(name * run.steps),
+        "occurrence": pa.array(tile(np.array(occurrence, dtype=np.int32))),
+        "event": pa.array(event),
+        "role": pa.array(role * run.steps),
+        "index": pa.array(np.zeros(n, dtype=np.int32)),
+        "shape": pa.array([[] if r == "metric" else [64, 64] for r in role] * run.steps, type=pa.list_(pa.int64())),
+        "dtype": pa.array(["float64" if r == "metric" else "float32" for r in role] * run.steps),
+        "numel": pa.array(tile(np.array([1 if r == "metric" else 4096 for r in role], dtype=np.int64))),
+        "chunks": pa.nulls(n, pa.list_(pa.uint64())),
+        "collectives": pa.array(step + tile(np.array(done, dtype=np.int64))),
+        "group": pa.array(np.where(is_collective, run.group, None), type=pa.string()),
+        "group_seq": pa.array(np.where(is_collective, step, 0), mask=~is_collective, type=pa.int64()),
+        "peer": pa.nulls(n, pa.int32()),
+        "extra": pa.nulls(n, pa.string()),
+    }
+    return _Template(columns=columns, step=step, kind=tile(np.array(kind)), op=tile(np.array(op)),
+                     role_output=np.array([r == "output" for r in role] * run.steps), metric=is_metric)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64: well-spread stand-ins for digests."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def rank_table(run: SyntheticRun, rank: int, fault: Fault | None = None) -> pa.Table:
+    """The records of one rank; with `fault`, those of run B in which the injected fault happened."""
+    t = _template(run)
+    per_rank = t.kind <= 2  # forward, metric, backward and the all_reduce input depend on the rank's data
+    seed = np.arange(len(t.step), dtype=np.uint64) + np.where(per_rank, np.uint64(rank + 1) << np.uint64(40),
+                                                               np.uint64(0))
+    changed = np.zeros(len(t.step), dtype=bool)
+    if fault is not None:
+        at = t.step == fault.step
+        if rank == fault.rank:
+            # the faulty op's output, then every later backward record and the gradient it sends
+            after = (t.kind == 1) & ((t.op > fault.op) | ((t.op == fault.op) & t.role_output))
+            changed |= at & (after | (t.kind == 2))
+        changed |= at & (t.kind >= 3)
+        changed |= t.step > fault.step
+    digest = _mix(seed) ^ np.where(changed, _FLIP, np.uint64(0))
+    value = (digest >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    columns = dict(t.columns)
+    columns["digest"] = pa.array(digest, mask=t.metric)
+    columns["value"] = pa.array(value, mask=~t.metric)
+    return pa.table([columns[field.name] for field in ARROW_SCHEMA], schema=ARROW_SCHEMA)
+
+
+def write_rank(out: str | Path, run: SyntheticRun, rank: int, fault: Fault | None = None) -> int:
+    """Write one rank's trace under `out` through the real writer; return its record count."""
+    table = rank_table(run, rank, fault)
+    writer = RankWriter(out, rank, header={"world_size": run.ranks, "rung": "op", "synthetic": True})
+    for batch in table.to_batches(max_chunksize=run.batch_records):
+        writer.add_batch(batch)
+    writer.close()
+    return table.num_rows
+
+
+def write_run(out: str | Path, run: SyntheticRun, fault: Fault | None = None) -> int:
+    """Write every rank of a synthetic run; return the number of records written."""
+    return sum(write_rank(out, run, rank, fault) for rank in range(run.ranks))

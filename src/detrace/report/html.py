@@ -1,0 +1,460 @@
+"""The HTML report: one self-contained file (inline CSS and SVG, no script, no network) of a run or a locate.
+
+For a locate directory (`detrace locate --out DIR`) it draws, from the runs the ladder kept:
+
+- the metric curves of the two broad runs and the step where they part, beside the step where the trace parts
+  (the earliest divergent bit often comes steps before the loss shows it);
+- a ranks x steps map of where records differ: where divergence appears first and how it spreads;
+- the narrowing path, step -> phase -> module -> op, with the culprit call's inputs and outputs
+  (shape, dtype, equal or not);
+- the kernel rung's replay of the culprit, arm by arm.
+
+For a plain run directory it draws the run's metric curves and what each rank recorded.
+Every number on the page comes from the trace files and ladder.json; nothing is estimated.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import struct
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from detrace.errors import TraceError
+from detrace.tracefile import open_run, read_rank
+from detrace.tracefile.layout import run_header_path
+
+# Identity of a record within a rank (see detrace.tracefile.schema): what two runs' records are aligned by.
+_IDENTITY = ["step", "phase", "module", "name", "occurrence", "role", "index"]
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1d232b;max-width:1040px;margin:24px auto;
+padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d9dee5;
+padding-bottom:4px}
+code,.mono{font-family:ui-monospace,'SFMono-Regular',Menlo,Consolas,monospace;font-size:12.5px}
+.answer{font-size:16px;margin:8px 0 4px}.muted{color:#5d6773}
+.badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:13px;color:#fff;vertical-align:middle}
+.deterministic{background:#2e7d32}.nondeterministic{background:#c62828}.inconclusive{background:#ef6c00}
+.run{background:#455a64}
+table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left}
+th{background:#f2f4f7;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.differ{color:#c62828;font-weight:600}.same{color:#2e7d32}
+ol.path{padding-left:22px}ol.path li{margin:6px 0}.path b{font-family:ui-monospace,Menlo,monospace}
+.charts{display:flex;flex-wrap:wrap;gap:18px}.chart{flex:0 0 auto}
+svg text{font:11px system-ui,sans-serif;fill:#3b4450}
+.legend span{display:inline-block;margin-right:14px}.sw{display:inline-block;width:12px;height:12px;
+vertical-align:-2px;margin-right:4px;border:1px solid #9aa4b0}
+"""
+
+_ARM_COLORS = ("#1565c0", "#ef6c00")
+_ORIGIN = "#6a1b9a"
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _bits(value: float) -> str:
+    return "0x" + struct.pack(">d", value).hex()
+
+
+# -- data from the traces ----------------------------------------------------------------------------------------
+
+
+def _metrics(run_dir: Path, rank: int) -> dict[str, dict[int, float]]:
+    """Exact metric values of one rank: name -> step -> value."""
+    table = read_rank(run_dir, rank).table
+    table = table.filter(pc.equal(table["role"], "metric")).select(["step", "name", "value"])
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    for row in table.to_pylist():
+        if row["value"] is not None:
+            series[row["name"]][row["step"]] = row["value"]
+    return dict(series)
+
+
+def _metric_rank(run_dir: Path) -> int | None:
+    """The lowest rank that recorded metrics (ranks outside the recorded window have no file)."""
+    for rank in open_run(run_dir).ranks:
+        if _metrics(run_dir, rank):
+            return rank
+    return None
+
+
+def _keyed(run_dir: Path, rank: int, side: str) -> pa.Table:
+    table = read_rank(run_dir, rank).table.select([*_IDENTITY, "digest", "value"])
+    # Join keys must not be null (null never matches null in a join): records outside a module get "".
+    table = table.set_column(table.schema.get_field_index("module"), "module", pc.fill_null(table["module"], ""))
+    table = table.rename_columns([*_IDENTITY, f"digest_{side}", f"value_{side}"])
+    return table.append_column(f"present_{side}", pa.array([True] * table.num_rows, type=pa.bool_()))
+
+
+def _same(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Null-safe equality: equal values, or both absent."""
+    return pc.coalesce(pc.equal(a, b), pc.and_(pc.is_null(a), pc.is_null(b)))
+
+
+def divergence_map(run_a: Path, run_b: Path) -> dict[int, dict[int, tuple[int, int]]]:
+    """rank -> step -> (records that differ, records compared), records aligned by identity.
+
+    A record differs when its digest or metric value differs, or when only one run has it. The counts show how a
+    divergence spreads; which record came *first* (and whether it is an origin) is `detrace.diff`'s answer.
+    """
+    ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
+    spread: dict[int, dict[int, tuple[int, int]]] = {}
+    for rank in sorted(set(ranks_a) | set(ranks_b)):
+        if rank not in ranks_a or rank not in ranks_b:
+            spread[rank] = {}
+            continue
+        joined = _keyed(run_a, rank, "a").join(_keyed(run_b, rank, "b"), keys=_IDENTITY, join_type="full outer")
+        value_same = pc.or_(_same(joined["value_a"], joined["value_b"]),
+                            pc.and_(pc.fill_null(pc.is_nan(joined["value_a"]), False),
+                                    pc.fill_null(pc.is_nan(joined["value_b"]), False)))
+        same = pc.and_(pc.and_(_same(joined["digest_a"], joined["digest_b"]), value_same),
+                       pc.and_(pc.is_valid(joined["present_a"]), pc.is_valid(joined["present_b"])))
+        joined = joined.append_column("differ", pc.cast(pc.invert(same), pa.int64()))
+        counts = joined.group_by("step").aggregate([("differ", "sum"), ("differ", "count")])
+        spread[rank] = {s: (d, n) for s, d, n in zip(counts["step"].to_pylist(), counts["differ_sum"].to_pylist(),
+                                                      counts["differ_count"].to_pylist(), strict=True)}
+    return spread
+
+
+# -- SVG pieces ------------------------------------------------------------------------------------------------
+
+
+def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]], *, marks: Iterable[
+        tuple[int, str, str]] = (), log: bool = False, width: int = 480, height: int = 190) -> str:
+    """An SVG line chart. series: (label, step -> value, color, dashed); marks: (step, label, color) verticals.
+
+    With `log`, values are drawn as log10 and zeros sit on the bottom edge (labelled "0 (equal)").
+    """
+    left, right, top, bottom = 58, 12, 22, 28
+    points = [(s, v) for _, data, _, _ in series for s, v in data.items() if math.isfinite(v)]
+    marks = list(marks)
+    steps = [s for s, _ in points] + [m for m, _, _ in marks]
+    x_lo, x_hi = (min(steps), max(steps)) if steps else (0, 1)
+    x_hi = x_hi if x_hi > x_lo else x_lo + 1
+
+    def transform(v: float) -> float | None:
+        if not log:
+            return v
+        return math.log10(v) if v > 0 else None
+
+    values = [t for _, v in points if (t := transform(v)) is not None]
+    y_lo, y_hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if log:
+        y_lo = math.floor(y_lo) - 1 if values else 0.0
+        y_hi = math.ceil(y_hi) if values else 1.0
+    if y_hi <= y_lo:
+        y_lo, y_hi = y_lo - 0.5, y_hi + 0.5
+    pad = (y_hi - y_lo) * 0.06
+    y_lo, y_hi = (y_lo, y_hi) if log else (y_lo - pad, y_hi + pad)
+
+    def px(s: float) -> float:
+        return left + (s - x_lo) / (x_hi - x_lo) * (width - left - right)
+
+    def py(t: float) -> float:
+        return top + (1 - (t - y_lo) / (y_hi - y_lo)) * (height - top - bottom)
+
+    out = [f'<svg class="chart" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           f'xmlns="http://www.w3.org/2000/svg"><title>{_e(title)}</title>',
+           f'<text x="{left}" y="14" font-weight="600">{_e(title)}</text>',
+           f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
+           'fill="#fbfcfd" stroke="#c9d0d8"/>']
+    for t in _ticks(y_lo, y_hi, 4):
+        label = f"1e{round(t)}" if log else _fmt(t)
+        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke="#eceff3"/>'
+                   f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
+    if log:
+        out.append(f'<text x="{left - 4}" y="{height - bottom + 4}" text-anchor="end">0 (equal)</text>')
+    for t in _ticks(x_lo, x_hi, 6):
+        if float(t).is_integer():
+            out.append(f'<text x="{px(t):.1f}" y="{height - 10}" text-anchor="middle">{int(t)}</text>')
+    out.append(f'<text x="{width - right}" y="{height - 10}" text-anchor="end" class="muted">step</text>')
+    for step, label, color in marks:
+        out.append(f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{top}" y2="{height - bottom}" '
+                   f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4 3"><title>{_e(label)}</title></line>'
+                   f'<text x="{px(step) + 3:.1f}" y="{top + 11}" fill="{color}" style="fill:{color}">'
+                   f'{_e(label)}</text>')
+    for label, data, color, dashed in series:
+        coords = []
+        for s in sorted(data):
+            t = transform(data[s])
+            y = py(t) if t is not None else height - bottom
+            coords.append((px(s), y, s, data[s]))
+        dash = ' stroke-dasharray="5 4"' if dashed else ""
+        if len(coords) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in coords)
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8"{dash} points="{path}"/>')
+        for x, y, s, v in coords:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.4" fill="{color}"><title>{_e(label)} step {s}: '
+                       f'{v!r} ({_bits(v)})</title></circle>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def spread_map(spread: dict[int, dict[int, tuple[int, int]]], *, origin: tuple[int, int] | None,
+               steps: int) -> str:
+    """The ranks x steps picture: gray equal, orange to red by the share of differing records, ringed origin."""
+    ranks = sorted(spread)
+    cell = max(6, min(28, 860 // max(steps, 1)))
+    left, top = 64, 24
+    width, height = left + cell * steps + 10, top + cell * len(ranks) + 26
+    out = [f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           'xmlns="http://www.w3.org/2000/svg"><title>where records differ, by rank and step</title>']
+    for i, rank in enumerate(ranks):
+        y = top + i * cell
+        out.append(f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" text-anchor="end">rank {rank}</text>')
+        for step in range(steps):
+            x = left + step * cell
+            differ, total = spread[rank].get(step, (0, 0))
+            if total == 0:
+                fill, text = "#ffffff", "not recorded"
+            elif differ == 0:
+                fill, text = "#dfe3e8", f"all {total} records equal"
+            else:
+                share = differ / total
+                # orange (few records differ) to deep red (all do), on a log scale so one record shows
+                k = min(1.0, max(0.0, 1 + math.log10(max(share, 1e-3)) / 3))
+                fill = f"rgb({int(245 - 62 * k)},{int(160 - 132 * k)},{int(60 - 20 * k)})"
+                text = f"{differ} of {total} records differ"
+            out.append(f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}" '
+                       f'stroke="#c9d0d8" stroke-width="0.5"><title>rank {rank}, step {step}: {text}</title></rect>')
+        if origin and origin[0] == rank:
+            x = left + origin[1] * cell
+            out.append(f'<rect x="{x - 1}" y="{y - 1}" width="{cell + 1}" height="{cell + 1}" fill="none" '
+                       f'stroke="{_ORIGIN}" stroke-width="2.5"><title>first divergent record</title></rect>')
+    for step in range(steps):
+        if steps <= 20 or step % max(1, steps // 10) == 0:
+            out.append(f'<text x="{left + step * cell + cell / 2:.1f}" y="{top + cell * len(ranks) + 14}" '
+                       f'text-anchor="middle">{step}</text>')
+    out.append(f'<text x="{left}" y="14">step →</text></svg>')
+    return "".join(out)
+
+
+# -- page sections ---------------------------------------------------------------------------------------------
+
+
+def _page(title: str, body: list[str]) -> str:
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{_e(title)}</title>"
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _table(header: list[str], rows: list[list[str]], *, raw: bool = False) -> str:
+    """An HTML table; cells are escaped unless `raw` (callers then escape what they put in)."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _first_parting(a: dict[int, float], b: dict[int, float]) -> int | None:
+    for step in sorted(a.keys() & b.keys()):
+        if _bits(a[step]) != _bits(b[step]):
+            return step
+    return None
+
+
+def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> list[str]:
+    rank = _metric_rank(run_a)
+    if rank is None:
+        return ["<h2>Metric curves</h2><p class=\"muted\">The run recorded no metrics.</p>"]
+    ma = _metrics(run_a, rank)
+    mb = _metrics(run_b, rank) if run_b is not None and rank in open_run(run_b).ranks else {}
+    parts = ["<h2>Metric curves</h2>",
+             f"<p class=\"muted\">Exact values recorded on rank {rank}" + (
+                 ", run A (solid) and run B (dashed); the lower chart of each metric is |A − B| on a log scale."
+                 if run_b is not None else ".") + "</p>"]
+    notes = []
+    charts = []
+    for name in sorted(ma):
+        a, b = ma[name], mb.get(name, {})
+        marks = []
+        parting = _first_parting(a, b) if b else None
+        if parting is not None:
+            marks.append((parting, f"{name} parts", "#c62828"))
+            notes.append(f"<b>{_e(name)}</b> first differs at step {parting}")
+        if trace_step is not None and (parting is None or trace_step < parting):
+            marks.append((trace_step, "trace parts", _ORIGIN))
+        series = [("A", a, _ARM_COLORS[0], False)] + ([("B", b, _ARM_COLORS[1], True)] if b else [])
+        charts.append(line_chart(name, series, marks=marks))
+        if b:
+            delta = {s: abs(a[s] - b[s]) for s in a.keys() & b.keys()}
+            charts.append(line_chart(f"|A − B| of {name}", [("|A − B|", delta, "#c62828", False)], marks=marks,
+                                     log=True))
+    if run_b is not None:
+        summary = "; ".join(notes) if notes else "no metric differs between the two runs"
+        if trace_step is not None:
+            summary += f"; the trace itself first differs at step {trace_step}"
+        parts.append(f"<p>{summary}.</p>")
+    parts.append('<div class="charts">' + "".join(charts) + "</div>")
+    return parts
+
+
+def _diff_first(stage: dict[str, Any]) -> dict[str, Any] | None:
+    return (stage.get("diff") or {}).get("first")
+
+
+def _path_section(ladder: dict[str, Any]) -> list[str]:
+    stages = {s["rung"]: s for s in ladder["stages"]}
+    items = []
+    broad = _diff_first(stages.get("semantic", {}))
+    if broad:
+        ranks = (stages["semantic"]["diff"] or {}).get("origin_ranks") or [broad["rank"]]
+        items.append(f"<li>step <b>{_e(broad['step'])}</b>, origin rank(s) <b>{_e(', '.join(map(str, ranks)))}"
+                     f"</b>: the first record that differs between the two broad runs is "
+                     f"<code>{_e(broad['name'])}</code> ({_e(broad['phase'])}, {_e(broad['role'])}).</li>")
+    module = _diff_first(stages.get("module", {}))
+    if module:
+        items.append(f"<li>phase <b>{_e(module['phase'])}</b>, module <b>{_e(module.get('module') or '(none)')}"
+                     f"</b>: first {'origin' if module['origin'] else 'divergent'} module record "
+                     f"<code>{_e(module['name'])}</code> ({_e(module['role'])}).</li>")
+    op = _diff_first(stages.get("op", {}))
+    if op:
+        items.append(f"<li>op <b>{_e(op['name'])}</b> in <b>{_e(op.get('module') or '(no module)')}</b>, "
+                     f"{_e(op['phase'])} of step {_e(op['step'])} on rank {_e(op['rank'])}: "
+                     + ("its inputs were equal and its output differed (origin)." if op["origin"] else
+                        "its inputs already differed (receiver).") + "</li>")
+    parts = ["<h2>Narrowing path</h2>"]
+    if not items:
+        return [*parts, '<p class="muted">Nothing to narrow: the runs did not part.</p>']
+    parts.append('<ol class="path">' + "".join(items) + "</ol>")
+    for stage in ladder["stages"]:
+        if stage.get("note") and stage["rung"] in ("module", "op") and not _diff_first(stage):
+            parts.append(f"<p class=\"muted\">{_e(stage['note'])}.</p>")
+    records = ladder.get("culprit_records") or []
+    if records:
+        rows = [[_e(r["role"]), _e(r["index"]), f'<span class="mono">{_e(r["shape"])}</span>', _e(r["dtype"]),
+                 _e(r["numel"]),
+                 '<span class="same">equal</span>' if r["equal"] else '<span class="differ">differs</span>']
+                for r in records]
+        parts.append("<p>The culprit call in the two op-rung runs:</p>")
+        parts.append(_table(["role", "index", "shape", "dtype", "numel", "A vs B"], rows, raw=True))
+    return parts
+
+
+def _replay_section(replay: dict[str, Any] | None, stages: list[dict[str, Any]]) -> list[str]:
+    parts = ["<h2>Kernel rung: replay of the culprit</h2>"]
+    kernel = next((s for s in stages if s["rung"] == "kernel"), None)
+    if replay is None:
+        note = kernel["note"] if kernel else "the ladder did not reach the kernel rung"
+        return [*parts, f"<p class=\"muted\">{_e(note)}.</p>"]
+    verdict = "nondeterministic" if replay["nondeterministic"] else "deterministic"
+    base = replay["base"]
+    parts.append(f"<p><code>{_e(replay['op'])}</code> replayed alone on its captured inputs is "
+                 f"<span class=\"badge {verdict}\">{verdict}</span> with {base['threads']} thread(s) and "
+                 f"deterministic algorithms {'on' if base['deterministic'] else 'off'}: "
+                 f"{replay['repeats']} repeats, up to {replay['differing_elements']} differing elements, "
+                 f"up to {replay['max_ulp']} ULP apart.</p>")
+    if replay["nondeterministic"]:
+        fixes = replay["fixed_by"]
+        parts.append("<p>Fixed by: " + (", ".join(f"<code>{_e(f)}</code>" for f in fixes) if fixes
+                                        else "none of the switches tried") + "</p>")
+    shapes = ", ".join(f"{s['role']} {s['dtype']}{s['shape']}" for s in replay.get("shapes", []))
+    if shapes:
+        parts.append(f"<p class=\"muted mono\">{_e(shapes)}</p>")
+    rows = [[str(a["threads"]), "on" if a["deterministic"] else "off", str(a["repeats"]), str(a["distinct"]),
+             str(a["differing_elements"]), str(a["max_ulp"]), "yes" if a["matches_capture"] else "no",
+             a["error"] or ""] for a in replay["arms"]]
+    parts.append(_table(["threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
+                         "max ULP", "reproduces the run's bits", "note"], rows))
+    return parts
+
+
+def render_locate(out: Path, ladder: dict[str, Any]) -> str:
+    """The report of a locate directory, from its ladder.json."""
+    verdict = ladder["verdict"]
+    stages = ladder["stages"]
+    body = [f"<h1>detrace locate <span class=\"badge {_e(verdict)}\">{_e(verdict)}</span></h1>",
+            f"<p class=\"answer\">{_e(ladder['message'])}</p>",
+            f"<p class=\"muted\">command: <code>{_e(' '.join(ladder['command']))}</code> · "
+            f"{len(ladder['runs'])} runs · {ladder['steps']} steps recorded</p>"]
+    culprit = ladder.get("culprit")
+    if culprit:
+        body.append("<h2>Culprit</h2>" + _table(
+            ["rank", "step", "phase", "module", "name", "origin"],
+            [[str(culprit["rank"]), str(culprit["step"]), str(culprit["phase"]), str(culprit.get("module") or ""),
+              str(culprit["name"]), str(culprit["origin"]).lower()]]))
+    broad = stages[0]
+    run_a, run_b = (Path(p) for p in broad["runs"][:2])
+    first = _diff_first(broad)
+    body += _metric_section(run_a, run_b, first["step"] if first else None)
+    body.append("<h2>Where the runs differ, rank by rank</h2>")
+    body.append("<p class=\"muted\">Records of the two broad runs aligned by identity; each cell is one step of "
+                "one rank. Gray: every record equal; orange to red: the share of records that differ; ringed: the "
+                "first divergent record.</p>")
+    body.append('<p class="legend"><span><i class="sw" style="background:#dfe3e8"></i>equal</span>'
+                '<span><i class="sw" style="background:rgb(245,160,60)"></i>a few records differ</span>'
+                '<span><i class="sw" style="background:rgb(183,28,40)"></i>all records differ</span>'
+                f'<span><i class="sw" style="border:2px solid {_ORIGIN}"></i>first divergence</span></p>')
+    body.append(spread_map(divergence_map(run_a, run_b), origin=(first["rank"], first["step"]) if first else None,
+                           steps=max(ladder["steps"], 1)))
+    body += _path_section(ladder)
+    body += _replay_section(ladder.get("replay"), stages)
+    body.append("<h2>Runs</h2>")
+    body.append(_table(["rung", "steps", "ranks", "run directory", "what it established"],
+                       [[s["rung"], s["steps"], s["ranks"], run, s["note"]] for s in stages for run in s["runs"]]))
+    body.append(f"<p class=\"muted\">Written by detrace from {_e(out)}.</p>")
+    return _page(f"detrace locate: {verdict}", body)
+
+
+def render_run(run_dir: Path) -> str:
+    """The report of a single run directory: its metric curves and what each rank recorded."""
+    info = open_run(run_dir)
+    header = info.header
+    body = [f"<h1>detrace run <span class=\"badge run\">{_e(header.get('rung', 'trace'))}</span></h1>",
+            f"<p class=\"muted\">{_e(run_dir)} · world size {info.world_size}</p>"]
+    if header.get("command"):
+        command = header["command"]
+        body.append(f"<p>command: <code>{_e(' '.join(command) if isinstance(command, list) else command)}"
+                    "</code></p>")
+    body += _metric_section(run_dir, None, None)
+    rows = []
+    for rank in info.ranks:
+        trace = read_rank(run_dir, rank)
+        rows.append([str(rank), str(trace.table.num_rows), str(trace.last_step + 1),
+                     "complete" if trace.complete else (trace.detail or "ended early (no footer)")])
+    body.append("<h2>Ranks</h2>" + _table(["rank", "records", "steps", "state"], rows))
+    return _page(f"detrace run: {run_dir.name}", body)
+
+
+def write_report(path: str | Path, out: str | Path | None = None) -> Path:
+    """Write the HTML report of a run or locate directory to `out` (default `<path>/report.html`)."""
+    from detrace.locate import LADDER_FILE, load_ladder
+
+    path = Path(path)
+    if not path.is_dir():
+        raise TraceError(f"{path} is not a run or locate directory")
+    if (path / LADDER_FILE).exists():
+        page = render_locate(path, load_ladder(path))
+    elif any(path.glob("rank-*.arrow")) or run_header_path(path).exists():
+        page = render_run(path)
+    else:
+        raise TraceError(f"{path} is neither a run directory (rank-*.arrow) nor a locate directory ({LADDER_FILE})")
+    target = Path(out) if out is not None else path / "report.html"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(page, encoding="utf-8")
+    except OSError as err:
+        raise TraceError(f"cannot write the report to {target}: {err.strerror}") from None
+    return target
