@@ -1,0 +1,132 @@
+"""The tracer: per-rank traces of the four recording rungs, from an unmodified program.
+
+Library form::
+
+    with detrace.trace("runs/a", rung="semantic", steps="0-9"):
+        train()                       # steps come from optimizer.step(); detrace.step() for loops without one
+        detrace.metric("lr", lr)      # optional exact scalars
+
+Zero-edit form: `detrace run --out runs/a --rung semantic -- CMD...` arms the same tracer in every Python
+process CMD starts (`arm_from_env`, called by the injected sitecustomize once torch is imported).
+
+`step`, `metric` and `set_step` are no-ops when no tracer is active.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+from detrace.errors import UsageError
+from detrace.tracing.config import TraceConfig
+
+__all__ = ["active", "arm_from_env", "metric", "set_step", "step", "trace"]
+
+_tracer = None  # the active detrace.tracing.session.Tracer, if any
+_undo: list[Callable[[], None]] = []
+
+
+def active() -> object | None:
+    """The active Tracer of this process, or None."""
+    return _tracer
+
+
+def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
+    global _tracer
+    from detrace.tracing.rungs import install
+    from detrace.tracing.session import Tracer
+
+    tracer = Tracer(config)
+    if check_out_dir:
+        tracer.check_out_dir()
+    _undo[:] = install(tracer)
+    _tracer = tracer
+    return tracer
+
+
+def _stop() -> None:
+    global _tracer
+    tracer, _tracer = _tracer, None
+    if tracer is None:
+        return
+    try:
+        tracer.close()
+    finally:
+        for undo in reversed(_undo):
+            undo()
+        _undo.clear()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (DataLoader worker, multiprocessing fork) shares the parent's open trace file: it records
+    # nothing and never writes to that file.
+    if _tracer is not None:
+        _tracer.abandon()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _is_torchrun_agent() -> bool:
+    """The torchrun / torch.distributed.run agent starts the workers and trains nothing: it writes nothing."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if any(Path(arg).name == "torchrun" for arg in argv[:2]):
+        return True
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] in (["torch.distributed.run"],
+                                                                  ["torch.distributed.launch"])
+
+
+def arm_from_env() -> bool:
+    """Start the tracer configured by `detrace run` (DETRACE_TRACE); returns whether one was started."""
+    config = TraceConfig.from_env()
+    if config is None or _tracer is not None or _is_torchrun_agent():
+        return False
+    _start(config, check_out_dir=False)
+    atexit.register(_stop)
+    return True
+
+
+@contextlib.contextmanager
+def trace(out: str | Path, *, rung: str = "metrics", steps: str | Mapping[str, str] = "all", ranks: str = "all",
+          max_numel: int | None = None, force: bool = False, capture: str | None = None) -> Iterator[Path]:
+    """Record a trace of the code inside the block into run directory `out` (see TraceConfig for the options).
+
+    Inside a process already traced by `detrace run`, the launcher's tracer stays in charge and this block
+    records nothing extra. An `out` that already holds a trace is refused unless `force`.
+    """
+    if _tracer is not None:
+        yield Path(_tracer.config.out)
+        return
+    config = TraceConfig(out=Path(out), rung=rung, steps=steps, ranks=ranks, max_numel=max_numel, force=force,
+                         capture=capture)
+    _start(config, check_out_dir=True)
+    try:
+        yield config.out
+    finally:
+        _stop()
+
+
+def step() -> None:
+    """End the current step (for loops without an optimizer; after optimizer.step() it changes nothing)."""
+    if _tracer is not None:
+        _tracer.user_step()
+
+
+def set_step(n: int) -> None:
+    """Set the step clock to `n` (e.g. after resuming from a checkpoint taken after step n-1)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise UsageError(f"set_step needs a non-negative integer, not {n!r}")
+    if _tracer is not None:
+        _tracer.set_step(n)
+
+
+def metric(name: str, value: float | object) -> None:
+    """Record an exact scalar (a Python number or a one-element tensor) in the current step."""
+    if _tracer is not None:
+        from detrace.tracing.rungs.metrics import record
+
+        record(_tracer, name, value)  # type: ignore[arg-type]

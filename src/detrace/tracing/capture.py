@@ -1,0 +1,59 @@
+"""The kernel rung's capture: the op call chosen by `--capture` is saved for `detrace replay`.
+
+Inputs are copied before the call (an in-place op overwrites them), outputs after; the file is written with
+`detrace.tracefile.save_capture` to `<run>/capture/rank-RRRRR-seqNNNNNNNN.safetensors`. Each process saves at
+most one capture: the first call that matches the selector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from detrace.tracefile.capture import save_capture
+from detrace.tracing.session import Call, Tracer
+
+
+@dataclass
+class PendingCapture:
+    """A matching call whose inputs are copied and whose outputs are awaited."""
+
+    call: Call
+    args: Any
+    kwargs: Any
+
+
+class Capturer:
+    """Matches op calls against the selector and saves the first match."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.done = False
+
+    def before(self, call: Call, args: tuple, kwargs: dict) -> PendingCapture | None:
+        selector = self.tracer.config.selector
+        if self.done or selector is None:
+            return None
+        if not selector.matches(step=call.step, rank=self.tracer.rank, phase=call.phase, module=call.module,
+                                name=call.name, occurrence=call.occurrence):
+            return None
+        self.done = True
+        with self.tracer.own():
+            copy = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                                   (tuple(args), dict(kwargs)))
+        return PendingCapture(call=call, args=copy[0], kwargs=copy[1])
+
+    def after(self, pending: PendingCapture, out: Any) -> None:
+        tracer = self.tracer
+        call = pending.call
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        rank = tracer.rank if tracer.rank is not None else 0
+        path = tracer.config.out / "capture" / f"rank-{rank:05d}-seq{call.event:08d}.safetensors"
+        meta = {"rank": rank, "step": call.step, "phase": call.phase, "module": call.module, "name": call.name,
+                "occurrence": call.occurrence, "seq": call.event, "threads": torch.get_num_threads(),
+                "deterministic": torch.are_deterministic_algorithms_enabled()}
+        with tracer.own():
+            save_capture(path, op=call.name, args=pending.args, kwargs=pending.kwargs, outputs=outputs, meta=meta)

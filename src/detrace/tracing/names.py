@@ -1,0 +1,48 @@
+"""Qualified names of modules and parameters, as the user's model names them.
+
+Wrappers that add a prefix without adding meaning are looked through, so a traced DDP or compiled model
+names its modules as the bare model does: DistributedDataParallel (`module.`) and torch.compile (`_orig_mod.`).
+FSDP2 (`fully_shard`) keeps the model's structure and needs nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def _inner(module: nn.Module) -> nn.Module | None:
+    """The module a DDP / torch.compile wrapper holds, or None for anything else."""
+    attribute = "module" if type(module).__name__ == "DistributedDataParallel" else "_orig_mod"
+    inner = getattr(module, attribute, None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) for the root, the wrappers around it (all named "") and everything below."""
+    module = root
+    while (inner := _inner(module)) is not None:
+        yield "", module
+        module = inner
+    yield from module.named_modules(remove_duplicate=False)
+
+
+def roots() -> list[nn.Module]:
+    """Every live nn.Module that is nobody's child (one scan of the garbage collector's objects)."""
+    modules = [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)]
+    children = {id(child) for module in modules for child in module.children()}
+    return [module for module in modules if id(module) not in children]
+
+
+def parameter_names() -> dict[int, str]:
+    """id(parameter) -> qualified name, over every root module alive now."""
+    names: dict[int, str] = {}
+    for root in roots():
+        for prefix, module in named_modules(root):
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                if isinstance(param, torch.Tensor):
+                    names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
+    return names

@@ -1,0 +1,130 @@
+"""Rung 3, op: every ATen and custom op through a TorchDispatchMode, in forward, backward and optimizer.
+
+Per call: tensor inputs fingerprinted before the call (role input), fresh outputs after (role output), and
+every tensor the op writes (in-place `self`, `out=` arguments; role mutated) after. `module` is the innermost
+module in scope (kept by the module rung's hooks), `phase` the tracer's phase.
+
+Skipped, by rule (the rule is the documented contract, see docs/tracing.md):
+1. views and aliases: ops whose schema returns an alias that is not written (view, transpose, slice, detach,
+   split, ...): they compute nothing, the data is recorded where it was computed;
+2. factories without tensor inputs (zeros, arange, full, ...), unless tagged `nondeterministic_seeded`
+   (randn, rand, bernoulli, ...), whose data is computed;
+3. ops that return uninitialised memory (empty, empty_like, new_empty, empty_strided, resize_);
+4. ops that return no tensor and write none (item, equal, ...);
+5. communication ops (namespaces c10d, _c10d_functional, c10d_functional): their outputs are not ready when the
+   op returns; the semantic rung records them at completion.
+
+The mode is on the dispatch stack only in steps where the op rung records. It runs the op exactly as called and
+keeps no tensor: fingerprints are taken at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+
+from detrace.tracing.capture import Capturer
+from detrace.tracing.session import Tracer
+
+Undo = Callable[[], None]
+
+_COMMUNICATION = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+_UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                            "empty_permuted", "resize_", "resize_as_"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """What the rule says about one op overload (computed once per overload)."""
+
+    name: str
+    """"aten.index_put_.default"."""
+    skip: bool
+    seeded: bool
+    """Random: recorded even without tensor inputs."""
+    written: tuple[tuple[int, str], ...]
+    """(position, name) of the arguments the op writes."""
+    fresh_outputs: bool
+    """The op returns tensors that alias no input."""
+
+
+def op_info(func: torch._ops.OpOverload) -> OpInfo:
+    schema = func._schema
+    name = f"{func.namespace}.{func._opname}.{func._overloadname}"
+    views = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    fresh = any(r.alias_info is None for r in schema.returns)
+    skip = (func.namespace in _COMMUNICATION or views or func._opname in _UNINITIALISED
+            or (not written and not fresh))
+    seeded = torch.Tag.nondeterministic_seeded in func.tags
+    return OpInfo(name=name, skip=skip, seeded=seeded, written=written, fresh_outputs=fresh)
+
+
+class OpRecorder(TorchDispatchMode):
+    """The dispatch mode of the op rung."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.infos: dict[Any, OpInfo] = {}
+        self.capturer = Capturer(tracer) if tracer.config.selector is not None else None
+        self.pushed = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        tracer = self.tracer
+        if not tracer.on["op"] or tracer.busy:
+            return func(*args, **kwargs)
+        info = self.infos.get(func)
+        if info is None:
+            info = self.infos[func] = op_info(func)
+        if info.skip:
+            return func(*args, **kwargs)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not inputs and not info.seeded:
+            return func(*args, **kwargs)
+        module = tracer.scope[-1] if tracer.scope else None
+        call = tracer.begin("op", tracer.phase, info.name, module)
+        tracer.emit(call, "input", tracer.snapshot(inputs))
+        pending = self.capturer.before(call, args, kwargs) if self.capturer is not None else None
+        out = func(*args, **kwargs)
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if info.fresh_outputs else []
+        written = []
+        for position, name in info.written:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            written += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        snaps = tracer.snapshot(outputs + written)
+        tracer.emit(call, "output", snaps[: len(outputs)])
+        tracer.emit(call, "mutated", snaps[len(outputs):])
+        if pending is not None:
+            self.capturer.after(pending, out)
+        return out
+
+    def switch(self) -> None:
+        """On the dispatch stack in steps where the rung records (pushed/popped by the thread that ends steps)."""
+        on = self.tracer.on["op"]
+        if on and not self.pushed:
+            _push_mode(self)
+            self.pushed = True
+        elif not on and self.pushed and _get_current_dispatch_mode() is self:
+            # A mode the program pushed above ours keeps ours underneath; it then passes calls through.
+            _pop_mode()
+            self.pushed = False
+
+    def remove(self) -> None:
+        if self.pushed and _get_current_dispatch_mode() is self:
+            _pop_mode()
+            self.pushed = False
+
+
+def install(tracer: Tracer) -> list[Undo]:
+    recorder = OpRecorder(tracer)
+    tracer.add_listener(recorder.switch)
+    recorder.switch()
+    return [recorder.remove]

@@ -1,0 +1,358 @@
+"""Rung 1, semantic: collectives and point-to-point, DDP/FSDP2 gradient reductions, recompute, the optimizer.
+
+Collectives and p2p: every `torch.distributed` call (sync and async) is wrapped where it is looked up
+(`torch.distributed.X` and `torch.distributed.distributed_c10d.X`, which is what FSDP2 and the c10d helpers
+call). Inputs are fingerprinted before the call; outputs when the work completes: right after a sync call,
+at `Work.wait()` (or when `Work.get_future()` completes) for an async one. Records carry the group's ranks
+("0,1"), the call's index in that group on this rank (`group_seq`), the peer for p2p, and the count of
+collectives completed before. Nested calls (a helper that calls another collective) are recorded once, at the
+outermost call.
+
+DDP: its gradient all-reduce runs in C++ (the Reducer) and never reaches Python's `dist.all_reduce`, so every
+DistributedDataParallel built while tracing gets a comm hook at its first forward that records each bucket and
+reduces it exactly as the default C++ path does (scale by 1/world_size, then a SUM all-reduce of the bucket).
+A comm hook the user registers is wrapped instead; a built-in (C++) comm hook is left alone and unrecorded.
+
+Recompute: `torch.utils.checkpoint` (reentrant and not) runs the checkpointed function twice; its outputs are
+recorded both times, the second with phase "recompute" and extra {"matches_forward": bool}. While recording,
+non-reentrant checkpoints recompute fully (early stop off) so that the recomputed outputs exist; this changes
+no value.
+
+Optimizer: grads as the step begins (role grad), then each parameter (role param) and each state tensor
+(role state, extra {"state": [keys]} giving the order) after it, named by the parameter's qualified name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from detrace.tracing.names import parameter_names
+from detrace.tracing.patch import replace
+from detrace.tracing.session import Call, Snapshot, Tracer
+
+Undo = Callable[[], None]
+Args = dict[str, Any]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _arg(key: str) -> Callable[[Args], list[torch.Tensor]]:
+    return lambda args: _tensors(args.get(key))
+
+
+_NONE: Callable[[Args], list[torch.Tensor]] = lambda args: []  # noqa: E731
+
+# name -> (phase, inputs, outputs, peer argument). In-place collectives list the same tensor on both sides:
+# the input is fingerprinted before the call, the output after.
+_CALLS: dict[str, tuple[str, Callable[[Args], list[torch.Tensor]], Callable[[Args], list[torch.Tensor]],
+                        str | None]] = {
+    "all_reduce": ("collective", _arg("tensor"), _arg("tensor"), None),
+    "all_reduce_coalesced": ("collective", _arg("tensors"), _arg("tensors"), None),
+    "all_gather": ("collective", _arg("tensor"), _arg("tensor_list"), None),
+    "all_gather_into_tensor": ("collective", _arg("input_tensor"), _arg("output_tensor"), None),
+    "_all_gather_base": ("collective", _arg("input_tensor"), _arg("output_tensor"), None),
+    "all_gather_single": ("collective", _arg("input_tensor"), _arg("output_tensor"), None),
+    "all_gather_coalesced": ("collective", _arg("input_tensor_list"), _arg("output_tensor_lists"), None),
+    "reduce_scatter": ("collective", _arg("input_list"), _arg("output"), None),
+    "reduce_scatter_tensor": ("collective", _arg("input"), _arg("output"), None),
+    "_reduce_scatter_base": ("collective", _arg("input"), _arg("output"), None),
+    "reduce_scatter_single": ("collective", _arg("input"), _arg("output"), None),
+    "all_to_all": ("collective", _arg("input_tensor_list"), _arg("output_tensor_list"), None),
+    "all_to_all_single": ("collective", _arg("input"), _arg("output"), None),
+    "broadcast": ("collective", _arg("tensor"), _arg("tensor"), None),
+    "reduce": ("collective", _arg("tensor"), _arg("tensor"), None),
+    "gather": ("collective", _arg("tensor"), _arg("gather_list"), None),
+    "scatter": ("collective", _arg("scatter_list"), _arg("tensor"), None),
+    "barrier": ("collective", _NONE, _NONE, None),
+    "send": ("p2p", _arg("tensor"), _NONE, "dst"),
+    "isend": ("p2p", _arg("tensor"), _NONE, "dst"),
+    "recv": ("p2p", _NONE, _arg("tensor"), "src"),
+    "irecv": ("p2p", _NONE, _arg("tensor"), "src"),
+}
+
+_groups: dict[int, str] = {}
+
+
+def group_name(group: Any) -> str:
+    """The global ranks of a process group, e.g. "0,1" (the default group when None)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    name = _groups.get(id(pg))
+    if name is None:
+        name = _groups[id(pg)] = ",".join(map(str, dist.get_process_group_ranks(pg)))
+    return name
+
+
+class TracedWork(dist.Work):
+    """The Work of an async call, recording its outputs when it completes. It is a real `dist.Work`, so code
+    that checks `isinstance(work, dist.Work)` (FSDP2 does) treats it as the original."""
+
+    def __init__(self, inner: dist.Work, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._finish: Callable[[], None] | None = finish
+
+    def _done(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        result = self._inner.wait(*args, **kwargs)
+        self._done()
+        return result
+
+    def get_future(self) -> torch.futures.Future:
+        def completed(future: torch.futures.Future) -> Any:
+            self._done()
+            return future.value()
+
+        return self._inner.get_future().then(completed)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def block_current_stream(self) -> None:
+        self._inner.block_current_stream()
+
+
+def _wrap_collective(tracer: Tracer, name: str, original: Callable[..., Any], depth: threading.local
+                     ) -> Callable[..., Any]:
+    phase, inputs_of, outputs_of, peer_key = _CALLS[name]
+    signature = inspect.signature(original)
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if getattr(depth, "n", 0) or not tracer.on["semantic"]:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        group = group_name(arguments.get("group"))
+        peer = None
+        if peer_key is not None:
+            peer = arguments.get(peer_key)
+            if peer is None and arguments.get(f"group_{peer_key}") is not None:
+                peer = dist.get_global_rank(arguments.get("group"), arguments[f"group_{peer_key}"])
+        call = tracer.begin("semantic", phase, name, group=group, group_seq=tracer.next_group_seq(group), peer=peer)
+        before = tracer.snapshot(inputs_of(arguments))
+        depth.n = getattr(depth, "n", 0) + 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            depth.n -= 1
+        if name == "recv" and call.peer is None and isinstance(result, int):
+            call.peer = result
+
+        def finish() -> None:
+            _finish(tracer, call, before, tracer.snapshot(outputs_of(arguments)))
+
+        if isinstance(result, dist.Work):
+            return TracedWork(result, finish)
+        if arguments.get("async_op") or name in ("isend", "irecv"):
+            # An async call that returned no Work (coalesced, or not a member of the group): its completion is
+            # not observable here, so only its inputs are recorded.
+            _finish(tracer, call, before, [])
+        else:
+            finish()
+        return result
+
+    traced.__wrapped__ = original  # type: ignore[attr-defined]
+    return traced
+
+
+def _finish(tracer: Tracer, call: Call, inputs: list[Snapshot | None], outputs: list[Snapshot | None]) -> None:
+    tracer.emit(call, "input", inputs)
+    tracer.emit(call, "output", outputs)
+    tracer.collective_completed()
+
+
+def _install_collectives(tracer: Tracer) -> list[Undo]:
+    undo: list[Undo] = []
+    depth = threading.local()
+    c10d = dist.distributed_c10d
+    for name in _CALLS:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        traced = _wrap_collective(tracer, name, original, depth)
+        undo.append(replace(c10d, name, traced))
+        if getattr(dist, name, None) is original:
+            undo.append(replace(dist, name, traced))
+    return undo
+
+
+def _install_ddp(tracer: Tracer) -> list[Undo]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original_init = DDP.__init__
+    original_register = DDP.register_comm_hook
+    original_builtin = DDP._register_builtin_comm_hook
+    all_reduce = dist.distributed_c10d.all_reduce  # the untraced one: the bucket is recorded as itself
+
+    def recording(ddp: DDP, hook: Callable[[Any, Any], torch.futures.Future]) -> Callable[..., Any]:
+        def traced_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+            if not tracer.on["semantic"]:
+                return hook(state, bucket)
+            group = group_name(ddp.process_group)
+            call = tracer.begin("semantic", "collective", "all_reduce", group=group,
+                                group_seq=tracer.next_group_seq(group),
+                                extra=json.dumps({"ddp_bucket": bucket.index()}))
+            before = tracer.snapshot([bucket.buffer()])
+
+            def completed(future: torch.futures.Future) -> torch.Tensor:
+                result = future.value()
+                _finish(tracer, call, before, tracer.snapshot(_tensors(result)))
+                return result
+
+            return hook(state, bucket).then(completed)
+
+        return traced_hook
+
+    def default_hook(ddp: DDP) -> Callable[..., Any]:
+        def reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+            # The C++ default multiplies each gradient by 1/world_size while copying it into the bucket
+            # (at::mul_out with a double scalar), then all-reduces with SUM: the same two steps, the same bits.
+            buffer = bucket.buffer()
+            buffer.mul_(1.0 / ddp.process_group.size())
+            work = all_reduce(buffer, group=ddp.process_group, async_op=True)
+            return work.get_future().then(lambda future: future.value()[0])
+
+        return reduce
+
+    def first_forward(ddp: DDP, args: Any) -> None:
+        ddp._detrace_first_forward.remove()
+        if getattr(ddp, "_detrace_comm_hook", None) is None:
+            original_register(ddp, None, recording(ddp, default_hook(ddp)))
+            ddp._detrace_comm_hook = "detrace"
+
+    def init(ddp: DDP, *args: Any, **kwargs: Any) -> None:
+        original_init(ddp, *args, **kwargs)
+        ddp._detrace_comm_hook = None
+        ddp._detrace_first_forward = ddp.register_forward_pre_hook(first_forward)
+
+    def register_comm_hook(ddp: DDP, state: object, hook: Callable[..., Any]) -> None:
+        original_register(ddp, state, recording(ddp, hook))
+        ddp._detrace_comm_hook = "user"
+
+    def register_builtin(ddp: DDP, comm_hook_type: Any) -> None:
+        original_builtin(ddp, comm_hook_type)
+        ddp._detrace_comm_hook = "builtin"
+
+    return [replace(DDP, "__init__", init), replace(DDP, "register_comm_hook", register_comm_hook),
+            replace(DDP, "_register_builtin_comm_hook", register_builtin)]
+
+
+def _install_recompute(tracer: Tracer) -> list[Undo]:
+    import torch.utils.checkpoint as cp
+
+    def recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+        module = tracer.scope[-1] if tracer.scope else None
+        forward: list[int | None] = []
+        seen = [False]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            again = seen[0]
+            seen[0] = True
+            phase = tracer.phase
+            if again:
+                tracer.phase = "recompute"
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                tracer.phase = phase
+            snaps = tracer.snapshot(_tensors(out))
+            digests = [s.digest if s is not None else None for s in snaps]
+            if again:
+                extra = json.dumps({"matches_forward": digests == forward})
+                call = tracer.begin("semantic", "recompute", "checkpoint", module, extra=extra)
+            else:
+                forward[:] = digests
+                call = tracer.begin("semantic", phase, "checkpoint", module)
+            tracer.emit(call, "output", snaps)
+            return out
+
+        return run
+
+    original_generator = cp._checkpoint_without_reentrant_generator
+    original_apply = cp.CheckpointFunction.apply
+
+    def generator(fn: Callable[..., Any], preserve: bool = True, context_fn: Any = cp.noop_context_fn,
+                  determinism_check: str = cp._DEFAULT_DETERMINISM_MODE, debug: bool = False,
+                  early_stop: bool = True, *args: Any, **kwargs: Any) -> Any:
+        if tracer.on["semantic"]:
+            fn, early_stop = recorded(fn), False
+        return original_generator(fn, preserve, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+
+    def apply(cls: type, function: Callable[..., Any], preserve: bool, *args: Any) -> Any:
+        if tracer.on["semantic"]:
+            function = recorded(function)
+        return original_apply(function, preserve, *args)
+
+    return [replace(cp, "_checkpoint_without_reentrant_generator", generator),
+            replace(cp.CheckpointFunction, "apply", classmethod(apply))]
+
+
+def _install_optimizer(tracer: Tracer) -> list[Undo]:
+    names: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, str]] = weakref.WeakKeyDictionary()
+    pending: dict[int, tuple[list[torch.Tensor], list[Call]]] = {}
+
+    def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not tracer.on["semantic"]:
+            return
+        if optimizer not in names:
+            names[optimizer] = parameter_names()
+        known = names[optimizer]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        calls = [tracer.begin("semantic", "optimizer", known.get(id(p), f"param{i}")) for i, p in enumerate(params)]
+        for call, snap in zip(calls, tracer.snapshot([p.grad for p in params]), strict=True):
+            tracer.emit(call, "grad", [snap])
+        pending[id(optimizer)] = (params, calls)
+
+    def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        entry = pending.pop(id(optimizer), None)
+        if entry is None:
+            return
+        params, calls = entry
+        keys = [sorted(k for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor))
+                for p in params]
+        tensors = [t for p, ks in zip(params, keys, strict=True) for t in (p, *(optimizer.state[p][k] for k in ks))]
+        snaps = iter(tracer.snapshot(tensors))
+        for call, ks in zip(calls, keys, strict=True):
+            call.extra = json.dumps({"state": ks}) if ks else None
+            tracer.emit(call, "param", [next(snaps)])
+            tracer.emit(call, "state", [next(snaps) for _ in ks])
+
+    return [register_optimizer_step_pre_hook(pre).remove, register_optimizer_step_post_hook(post).remove]
+
+
+def install(tracer: Tracer) -> list[Undo]:
+    if not dist.is_available():
+        return _install_recompute(tracer) + _install_optimizer(tracer)
+    return (_install_collectives(tracer) + _install_ddp(tracer) + _install_recompute(tracer)
+            + _install_optimizer(tracer))
