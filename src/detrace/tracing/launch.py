@@ -1,0 +1,191 @@
+"""The zero-edit launcher behind `detrace run`: runs CMD with the tracer injected into every Python process.
+
+`run_traced` refuses (or, with force, clears) a directory that already holds a trace, writes a preliminary
+run.json (which also proves the directory writable), starts CMD in its own process group with DETRACE_TRACE
+and the inject directory on PYTHONPATH, streams its output while keeping the last few KB, and completes
+run.json from the ranks' headers when CMD ends. It never raises for a nonzero exit: that is `returncode`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.tracefile.layout import RUN_HEADER, run_header_path
+from detrace.tracefile.reader import iter_batches
+from detrace.tracefile.schema import SCHEMA_VERSION
+from detrace.tracefile.writer import write_json_atomic
+from detrace.tracing.config import ENV_VAR, TraceConfig
+
+TAIL_BYTES = 4096
+"""How much of CMD's combined output `LaunchResult.output_tail` keeps."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What happened to a traced command."""
+
+    returncode: int
+    """CMD's exit status (negative: killed by that signal)."""
+    out: Path
+    """The run directory."""
+    command: tuple[str, ...]
+    elapsed: float
+    """Wall-clock seconds CMD ran."""
+    output_tail: str
+    """The last ~4 KB of CMD's combined stdout and stderr."""
+
+
+def _trace_files(out: Path) -> list[Path]:
+    if not out.is_dir():
+        return []
+    return [p for p in out.iterdir() if p.name == RUN_HEADER or p.name == "capture"
+            or (p.name.startswith("rank-") and p.suffix in (".arrow", ".json"))]
+
+
+def prepare_out(out: Path, *, force: bool) -> None:
+    """Refuse a directory that holds a trace (unless force: then remove that trace, and only it)."""
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"output directory {out} exists and is not a directory")
+    existing = _trace_files(out)
+    if existing and not force:
+        raise TraceError(f"{out} already holds a trace; choose another directory or pass --force")
+    try:
+        for path in existing:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise TraceError(f"cannot write to output directory {out}: {err.strerror or err}") from None
+
+
+def _rank_headers(out: Path) -> dict[int, dict[str, Any]]:
+    headers = {}
+    for path in sorted(out.glob("rank-*.arrow")):
+        try:
+            headers[int(path.stem.removeprefix("rank-"))] = iter_batches(path).header
+        except (TraceError, ValueError):
+            continue
+    return headers
+
+
+def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
+    header: dict[str, Any] = {"schema": SCHEMA_VERSION, "command": list(config.command or ()), "rung": config.rung,
+                              "windows": config.windows(), "ranks": config.rank_window.spec, "world_size": None}
+    ranks = _rank_headers(out)
+    if ranks:
+        first = ranks[min(ranks)]
+        sizes = [h.get("world_size") for h in ranks.values() if h.get("world_size")]
+        header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.get("versions"),
+                      determinism=first.get("determinism"), traced_ranks=sorted(ranks))
+    header.update(facts)
+    return header
+
+
+def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None:
+    sink = sys.stdout.buffer if echo else None
+    while chunk := stream.read1(65536):  # type: ignore[attr-defined]
+        tail.append(chunk)
+        while sum(map(len, tail)) - len(tail[0]) > TAIL_BYTES:
+            tail.popleft()
+        if sink is not None:
+            sink.write(chunk)
+            sink.flush()
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
+               steps: str | Mapping[str, str] = "all", ranks: str = "all", max_numel: int | None = None,
+               capture: str | None = None, force: bool = False, env: Mapping[str, str] | None = None,
+               timeout: float | None = None, quiet: bool = False) -> LaunchResult:
+    """Run `cmd` traced into `out`. `env` adds variables to this process's environment for CMD.
+
+    Raises UsageError for bad options, TraceError for an output directory that cannot be used, CommandFailed
+    when CMD cannot be started or runs past `timeout` (its whole process group is killed).
+    """
+    command = tuple(cmd)
+    if not command:
+        raise UsageError("no command to run; give it after '--', e.g. detrace run -- python train.py")
+    if timeout is not None and timeout <= 0:
+        raise UsageError(f"the timeout must be a positive number of seconds, not {timeout!r}")
+    out = Path(out).resolve()
+    config = TraceConfig(out=out, rung=rung, steps=steps, ranks=ranks, max_numel=max_numel, capture=capture,
+                         command=command, launched=True)
+    prepare_out(out, force=force)
+    header_path = run_header_path(out)
+    try:
+        write_json_atomic(header_path, _run_header(config, out, status="running"))
+    except OSError as err:
+        raise TraceError(f"cannot write to output directory {out}: {err.strerror or err}") from None
+
+    from detrace.inject import DIRECTORY
+
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env[ENV_VAR] = config.to_env()
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    except FileNotFoundError:
+        raise CommandFailed(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
+    except OSError as err:
+        raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
+    tail: collections.deque[bytes] = collections.deque()
+    assert proc.stdout is not None
+    pump = threading.Thread(target=_pump, args=(proc.stdout, tail, not quiet), daemon=True)
+    pump.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        pump.join(timeout=5)
+    elapsed = time.monotonic() - start
+    status = "timeout" if timed_out else "finished"
+    write_json_atomic(header_path, _run_header(config, out, status=status, returncode=proc.returncode,
+                                               elapsed=round(elapsed, 3)))
+    if timed_out:
+        raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
+    output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
+    return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
+                        output_tail=output_tail)
+
+
+def describe(result: LaunchResult) -> str:
+    """One line for the terminal: where the trace is and what it holds."""
+    try:
+        header = json.loads(run_header_path(result.out).read_text())
+    except (OSError, ValueError):
+        header = {}
+    traced = header.get("traced_ranks") or []
+    return (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written to "
+            f"{result.out} ({result.elapsed:.1f} s, exit code {result.returncode})")
