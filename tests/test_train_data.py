@@ -24,7 +24,7 @@ def test_tokens_follow_the_grammar() -> None:
     data = _data()
     sample = data[5]
     assert sample.shape == (18,) and sample.dtype == torch.long
-    assert 0 <= int(sample.min()) and int(sample.max()) < 32
+    assert int(sample.min()) >= 0 and int(sample.max()) < 32
     for prev, nxt in zip(sample[:-1].tolist(), sample[1:].tolist(), strict=True):
         assert nxt in data.successors[prev].tolist()
 

@@ -17,9 +17,7 @@ from detrace.errors import UsageError
 class SyntheticTokens(Dataset[torch.Tensor]):
     """`num_samples` sequences of `seq_len + 2` token ids (inputs [T] and next-token/MTP targets [T + 1])."""
 
-    def __init__(
-        self, *, num_samples: int, seq_len: int, vocab_size: int, seed: int, branching: int = 4
-    ) -> None:
+    def __init__(self, *, num_samples: int, seq_len: int, vocab_size: int, seed: int, branching: int = 4) -> None:
         if min(num_samples, seq_len, branching) < 1 or vocab_size < 2:
             raise UsageError("the synthetic data needs num_samples, seq_len, branching >= 1 and vocab_size >= 2")
         self.num_samples, self.seq_len, self.seed = num_samples, seq_len, seed

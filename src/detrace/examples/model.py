@@ -78,6 +78,9 @@ class ModelConfig:
     """Experts per token. Every token index repeats top_k times in the dispatch; with 3 or more copies the
     sum in the accumulating backward of the "index" dispatch depends on the order of its additions (with 2,
     a + b == b + a exactly, and it would not)."""
+    router_jitter: float = 0.01
+    """In training, multiply the router's input by noise from U(1 - j, 1 + j) (Switch Transformer's router
+    jitter). It draws from the global torch RNG every step, so a resume that forgot the RNG state shows."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch Transformer form) in the objective."""
     mtp: bool = True
@@ -101,6 +104,8 @@ class ModelConfig:
             raise UsageError(f"pattern {self.pattern!r} must be a non-empty string of the letters M, A, E, F")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise UsageError(f"dim {self.dim} must divide into {self.n_heads} heads of even size")
+        if not 0 <= self.router_jitter < 1:
+            raise UsageError(f"router_jitter {self.router_jitter} must be in [0, 1)")
         if not 1 <= self.top_k <= self.n_experts:
             raise UsageError(f"top_k {self.top_k} must be between 1 and n_experts {self.n_experts}")
         if self.quant not in QUANT_FORMATS:
@@ -231,9 +236,7 @@ class Attention(nn.Module):
         self.wk = Linear(cfg.dim, cfg.dim, cfg.quant)
         self.wv = Linear(cfg.dim, cfg.dim, cfg.quant)
         self.wo = Linear(cfg.dim, cfg.dim, cfg.quant)
-        self.register_buffer(
-            "rotary", rotary_table(self.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("rotary", rotary_table(self.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -330,7 +333,12 @@ class MoE(nn.Module):
         B, T, D = x.shape
         k, E = self.cfg.top_k, self.cfg.n_experts
         x = x.reshape(B * T, D)  # [N, D]
-        probs = F.softmax(self.router(x), dim=-1)  # [N, E]
+        jitter = self.cfg.router_jitter
+        if self.training and jitter > 0:
+            noise = torch.empty_like(x).uniform_(1 - jitter, 1 + jitter)  # recompute replays the RNG state
+            probs = F.softmax(self.router(x * noise), dim=-1)  # [N, E]
+        else:
+            probs = F.softmax(self.router(x), dim=-1)  # [N, E]
         weights, experts = probs.topk(k, dim=-1)  # [N, k] each
         weights = weights / weights.sum(-1, keepdim=True)
 
@@ -349,10 +357,8 @@ class MoE(nn.Module):
         else:
             out = self.exchange(routed, counts, self.experts)
         out = out * weights.flatten()[order].unsqueeze(-1)  # [N*k, D]
-        if self.cfg.dispatch == "index":
-            y = torch.zeros_like(x).index_add_(0, tokens, out)  # [N, D]
-        else:
-            y = onehot.t() @ out  # [N, D]
+        # combine: each token sums its k weighted expert outputs, [N*k, D] -> [N, D]
+        y = torch.zeros_like(x).index_add_(0, tokens, out) if self.cfg.dispatch == "index" else onehot.t() @ out
 
         # Switch load balancing: E * sum_e (fraction of routed copies to e) * (mean router probability of e)
         aux = E * (counts.to(probs.dtype) / (B * T * k) * probs.mean(0)).sum()
@@ -473,5 +479,3 @@ def objective(cfg: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> 
     """The trained loss without the aux loss (which enters through `_AuxLoss`): lm + mtp_coef * mtp."""
     lm, mtp = lm_losses(logits, targets)
     return lm + cfg.mtp_loss_coef * mtp
-
-

@@ -116,9 +116,7 @@ def setup(kind: str) -> Layout:
         dist.init_process_group("nccl" if cuda else "gloo")
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     coords = {name: mesh.get_local_rank(name) for name in sizes}
-    return Layout(
-        kind=kind, rank=dist.get_rank(), world=world, device=device, sizes=sizes, coords=coords, mesh=mesh
-    )
+    return Layout(kind=kind, rank=dist.get_rank(), world=world, device=device, sizes=sizes, coords=coords, mesh=mesh)
 
 
 def teardown(layout: Layout) -> None:
@@ -379,5 +377,3 @@ class ParallelModel:
         lm, mtp, aux, sq = total.unbind()
         loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
         return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
-
-

@@ -90,7 +90,9 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
     p.add_argument("--parallel", default="none", choices=list(parallel.LAYOUTS))
     p.add_argument(
-        "--deterministic", action=argparse.BooleanOptionalAction, default=False,
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="apply detrace.deterministic(seed) (default: off, PyTorch's defaults)",
     )
     p.add_argument("--lr", type=float, default=3e-3)
