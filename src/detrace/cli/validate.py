@@ -1,9 +1,10 @@
-"""`detrace validate`: not implemented yet (tracked in issue #6)."""
+"""`detrace validate [--fast | --only NAMES] [--steps N] [--at K] [--out DIR] [--timeout S] [--list]`:
+the validation matrix of the reference workload (see `detrace.examples.validate`)."""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
-
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace validate' is not available in this build yet (issue #6)")
+    from detrace.examples.validate import main as validate
+
+    return validate(argv)

@@ -1,0 +1,235 @@
+"""The validation matrix: every configuration of the reference workload through detrace's own verification
+commands. `detrace validate` or `python -m detrace.examples.validate`.
+
+For each configuration it runs, as subprocesses, exactly what a user would type:
+
+- `detrace check --runs 2 -- <train ... --deterministic>`: run-to-run bit-identical with the recipe;
+- `detrace check-resume --at K -- <train ... --deterministic>`: exact resume (with its negative control);
+- `detrace check --runs 2 -- <train ... --no-deterministic>`, only where the configuration has a
+  nondeterministic path (the "index" MoE dispatch with 2+ threads per process): detrace must see it diverge;
+
+and prints one table row per configuration: config | run-to-run bit-identical | exact resume |
+nondeterminism detected without recipe | time. Exit 0 when every cell is as expected, 1 when one is not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from detrace.cli._args import ArgumentParser
+from detrace.errors import DetraceError, UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One row of the matrix."""
+
+    name: str
+    """Row label, also the --only key."""
+    nproc: int
+    """Processes (torchrun when > 1)."""
+    args: tuple[str, ...]
+    """Trainer options besides --steps and the recipe switch."""
+    threads: int
+    """torch threads per process; the "index" dispatch is nondeterministic on CPU only with 2 or more."""
+
+    @property
+    def nondeterministic_path(self) -> bool:
+        return self.threads >= 2 and "fixed" not in self.args
+
+    def command(self, *, steps: int, deterministic: bool) -> list[str]:
+        launcher = [sys.executable]
+        if self.nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}"]
+        recipe = "--deterministic" if deterministic else "--no-deterministic"
+        train = ["-m", "detrace.examples.train", "--steps", str(steps), "--threads", str(self.threads)]
+        return [*launcher, *train, *self.args, recipe]
+
+
+CONFIGS: tuple[Config, ...] = (
+    Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=2),
+    Config(name="single fixed", nproc=1, args=("--dispatch", "fixed"), threads=2),
+    Config(name="single recompute", nproc=1, args=("--recompute",), threads=2),
+    Config(name="single mxfp8", nproc=1, args=("--quant", "mxfp8"), threads=2),
+    Config(name="single nvfp4", nproc=1, args=("--quant", "nvfp4"), threads=2),
+    Config(name="ddp x2", nproc=2, args=("--parallel", "ddp"), threads=2),
+    Config(name="fsdp x2", nproc=2, args=("--parallel", "fsdp"), threads=1),
+    Config(name="tp x2", nproc=2, args=("--parallel", "tp"), threads=1),
+    Config(name="ep x2", nproc=2, args=("--parallel", "ep"), threads=1),
+    Config(name="pp x2", nproc=2, args=("--parallel", "pp"), threads=1),
+    Config(name="dp-ep x4", nproc=4, args=("--parallel", "dp-ep"), threads=1),
+    Config(name="pp-dp x4", nproc=4, args=("--parallel", "pp-dp"), threads=1),
+)
+FAST = ("single index", "ddp x2")  # what CI runs
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One verdict: `ok` is whether it is what the matrix expects (None: not applicable)."""
+
+    text: str
+    ok: bool | None
+
+
+def _detrace(args: list[str], timeout: float) -> tuple[int, dict[str, object] | None, str]:
+    """Run `python -m detrace ARGS --json ...`; (exit code, its JSON or None, last stderr line)."""
+    proc = subprocess.run([sys.executable, "-m", "detrace", *args], capture_output=True, text=True, timeout=timeout)
+    try:
+        report = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
+    except json.JSONDecodeError:
+        report = None
+    tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    return proc.returncode, report, tail
+
+
+def _where(report: dict[str, object] | None) -> str:
+    """'step S rank R NAME' of the first divergence in a check/check-resume JSON report, if it has one."""
+    diffs = report.get("diffs") if report else None
+    firsts = [d.get("first") for d in diffs or [] if isinstance(d, dict) and d.get("first")]
+    if not firsts:
+        resume = report.get("resume") if report else None
+        firsts = [resume.get("first")] if isinstance(resume, dict) and resume.get("first") else []
+    if not firsts:
+        return ""
+    f = firsts[0]
+    return f" at step {f.get('step')} rank {f.get('rank')} {f.get('name')}"
+
+
+def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float) -> Cell:
+    code, report, err = _detrace(
+        [
+            "check",
+            "--json",
+            "--runs",
+            "2",
+            "--out",
+            str(out),
+            "--timeout",
+            str(timeout),
+            "--",
+            *cfg.command(steps=steps, deterministic=deterministic),
+        ],
+        timeout * 3,
+    )
+    if report is None:  # a verdict always comes with its JSON; without it the command itself failed
+        return Cell(f"error: {err or f'exit {code}'}", False)
+    if code == 0:
+        return Cell("identical" if deterministic else "NOT detected (runs identical)", deterministic)
+    if code == 1:
+        return Cell(("diverged" if deterministic else "detected") + _where(report), not deterministic)
+    return Cell(f"error: {err}", False)
+
+
+def _resume(cfg: Config, *, steps: int, at: int, out: Path, timeout: float) -> Cell:
+    code, report, err = _detrace(
+        [
+            "check-resume",
+            "--json",
+            "--at",
+            str(at),
+            "--out",
+            str(out),
+            "--timeout",
+            str(timeout),
+            "--",
+            *cfg.command(steps=steps, deterministic=True),
+        ],
+        timeout * 5,
+    )
+    if report is None:
+        return Cell(f"error: {err or f'exit {code}'}", False)
+    verdict = str(report.get("verdict", ""))
+    if code == 0:
+        return Cell(f"exact (at {at})", True)
+    if code == 1:
+        return Cell(f"{verdict or 'changed bits'}{_where(report)}", False)
+    return Cell(f"{verdict}: {err}" if verdict else f"error: {err}", False)
+
+
+def validate(
+    configs: Sequence[Config],
+    *,
+    steps: int,
+    at: int,
+    out: Path,
+    timeout: float,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[tuple[Config, Cell, Cell, Cell, float]]:
+    """Run the matrix; one (config, run-to-run, resume, detection, seconds) per configuration."""
+    rows = []
+    for cfg in configs:
+        progress(f"{cfg.name}: running")
+        began = time.monotonic()
+        slug = cfg.name.replace(" ", "-")
+        same = _check(cfg, steps=steps, deterministic=True, out=out / slug / "check", timeout=timeout)
+        resume = _resume(cfg, steps=steps, at=at, out=out / slug / "resume", timeout=timeout)
+        if cfg.nondeterministic_path:
+            found = _check(cfg, steps=steps, deterministic=False, out=out / slug / "no-recipe", timeout=timeout)
+        else:
+            found = Cell("n/a (no nondeterministic path)", None)
+        rows.append((cfg, same, resume, found, time.monotonic() - began))
+    return rows
+
+
+def table(rows: Sequence[tuple[Config, Cell, Cell, Cell, float]]) -> str:
+    """A Markdown table (readable in a terminal, pasteable into the README)."""
+    header = ("config", "run-to-run bit-identical", "exact resume", "nondeterminism detected without recipe", "time")
+    body = [
+        (cfg.name, *(("" if c.ok is not False else "✗ ") + c.text for c in cells), f"{secs:.0f} s")
+        for cfg, *cells, secs in rows  # type: ignore[misc]
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in [header, *body]]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ArgumentParser("validate", "Run the validation matrix of the reference workload.")
+    parser.add_argument("--only", help="comma-separated config names (see --list)")
+    parser.add_argument("--fast", action="store_true", help=f"the CI subset: {', '.join(FAST)}")
+    parser.add_argument("--list", action="store_true", help="list the configurations and exit")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
+    parser.add_argument("--at", type=int, default=2, help="check-resume stops after this step (default 2)")
+    parser.add_argument("--out", type=Path, default=Path("detrace-validate"), help="where the runs go")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one training run may take")
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if args.list:
+            for cfg in CONFIGS:
+                print(f"{cfg.name:<18} {' '.join(cfg.command(steps=args.steps, deterministic=True)[1:])}")
+            return 0
+        if not 1 <= args.at < args.steps:
+            raise UsageError(f"--at {args.at} must be a step before the last (--steps {args.steps})")
+        names = FAST if args.fast else (tuple(n.strip() for n in args.only.split(",")) if args.only else None)
+        known = {cfg.name: cfg for cfg in CONFIGS}
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            raise UsageError(f"unknown config {unknown[0]!r}; see --list")
+        configs = [known[n] for n in names] if names else list(CONFIGS)
+        rows = validate(
+            configs,
+            steps=args.steps,
+            at=args.at,
+            out=args.out,
+            timeout=args.timeout,
+            progress=lambda line: print(f"validate: {line}", file=sys.stderr, flush=True),
+        )
+    except DetraceError as err:
+        print(f"detrace validate: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except subprocess.TimeoutExpired as err:
+        print(f"detrace validate: error: a verification command ran past {err.timeout:.0f} s", file=sys.stderr)
+        return 2
+    print(table(rows))
+    return 0 if all(c.ok is not False for _, *cells, _ in rows for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
