@@ -12,16 +12,22 @@ from detrace.compare.pool import default_workers, map_ranks
 from detrace.compare.result import Compared, DiffResult
 from detrace.errors import UsageError
 from detrace.tracefile import RunInfo, open_run, rank_path
+from detrace.tracefile.reader import read_footer
 
-# Header facts that must agree for two runs to be comparable record by record: (key, how the sentence names it).
-_MUST_AGREE = (
-    ("schema", "trace schema"),
-    ("rung", "rung"),
-    ("steps", "step window"),
-    ("ranks", "rank window"),
-    ("max_numel", "--max-numel"),
-)
-_LAYOUT_KEYS = ("layout", "parallel_layout", "process_groups")
+
+def _facts(run: RunInfo) -> dict[str, Any]:
+    """What must agree for two runs to be comparable record by record, by how a sentence names it."""
+    header = run.header
+    windows = header.get("windows") or {}
+    return {"trace schema": header.get("schema"), "rung": header.get("rung"),
+            "step windows": windows.get("steps"), "rank window": windows.get("ranks", header.get("ranks")),
+            "--max-numel": windows.get("max_numel")}
+
+
+def _layout(run: RunInfo, rank: int) -> Any:
+    """The process groups a rank used (its footer's "groups"): the parallel layout as the trace saw it."""
+    footer = read_footer(run.path, rank)
+    return footer.get("groups") if footer else None
 
 
 def _short(value: Any) -> str:
@@ -33,14 +39,17 @@ def incomparable(a: RunInfo, b: RunInfo) -> str | None:
     """Why two runs cannot be compared record by record (one sentence), or None."""
     if a.world_size != b.world_size:
         return f"{a.path} has world size {a.world_size} and {b.path} has world size {b.world_size}."
-    for key, what in _MUST_AGREE:
-        if key in a.header and key in b.header and a.header[key] != b.header[key]:
-            return (f"{a.path} was recorded with {what} {_short(a.header[key])} "
-                    f"and {b.path} with {what} {_short(b.header[key])}.")
-    for key in _LAYOUT_KEYS:
-        if key in a.header and key in b.header and a.header[key] != b.header[key]:
-            return (f"{a.path} and {b.path} have different parallel layouts "
-                    f"({_short(a.header[key])} vs {_short(b.header[key])}).")
+    facts_a, facts_b = _facts(a), _facts(b)
+    for what, value in facts_a.items():
+        other = facts_b[what]
+        if value is not None and other is not None and value != other:
+            return f"{a.path} was recorded with {what} {_short(value)} and {b.path} with {what} {_short(other)}."
+    common = sorted(set(a.ranks) & set(b.ranks))
+    if common:
+        layout_a, layout_b = _layout(a, common[0]), _layout(b, common[0])
+        if layout_a is not None and layout_b is not None and layout_a != layout_b:
+            return (f"{a.path} and {b.path} have different parallel layouts: rank {common[0]} used process "
+                    f"groups {_short(layout_a)} in one and {_short(layout_b)} in the other.")
     return None
 
 

@@ -167,13 +167,21 @@ def rank_table(run: SyntheticRun, rank: int, fault: Fault | None = None) -> pa.T
     return pa.table([columns[field.name] for field in ARROW_SCHEMA], schema=ARROW_SCHEMA)
 
 
+def write_table(out: str | Path, rank: int, table: pa.Table, *, world_size: int, close: bool = True,
+                batch_records: int = 4096) -> None:
+    """Write records (a table of the trace schema) as one rank's trace; `close=False` leaves it without footer,
+    as a rank that died after its last flush does."""
+    writer = RankWriter(out, rank, header={"world_size": world_size, "rung": "op", "synthetic": True})
+    for batch in table.to_batches(max_chunksize=batch_records):
+        writer.add_batch(batch)
+    if close:
+        writer.close()
+
+
 def write_rank(out: str | Path, run: SyntheticRun, rank: int, fault: Fault | None = None) -> int:
     """Write one rank's trace under `out` through the real writer; return its record count."""
     table = rank_table(run, rank, fault)
-    writer = RankWriter(out, rank, header={"world_size": run.ranks, "rung": "op", "synthetic": True})
-    for batch in table.to_batches(max_chunksize=run.batch_records):
-        writer.add_batch(batch)
-    writer.close()
+    write_table(out, rank, table, world_size=run.ranks, batch_records=run.batch_records)
     return table.num_rows
 
 

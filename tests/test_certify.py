@@ -1,0 +1,102 @@
+"""`detrace certify`: every expected rank and step present, dense seq, complete collectives, clean closes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from detrace.cli import main
+from detrace.compare import certify
+from detrace.compare.certify import spans
+from detrace.compare.synthetic import SyntheticRun, rank_table, write_run, write_table
+from detrace.tracefile import rank_path
+
+RUN = SyntheticRun(ranks=2, steps=4, ops=4)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    write_run(tmp_path / "run", RUN)
+    return tmp_path / "run"
+
+
+def rewrite_rank1(run: Path, table: pa.Table, *, close: bool = True) -> None:
+    rank_path(run, 1).unlink()
+    write_table(run, 1, table, world_size=RUN.ranks, close=close)
+
+
+def test_a_clean_run_is_certified(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = certify(run)
+    assert result.ok and result.ranks == [0, 1] and result.steps == [0, 1, 2, 3]
+    assert result.records == RUN.ranks * RUN.records_per_rank
+    assert main(["certify", str(run), "--expected-ranks", "0-1", "--expected-steps", "0-3"]) == 0
+    assert capsys.readouterr().out.startswith(f"certified: {run}: 2 ranks x 4 steps")
+
+
+def test_missing_ranks_and_steps_are_listed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["certify", str(run), "--expected-ranks", "0-3", "--expected-steps", "0-5"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"not certified: {run}: 4 violations"
+    assert out[1:] == ["  rank 2: no trace file", "  rank 3: no trace file",
+                       "  rank 0: 2 expected steps missing (4-5)", "  rank 1: 2 expected steps missing (4-5)"]
+
+
+def test_seq_gaps_are_violations(run: Path) -> None:
+    table = rank_table(RUN, 1)
+    rewrite_rank1(run, pa.concat_tables([table.slice(0, 10), table.slice(11, 20), table.slice(40)]))
+    violations = certify(run).violations
+    assert violations[0] == "rank 1: seq is not dense: expected 10, found 11 at step 0"
+    assert "rank 1: the seq order breaks 2 times in all" in violations
+    assert any("footer counts" not in v for v in violations)
+
+
+def test_collective_left_incomplete_at_the_end(run: Path) -> None:
+    table = rank_table(RUN, 1)
+    cut = table.num_rows - 3  # the last step's all_reduce input is kept, its output is not
+    rewrite_rank1(run, table.slice(0, cut), close=False)
+    violations = certify(run).violations
+    assert f"rank 1: all_reduce#3 group 0,1 (seq {cut - 1}, step 3) has its input but no output" in violations
+    assert "rank 1: no footer: the rank never closed its trace" in violations
+
+
+def test_collective_completing_after_its_window_ended(run: Path) -> None:
+    table = rank_table(RUN, 1).to_pylist()
+    per_step = RUN.records_per_step
+    # the all_reduce of step 0 completes only after a gap in the recorded steps (steps 1-2 not recorded)
+    output = next(i for i, row in enumerate(table[:per_step])
+                  if row["name"] == "all_reduce" and row["role"] == "output")
+    kept = [*table[:output], {**table[output], "step": 3}, *table[3 * per_step:]]
+    rewrite_rank1(run, pa.Table.from_pylist([{**row, "seq": i} for i, row in enumerate(kept)],
+                                            schema=rank_table(RUN, 1).schema))
+    violations = certify(run, expected_steps="0,3").violations
+    assert violations == [f"rank 1: all_reduce#0 group 0,1 (seq {output - 1}, step 0) completed only at step 3, "
+                          "after its step window ended"]
+
+
+def test_torn_tail_and_footer_mismatch(run: Path) -> None:
+    path = rank_path(run, 0)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    violations = certify(run).violations
+    assert "rank 0: the trace ends in a torn batch (the process died while writing)" in violations
+    assert any(v.startswith("rank 0: the footer counts") for v in violations)
+
+
+def test_parallel_workers_agree(tmp_path: Path) -> None:
+    write_run(tmp_path / "four", SyntheticRun(ranks=4, steps=2, ops=2))
+    assert certify(tmp_path / "four", workers=2) == certify(tmp_path / "four", workers=1)
+
+
+def test_unreadable_or_malformed_input_exits_2(tmp_path: Path, run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["certify", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"detrace certify: error: run directory {tmp_path / 'nope'} does not exist\n"
+    assert main(["certify", str(run), "--expected-steps", "3-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs backwards" in err and "Traceback" not in err
+
+
+def test_spans() -> None:
+    assert spans([7, 1, 2, 3, 5]) == "1-3,5,7"
+    assert spans([]) == ""
