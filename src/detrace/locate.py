@@ -19,6 +19,7 @@ of the same command, environment and working directory), and every run directory
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
 from detrace.tracefile import open_run, read_rank, write_json_atomic
+from detrace.tracing.launch import run_traced
 
 LOCATE_SCHEMA = "detrace.locate/1"
 LADDER_SCHEMA = "detrace.ladder/1"
@@ -48,10 +51,16 @@ DEFAULT_STEPS = 4
 step already differs; a few more show the divergence spreading, at a few seconds per run on two cores."""
 
 
+DEFAULT_BATCH = 32
+"""Sequences per step of the embedded default: 32 x 32 tokens routed to 4 experts each make the MoE backward's
+accumulating index_put large enough (4096 rows into 1024) that its two threads race at almost every call; the
+preset's 8 sequences race only now and then, and a ladder needs the race to recur in its narrower reruns."""
+
+
 def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
     """The embedded default: the reference workload with its nondeterministic `index` MoE dispatch on 2 threads."""
     return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--steps", str(steps),
-            "--threads", "2", "--dispatch", "index"]
+            "--threads", "2", "--dispatch", "index", "--batch-size", str(DEFAULT_BATCH)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,13 +110,15 @@ class Stage:
     runs: list[str] = field(default_factory=list)
     """Run directories, in the order they ran (pairs: a, b; a retried pair: c, d)."""
     diff: dict[str, Any] | None = None
-    """The `detrace.diff/1` object of the pair that settled this rung (kernel rung: none)."""
+    """The `detrace.diff/1` object of this rung's last pair (kernel rung: none)."""
+    found: dict[str, Any] | None = None
+    """The divergence this rung settled on: the diff's `first` object plus occurrence, index, event, detail."""
     note: str = ""
     """What the rung established, in one sentence."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rung": self.rung, "steps": self.steps, "ranks": self.ranks, "runs": self.runs,
-                "diff": self.diff, "note": self.note}
+                "diff": self.diff, "found": self.found, "note": self.note}
 
 
 @dataclass(kw_only=True)
@@ -123,7 +134,7 @@ class LocateResult:
     steps: int = 0
     """Steps the broad rung recorded."""
     culprit: dict[str, Any] | None = None
-    """rank, step, phase, module, name, origin (as in diff)."""
+    """The narrowest divergence found (a `Stage.found`); its rank, step, phase, module, name, origin go to JSON."""
     culprit_records: list[dict[str, Any]] = field(default_factory=list)
     """The culprit call's records in both op-rung runs: role, index, shape, dtype, equal."""
     replay: ReplayResult | None = None
@@ -172,10 +183,15 @@ def _ranks_spec(ranks: list[int]) -> str:
     return ",".join(str(r) for r in sorted(set(ranks)))
 
 
-def _divergence(diff_json: dict[str, Any]) -> str:
-    first = diff_json["first"]
-    where = f"{first['phase']} {first['name']}" + (f" in {first['module']}" if first.get("module") else "")
-    return f"step {first['step']}, rank {first['rank']}: {where} ({first['role']})"
+def _where(d: Divergence) -> str:
+    return (f"step {d.step}, rank {d.rank}: {d.phase} {d.name}" + (f" in {d.module}" if d.module else "")
+            + f" ({d.role})")
+
+
+def _found(d: Divergence) -> dict[str, Any]:
+    """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and shapes."""
+    return {**d.to_json(), "occurrence": d.occurrence, "index": d.index, "event": d.event,
+            "detail": json.loads(json.dumps(d.detail, default=str))}
 
 
 class Ladder:
@@ -190,40 +206,52 @@ class Ladder:
     # -- running CMD ---------------------------------------------------------------------------------------
 
     def _run(self, stage: Stage, name: str, *, rung: str, capture: str | None = None) -> Path:
-        from detrace.tracing.launch import run_traced
-
         out = self.config.out / name
         self.progress.run_started(name, self.planned)
         stage.runs.append(str(out))
-        result = run_traced(list(self.config.command), out, rung=rung, steps=stage.steps, ranks=stage.ranks,
-                            max_numel=self.config.max_numel if rung in ("module", "op") else None,
-                            capture=capture, env=self.config.env, timeout=self.config.timeout, quiet=True)
+        try:
+            result = run_traced(list(self.config.command), out, rung=rung, steps=stage.steps, ranks=stage.ranks,
+                                max_numel=self.config.max_numel if rung in ("module", "op") else None,
+                                capture=capture, env=self.config.env, timeout=self.config.timeout, quiet=True)
+        except CommandFailed as err:
+            raise RunFailed(f"run {name} of the ladder failed: {err}") from None
         if result.returncode != 0:
             raise RunFailed(f"CMD exited with status {result.returncode} in run {name} of the ladder (kept in "
                             f"{out}); a command that fails on its own cannot be located", result.output_tail)
         self.progress.run_finished(name, result.elapsed)
         return out
 
-    def _pair(self, stage: Stage, rung: str, first: str, second: str) -> dict[str, Any]:
-        from detrace.compare import diff
-
+    def _pair(self, stage: Stage, rung: str, first: str, second: str) -> DiffResult:
         prefix = f"{len(self.stages)}-{rung}"
         a = self._run(stage, f"{prefix}-{first}", rung=rung)
         b = self._run(stage, f"{prefix}-{second}", rung=rung)
-        return diff(a, b).to_json()
+        result = diff(a, b)
+        if result.verdict == "incomparable":
+            raise TraceError(f"two {rung}-rung runs of the same command are not comparable: {result.reason}")
+        stage.diff = result.to_json()
+        return result
 
-    def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
-        """Run a pair at `rung` in the stage's window; once more if it does not reproduce the divergence."""
-        names = iter("abcdef")
+    def _narrow(self, stage: Stage, rung: str) -> Divergence | None:
+        """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence.
+
+        At the op rung the pair must also show an *origin* op (equal inputs, different output): a first divergent
+        op whose inputs already differed means the runs parted before the window, in steps not recorded.
+        Returns the divergence the stage settles on (at the op rung possibly a receiver, when no retry found an
+        origin), or None when no pair differed.
+        """
+        names = iter("abcd")
+        found = None
         for attempt in range(1 + self.config.retries):
             if attempt:
                 self.planned += 2
             result = self._pair(stage, rung, next(names), next(names))
-            if result["verdict"] == "incomparable":
-                raise TraceError(f"the {rung} runs of the ladder are not comparable: {result['reason']}")
-            if result["verdict"] == "diverged" and result["first"] is not None:
-                return result
-        return None
+            if result.verdict != "diverged" or result.first is None:
+                continue
+            found = (first_origin(result) or result.first) if rung == "op" else result.first
+            if rung != "op" or found.origin:
+                break
+        stage.found = None if found is None else _found(found)
+        return found
 
     # -- the rungs -----------------------------------------------------------------------------------------
 
@@ -234,47 +262,50 @@ class Ladder:
 
         broad = Stage(rung="semantic", steps="all", ranks="all")
         self.stages.append(broad)
-        broad.diff = self._pair(broad, "semantic", "a", "b")
+        first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = _recorded_steps(Path(broad.runs[0]))
-        if broad.diff["verdict"] == "incomparable":
-            raise TraceError(f"two runs of the same command are not comparable: {broad.diff['reason']}")
-        if broad.diff["verdict"] == "identical":
+        if first_pair.verdict == "identical" or first_pair.first is None:
             broad.note = f"the two runs are bit-identical over {result.steps} steps"
             self.progress.rung(broad)
             result.verdict = "deterministic"
             result.message = f"deterministic over {result.steps} steps: every recorded bit of two runs is identical"
             return result
-        first = broad.diff["first"]
-        origin_ranks = broad.diff["origin_ranks"] or [first["rank"]]
-        step = first["step"]
-        broad.note = (f"the runs part at {_divergence(broad.diff)}; origin rank(s) "
-                      f"{_ranks_spec(origin_ranks)}")
-        self.progress.rung(broad)
-        result.culprit = _culprit(first)
-
+        first = first_pair.first
+        broad.found = _found(first)
+        step = first_divergent_step(first_pair)
+        step = first.step if step is None else step
+        origin_ranks = first_pair.origin_ranks or [first.rank]
         window = {"steps": str(step), "ranks": _ranks_spec(origin_ranks)}
+        broad.note = f"the runs part at {_where(first)}; origin rank(s) {window['ranks']}"
+        self.progress.rung(broad)
+        result.culprit = broad.found
+
         for rung in ("module", "op"):
             stage = Stage(rung=rung, **window)
             self.stages.append(stage)
-            stage.diff = self._narrow(stage, rung)
-            if stage.diff is None:
-                stage.note = (f"{len(stage.runs)} runs at the {rung} rung in step {step} on rank(s) "
+            found = self._narrow(stage, rung)
+            if found is None:
+                stage.note = (f"{len(stage.runs)} runs at the {rung} rung recording step {step} on rank(s) "
                               f"{window['ranks']} did not differ: the nondeterminism did not recur there")
+            elif rung == "op" and not found.origin:
+                stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs: "
+                              "in these reruns the runs parted before the recorded step")
+            else:
+                stage.note = f"first {'origin' if found.origin else 'divergence'} at {_where(found)}"
                 self.progress.rung(stage)
-                result.message = (f"inconclusive: runs part at step {step} on rank(s) {window['ranks']}, but the "
-                                  f"{rung}-rung reruns of that step were identical ({stage.note})")
-                return result
-            stage.note = f"first {'origin' if stage.diff['first']['origin'] else 'divergence'}: " + _divergence(
-                stage.diff)
+                result.culprit = stage.found
+                continue
             self.progress.rung(stage)
-            result.culprit = _culprit(stage.diff["first"])
+            result.message = (f"inconclusive: two runs part at step {step} on rank(s) {window['ranks']}, but "
+                              f"the {rung}-rung reruns could not pin it down: {stage.note}")
+            return result
 
         op_stage = self.stages[-1]
-        culprit = op_stage.diff["first"] if op_stage.diff else None
+        culprit = op_stage.found
         assert culprit is not None
         result.culprit_records = _call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
         result.verdict = "nondeterministic"
-        result.message = (f"culprit: {culprit['name']}" + (f" in {culprit['module']}" if culprit.get("module") else "")
+        result.message = (f"culprit: {culprit['name']}" + (f" in {culprit['module']}" if culprit["module"] else "")
                           + f", {culprit['phase']} of step {culprit['step']} on rank {culprit['rank']}")
         result.replay = self._kernel(culprit)
         if result.replay is not None:
@@ -287,10 +318,9 @@ class Ladder:
     def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
         stage = Stage(rung="kernel", steps=str(culprit["step"]), ranks=str(culprit["rank"]))
         self.stages.append(stage)
-        occurrence = _occurrence(Path(self.stages[-2].runs[-1]), culprit)
         selector = (f"step={culprit['step']},rank={culprit['rank']},phase={culprit['phase']},"
-                    f"name={culprit['name']},occurrence={occurrence}")
-        if culprit.get("module"):
+                    f"name={culprit['name']},occurrence={culprit['occurrence']}")
+        if culprit["module"]:
             selector += f",module={culprit['module']}"
         run = self._run(stage, f"{len(self.stages)}-capture", rung="op", capture=selector)
         captures = list_captures(run)
@@ -299,16 +329,12 @@ class Ladder:
             self.progress.rung(stage)
             return None
         replayed = replay_file(captures[0], self.config.replay)
-        stage.note = (f"replayed {replayed.base.repeats}x: " + (
+        stage.note = (f"replayed {replayed.base.repeats} times: " + (
             f"nondeterministic, up to {replayed.base.differing_elements} elements differ by up to "
             f"{replayed.base.max_ulp} ULP; fixed by {', '.join(replayed.fixed_by) or 'no switch tried'}"
             if replayed.nondeterministic else "deterministic in isolation"))
         self.progress.rung(stage)
         return replayed
-
-
-def _culprit(first: dict[str, Any]) -> dict[str, Any]:
-    return {k: first.get(k) for k in ("rank", "step", "seq", "rung", "phase", "module", "name", "role", "origin")}
 
 
 def _recorded_steps(run_dir: Path) -> int:
@@ -321,23 +347,11 @@ def _recorded_steps(run_dir: Path) -> int:
     return 1 + max(read_rank(run_dir, rank).last_step for rank in info.ranks)
 
 
-def _rows(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    return read_rank(run_dir, rank).table.to_pylist()
-
-
-def _occurrence(run_dir: Path, first: dict[str, Any]) -> int:
-    """The culprit's occurrence counter (diff names its seq; the capture selector wants the occurrence)."""
-    for row in _rows(run_dir, first["rank"]):
-        if row["seq"] == first["seq"]:
-            return int(row["occurrence"])
-    raise TraceError(f"record {first['seq']} of rank {first['rank']} is missing from {run_dir}")
-
-
-def _call_records(run_a: str, run_b: str, first: dict[str, Any]) -> list[dict[str, Any]]:
+def _call_records(run_a: str, run_b: str, culprit: dict[str, Any]) -> list[dict[str, Any]]:
     """The culprit call's records in both runs, side by side: which inputs matched and which outputs did not."""
     def call(run: str) -> dict[tuple[str, int], dict[str, Any]]:
-        rows = _rows(Path(run), first["rank"])
-        event = next((r["event"] for r in rows if r["seq"] == first["seq"]), None)
+        rows = read_rank(run, culprit["rank"]).table.to_pylist()
+        event = next((r["event"] for r in rows if r["seq"] == culprit["seq"]), None)
         return {(r["role"], r["index"]): r for r in rows if event is not None and r["event"] == event}
 
     a, b = call(run_a), call(run_b)
@@ -385,6 +399,7 @@ def locate(config: LocateConfig, progress: Progress | None = None, *, force: boo
     """
     from detrace.report.html import write_report
 
+    config = dataclasses.replace(config, out=config.out.resolve())
     prepare_out(config.out, force=force)
     result = Ladder(config, progress).run()
     result.report = str(config.out / REPORT_FILE)

@@ -1,9 +1,123 @@
-"""`detrace locate`: not implemented yet (tracked in issue #7)."""
+"""`detrace locate [--json] [--out DIR] [-- CMD...]`: drive the whole ladder, print progress on stderr.
+
+Exit 0 when the runs are deterministic, 1 when a culprit was found, 2 on error or an inconclusive ladder.
+"""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from detrace.cli._args import ArgumentParser, split_command
+from detrace.errors import CommandFailed
+from detrace.locate import (
+    BASE_RUNS,
+    MAX_RUNS,
+    LocateConfig,
+    LocateResult,
+    Stage,
+    default_command,
+    default_out,
+    locate,
+)
+from detrace.locate import Progress as LadderProgress
+from detrace.replay import ReplayConfig
+
+_RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "module": "rung 2 (module)", "op": "rung 3 (op)",
+                "kernel": "rung 4 (kernel)"}
+
+
+class RichProgress(LadderProgress):
+    """A progress bar over the ladder's runs and one line per rung, on stderr."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+        self.task = self.bar.add_task("starting", total=BASE_RUNS)
+
+    def __enter__(self) -> RichProgress:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+    def run_started(self, name: str, planned: int) -> None:
+        self.bar.update(self.task, description=f"run {name}", total=planned)
+
+    def run_finished(self, name: str, elapsed: float) -> None:
+        self.bar.advance(self.task)
+
+    def rung(self, stage: Stage) -> None:
+        self.console.print(f"[bold]{_RUNG_TITLES[stage.rung]}[/] {stage.note}", highlight=False)
+
+
+def render(result: LocateResult, console: Console) -> None:
+    """The terminal summary."""
+    colour = {"deterministic": "green", "nondeterministic": "red"}.get(result.verdict, "yellow")
+    console.print(f"[bold {colour}]{result.verdict}[/]: {result.message}", highlight=False)
+    if result.culprit and result.verdict == "nondeterministic":
+        c = result.culprit
+        console.print(f"  culprit  {c['name']}  module {c.get('module') or '-'}  phase {c['phase']}  "
+                      f"step {c['step']}  rank {c['rank']}  {'origin' if c['origin'] else 'receiver'}",
+                      highlight=False)
+    for record in result.culprit_records:
+        state = "equal" if record["equal"] else "DIFFERS"
+        console.print(f"    {record['role']}[{record['index']}] {record['dtype']}{record['shape']}: {state}",
+                      highlight=False)
+    if result.replay is not None:
+        r = result.replay
+        console.print(f"  replay   {'nondeterministic' if r.nondeterministic else 'deterministic'} over "
+                      f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
+                      f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
+    console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
+    for run in result.runs:
+        console.print(f"           {run}", highlight=False)
+    console.print(f"  report   {result.report}", highlight=False)
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace locate' is not available in this build yet (issue #7)")
+    options, command = split_command(argv)
+    parser = ArgumentParser(
+        "locate",
+        f"Find the first op that makes two runs of CMD differ, by the progressive ladder: {BASE_RUNS} runs of CMD "
+        f"(at most {MAX_RUNS} when a narrower rerun does not reproduce the divergence). Without CMD, locate the "
+        "reference workload's nondeterministic MoE dispatch. Exit 0 deterministic, 1 culprit found, 2 error or "
+        "inconclusive.",
+        epilog="usage with a command: detrace locate [options] -- CMD...")
+    parser.add_argument("--json", action="store_true", help="print the detrace.locate/1 object on stdout")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for every run, the JSON results and report.html "
+                             "(default: a new ./detrace-locate-<timestamp>)")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--timeout", type=float, default=LocateConfig.timeout, metavar="SECONDS",
+                        help="seconds one run of CMD may take before it counts as hung (default %(default)s)")
+    parser.add_argument("--max-numel", type=int, default=None, metavar="N",
+                        help="at the module and op rungs, do not fingerprint tensors above N elements")
+    parser.add_argument("--repeats", type=int, default=ReplayConfig().repeats,
+                        help="least executions per arm of the kernel rung's replay (default %(default)s)")
+    args = parser.parse_args(options)
+    config = LocateConfig(command=tuple(command or default_command()), out=args.out or default_out(),
+                          timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats))
+    console = Console(stderr=True, highlight=False)
+    console.print(f"detrace locate: {' '.join(config.command)}" + ("" if command else "  (embedded default)"))
+    console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")
+    try:
+        with RichProgress(console) as progress:
+            result = locate(config, progress, force=args.force)
+    except CommandFailed as err:
+        tail = getattr(err, "output_tail", "")
+        if tail:
+            console.print("the end of CMD's output:", style="bold")
+            console.print(tail.rstrip(), markup=False, highlight=False)
+        raise
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        render(result, Console(file=sys.stdout, highlight=False, soft_wrap=True))
+    return result.exit_code

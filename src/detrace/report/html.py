@@ -68,7 +68,7 @@ def _bits(value: float) -> str:
 # -- data from the traces ----------------------------------------------------------------------------------------
 
 
-def _metrics(run_dir: Path, rank: int) -> dict[str, dict[int, float]]:
+def metric_series(run_dir: str | Path, rank: int) -> dict[str, dict[int, float]]:
     """Exact metric values of one rank: name -> step -> value."""
     table = read_rank(run_dir, rank).table
     table = table.filter(pc.equal(table["role"], "metric")).select(["step", "name", "value"])
@@ -79,10 +79,10 @@ def _metrics(run_dir: Path, rank: int) -> dict[str, dict[int, float]]:
     return dict(series)
 
 
-def _metric_rank(run_dir: Path) -> int | None:
+def metric_rank(run_dir: str | Path) -> int | None:
     """The lowest rank that recorded metrics (ranks outside the recorded window have no file)."""
     for rank in open_run(run_dir).ranks:
-        if _metrics(run_dir, rank):
+        if metric_series(run_dir, rank):
             return rank
     return None
 
@@ -276,11 +276,11 @@ def _first_parting(a: dict[int, float], b: dict[int, float]) -> int | None:
 
 
 def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> list[str]:
-    rank = _metric_rank(run_a)
+    rank = metric_rank(run_a)
     if rank is None:
         return ["<h2>Metric curves</h2><p class=\"muted\">The run recorded no metrics.</p>"]
-    ma = _metrics(run_a, rank)
-    mb = _metrics(run_b, rank) if run_b is not None and rank in open_run(run_b).ranks else {}
+    ma = metric_series(run_a, rank)
+    mb = metric_series(run_b, rank) if run_b is not None and rank in open_run(run_b).ranks else {}
     parts = ["<h2>Metric curves</h2>",
              f"<p class=\"muted\">Exact values recorded on rank {rank}" + (
                  ", run A (solid) and run B (dashed); the lower chart of each metric is |A − B| on a log scale."
