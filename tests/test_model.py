@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -71,6 +72,22 @@ def test_forward_backward_shapes(options: dict[str, object]) -> None:
         assert p.grad is not None and p.grad.shape == p.shape and torch.isfinite(p.grad).all(), name
     aux = sum(float(m.pop_aux_loss()) for m in model.moe_layers())
     assert aux >= 1.0 - 1e-6  # the Switch aux loss is >= 1, with equality at perfect balance
+
+
+def test_tiny_step_is_well_under_a_second_on_two_threads() -> None:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = HybridLM(TINY)
+    opt = torch.optim.AdamW(model.parameters())
+    inputs, targets = _batch()
+    durations = []
+    for _ in range(4):  # the first step warms up allocators and kernels
+        began = time.perf_counter()
+        objective(TINY, model(inputs), targets).backward()
+        opt.step()
+        opt.zero_grad()
+        durations.append(time.perf_counter() - began)
+    assert min(durations[1:]) < 0.5
 
 
 def test_layer_names_and_kinds() -> None:
