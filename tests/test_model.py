@@ -74,20 +74,22 @@ def test_forward_backward_shapes(options: dict[str, object]) -> None:
     assert aux >= 1.0 - 1e-6  # the Switch aux loss is >= 1, with equality at perfect balance
 
 
-def test_tiny_step_is_well_under_a_second_on_two_threads() -> None:
-    torch.set_num_threads(2)
+def test_tiny_step_is_well_under_a_second() -> None:
+    # One thread and CPU time: OpenMP threads spin-wait when other processes hold the cores, which would
+    # make a two-thread or wall-clock measure depend on the machine's load rather than on the model.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = HybridLM(TINY)
     opt = torch.optim.AdamW(model.parameters())
     inputs, targets = _batch()
-    durations = []
+    cpu_seconds = []
     for _ in range(4):  # the first step warms up allocators and kernels
-        began = time.perf_counter()
+        began = time.process_time()
         objective(TINY, model(inputs), targets).backward()
         opt.step()
         opt.zero_grad()
-        durations.append(time.perf_counter() - began)
-    assert min(durations[1:]) < 0.5
+        cpu_seconds.append(time.process_time() - began)
+    assert min(cpu_seconds[1:]) < 0.25
 
 
 def test_layer_names_and_kinds() -> None:
