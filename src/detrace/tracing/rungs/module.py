@@ -50,19 +50,18 @@ class ModuleRung:
     def _scan(self, root: nn.Module) -> None:
         for name, module in named_modules(root):
             self.names[module] = name
-        self.roots.append(weakref.ref(root))
 
     def name(self, module: nn.Module) -> str:
         name = self.names.get(module)
         if name is None:
             # Not known yet: a module added after its root was scanned, or a new root.
+            self.roots = [ref for ref in self.roots if ref() is not None]
             for ref in self.roots:
-                root = ref()
-                if root is not None:
-                    self._scan(root)
+                self._scan(ref())  # type: ignore[arg-type]
             name = self.names.get(module)
             if name is None:
                 self._scan(module)
+                self.roots.append(weakref.ref(module))
                 name = self.names[module]
         return name
 

@@ -215,8 +215,10 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
     original_builtin = DDP._register_builtin_comm_hook
     all_reduce = dist.distributed_c10d.all_reduce  # the untraced one: the bucket is recorded as itself
 
+    # The hooks below carry no annotations on purpose: DDP checks them, and this module's postponed (string)
+    # annotations would not compare equal to dist.GradBucket / torch.futures.Future.
     def recording(ddp: DDP, hook: Callable[[Any, Any], torch.futures.Future]) -> Callable[..., Any]:
-        def traced_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        def traced_hook(state, bucket):  # type: ignore[no-untyped-def]
             if not tracer.on["semantic"]:
                 return hook(state, bucket)
             group = group_name(ddp.process_group)
@@ -235,7 +237,7 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
         return traced_hook
 
     def default_hook(ddp: DDP) -> Callable[..., Any]:
-        def reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        def reduce(state, bucket):  # type: ignore[no-untyped-def]
             # The C++ default multiplies each gradient by 1/world_size while copying it into the bucket
             # (at::mul_out with a double scalar), then all-reduces with SUM: the same two steps, the same bits.
             buffer = bucket.buffer()
