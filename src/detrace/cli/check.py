@@ -1,9 +1,35 @@
-"""`detrace check`: not implemented yet (tracked in issue #5)."""
+"""`detrace check [--runs N] [--out DIR] [--timeout S] [--json] -- CMD...`: N runs from the same state must be
+bit-identical at the metrics and semantic rungs. Exit 0 identical, 1 diverged, 2 error."""
 
 from __future__ import annotations
 
-from detrace.errors import NotImplementedYet
+import json
+import sys
+from pathlib import Path
+
+from detrace.cli._args import ArgumentParser, split_command
+from detrace.report.terminal import render_diff
+from detrace.verify import check, default_out
 
 
 def main(argv: list[str]) -> int:
-    raise NotImplementedYet("'detrace check' is not available in this build yet (issue #5)")
+    options, cmd = split_command(argv)
+    parser = ArgumentParser("check", "Run CMD N times from the same state and require bit-identical traces.")
+    parser.add_argument("--runs", type=int, default=2, help="how many runs (default 2)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-check-<time>)")
+    parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--json", action="store_true", help="print the diffs as JSON on stdout")
+    args = parser.parse_args(options)
+    result = check(cmd, runs=args.runs, out=args.out or default_out("check"), timeout=args.timeout,
+                   progress=lambda line: print(f"detrace check: {line}", file=sys.stderr))
+    if args.json:
+        print(json.dumps({"schema": "detrace.check/1", "identical": result.identical,
+                          "runs": [str(p) for p in result.runs], "diffs": [d.to_json() for d in result.diffs]}))
+    elif result.identical:
+        print(f"identical: {len(result.runs)} runs are bit-identical ({result.runs[0].parent})")
+    else:
+        bad = result.first_divergent
+        assert bad is not None
+        print(f"run {result.diffs.index(bad) + 2} differs from run 1 ({result.runs[0].parent}):")
+        render_diff(bad)
+    return 0 if result.identical else 1
