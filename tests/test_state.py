@@ -1,0 +1,268 @@
+"""The parts of exact resume, one process: the pickle-free state codec, RNG capture, the resumable sampler
+and loader (with real DataLoader workers), and TrainState's environment contract."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detrace.errors import CheckpointError, UsageError
+from detrace.state import ResumableLoader, ResumableSampler, TrainState, rng, sample_seed, seeded_rngs, tree
+
+# --- the codec --------------------------------------------------------------------------------------------
+
+json_leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+keys = st.text(max_size=8) | st.integers() | st.sampled_from(["__tensor__", "__tuple__", "__dict__"])
+trees = st.recursive(
+    json_leaves | st.builds(torch.randn, st.integers(0, 3)),
+    lambda children: st.lists(children, max_size=3)
+    | st.lists(children, max_size=3).map(tuple)
+    | st.dictionaries(keys, children, max_size=3),
+    max_leaves=12,
+)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@given(trees)
+@settings(max_examples=60, deadline=None)
+def test_codec_round_trips_any_state_tree_through_json(value: object) -> None:
+    import json
+
+    skeleton, tensors = tree.split(value, "p")
+    assert all(key == "p" or key.startswith("p.") for key in tensors)
+    assert sorted(tree.tensor_keys(skeleton)) == sorted(tensors)
+    assert _same(tree.join(json.loads(json.dumps(skeleton)), tensors), value)
+
+
+def test_codec_refuses_what_only_pickle_could_store() -> None:
+    with pytest.raises(CheckpointError, match=r"'opt\.lr_fn'.*function"):
+        tree.split({"opt": {"lr_fn": lambda step: step}}, "")
+
+
+# --- RNG ---------------------------------------------------------------------------------------------------
+
+
+def _draws(generator: torch.Generator) -> tuple:
+    numpy_draws = float(np.random.rand()), np.random.randn(3).tolist()
+    return random.random(), numpy_draws, torch.rand(2).tolist(), torch.rand(2, generator=generator).tolist()
+
+
+def test_every_rng_is_captured_and_restored() -> None:
+    generator = torch.Generator().manual_seed(3)
+    np.random.randn()  # leaves a cached Gaussian in NumPy's state, which must survive too
+    state = rng.capture([generator])
+    first = _draws(generator)
+    _draws(generator)
+    rng.restore(state, [generator])
+    assert _draws(generator) == first
+    with pytest.raises(CheckpointError, match=r"1 explicit generators.*given 0"):
+        rng.restore(state, [])
+
+
+# --- the sampler -------------------------------------------------------------------------------------------
+
+
+@given(
+    n=st.integers(1, 40), replicas=st.integers(1, 4), drop_last=st.booleans(), shuffle=st.booleans(),
+    epoch=st.integers(0, 3),
+)
+@settings(max_examples=80, deadline=None)
+def test_sampler_shards_like_distributed_sampler(n: int, replicas: int, drop_last: bool, shuffle: bool, epoch: int):
+    if drop_last and n < replicas:
+        return
+    for rank in range(replicas):
+        sampler = ResumableSampler(n, shuffle=shuffle, seed=5, num_replicas=replicas, rank=rank, drop_last=drop_last)
+        reference = torch.utils.data.DistributedSampler(
+            range(n), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5, drop_last=drop_last
+        )
+        reference.set_epoch(epoch)
+        assert sampler.indices(epoch) == list(reference)
+        assert len(sampler) == len(reference)
+
+
+def _take(sampler: ResumableSampler, count: int) -> list[int]:
+    """`count` indices from the sampler, iterating it again at each epoch's end, as a training loop does."""
+    out: list[int] = []
+    while len(out) < count:
+        for index in sampler:
+            out.append(index)
+            if len(out) == count:
+                break
+    return out
+
+
+@given(n=st.integers(2, 30), stop=st.integers(0, 70))
+@settings(max_examples=60, deadline=None)
+def test_sampler_resumes_anywhere_across_epochs(n: int, stop: int) -> None:
+    stream = _take(ResumableSampler(n, seed=1), 3 * n)
+    stopped = ResumableSampler(n, seed=1)
+    head = _take(stopped, min(stop, 3 * n))
+    resumed = ResumableSampler(n, seed=1)
+    resumed.load_state_dict(stopped.state_dict())
+    assert head + _take(resumed, 3 * n - len(head)) == stream
+
+
+def test_sampler_refuses_a_state_of_another_configuration() -> None:
+    state = ResumableSampler(10, num_replicas=2, rank=1).state_dict()
+    with pytest.raises(CheckpointError, match=r"num_replicas=2.*num_replicas=4"):
+        ResumableSampler(10, num_replicas=4, rank=1).load_state_dict(state)
+
+
+def test_sampler_and_loader_arguments_are_checked() -> None:
+    with pytest.raises(UsageError, match="rank 2 is not one of num_replicas=2"):
+        ResumableSampler(10, num_replicas=2, rank=2)
+    with pytest.raises(UsageError, match="sets the DataLoader's shuffle itself"):
+        ResumableLoader([], sampler=ResumableSampler(3), batch_size=1, shuffle=True)
+
+
+# --- the loader --------------------------------------------------------------------------------------------
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Random augmentation from torch, NumPy and Python's RNGs, drawn wherever the sample is loaded."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, torch.rand(()).item(), np.random.rand(), random.random()], dtype=torch.float64)
+
+
+def _epochs(loader: ResumableLoader, batches: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    while len(out) < batches:
+        for batch in loader:
+            out.append(batch)
+            if len(out) == batches:
+                break
+    return out
+
+
+@pytest.mark.parametrize("stop", [2, 3], ids=["mid-epoch", "epoch-boundary"])
+def test_loader_with_two_workers_resumes_samples_and_augmentation_exactly(stop: int) -> None:
+    def loader(workers: int) -> ResumableLoader:
+        sampler = ResumableSampler(10, seed=4)
+        return ResumableLoader(Augmented(), sampler=sampler, batch_size=3, num_workers=workers,
+                               multiprocessing_context="fork" if workers else None)
+
+    # 10 samples in batches of 3: batches 1-4 are epoch 0 (the 4th holds one sample), 5-8 epoch 1.
+    continuous = _epochs(loader(2), 6)
+    first = loader(2)
+    head = _epochs(first, stop)
+    resumed = loader(2)
+    resumed.load_state_dict(first.state_dict())
+    tail = _epochs(resumed, 6 - stop)
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, continuous, strict=True))
+    # Per-sample seeding makes the bits independent of the number of workers, too.
+    assert all(torch.equal(a, b) for a, b in zip(_epochs(loader(0), 6), continuous, strict=True))
+    # ... and different from epoch to epoch for the same sample.
+    epoch0 = {int(row[0]): row[1:] for batch in continuous[:4] for row in batch}
+    epoch1 = {int(row[0]): row[1:] for batch in continuous[4:] for row in batch}
+    assert all(not torch.equal(epoch0[index], epoch1[index]) for index in epoch1)
+
+
+def test_loader_counts_what_the_loop_consumed_not_what_workers_prefetched() -> None:
+    sampler = ResumableSampler(12, seed=0)
+    loader = ResumableLoader(Augmented(), sampler=sampler, batch_size=2, num_workers=2,
+                             multiprocessing_context="fork", prefetch_factor=2)
+    _epochs(loader, 1)
+    assert loader.state_dict()["sampler"]["position"] == 2
+
+
+def test_loader_leaves_the_training_loops_rng_alone() -> None:
+    torch.manual_seed(0)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()
+    _epochs(ResumableLoader(Augmented(), sampler=ResumableSampler(10), batch_size=4), 3)
+    after = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+
+
+def test_sample_seeds_differ_by_epoch_and_index_and_seed_every_rng() -> None:
+    seeds = {sample_seed(0, epoch, index) for epoch in range(5) for index in range(50)}
+    assert len(seeds) == 250
+    with seeded_rngs(sample_seed(0, 1, 2)):
+        first = torch.rand(()).item(), np.random.rand(), random.random()
+    with seeded_rngs(sample_seed(0, 1, 2)):
+        assert (torch.rand(()).item(), np.random.rand(), random.random()) == first
+
+
+# --- TrainState's environment contract -------------------------------------------------------------------
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(3, 2)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      data=ResumableSampler(8), extra={"tokens": 0, "ema": torch.zeros(2)})
+
+
+def test_environment_contract_stops_saves_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    state = _state()
+    assert state.resume_if_requested() == 0
+    assert not state.end_of_step(1)
+    monkeypatch.setenv("DETRACE_STOP_AT", "2")
+    state.extra["tokens"] = 64
+    state.extra["ema"].fill_(3.0)
+    next(iter(state.data))
+    assert state.end_of_step(2)
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"
+
+    monkeypatch.delenv("DETRACE_STOP_AT")
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    resumed = _state()
+    assert resumed.resume_if_requested() == 2
+    assert resumed.step == 2 and resumed.extra["tokens"] == 64 and resumed.extra["ema"].tolist() == [3.0, 3.0]
+    assert resumed.data.position == 1
+    monkeypatch.setenv("DETRACE_RESUME_CONTROL", "skip-data")
+    skipped = _state()
+    assert skipped.resume_if_requested() == 2 and skipped.data.position == 0
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"DETRACE_RESUME": "yes"}, "DETRACE_RESUME must be 1 or 0"),
+        ({"DETRACE_RESUME": "1"}, "DETRACE_CKPT_DIR must name the checkpoint directory"),
+        ({"DETRACE_RESUME_CONTROL": "skip-everything"}, "'skip-everything' is not a known negative control"),
+    ],
+)
+def test_environment_contract_errors(monkeypatch: pytest.MonkeyPatch, variables: dict, message: str) -> None:
+    monkeypatch.delenv("DETRACE_CKPT_DIR", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=message):
+        _state().resume_if_requested()
+
+
+def test_stop_at_must_be_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_STOP_AT", "ten")
+    with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number, not 'ten'"):
+        _state().end_of_step(1)
+
+
+def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    clock: list[int] = []
+    monkeypatch.setitem(sys.modules, "detrace.tracing", types.SimpleNamespace(set_step=clock.append))
+    state = _state()
+    state.step = 5
+    state.save(tmp_path)
+    _state().load(tmp_path)
+    assert clock == [5]
