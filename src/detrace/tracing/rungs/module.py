@@ -1,6 +1,7 @@
 """Rung 2, module: inputs/outputs of every nn.Module's forward, grad inputs/outputs of its backward.
 
-Global module hooks (forward pre/post, full backward pre/post) see every module without code changes. A module
+Global module forward hooks (pre and post) see every module without code changes; the backward is seen through
+hooks on the call's output and input tensors (see `_Backward`). A module
 is named by its qualified name in its model: the first module called with no module in scope is a root,
 and its `named_modules()` names it ("") and everything below (DDP and torch.compile wrappers looked through).
 Records: `module` = qualified name, `name` = class name; forward inputs/outputs (roles input/output), backward
@@ -13,7 +14,6 @@ rung records, so outside the window they cost nothing.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +42,6 @@ class ModuleRung:
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.roots: list[weakref.ref[nn.Module]] = []
         self.forward_calls: list[Call] = []
-        self.backward_calls: dict[int, list[Call]] = {}
         self.handles: list[Any] = []
 
     # -- names ----------------------------------------------------------------------------------------------
@@ -82,29 +81,14 @@ class ModuleRung:
         call = self.forward_calls.pop()
         if tracer.scope:
             tracer.scope.pop()
-        tracer.emit(call, "output", tracer.snapshot(_tensors(output)))
-
-    def backward_pre(self, module: nn.Module, grad_output: Any) -> None:
-        tracer = self.tracer
-        name = self.name(module)
-        tracer.scope.append(name)
-        call = tracer.begin("module", "backward", type(module).__name__, name)
-        self.backward_calls.setdefault(id(module), []).append(call)
-        tracer.emit(call, "grad_output", tracer.snapshot(_tensors(grad_output)))
-
-    def backward_post(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-        tracer = self.tracer
-        calls = self.backward_calls.get(id(module))
-        if not calls:
-            return
-        call = calls.pop()
-        if call.module in tracer.scope and any(g is not None for g in _tensors(grad_input)):
-            # Backward order is not strictly nested (residual branches): drop this module and whatever its
-            # backward left above it. A module none of whose inputs needs a gradient (the first layer) gets
-            # this call before its own weight gradients are computed, so it stays in scope until the
-            # backward ends.
-            del tracer.scope[len(tracer.scope) - 1 - tracer.scope[::-1].index(call.module):]
-        tracer.emit(call, "grad_input", tracer.snapshot(_tensors(grad_input)))
+        outputs = _tensors(output)
+        tracer.emit(call, "output", tracer.snapshot(outputs))
+        if torch.is_grad_enabled():
+            grad_outputs = [t for t in outputs if t is not None and t.grad_fn is not None]
+            # Leaves are skipped: a hook on a leaf would stay on it for every later step.
+            grad_inputs = [t for t in _tensors(args) if t is not None and t.grad_fn is not None]
+            if grad_outputs:
+                _Backward(self.tracer, call, grad_outputs, grad_inputs)
 
     def switch(self) -> None:
         """Register the hooks in steps where the rung records, remove them elsewhere."""
@@ -113,8 +97,6 @@ class ModuleRung:
             self.handles = [
                 module_hooks.register_module_forward_pre_hook(self.forward_pre),
                 module_hooks.register_module_forward_hook(self.forward_post, always_call=True),
-                module_hooks.register_module_full_backward_pre_hook(self.backward_pre),
-                module_hooks.register_module_full_backward_hook(self.backward_post),
             ]
         elif not on and self.handles:
             self.remove()
@@ -124,14 +106,49 @@ class ModuleRung:
             handle.remove()
         self.handles = []
         self.forward_calls.clear()
-        self.backward_calls.clear()
         self.tracer.scope.clear()
 
 
+class _Backward:
+    """One module call's backward, seen through tensor hooks (which, unlike nn.Module full backward hooks, do
+    not wrap the module's outputs, so in-place ops on them such as ReLU(inplace=True) keep working).
+
+    It begins when the first gradient w.r.t. an output arrives (grad_output; the module enters the scope) and
+    ends when the gradients w.r.t. all its non-leaf inputs have arrived (grad_input; it leaves the scope). A
+    module without such inputs (the first layer) stays in scope until the backward ends, so the ops computing
+    its weight gradients still know it."""
+
+    def __init__(self, tracer: Tracer, forward: Call, outputs: list[torch.Tensor],
+                 inputs: list[torch.Tensor]) -> None:
+        self.tracer = tracer
+        self.forward = forward
+        self.call: Call | None = None
+        self.pending_inputs = len(inputs)
+        for index, tensor in enumerate(outputs):
+            tensor.register_hook(self._hook("grad_output", index))
+        for index, tensor in enumerate(inputs):
+            tensor.register_hook(self._hook("grad_input", index))
+
+    def _hook(self, role: str, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            tracer = self.tracer
+            if not tracer.on["module"]:
+                return
+            if self.call is None:
+                self.call = tracer.begin("module", "backward", self.forward.name, self.forward.module)
+                tracer.scope.append(self.forward.module or "")
+            tracer.emit(self.call, role, [None] * index + tracer.snapshot([grad]))
+            if role == "grad_input":
+                self.pending_inputs -= 1
+                if self.pending_inputs == 0 and self.forward.module in tracer.scope:
+                    # Backward order is not strictly nested (residual branches): drop this module and whatever
+                    # its backward left above it.
+                    del tracer.scope[len(tracer.scope) - 1 - tracer.scope[::-1].index(self.forward.module):]
+
+        return hook
+
+
 def install(tracer: Tracer) -> list[Undo]:
-    # Said for every module whose inputs need no gradient (the first layer), on every backward: expected here.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                            "respect to module outputs", category=UserWarning)
     rung = ModuleRung(tracer)
     tracer.add_listener(rung.switch)
     rung.switch()

@@ -13,10 +13,12 @@ DistributedDataParallel built while tracing gets a comm hook at its first forwar
 reduces it exactly as the default C++ path does (scale by 1/world_size, then a SUM all-reduce of the bucket).
 A comm hook the user registers is wrapped instead; a built-in (C++) comm hook is left alone and unrecorded.
 
-Recompute: `torch.utils.checkpoint` (reentrant and not) runs the checkpointed function twice; its outputs are
-recorded both times, the second with phase "recompute" and extra {"matches_forward": bool}. While recording,
-non-reentrant checkpoints recompute fully (early stop off) so that the recomputed outputs exist; this changes
-no value.
+Recompute: `torch.utils.checkpoint.checkpoint` (reentrant and not) runs the checkpointed function twice; its
+outputs are recorded both times, the second with phase "recompute" and extra {"matches_forward": bool}. While
+recording, non-reentrant checkpoints recompute fully (early stop off) so that the recomputed outputs exist; this
+changes no value. The function is replaced where it is looked up, `torch.utils.checkpoint.checkpoint`: under
+`detrace run` that is before the program imports it; in library form, code that bound it with `from
+torch.utils.checkpoint import checkpoint` before the trace started is not seen.
 
 Optimizer: grads as the step begins (role grad), then each parameter (role param) and each state tensor
 (role state, extra {"state": [keys]} giving the order) after it, named by the parameter's qualified name.
@@ -301,23 +303,15 @@ def _install_recompute(tracer: Tracer) -> list[Undo]:
 
         return run
 
-    original_generator = cp._checkpoint_without_reentrant_generator
-    original_apply = cp.CheckpointFunction.apply
+    original = cp.checkpoint
 
-    def generator(fn: Callable[..., Any], preserve: bool = True, context_fn: Any = cp.noop_context_fn,
-                  determinism_check: str = cp._DEFAULT_DETERMINISM_MODE, debug: bool = False,
-                  early_stop: bool = True, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if tracer.on["semantic"]:
-            fn, early_stop = recorded(fn), False
-        return original_generator(fn, preserve, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+            function, kwargs["early_stop"] = recorded(function), False
+        return original(function, *args, **kwargs)
 
-    def apply(cls: type, function: Callable[..., Any], preserve: bool, *args: Any) -> Any:
-        if tracer.on["semantic"]:
-            function = recorded(function)
-        return original_apply(function, preserve, *args)
-
-    return [replace(cp, "_checkpoint_without_reentrant_generator", generator),
-            replace(cp.CheckpointFunction, "apply", classmethod(apply))]
+    checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return [replace(cp, "checkpoint", checkpoint)]
 
 
 def _install_optimizer(tracer: Tracer) -> list[Undo]:

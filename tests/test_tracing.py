@@ -1,0 +1,255 @@
+"""The tracer in library form (`with detrace.trace(...)`): rungs, step clock, windows, names, no side effects."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import detrace
+from detrace.errors import TraceError, UsageError
+from detrace.tracefile import load_capture, open_run, read_rank
+from detrace.tracing import set_step
+from detrace.tracing.config import CaptureSelector, TraceConfig, parse_steps_option
+from detrace.tracing.rungs.op import op_info
+
+
+class Net(nn.Module):
+    """Small, but with what the rungs must handle: in-place ops, both checkpoint kinds, an embedding.
+
+    checkpoint is looked up at call time, as the library form needs (see detrace/tracing/rungs/semantic.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        h = torch.utils.checkpoint.checkpoint(torch.tanh, h, use_reentrant=True)
+        out = self.head(h).mean(1)
+        out.add_(1.0)
+        return out
+
+
+def train(steps: int = 3, *, metric: bool = False) -> tuple[Net, list[float]]:
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 11, (4, 5), generator=gen)
+        loss = net(tokens).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if metric:
+            detrace.metric("lr", opt.param_groups[0]["lr"])
+    return net, losses
+
+
+def params_digest(net: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in net.parameters():
+        h.update(p.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rows(run: Path, rank: int = 0) -> list[dict]:
+    return read_rank(run, rank).table.to_pylist()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("rung", ["metrics", "semantic", "module", "op"])
+def test_tracing_changes_no_bit(tmp_path: Path, rung: str) -> None:
+    untraced, _ = train()
+    with detrace.trace(tmp_path / rung, rung=rung):
+        traced, _ = train()
+    assert params_digest(traced) == params_digest(untraced)
+    trace = read_rank(tmp_path / rung, 0)
+    assert trace.complete
+    assert set(trace.table.column("rung").to_pylist()) == set(("metrics", "semantic", "module", "op")[
+        : ("metrics", "semantic", "module", "op").index(rung) + 1])
+
+
+def test_metrics_are_exact_and_stepped(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "m"):
+        _, losses = train(metric=True)
+    records = rows(tmp_path / "m")
+    loss = [r for r in records if r["name"] == "loss"]
+    assert [r["value"] for r in loss] == losses  # float32 -> float64: exact
+    assert [r["step"] for r in loss] == [0, 1, 2]
+    assert all(r["role"] == "metric" and r["rung"] == "metrics" for r in records)
+    norms = [r for r in records if r["name"] == "grad_norm"]
+    assert [r["step"] for r in norms] == [0, 1, 2] and all(r["phase"] == "optimizer" for r in norms)
+    # detrace.metric after optimizer.step(): the step has ended, so it belongs to the next one
+    assert [(r["step"], r["value"]) for r in records if r["name"] == "lr"] == [(1, 0.01), (2, 0.01), (3, 0.01)]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_step_without_optimizer_and_set_step(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "s"):
+        for i in range(3):
+            detrace.metric("x", float(i))
+            detrace.step()
+        set_step(10)
+        detrace.metric("x", torch.tensor(0.5, dtype=torch.bfloat16))
+    records = rows(tmp_path / "s")
+    assert [(r["step"], r["value"], r["dtype"]) for r in records] == [
+        (0, 0.0, "float64"), (1, 1.0, "float64"), (2, 2.0, "float64"), (10, 0.5, "bfloat16")]
+
+
+def test_api_is_inert_without_a_tracer() -> None:
+    detrace.step()
+    detrace.metric("x", 1.0)
+    set_step(3)
+    with pytest.raises(UsageError):
+        set_step(-1)
+
+
+def test_semantic_rung_records_optimizer_and_recompute(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "s", rung="semantic"):
+        net, _ = train(steps=2)
+    records = [r for r in rows(tmp_path / "s") if r["rung"] == "semantic"]
+    names = {n for n, _ in net.named_parameters()}
+    optimizer = [r for r in records if r["phase"] == "optimizer"]
+    assert {r["name"] for r in optimizer} == names
+    by_role = {role: [r for r in optimizer if r["role"] == role and r["step"] == 0] for role in ("grad", "param")}
+    assert len(by_role["grad"]) == len(by_role["param"]) == len(names)
+    states = [r for r in optimizer if r["role"] == "state" and r["name"] == "head.weight" and r["step"] == 0]
+    assert json.loads(states[0]["extra"]) == {"state": ["exp_avg", "exp_avg_sq", "step"]} and len(states) == 3
+    recompute = [r for r in records if r["phase"] == "recompute"]
+    assert len(recompute) == 2 * 2  # two checkpoints, two steps, one output each
+    assert all(json.loads(r["extra"]) == {"matches_forward": True} for r in recompute)
+    forward = [r for r in records if r["name"] == "checkpoint" and r["phase"] == "forward"]
+    # backward recomputes in reverse order
+    assert sorted(r["digest"] for r in forward) == sorted(r["digest"] for r in recompute)
+
+
+def test_module_rung_names_and_scopes(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "m", rung="op"):
+        train(steps=1)
+    records = rows(tmp_path / "m")
+    modules = {(r["module"], r["name"]) for r in records if r["rung"] == "module"}
+    assert {("", "Net"), ("embed", "Embedding"), ("block.0", "Linear"), ("head", "Linear")} <= modules
+    grads = {(r["module"], r["role"]) for r in records if r["rung"] == "module" and r["phase"] == "backward"}
+    assert ("head", "grad_output") in grads and ("head", "grad_input") in grads
+    # ops know their innermost module, in forward and in backward; the recompute has its own phase
+    ops = {(r["phase"], r["module"], r["name"]) for r in records if r["rung"] == "op"}
+    assert ("forward", "head", "aten.addmm.default") in ops or ("forward", "head", "aten.mm.default") in ops
+    assert ("backward", "embed", "aten.embedding_dense_backward.default") in ops
+    assert ("recompute", "block.0", "aten.addmm.default") in ops
+    assert any(phase == "optimizer" for phase, _, _ in ops)
+    # calls share their event; inputs come before outputs
+    by_event: dict[int, list[dict]] = {}
+    for r in records:
+        by_event.setdefault(r["event"], []).append(r)
+    assert all(group[0]["seq"] == event for event, group in by_event.items())
+
+
+def test_op_rung_rule(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "o", rung="op"):
+        x = torch.arange(6.0).reshape(2, 3)  # factory without tensor inputs: skipped
+        y = x.t()  # view: skipped
+        z = y.clone()
+        z.add_(1)  # in-place: the mutated tensor is recorded
+        torch.randn(2, generator=torch.Generator().manual_seed(0))  # seeded factory: recorded
+        torch.empty_like(z)  # uninitialised memory: skipped
+        detrace.step()
+    records = rows(tmp_path / "o")
+    calls = [(r["name"], r["role"]) for r in records]
+    assert ("aten.clone.default", "input") in calls and ("aten.clone.default", "output") in calls
+    assert ("aten.add_.Tensor", "mutated") in calls and ("aten.add_.Tensor", "output") not in calls
+    assert ("aten.randn.generator", "output") in calls
+    names = {r["name"] for r in records}
+    assert not names & {"aten.arange.start", "aten.t.default", "aten.transpose.int", "aten.view.default",
+                        "aten.empty_like.default", "aten.empty.memory_format"}
+    assert op_info(torch.ops.aten.view.default).skip and op_info(torch.ops.c10d.allreduce_.default).skip
+    assert not op_info(torch.ops.aten.index_put_.default).skip
+
+
+def test_windows_and_max_numel(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "w", rung="op", steps={"op": "1", "module": "1"}, max_numel=20):
+        train(steps=3)
+    records = rows(tmp_path / "w")
+    assert {r["step"] for r in records if r["rung"] in ("op", "module")} == {1}
+    assert {r["step"] for r in records if r["rung"] == "semantic"} == {0, 1, 2}
+    big = [r for r in records if r["numel"] > 20]
+    small = [r for r in records if r["numel"] <= 20 and r["rung"] != "metrics"]
+    assert big and all(r["digest"] is None and r["shape"] for r in big)
+    assert small and all(r["digest"] is not None for r in small)
+
+
+def test_rank_outside_window_writes_nothing(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "r", ranks="1-3"):
+        train(steps=1)
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").iterdir())
+
+
+def test_existing_trace_refused_unless_forced(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "t"):
+        train(steps=1)
+    with pytest.raises(TraceError, match="already holds a trace"), detrace.trace(tmp_path / "t"):
+        pass
+    with detrace.trace(tmp_path / "t", force=True):
+        train(steps=2)
+    assert read_rank(tmp_path / "t", 0).last_step == 1
+    info = open_run(tmp_path / "t")
+    assert info.header["rung"] == "metrics" and info.world_size == 1
+
+
+def test_no_tensor_kept_alive(tmp_path: Path) -> None:
+    seen: list[weakref.ref[torch.Tensor]] = []
+    hook = nn.modules.module.register_module_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    try:
+        with detrace.trace(tmp_path / "k", rung="op"):
+            train(steps=2)
+            gc.collect()
+            assert seen and all(ref() is None for ref in seen)
+    finally:
+        hook.remove()
+
+
+def test_capture_saves_the_selected_call(tmp_path: Path) -> None:
+    spec = "step=1,phase=backward,name=aten.embedding_dense_backward.default,occurrence=0"
+    with detrace.trace(tmp_path / "c", rung="op", capture=spec):
+        train(steps=2)
+    (path,) = (tmp_path / "c" / "capture").iterdir()
+    capture = load_capture(path)
+    assert capture.op == "aten.embedding_dense_backward.default"
+    assert capture.meta["step"] == 1 and capture.meta["module"] == "embed" and capture.meta["threads"] == 1
+    event = capture.meta["seq"]
+    assert path.name == f"rank-00000-seq{event:08d}.safetensors"
+    (out_record,) = [r for r in rows(tmp_path / "c") if r["event"] == event and r["role"] == "output"]
+    assert list(capture.outputs[0].shape) == out_record["shape"]
+
+
+def test_bad_configuration() -> None:
+    with pytest.raises(UsageError, match="unknown rung"):
+        TraceConfig(out=Path("x"), rung="kernel")
+    with pytest.raises(UsageError, match="malformed SPEC"):
+        TraceConfig(out=Path("x"), steps="3-1")
+    with pytest.raises(UsageError, match="needs --rung op"):
+        TraceConfig(out=Path("x"), capture="name=aten.mm.default")
+    with pytest.raises(UsageError, match="malformed capture selector"):
+        CaptureSelector.parse("name=aten.mm.default,step=x")
+    with pytest.raises(UsageError, match="no name"):
+        CaptureSelector.parse("step=1")
+    assert parse_steps_option(["2-4", "op=3"]) == {"metrics": "2-4", "semantic": "2-4", "module": "2-4", "op": "3"}
+    config = TraceConfig(out=Path("x"), rung="op", steps={"op": "3"}, capture="name=aten.mm.default,rank=1")
+    assert TraceConfig.from_env({"DETRACE_TRACE": config.to_env()}) == config
