@@ -1,0 +1,218 @@
+"""Checkpoints: pickle-free layout, atomic commit (a real SIGKILL in the middle of a save), the fingerprint
+manifest catching a one-bit flip by tensor name, and `detrace verify-checkpoint`'s exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from detrace.cli import main as detrace
+from detrace.errors import CheckpointCorrupted, CheckpointError
+from detrace.state import TrainState, verify_checkpoint
+
+
+def make_state(seed: int = 0, *, head: bool = False) -> TrainState:
+    """A small model with AdamW after one step: parameters and optimizer moments to save."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    if head:
+        model.append(torch.nn.Linear(3, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 6)).square().sum().backward()
+    optimizer.step()
+    return TrainState(model=model, optimizer=optimizer)
+
+
+def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of `tensor`'s bytes where they are stored in a shard file."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    for shard in directory.glob("*.distcp"):
+        content = bytearray(shard.read_bytes())
+        at = content.find(data)
+        if at >= 0:
+            content[at + len(data) // 2] ^= 0x10
+            shard.write_bytes(bytes(content))
+            return
+    raise AssertionError("the tensor's bytes are in no shard")
+
+
+def test_layout_is_sharded_atomic_and_pickle_free(tmp_path: Path) -> None:
+    state = make_state()
+    state.step = 7
+    version = state.save(tmp_path)
+    assert version == tmp_path / "step-00000007"
+    assert (tmp_path / "latest").read_text() == "step-00000007\n"
+    names = sorted(path.name for path in version.iterdir())
+    assert names == ["__0_0.distcp", "dcp_metadata.json", "manifest.json", "rank-0.json", "state.json"]
+    for path in version.iterdir():
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        else:  # torch.save records (zip archives), which DCP reads back with weights_only=True
+            assert path.read_bytes()[:2] == b"PK"
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert manifest["step"] == 7 and manifest["world_size"] == 1
+    assert {"model.0.weight", "optimizer.state.0.weight.exp_avg", "rank0.rng.torch"} <= set(manifest["tensors"])
+    assert set(manifest["files"]) == {"dcp_metadata.json", "rank-0.json", "state.json"}
+    hyper = json.loads((version / "state.json").read_text())["optimizer"]["param_groups"][0]
+    assert hyper["lr"] == 0.01 and hyper["betas"] == {"__tuple__": [0.9, 0.999]}
+
+
+def test_load_restores_the_saved_bits(tmp_path: Path) -> None:
+    state = make_state(seed=0)
+    state.step = 3
+    state.save(tmp_path)
+    other = make_state(seed=1)
+    assert other.load(tmp_path) == 3 and other.step == 3
+    for a, b in zip(state.model.parameters(), other.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    saved, loaded = state.optimizer.state_dict(), other.optimizer.state_dict()
+    assert all(torch.equal(saved["state"][0][k], loaded["state"][0][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert loaded["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_saves_keep_the_latest_versions(tmp_path: Path) -> None:
+    state = make_state()
+    for step in (1, 2, 2):
+        state.step = step
+        state.save(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step-00000002.1"]
+    state.step = 3
+    state.save(tmp_path, keep=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step-00000002.1", "step-00000003"]
+    assert verify_checkpoint(tmp_path / "step-00000002.1")["step"] == 2
+
+
+def test_a_flipped_bit_is_reported_by_tensor_name(tmp_path: Path) -> None:
+    state = make_state()
+    version = state.save(tmp_path)
+    flip_one_bit(version, state.model[2].weight)
+    with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.2\.weight'") as caught:
+        verify_checkpoint(tmp_path)
+    assert caught.value.exit_code == 1
+    with pytest.raises(CheckpointCorrupted, match=r"'model\.2\.weight'"):
+        make_state().load(tmp_path)
+
+
+def test_an_edited_state_file_is_reported_by_name(tmp_path: Path) -> None:
+    version = make_state().save(tmp_path)
+    text = (version / "state.json").read_text().replace("0.01", "0.02")
+    (version / "state.json").write_text(text)
+    with pytest.raises(CheckpointCorrupted, match=r"file state\.json does not match its checksum"):
+        verify_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_another_model_or_world_size_is_refused(tmp_path: Path) -> None:
+    make_state().save(tmp_path)
+    with pytest.raises(CheckpointError, match=r"training state has tensor 'model\.3\.bias'"):
+        make_state(head=True).load(tmp_path)
+    with pytest.raises(CheckpointError, match=r"holds tensor 'optimizer\.state\.0\.bias\.exp_avg' that this"):
+        TrainState(model=make_state().model).load(tmp_path)
+    manifest = tmp_path / "step-00000000" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
+    with pytest.raises(CheckpointError, match="saved by 2 ranks and cannot resume 1"):
+        make_state().load(tmp_path)
+
+
+# --- a real crash in the middle of a save ------------------------------------------------------------------
+
+CRASHING_SAVER = """
+import pathlib, sys, time
+import torch
+import torch.distributed.checkpoint.filesystem as filesystem
+from detrace.state import TrainState
+
+root, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+model = torch.nn.Linear(32, 32)
+state = TrainState(model=model)
+state.step = 1
+state.save(root)
+
+# Injected fault (test only): the next save stalls after writing its first tensor record, so that the
+# parent can SIGKILL the process in the middle of it.
+write_item = filesystem._write_item
+def stalling_write_item(*args, **kwargs):
+    result = write_item(*args, **kwargs)
+    marker.touch()
+    time.sleep(120)
+    return result
+filesystem._write_item = stalling_write_item
+
+with torch.no_grad():
+    model.weight.add_(1.0)
+state.step = 2
+state.save(root)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    root, marker = tmp_path / "ckpt", tmp_path / "in-save"
+    with subprocess.Popen([sys.executable, "-c", CRASHING_SAVER, str(root), str(marker)]) as process:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the save never started"
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+    assert (root / "latest").read_text() == "step-00000001\n"
+    assert list((root / ".tmp-step-00000002").glob("*.distcp"))  # the half-written save, invisible
+    assert verify_checkpoint(root)["step"] == 1
+    model = torch.nn.Linear(32, 32)
+    state = TrainState(model=model)
+    assert state.load(root) == 1
+    saved_weight = model.weight.detach().clone()
+
+    state.step = 2  # the next save clears the debris and commits
+    state.save(root)
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step-00000002"]
+    assert TrainState(model=torch.nn.Linear(32, 32)).load(root) == 2
+    assert torch.equal(model.weight, saved_weight)
+
+
+# --- detrace verify-checkpoint -----------------------------------------------------------------------------
+
+
+def test_verify_checkpoint_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = make_state()
+    version = state.save(tmp_path / "ckpt")
+    assert detrace(["verify-checkpoint", str(tmp_path / "ckpt")]) == 0
+    assert "step 0" in capsys.readouterr().out
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "manifest.json").write_text("{not json")
+    for path, message in [
+        (tmp_path / "missing", "there is no checkpoint at"),
+        (tmp_path / "empty", "is not a detrace checkpoint"),
+        (tmp_path / "garbled", "manifest.json is not valid JSON"),
+    ]:
+        assert detrace(["verify-checkpoint", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("detrace verify-checkpoint: error: ") and message in err
+    assert detrace(["verify-checkpoint"]) == 2
+
+    flip_one_bit(version, state.model[0].bias)
+    assert detrace(["verify-checkpoint", str(version)]) == 1
+    assert "'model.0.bias'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_verify_checkpoint_command_in_a_real_process(tmp_path: Path) -> None:
+    state = make_state()
+    flip_one_bit(state.save(tmp_path), state.model[2].bias)
+    done = subprocess.run(
+        [sys.executable, "-m", "detrace", "verify-checkpoint", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 1
+    assert "tensor 'model.2.bias'" in done.stderr and "Traceback" not in done.stderr
