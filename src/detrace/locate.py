@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
+from detrace.compare.classify import IDENTITY, INPUT_ROLES, OUTPUT_ROLES, content_mask
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
 from detrace.tracefile import open_run, read_rank, write_json_atomic
@@ -183,9 +188,9 @@ def _ranks_spec(ranks: list[int]) -> str:
     return ",".join(str(r) for r in sorted(set(ranks)))
 
 
-def _where(d: Divergence) -> str:
-    return (f"step {d.step}, rank {d.rank}: {d.phase} {d.name}" + (f" in {d.module}" if d.module else "")
-            + f" ({d.role})")
+def _where(d: dict[str, Any]) -> str:
+    return (f"step {d['step']}, rank {d['rank']}: {d['phase']} {d['name']}"
+            + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
 
 
 def _found(d: Divergence) -> dict[str, Any]:
@@ -231,27 +236,38 @@ class Ladder:
         stage.diff = result.to_json()
         return result
 
-    def _narrow(self, stage: Stage, rung: str) -> Divergence | None:
+    def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
         """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence.
 
         At the op rung the pair must also show an *origin* op (equal inputs, different output): a first divergent
         op whose inputs already differed means the runs parted before the window, in steps not recorded.
-        Returns the divergence the stage settles on (at the op rung possibly a receiver, when no retry found an
-        origin), or None when no pair differed.
+        Returns the divergence the stage settles on (`Stage.found`; at the op rung possibly a receiver, when no
+        retry found an origin), or None when no pair differed.
         """
         names = iter("abcd")
-        found = None
         for attempt in range(1 + self.config.retries):
             if attempt:
                 self.planned += 2
             result = self._pair(stage, rung, next(names), next(names))
             if result.verdict != "diverged" or result.first is None:
                 continue
-            found = (first_origin(result) or result.first) if rung == "op" else result.first
-            if rung != "op" or found.origin:
+            if rung != "op":
+                stage.found = _found(result.first)
                 break
-        stage.found = None if found is None else _found(found)
-        return found
+            origin = first_origin(result)
+            stage.found = _found(origin) if origin else self._origin_call(stage) or _found(result.first)
+            if stage.found["origin"]:
+                break
+        return stage.found
+
+    def _origin_call(self, stage: Stage) -> dict[str, Any] | None:
+        """The first origin op call on the window's ranks when the diff's first differing record was absorbed."""
+        a, b = stage.runs[-2:]
+        for rank in (int(r) for r in stage.ranks.split(",")):
+            found = first_origin_call(a, b, rank)
+            if found is not None:
+                return found
+        return None
 
     # -- the rungs -----------------------------------------------------------------------------------------
 
@@ -268,7 +284,7 @@ class Ladder:
             broad.note = f"the two runs are bit-identical over {result.steps} steps"
             self.progress.rung(broad)
             result.verdict = "deterministic"
-            result.message = f"deterministic over {result.steps} steps: every recorded bit of two runs is identical"
+            result.message = f"every recorded bit of two runs is identical over {result.steps} steps"
             return result
         first = first_pair.first
         broad.found = _found(first)
@@ -276,7 +292,7 @@ class Ladder:
         step = first.step if step is None else step
         origin_ranks = first_pair.origin_ranks or [first.rank]
         window = {"steps": str(step), "ranks": _ranks_spec(origin_ranks)}
-        broad.note = f"the runs part at {_where(first)}; origin rank(s) {window['ranks']}"
+        broad.note = f"the runs part at {_where(broad.found)}; origin rank(s) {window['ranks']}"
         self.progress.rung(broad)
         result.culprit = broad.found
 
@@ -287,17 +303,17 @@ class Ladder:
             if found is None:
                 stage.note = (f"{len(stage.runs)} runs at the {rung} rung recording step {step} on rank(s) "
                               f"{window['ranks']} did not differ: the nondeterminism did not recur there")
-            elif rung == "op" and not found.origin:
+            elif rung == "op" and not found["origin"]:
                 stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs: "
                               "in these reruns the runs parted before the recorded step")
             else:
-                stage.note = f"first {'origin' if found.origin else 'divergence'} at {_where(found)}"
+                stage.note = f"first {'origin' if found['origin'] else 'divergence'} at {_where(found)}"
                 self.progress.rung(stage)
-                result.culprit = stage.found
+                result.culprit = found
                 continue
             self.progress.rung(stage)
-            result.message = (f"inconclusive: two runs part at step {step} on rank(s) {window['ranks']}, but "
-                              f"the {rung}-rung reruns could not pin it down: {stage.note}")
+            result.message = (f"two runs part at step {step} on rank(s) {window['ranks']}, but the {rung}-rung "
+                              f"reruns could not pin it down: {stage.note}")
             return result
 
         op_stage = self.stages[-1]
@@ -318,14 +334,14 @@ class Ladder:
     def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
         stage = Stage(rung="kernel", steps=str(culprit["step"]), ranks=str(culprit["rank"]))
         self.stages.append(stage)
-        selector = (f"step={culprit['step']},rank={culprit['rank']},phase={culprit['phase']},"
-                    f"name={culprit['name']},occurrence={culprit['occurrence']}")
-        if culprit["module"]:
-            selector += f",module={culprit['module']}"
+        # No rank= key: the run's rank window already limits it to that rank, and a single process learns its
+        # rank only at the end of its first step. module= is always given ("" for none) to pin the occurrence.
+        selector = (f"step={culprit['step']},phase={culprit['phase']},name={culprit['name']},"
+                    f"occurrence={culprit['occurrence']},module={culprit['module'] or ''}")
         run = self._run(stage, f"{len(self.stages)}-capture", rung="op", capture=selector)
-        captures = list_captures(run)
+        captures = [p for p in list_captures(run) if p.name.startswith(f"rank-{culprit['rank']:05d}-")]
         if not captures:
-            stage.note = f"the capture run recorded no call matching {selector}; nothing to replay"
+            stage.note = f"the capture run recorded no call matching {selector} on rank {culprit['rank']}"
             self.progress.rung(stage)
             return None
         replayed = replay_file(captures[0], self.config.replay)
@@ -335,6 +351,55 @@ class Ladder:
             if replayed.nondeterministic else "deterministic in isolation"))
         self.progress.rung(stage)
         return replayed
+
+
+def aligned_records(run_a: str | Path, run_b: str | Path, rank: int) -> tuple[pa.Table, np.ndarray, int, int]:
+    """One rank's records of two runs matched by identity (the A side of each pair, in A's order), whether each
+    pair carries the same bits (`detrace.compare.classify.content_mask`), and how many records of A and of B
+    found no partner. Positional alignment and resynchronisation are the diff's business; this is the
+    order-free view that per-step counts and the search for an origin call need.
+    """
+    ta, tb = read_rank(run_a, rank).table, read_rank(run_b, rank).table
+
+    def keys(table: pa.Table, position: str) -> pa.Table:
+        columns = {name: table[name] for name in IDENTITY}
+        # a join never matches null with null: records outside any module get ""
+        columns["module"] = pc.fill_null(table["module"], "")
+        columns[position] = pa.array(np.arange(table.num_rows, dtype=np.int64))
+        return pa.table(columns)
+
+    joined = keys(ta, "_a").join(keys(tb, "_b"), keys=list(IDENTITY), join_type="inner").sort_by("_a")
+    a = ta.take(joined["_a"]).combine_chunks()
+    b = tb.take(joined["_b"]).combine_chunks()
+    if a.num_rows == 0:
+        return a, np.zeros(0, dtype=bool), ta.num_rows, tb.num_rows
+    equal = content_mask(a.to_batches()[0], b.to_batches()[0])
+    return a, equal, ta.num_rows - a.num_rows, tb.num_rows - b.num_rows
+
+
+def first_origin_call(run_a: str | Path, run_b: str | Path, rank: int) -> dict[str, Any] | None:
+    """The first op call, in A's execution order, whose input records all match and an output record differs.
+
+    The diff names the first *record* that differs and walks back from it; when that record is an input whose
+    difference went nowhere (the uninitialised memory an in-place fill such as `uniform_` overwrites: inputs
+    differ, outputs equal), it finds no origin. This search skips such absorbed differences.
+    """
+    table, equal, _, _ = aligned_records(run_a, run_b, rank)
+    if not table.num_rows:
+        return None
+    rows = table.select(["seq", "event", "rung", "role"]).to_pylist()
+    inputs_differ: set[int] = set()
+    for row, same in zip(rows, equal.tolist(), strict=True):
+        if not same and row["role"] in INPUT_ROLES:
+            inputs_differ.add(row["event"])
+    for i, (row, same) in enumerate(zip(rows, equal.tolist(), strict=True)):
+        if (not same and row["rung"] == "op" and row["role"] in OUTPUT_ROLES
+                and row["event"] not in inputs_differ):
+            found = table.slice(i, 1).to_pylist()[0]
+            keep = ("rank", "step", "seq", "rung", "phase", "name", "module", "role", "occurrence", "index", "event")
+            return {**{k: found.get(k) for k in keep}, "rank": rank, "kind": "numeric", "origin": True,
+                    "detail": {}}
+    return None
 
 
 def _recorded_steps(run_dir: Path) -> int:

@@ -60,7 +60,8 @@ class RichProgress(LadderProgress):
 def render(result: LocateResult, console: Console) -> None:
     """The terminal summary."""
     colour = {"deterministic": "green", "nondeterministic": "red"}.get(result.verdict, "yellow")
-    console.print(f"[bold {colour}]{result.verdict}[/]: {result.message}", highlight=False)
+    span = f" over {result.steps} steps" if result.verdict == "deterministic" else ""
+    console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit
         console.print(f"  culprit  {c['name']}  module {c.get('module') or '-'}  phase {c['phase']}  "

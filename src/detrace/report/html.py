@@ -18,20 +18,16 @@ from __future__ import annotations
 import html
 import math
 import struct
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from detrace.errors import TraceError
 from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import run_header_path
-
-# Identity of a record within a rank (see detrace.tracefile.schema): what two runs' records are aligned by.
-_IDENTITY = ["step", "phase", "module", "name", "occurrence", "role", "index"]
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1d232b;max-width:1040px;margin:24px auto;
@@ -87,41 +83,31 @@ def metric_rank(run_dir: str | Path) -> int | None:
     return None
 
 
-def _keyed(run_dir: Path, rank: int, side: str) -> pa.Table:
-    table = read_rank(run_dir, rank).table.select([*_IDENTITY, "digest", "value"])
-    # Join keys must not be null (null never matches null in a join): records outside a module get "".
-    table = table.set_column(table.schema.get_field_index("module"), "module", pc.fill_null(table["module"], ""))
-    table = table.rename_columns([*_IDENTITY, f"digest_{side}", f"value_{side}"])
-    return table.append_column(f"present_{side}", pa.array([True] * table.num_rows, type=pa.bool_()))
-
-
-def _same(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.ChunkedArray:
-    """Null-safe equality: equal values, or both absent."""
-    return pc.coalesce(pc.equal(a, b), pc.and_(pc.is_null(a), pc.is_null(b)))
-
-
 def divergence_map(run_a: Path, run_b: Path) -> dict[int, dict[int, tuple[int, int]]]:
-    """rank -> step -> (records that differ, records compared), records aligned by identity.
+    """rank -> step -> (records that differ, records compared), records matched by identity.
 
-    A record differs when its digest or metric value differs, or when only one run has it. The counts show how a
-    divergence spreads; which record came *first* (and whether it is an origin) is `detrace.diff`'s answer.
+    A record differs when its bits differ or when only one run has it. The counts show how a divergence spreads;
+    which record came *first* (and whether it is an origin) is `detrace.diff`'s answer.
     """
+    from detrace.locate import aligned_records
+
     ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
     spread: dict[int, dict[int, tuple[int, int]]] = {}
     for rank in sorted(set(ranks_a) | set(ranks_b)):
         if rank not in ranks_a or rank not in ranks_b:
             spread[rank] = {}
             continue
-        joined = _keyed(run_a, rank, "a").join(_keyed(run_b, rank, "b"), keys=_IDENTITY, join_type="full outer")
-        value_same = pc.or_(_same(joined["value_a"], joined["value_b"]),
-                            pc.and_(pc.fill_null(pc.is_nan(joined["value_a"]), False),
-                                    pc.fill_null(pc.is_nan(joined["value_b"]), False)))
-        same = pc.and_(pc.and_(_same(joined["digest_a"], joined["digest_b"]), value_same),
-                       pc.and_(pc.is_valid(joined["present_a"]), pc.is_valid(joined["present_b"])))
-        joined = joined.append_column("differ", pc.cast(pc.invert(same), pa.int64()))
-        counts = joined.group_by("step").aggregate([("differ", "sum"), ("differ", "count")])
-        spread[rank] = {s: (d, n) for s, d, n in zip(counts["step"].to_pylist(), counts["differ_sum"].to_pylist(),
-                                                      counts["differ_count"].to_pylist(), strict=True)}
+        table, equal, _, _ = aligned_records(run_a, run_b, rank)
+        matched = Counter(table["step"].to_pylist())
+        differ = Counter(step for step, same in zip(table["step"].to_pylist(), equal.tolist(), strict=True)
+                         if not same)
+        # records of one run without a partner (a changed call sequence, a truncated run) differ too
+        unmatched = Counter()
+        for run in (run_a, run_b):
+            unmatched += Counter(read_rank(run, rank).table["step"].to_pylist()) - matched
+        counts = {step: (differ[step] + unmatched[step], matched[step] + unmatched[step])
+                  for step in matched.keys() | unmatched.keys()}
+        spread[rank] = counts
     return spread
 
 
@@ -312,7 +298,8 @@ def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> 
 
 
 def _diff_first(stage: dict[str, Any]) -> dict[str, Any] | None:
-    return (stage.get("diff") or {}).get("first")
+    """The divergence a stage settled on."""
+    return stage.get("found")
 
 
 def _path_section(ladder: dict[str, Any]) -> list[str]:
