@@ -1,0 +1,66 @@
+"""`detrace doctor`: the audit as plain lines when piped and as a rich table on a terminal; exit 1 when a
+setting is off, naming it."""
+
+from __future__ import annotations
+
+import os
+import pty
+import subprocess
+import sys
+
+import pytest
+
+from detrace.cli import main as detrace
+
+RECIPE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+              "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCHINDUCTOR_MAX_AUTOTUNE")
+
+
+def _clean_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in RECIPE_ENV}
+
+
+def test_doctor_in_a_clean_environment_exits_0() -> None:
+    done = subprocess.run([sys.executable, "-m", "detrace", "doctor"], capture_output=True, text=True,
+                          env=_clean_environment(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "detrace doctor: no setting is off"
+    assert any(line.startswith("pending   CUBLAS_WORKSPACE_CONFIG = <unset>") for line in lines)
+    assert any(line.startswith("ok        torch.backends.cudnn.benchmark = False") for line in lines)
+
+
+def test_doctor_names_what_is_off_and_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    assert detrace(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "conflict  NCCL_ALGO = NVLS  (the recipe needs Ring or Tree" in out
+    assert out.splitlines()[-1] == "detrace doctor: 2 settings off: NCCL_ALGO, NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+
+
+def test_doctor_draws_a_table_on_a_terminal() -> None:
+    controller, terminal = pty.openpty()
+    environment = {**_clean_environment(), "NCCL_ALGO": "CollNet", "COLUMNS": "160"}
+    with subprocess.Popen([sys.executable, "-m", "detrace", "doctor"], stdout=terminal, stderr=terminal,
+                          env=environment) as process:
+        os.close(terminal)
+        output = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal closes when the process exits
+                break
+            if not chunk:
+                break
+            output += chunk
+        process.wait(timeout=120)
+    os.close(controller)
+    text = output.decode()
+    assert process.returncode == 1
+    assert "detrace doctor: determinism settings" in text and "┃" in text and "NCCL_ALGO" in text
+
+
+def test_doctor_takes_no_arguments(capsys: pytest.CaptureFixture) -> None:
+    assert detrace(["doctor", "--fix"]) == 2
+    assert capsys.readouterr().err.startswith("detrace doctor: error: unrecognized arguments: --fix")
