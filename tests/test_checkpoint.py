@@ -97,8 +97,11 @@ def test_a_flipped_bit_is_reported_by_tensor_name(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.2\.weight'") as caught:
         verify_checkpoint(tmp_path)
     assert caught.value.exit_code == 1
+    other = make_state(seed=1)
+    before = [parameter.clone() for parameter in other.model.parameters()]
     with pytest.raises(CheckpointCorrupted, match=r"'model\.2\.weight'"):
-        make_state().load(tmp_path)
+        other.load(tmp_path)
+    assert all(map(torch.equal, before, other.model.parameters()))  # nothing was loaded
 
 
 def test_an_edited_state_file_is_reported_by_name(tmp_path: Path) -> None:

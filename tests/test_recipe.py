@@ -197,3 +197,10 @@ def test_settings_is_a_flat_json_snapshot_that_initialises_nothing() -> None:
     assert snapshot["detrace.seed"] == "<unset>" and snapshot["torch.num_threads"] == str(torch.get_num_threads())
     assert not torch.cuda.is_initialized()
     assert ("torch._inductor.config" in sys.modules) == inductor_imported
+
+
+def test_the_documentation_lists_every_switch() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "determinism.md").read_text()
+    assert [switch.name for switch in recipe.SWITCHES if f"`{switch.name}`" not in text] == []
