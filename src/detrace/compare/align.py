@@ -227,6 +227,8 @@ class RankAligner:
                 else:
                     # A collective's output that differs with equal inputs came from a peer: no walking back.
                     self._walking = not (ra["phase"] in COMMUNICATION and ra["role"] in OUTPUT_ROLES)
+                    if ra["role"] in INPUT_ROLES:
+                        self._open_inputs.add(ra["event"])  # D1's own call is fed by it: not an origin
                 differ = differ[1:]
             if self._walking and differ.size:
                 self._walk(sa, sb, differ)
