@@ -74,6 +74,16 @@ def test_every_rng_is_captured_and_restored() -> None:
         rng.restore(state, [])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_rng_states_are_captured_and_restored() -> None:
+    torch.cuda.init()
+    state = rng.capture()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    first = torch.rand(4, device="cuda").tolist()
+    rng.restore(state)
+    assert torch.rand(4, device="cuda").tolist() == first
+
+
 # --- the sampler -------------------------------------------------------------------------------------------
 
 
@@ -128,6 +138,8 @@ def test_sampler_and_loader_arguments_are_checked() -> None:
         ResumableSampler(10, num_replicas=2, rank=2)
     with pytest.raises(UsageError, match="sets the DataLoader's shuffle itself"):
         ResumableLoader([], sampler=ResumableSampler(3), batch_size=1, shuffle=True)
+    with pytest.raises(UsageError, match="batches of 4 leave nothing of 3 samples"):
+        ResumableLoader([], sampler=ResumableSampler(3), batch_size=4, drop_last=True)
 
 
 # --- the loader --------------------------------------------------------------------------------------------

@@ -76,17 +76,25 @@ class _Switch:
     accept: Callable[[bool], frozenset[str]]
     apply: Callable[[bool], None] | None = None
     deadline: Literal["cuda", "nccl"] | None = None
+    recommended: str | None = None
 
 
 def _env(name: str) -> Callable[[], str]:
     return lambda: os.environ.get(name, UNSET)
 
 
-def _set_env(name: str, value: str) -> Callable[[bool], None]:
+def _env_switch(
+    name: str, value: str, *, prevents: str, also: tuple[str, ...] = (), deadline: Literal["cuda", "nccl"] | None = None
+) -> _Switch:
+    """An environment variable the recipe sets to `value` (and also accepts at one of `also`)."""
+
     def apply(strict: bool) -> None:
         os.environ[name] = value
 
-    return apply
+    return _Switch(
+        name=name, prevents=prevents, read=_env(name), default=UNSET, accept=_always(value, *also), apply=apply,
+        deadline=deadline, recommended=value,
+    )
 
 
 def _always(*values: str) -> Callable[[bool], frozenset[str]]:
@@ -213,34 +221,27 @@ SWITCHES: tuple[_Switch, ...] = (
     ),
     # Prevents cuBLAS from splitting work over several workspaces per stream in a run-dependent way; cuBLAS
     # reads it when its first handle is created, i.e. it must be set before CUDA starts.
-    _Switch(
-        name="CUBLAS_WORKSPACE_CONFIG",
+    _env_switch(
+        "CUBLAS_WORKSPACE_CONFIG",
+        ":4096:8",
+        also=(":16:8",),
         prevents="cuBLAS splitting reductions over workspaces in a run-dependent way",
-        read=_env("CUBLAS_WORKSPACE_CONFIG"),
-        default=UNSET,
-        accept=_always(":4096:8", ":16:8"),
-        apply=_set_env("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
         deadline="cuda",
     ),
     # Prevents NCCL from switching, by message size or topology, between algorithms (or to in-network
     # NVLS/CollNet reduction) with different reduction orders; read when a communicator is created.
-    _Switch(
-        name="NCCL_ALGO",
+    _env_switch(
+        "NCCL_ALGO",
+        "Ring",
+        also=("Tree",),
         prevents="NCCL switching between algorithms with different reduction orders",
-        read=_env("NCCL_ALGO"),
-        default=UNSET,
-        accept=_always("Ring", "Tree"),
-        apply=_set_env("NCCL_ALGO", "Ring"),
         deadline="nccl",
     ),
     # Prevents Transformer Engine from using its nondeterministic (atomic) fused-attention backward kernels.
-    _Switch(
-        name="NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    _env_switch(
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+        "0",
         prevents="Transformer Engine's nondeterministic fused-attention backward kernels",
-        read=_env("NVTE_ALLOW_NONDETERMINISTIC_ALGO"),
-        default=UNSET,
-        accept=_always("0"),
-        apply=_set_env("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0"),
     ),
     # Prevents Inductor from benchmarking candidate kernels on the device and keeping the fastest.
     _Switch(
@@ -405,5 +406,4 @@ def _nccl_started() -> bool:
 
 
 def _example(switch: _Switch) -> str:
-    value = min(switch.accept(True) - {UNSET})
-    return f"{switch.name}={value}"
+    return f"{switch.name}={switch.recommended}"

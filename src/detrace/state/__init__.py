@@ -31,8 +31,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """Check the checkpoint at `path` (a checkpoint root or one version) against its manifest.
 
     Returns the manifest. Raises CheckpointCorrupted (naming the tensor or file) on a mismatch and
-    CheckpointError when there is no readable checkpoint.
+    CheckpointError when there is no readable checkpoint. Not collective: this process reads everything.
     """
     from detrace.state import checkpoint, manifest
 
-    return manifest.verify(checkpoint.resolve(Path(path)))
+    return manifest.verify(checkpoint.resolve(Path(path)), collective=False)

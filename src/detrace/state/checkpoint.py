@@ -123,7 +123,7 @@ def read(path: Path, *, shared: dict[str, Any]) -> Loaded:
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
-    document = manifest.verify(directory)
+    document = manifest.verify(directory, collective=True)
     if document["world_size"] != world:
         raise CheckpointError(
             f"{directory} was saved by {document['world_size']} ranks and cannot resume {world}: "

@@ -181,6 +181,8 @@ class ResumableLoader:
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be positive, not {batch_size}")
+        if drop_last and batch_size > len(sampler):
+            raise UsageError(f"with drop_last, batches of {batch_size} leave nothing of {len(sampler)} samples")
         for name in ("sampler", "batch_sampler", "shuffle", "generator", "worker_init_fn", "persistent_workers"):
             if name in dataloader_kwargs:
                 raise UsageError(f"ResumableLoader sets the DataLoader's {name} itself; do not pass it")

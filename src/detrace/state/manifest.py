@@ -68,14 +68,15 @@ def read(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(directory: Path) -> dict[str, Any]:
+def verify(directory: Path, *, collective: bool) -> dict[str, Any]:
     """Check a checkpoint directory against its manifest; return the manifest.
 
-    Every rank of a process group verifies its share of the chunks (the whole checkpoint is read once in
-    total) and all ranks agree on the verdict, so that none goes on to load while another has found damage.
+    Collective (when loading): every rank of the process group verifies its share of the chunks (the whole
+    checkpoint is read once in total) and all ranks agree on the verdict, so that none goes on to load while
+    another has found damage. Otherwise this process checks everything by itself.
     Raises CheckpointCorrupted naming the tensors or files that do not match.
     """
-    rank, world = dist.rank_and_world()
+    rank, world = dist.rank_and_world() if collective else (0, 1)
     problems: list[str] = []
     error: CheckpointError | None = None
     try:
@@ -90,7 +91,8 @@ def verify(directory: Path) -> dict[str, Any]:
         problems.append(str(err))
     except CheckpointError as err:
         error = err
-    if dist.any_rank(error is not None or bool(problems)):
+    failed = error is not None or bool(problems)
+    if dist.any_rank(failed) if collective else failed:
         if error is not None:
             raise error
         if problems:

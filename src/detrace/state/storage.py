@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
@@ -109,9 +109,7 @@ class FingerprintingSavePlanner(DefaultSavePlanner):
         for item in self._written.items:
             if item.type == WriteItemType.BYTE_IO:
                 raise CheckpointError(f"{item.index.fqn!r} is not a tensor and cannot be stored without pickle")
-            data = self.resolve_data(item)
-            assert isinstance(data, torch.Tensor)
-            yield item.index.fqn, tuple(item.index.offset or ()), data
+            yield item.index.fqn, tuple(item.index.offset or ()), cast(torch.Tensor, self.resolve_data(item))
 
 
 def read_metadata(directory: Path) -> Metadata:
