@@ -3,6 +3,7 @@ manifest catching a one-bit flip by tensor name, and `detrace verify-checkpoint`
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -219,3 +220,56 @@ def test_verify_checkpoint_command_in_a_real_process(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "tensor 'model.2.bias'" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- errors on 2 ranks: every rank raises, none hangs ------------------------------------------------------
+
+
+def _two_ranks(rank: int, root: str, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    errors = {}
+    # Rank 1 alone holds a value that cannot be stored without pickle.
+    unsaveable = TrainState(model=model, extra={"schedule": (lambda step: step) if rank == 1 else 0})
+    try:
+        unsaveable.save(root)
+    except CheckpointError as err:
+        errors["save"] = str(err)
+    state = TrainState(model=model)
+    version = state.save(root)
+    dist.barrier()
+    if rank == 0:  # damage the chunk that rank 1 verifies (chunks are shared out in name order)
+        flip_one_bit(version, model.module.weight)
+    dist.barrier()
+    try:
+        state.load(root)
+    except CheckpointCorrupted as err:
+        errors["load"] = str(err)
+    Path(root, f"errors-{rank}.json").write_text(json.dumps(errors))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = torch.multiprocessing.start_processes(_two_ranks, args=(str(tmp_path), port), nprocs=2, join=False)
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError("the ranks hung")
+    errors = [json.loads((tmp_path / f"errors-{rank}.json").read_text()) for rank in range(2)]
+    assert "another rank failed to prepare" in errors[0]["save"]
+    assert "cannot save 'rank1.extra.schedule'" in errors[1]["save"]
+    # Rank 0 checks model.bias (first in name order), rank 1 model.weight, which was damaged.
+    assert "another rank found damage" in errors[0]["load"]
+    assert "tensor 'model.weight'" in errors[1]["load"]

@@ -79,8 +79,9 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     name = _free_name(root, step)
     tmp = root / f"{_TMP_PREFIX}{name}"
 
-    shared_skeleton, shared_tensors = tree.split(shared, "")
-    local_skeleton, local_tensors = tree.split(local, f"rank{rank}")
+    # A value that cannot be stored may sit in one rank's own state only: every rank must stop, not just it.
+    shared_skeleton, shared_tensors = dist.together(lambda: tree.split(shared, ""))
+    local_skeleton, local_tensors = dist.together(lambda: tree.split(local, f"rank{rank}"))
     planner = FingerprintingSavePlanner()
     with _single_process_is_intended():
         dcp.save(

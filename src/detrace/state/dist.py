@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
+
+from detrace.errors import CheckpointError, DetraceError
+
+T = TypeVar("T")
 
 
 def active() -> bool:
@@ -33,3 +40,16 @@ def any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
+
+
+def together(action: Callable[[], T]) -> T:
+    """Run `action` on every rank; when it fails on any rank, raise on every rank, so that no rank goes on
+    into a collective that the failed one will never join."""
+    error: DetraceError | None = None
+    try:
+        result = action()
+    except DetraceError as err:
+        error = err
+    if any_rank(error is not None):
+        raise error or CheckpointError("another rank failed to prepare its part of the checkpoint; see its error")
+    return result
