@@ -137,7 +137,7 @@ class Tracer:
         with self._lock:
             self._previous_occurrences = self._occurrences
             self.set_step(self.step + 1)
-            self.flush()
+            self.flush(step_ended=True)
 
     def user_step(self) -> None:
         """`detrace.step()`: ends the step unless an optimizer step already ended it (and no backward ran since)."""
@@ -175,8 +175,9 @@ class Tracer:
             self.enabled = False
         self._update_windows()
 
-    def _discover_rank(self, *, final: bool) -> int | None:
-        """The rank, once known; with `final`, a process that never joined a process group is rank 0."""
+    def _discover_rank(self, *, step_ended: bool) -> int | None:
+        """The rank, once known. Once a step has ended (or at exit), a process that has not joined a process
+        group and has no RANK is a single-process run: rank 0."""
         if self.rank is not None:
             return self.rank
         import torch.distributed as dist
@@ -184,7 +185,7 @@ class Tracer:
         if dist.is_available() and dist.is_initialized():
             self._set_rank(dist.get_rank())
             self.world_size = dist.get_world_size()
-        elif final:
+        elif step_ended:
             self._set_rank(0)
             self.world_size = 1
         return self.rank
@@ -291,7 +292,7 @@ class Tracer:
 
         return get_worker_info() is not None
 
-    def flush(self, *, final: bool = False) -> None:
+    def flush(self, *, step_ended: bool = False) -> None:
         """Hand buffered records to the rank file (opening it on first use, once the rank is known)."""
         with self._lock:
             self._last_flush = time.monotonic()
@@ -300,7 +301,7 @@ class Tracer:
             if self._in_dataloader_worker():
                 self.disable()
                 return
-            if self._discover_rank(final=final) is None or not self.enabled:
+            if self._discover_rank(step_ended=step_ended) is None or not self.enabled:
                 return
             rows, self._rows = self._rows, []
             self._materialize(rows)
@@ -354,7 +355,7 @@ class Tracer:
         with self._lock:
             if self._closed:
                 return
-            self.flush(final=True)
+            self.flush(step_ended=True)
             self._closed = True
             writer = self._writer
             if writer is not None:

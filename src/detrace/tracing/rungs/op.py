@@ -1,7 +1,9 @@
 """Rung 3, op: every ATen and custom op through a TorchDispatchMode, in forward, backward and optimizer.
 
 Per call: tensor inputs fingerprinted before the call (role input), fresh outputs after (role output), and
-every tensor the op writes (in-place `self`, `out=` arguments; role mutated) after. `module` is the innermost
+every tensor the op writes (in-place `self`, `out=` arguments; role mutated) after. Arguments the op only
+writes (`out=`, and `self` of fill_/zero_/copy_/uniform_/normal_/...) are not inputs: their old contents are
+often uninitialised memory. `module` is the innermost
 module in scope (kept by the module rung's hooks), `phase` the tracer's phase.
 
 Skipped, by rule (the rule is the documented contract, see docs/tracing.md):
@@ -36,6 +38,10 @@ Undo = Callable[[], None]
 _COMMUNICATION = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
                             "empty_permuted", "resize_", "resize_as_"})
+# In-place ops that overwrite `self` without reading it: its old contents (often uninitialised memory from
+# torch.empty, e.g. in nn.Linear's init) are not an input.
+_OVERWRITE_SELF = frozenset({"fill_", "zero_", "copy_", "uniform_", "normal_", "random_", "exponential_",
+                             "geometric_", "cauchy_", "log_normal_", "bernoulli_"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,8 @@ class OpInfo:
     """Random: recorded even without tensor inputs."""
     written: tuple[tuple[int, str], ...]
     """(position, name) of the arguments the op writes."""
+    read: tuple[tuple[int, str], ...]
+    """(position, name) of the arguments the op reads: all but `out=` and an overwritten `self`."""
     fresh_outputs: bool
     """The op returns tensors that alias no input."""
 
@@ -63,7 +71,18 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
     skip = (func.namespace in _COMMUNICATION or views or func._opname in _UNINITIALISED
             or (not written and not fresh))
     seeded = torch.Tag.nondeterministic_seeded in func.tags
-    return OpInfo(name=name, skip=skip, seeded=seeded, written=written, fresh_outputs=fresh)
+    read = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if not a.is_out and not (i == 0 and func._opname in _OVERWRITE_SELF))
+    return OpInfo(name=name, skip=skip, seeded=seeded, written=written, read=read, fresh_outputs=fresh)
+
+
+def _arguments(which: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors passed for the given schema arguments, in schema order."""
+    tensors: list[torch.Tensor] = []
+    for position, name in which:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return tensors
 
 
 class OpRecorder(TorchDispatchMode):
@@ -86,7 +105,7 @@ class OpRecorder(TorchDispatchMode):
             info = self.infos[func] = op_info(func)
         if info.skip:
             return func(*args, **kwargs)
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _arguments(info.read, args, kwargs)
         if not inputs and not info.seeded:
             return func(*args, **kwargs)
         module = tracer.scope[-1] if tracer.scope else None
@@ -95,10 +114,7 @@ class OpRecorder(TorchDispatchMode):
         pending = self.capturer.before(call, args, kwargs) if self.capturer is not None else None
         out = func(*args, **kwargs)
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if info.fresh_outputs else []
-        written = []
-        for position, name in info.written:
-            value = args[position] if position < len(args) else kwargs.get(name)
-            written += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        written = _arguments(info.written, args, kwargs)
         snaps = tracer.snapshot(outputs + written)
         tracer.emit(call, "output", snaps[: len(outputs)])
         tracer.emit(call, "mutated", snaps[len(outputs):])

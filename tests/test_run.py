@@ -1,0 +1,266 @@
+"""`detrace run` and `run_traced`: scripts, modules, torchrun, mp.spawn, crashes, SIGKILL, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from detrace.cli import main as cli
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.tracefile import open_run, read_rank
+from detrace.tracing.launch import run_traced
+
+HERE = Path(__file__).parent
+PY = sys.executable
+
+TRAIN = """
+import os, sys, torch
+import detrace
+from torch import nn
+torch.set_num_threads(1)
+steps = int(os.environ.get("STEPS", "3"))
+crash = int(os.environ.get("CRASH_AT", "-1"))
+
+def main():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for i in range(steps):
+        if i == crash:
+            raise SystemExit(3)
+        loss = net(torch.randn(5, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        detrace.metric("lr", 0.1)
+        print(f"step {i}", flush=True)
+
+if os.environ.get("LIBRARY_OUT"):
+    with detrace.trace(os.environ["LIBRARY_OUT"], rung=os.environ.get("RUNG", "metrics")):
+        main()
+else:
+    main()
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return path
+
+
+def free_port() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def test_python_script(tmp_path: Path, script: Path) -> None:
+    result = run_traced([PY, str(script)], tmp_path / "run", rung="semantic", quiet=True, timeout=120)
+    assert result.returncode == 0 and "step 2" in result.output_tail
+    info = open_run(tmp_path / "run")
+    assert info.ranks == (0,) and info.world_size == 1
+    header = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert header["command"] == [PY, str(script)] and header["rung"] == "semantic"
+    assert header["versions"]["torch"] and header["determinism"] is not None
+    assert header["windows"]["steps"]["op"] == "all" and header["status"] == "finished"
+    trace = read_rank(tmp_path / "run", 0)
+    assert trace.complete and trace.header["rank"] == 0 and trace.header["pid"] > 0
+    assert sorted({r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"}) == [0, 1, 2]
+
+
+def test_python_module(tmp_path: Path, script: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(TRAIN)
+    result = run_traced([PY, "-m", "pkg"], tmp_path / "run", quiet=True, timeout=120,
+                        env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0
+    assert read_rank(tmp_path / "run", 0).complete
+
+
+def test_library_form_gives_the_launchers_records(tmp_path: Path, script: Path) -> None:
+    launched = run_traced([PY, str(script)], tmp_path / "launched", rung="op", quiet=True, timeout=120)
+    assert launched.returncode == 0
+    library = subprocess.run([PY, str(script)], env={**os.environ, "LIBRARY_OUT": str(tmp_path / "library"),
+                                                     "RUNG": "op"}, capture_output=True, timeout=120)
+    assert library.returncode == 0, library.stderr
+    a, b = read_rank(tmp_path / "launched", 0), read_rank(tmp_path / "library", 0)
+    assert a.table.num_rows > 100
+    assert a.table.equals(b.table)
+
+
+def test_crash_keeps_the_trace_readable(tmp_path: Path, script: Path) -> None:
+    result = run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120,
+                        env={"CRASH_AT": "2"})
+    assert result.returncode == 3
+    trace = read_rank(tmp_path / "run", 0)
+    assert [r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"] == [0, 1]
+
+
+def test_sigkill_leaves_complete_batches(tmp_path: Path, script: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([PY, "-m", "detrace", "run", "--out", str(out), "--", PY, str(script)],
+                            env={**os.environ, "STEPS": "100000"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        if line.startswith("step 20") or time.monotonic() > deadline:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    trace = read_rank(out, 0)  # never raises on a torn tail
+    assert not trace.complete and trace.rank == 0
+    assert trace.last_complete_step >= 19
+    steps = [r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"]
+    assert steps == list(range(len(steps)))
+
+
+def test_existing_trace_is_never_overwritten(tmp_path: Path, script: Path) -> None:
+    run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120, env={"STEPS": "1"})
+    with pytest.raises(TraceError, match="already holds a trace"):
+        run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120)
+    result = run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120, force=True)
+    assert result.returncode == 0 and read_rank(tmp_path / "run", 0).last_step == 3
+
+
+def test_timeout_kills_the_process_group(tmp_path: Path, script: Path) -> None:
+    with pytest.raises(CommandFailed, match="timeout of 3 seconds"):
+        run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=3, env={"STEPS": "10000000"})
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "timeout"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rung", "kernel", "--", PY, "-c", "pass"], "unknown rung 'kernel'"),
+    (["--steps", "5-2", "--", PY, "-c", "pass"], "malformed SPEC '5-2'"),
+    (["--ranks", "x", "--", PY, "-c", "pass"], "malformed SPEC 'x'"),
+    (["--steps", "kernel=3", "--", PY, "-c", "pass"], "unknown rung 'kernel'"),
+    (["--capture", "name=aten.mm.default", "--", PY, "-c", "pass"], "needs --rung op"),
+    (["--max-numel", "lots", "--", PY, "-c", "pass"], "invalid int value"),
+    (["--timeout", "0", "--", PY, "-c", "pass"], "timeout must be a positive"),
+    ([], "no command to run"),
+    ([PY, "-c", "pass"], "unrecognized arguments"),
+    (["--", "no-such-command-detrace"], "command not found: no-such-command-detrace"),
+])
+def test_bad_input_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                   message: str) -> None:
+    code = cli(["run", "--out", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert err.startswith("detrace run: error: ") and err.count("\n") == 1
+
+
+def test_unwritable_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("")
+    assert cli(["run", "--out", str(tmp_path / "file" / "run"), "--", PY, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write to output directory" in err and "Traceback" not in err
+    assert cli(["run", "--out", str(tmp_path / "file"), "--", PY, "-c", "pass"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_exit_code_and_summary(tmp_path: Path, script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli(["run", "--out", str(tmp_path / "run"), "--", PY, str(script)])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "trace of 1 rank at rung metrics written to" in captured.err
+    assert cli(["run", "--out", str(tmp_path / "crash"), "--", PY, "-c", "raise SystemExit(7)"]) == 7
+
+
+def test_run_with_no_records_writes_no_rank_file(tmp_path: Path) -> None:
+    result = run_traced([PY, "-c", "import torch; torch.ones(3) + 1"], tmp_path / "run", quiet=True, timeout=120)
+    assert result.returncode == 0
+    assert not list((tmp_path / "run").glob("rank-*"))
+
+
+def _final_lines(output: str) -> list[str]:
+    return sorted(re.findall(r"final \d [0-9a-f]{64}", output))  # the ranks' lines may interleave
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path) -> None:
+    command = ["torchrun", "--nproc-per-node", "2", "--master-port", free_port(), str(HERE / "_dist_train.py")]
+    env = {**os.environ, "TRAIN_STEPS": "2"}
+    untraced = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert untraced.returncode == 0, untraced.stderr[-2000:]
+    command[4] = free_port()
+    traced = run_traced(command, tmp_path / "run", rung="semantic", quiet=True, timeout=240,
+                        env={"TRAIN_STEPS": "2"})
+    assert traced.returncode == 0, traced.output_tail
+    assert _final_lines(traced.output_tail) == _final_lines(untraced.stdout)  # bit-identical parameters
+    info = open_run(tmp_path / "run")
+    assert info.ranks == (0, 1) and info.world_size == 2  # the torchrun agent wrote nothing
+    for rank in (0, 1):
+        trace = read_rank(tmp_path / "run", rank)
+        assert trace.complete and trace.footer["groups"] == ["0,1"]
+        records = trace.table.to_pylist()
+        buckets = [r for r in records if r["extra"] and "ddp_bucket" in r["extra"]]
+        assert {r["role"] for r in buckets} == {"input", "output"} and {r["step"] for r in buckets} == {0, 1}
+        names = {r["name"] for r in records if r["phase"] in ("collective", "p2p")}
+        assert {"all_reduce", "all_gather_single", "reduce_scatter_single"} <= names
+        assert ("send" if rank == 0 else "recv") in names
+        collectives = [r for r in records if r["phase"] == "collective"]
+        assert all(r["group"] == "0,1" and r["group_seq"] is not None for r in collectives)
+    outputs = [[r["digest"] for r in read_rank(tmp_path / "run", rank).table.to_pylist()
+                if r["extra"] and "ddp_bucket" in r["extra"] and r["role"] == "output"] for rank in (0, 1)]
+    assert outputs[0] == outputs[1]  # an all-reduce gives every rank the same bits
+
+
+@pytest.mark.slow
+def test_torchrun_four_ranks(tmp_path: Path) -> None:
+    command = ["torchrun", "--nproc-per-node", "4", "--master-port", free_port(), str(HERE / "_dist_train.py")]
+    result = run_traced(command, tmp_path / "run", rung="semantic", ranks="0,3", quiet=True, timeout=300,
+                        env={"TRAIN_STEPS": "1"})
+    assert result.returncode == 0, result.output_tail
+    info = open_run(tmp_path / "run")
+    assert info.ranks == (0, 3) and info.world_size == 4 and info.missing_ranks == ()
+    assert read_rank(tmp_path / "run", 3).header["world_size"] == 4
+
+
+@pytest.mark.slow
+def test_mp_spawn_discovers_ranks(tmp_path: Path) -> None:
+    result = run_traced([PY, str(HERE / "_dist_train.py"), "spawn", free_port()], tmp_path / "run",
+                        rung="semantic", quiet=True, timeout=240, env={"TRAIN_STEPS": "1"})
+    assert result.returncode == 0, result.output_tail
+    assert open_run(tmp_path / "run").ranks == (0, 1)
+
+
+def test_dataloader_workers_record_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        class Data(Dataset):
+            def __len__(self): return 8
+            def __getitem__(self, i): return torch.full((3,), float(i)).sin()
+        if __name__ == "__main__":
+            net = torch.nn.Linear(3, 1)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            for ctx in ("fork", "spawn"):
+                for x in DataLoader(Data(), batch_size=4, num_workers=1, multiprocessing_context=ctx):
+                    net(x).sum().backward(); opt.step()
+    """))
+    result = run_traced([PY, str(script)], tmp_path / "run", rung="op", quiet=True, timeout=180)
+    assert result.returncode == 0, result.output_tail
+    assert [p.name for p in sorted((tmp_path / "run").glob("rank-*"))] == ["rank-00000.arrow", "rank-00000.json"]
+    names = {r["name"] for r in read_rank(tmp_path / "run", 0).table.to_pylist()}
+    assert "aten.sin.default" not in names  # the dataset ran in the workers only
+    assert "aten.addmm.default" in names
+
+
+def test_run_traced_rejects_an_empty_command(tmp_path: Path) -> None:
+    with pytest.raises(UsageError):
+        run_traced([], tmp_path / "run")
