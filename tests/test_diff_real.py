@@ -161,7 +161,7 @@ DDP_SCRIPT = textwrap.dedent('''
         with detrace.trace(out, rung="semantic"):
             model = nn.parallel.DistributedDataParallel(Net())
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            for _ in range(3):
+            for _ in range(2):
                 optimizer.zero_grad()
                 ((model(idx) - target) ** 2).mean().backward()
                 optimizer.step()
