@@ -1,0 +1,135 @@
+"""Fingerprint throughput against torch.hash_tensor and torch.sum of the same tensor (CPU; CUDA when present).
+
+Usage: python bench/fingerprint.py [--repeats N] [--no-startup]
+
+For float32 and bfloat16 tensors of 64 and 256 MiB it times detrace.fingerprint (compiled kernels),
+torch.hash_tensor (an XOR fold that upcasts each element to 64 bits) and torch.sum (about one read of memory),
+interleaved round by round so that load on the machine hits all three alike, and reports the median of the
+per-round ratios. It first measures the one-time start-up cost of the compiled kernels in fresh processes
+(cold: an empty Inductor cache; warm: the cache the cold run filled). The last lines are the figures, one
+per line, e.g. ``fingerprint/hash_tensor float32 64MiB: 1.83x``. Runtime: about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SIZES_MIB = (64, 256)
+DTYPES = (torch.float32, torch.bfloat16)
+
+_STARTUP_PROBE = """
+import time, torch
+from detrace.digest import fingerprint
+x = torch.randn(16 * 2**20)
+t = time.perf_counter(); fingerprint(x); first = time.perf_counter() - t
+t = time.perf_counter(); fingerprint(x); steady = time.perf_counter() - t
+print(first - steady)
+"""
+
+
+def startup_cost() -> tuple[float, float]:
+    """Seconds the first compiled fingerprint costs in a fresh process: (cold cache, warm cache)."""
+    with tempfile.TemporaryDirectory(prefix="detrace-inductor-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "DETRACE_FINGERPRINT_BACKEND": "compiled"}
+        runs = []
+        for _ in range(2):
+            done = subprocess.run([sys.executable, "-c", _STARTUP_PROBE], env=env, capture_output=True, text=True,
+                                  check=True)
+            runs.append(float(done.stdout.strip().splitlines()[-1]))
+    return runs[0], runs[1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict[str, object], device: torch.device, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured in rotation `repeats` times after one warm-up call each."""
+    for fn in fns.values():
+        fn()  # type: ignore[operator]
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()  # type: ignore[operator]
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure(device: torch.device, repeats: int, figures: list[str]) -> None:
+    from detrace.digest import fingerprint
+
+    for dtype in DTYPES:
+        for mib in SIZES_MIB:
+            numel = mib * 2**20 // torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(numel, device=device).to(dtype)
+            fns = {"fingerprint": lambda x=x: fingerprint(x), "hash_tensor": lambda x=x: torch.hash_tensor(x),
+                   "sum": lambda x=x: x.sum()}
+            if device.type == "cuda":
+                fns["copy"] = lambda x=x: x.clone()
+            times = interleaved(fns, device, repeats)
+            gib = mib / 1024
+            speeds = ", ".join(f"{name} {gib / statistics.median(t):.1f} GiB/s" for name, t in times.items())
+            print(f"{device.type} {str(dtype).removeprefix('torch.')} {mib}MiB: {speeds}")
+            name = str(dtype).removeprefix("torch.")
+            prefix = "" if device.type == "cpu" else "cuda "
+            for other in [k for k in fns if k != "fingerprint"]:
+                ratio = statistics.median(o / f for o, f in zip(times[other], times["fingerprint"], strict=True))
+                figures.append(f"{prefix}fingerprint/{other} {name} {mib}MiB: {ratio:.2f}x")
+            del x
+
+
+def small_tensors() -> str:
+    from detrace.digest import fingerprint_many
+
+    tensors = [torch.randn(256) for _ in range(2000)]
+    fingerprint_many(tensors)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fingerprint_many(tensors)
+        times.append(time.perf_counter() - start)
+    each = statistics.median(times) / len(tensors) * 1e6
+    return f"small tensors: {len(tensors)} x 1 KiB in one fingerprint_many call: {each:.1f} us each"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--no-startup", action="store_true", help="skip the fresh-process start-up measurement")
+    args = parser.parse_args()
+    if not hasattr(torch, "hash_tensor"):
+        print("torch.hash_tensor needs torch>=2.8", file=sys.stderr)
+        return 2
+    os.environ["DETRACE_FINGERPRINT_BACKEND"] = "compiled"
+    print(f"detrace fingerprint bench: torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+          f"compiled kernels, median of {args.repeats} interleaved rounds")
+    if not args.no_startup:
+        cold, warm = startup_cost()
+        print(f"one-time start-up of the compiled kernels (first call in a fresh process, beyond a steady call): "
+              f"cold cache {cold:.1f} s, warm cache {warm:.1f} s")
+    figures: list[str] = []
+    measure(torch.device("cpu"), args.repeats, figures)
+    print(small_tensors())
+    if torch.cuda.is_available():
+        measure(torch.device("cuda"), args.repeats, figures)
+    else:
+        print("GPU: not measured (no CUDA device here)")
+    print("\n".join(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

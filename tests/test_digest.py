@@ -1,0 +1,562 @@
+"""Fingerprints: the contract, the guarantees (each proven here), and agreement of all implementations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import detrace
+from detrace import digest as dg
+from detrace.digest import Fingerprint, fingerprint, fingerprint_many, reference_fingerprint
+from detrace.errors import FingerprintError, UsageError
+
+ALL_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
+    torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool, torch.complex32, torch.complex64, torch.complex128,
+]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of `dtype` whose bytes are random (any bit pattern, including NaN payloads)."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape, dtype=np.int64)) * itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw &= 1
+    return raw.view(dtype).reshape(shape)
+
+
+def flip_bit(t: torch.Tensor, index: int, bit: int) -> torch.Tensor:
+    out = t.clone()
+    raw = out.reshape(-1).view(torch.uint8)
+    byte = index * t.element_size() + bit // 8
+    raw[byte] ^= 1 << (bit % 8)
+    return out
+
+
+def hash_tensor(t: torch.Tensor) -> int:
+    return torch.hash_tensor(t).view(torch.int64).item() & ((1 << 64) - 1)
+
+
+@pytest.fixture(params=["eager", "auto"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv(dg.ENV_BACKEND, request.param)
+    return request.param
+
+
+# --------------------------------------------------------------------------------------------------
+# The contract
+
+
+def test_contract_fields_and_hex():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    fp = fingerprint(t)
+    assert isinstance(fp, Fingerprint)
+    assert 0 <= fp.digest < 2**64
+    assert fp.hex == f"{fp.digest:016x}" and len(fp.hex) == 16
+    assert (fp.dtype, fp.shape, fp.numel) == ("float32", (3, 4), 12)
+    assert fp.chunks is None and fp.chunk_dim is None and fp.components == ()
+    with pytest.raises(AttributeError):
+        fp.digest = 0  # frozen
+    assert detrace.fingerprint is fingerprint and detrace.fingerprint_many is fingerprint_many
+    assert detrace.Fingerprint is Fingerprint
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_is_fingerprinted_by_name(dtype, backend):
+    t = random_bits((5, 3), dtype)
+    fp = fingerprint(t)
+    assert fp.dtype == str(dtype).removeprefix("torch.")
+    assert fp.shape == (5, 3) and fp.numel == 15
+    assert fp == reference_fingerprint(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bits8, torch.bits16, torch.bits1x8, torch.bits2x4, torch.bits4x2], ids=str)
+def test_bits_dtypes(dtype):
+    t = random_bits((6, 4), torch.uint8).view(dtype)
+    assert fingerprint(t) == reference_fingerprint(t) and fingerprint(t).dtype == str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Same bits on every path: reference (NumPy), eager, compiled, and every size class of the planner
+
+# sizes in bytes around every boundary: narrow widths (64, 512), rows (4096), the in-place body path
+BYTE_SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 511, 512, 513, 4095, 4096, 4097, 3 * 4096 + 5,
+              dg.BODY_MIN_BYTES - 8, dg.BODY_MIN_BYTES, dg.BODY_MIN_BYTES + 4096 + 24, 2 * dg.BODY_MIN_BYTES]
+
+
+def size_zoo() -> list[torch.Tensor]:
+    tensors = []
+    for i, nbytes in enumerate(BYTE_SIZES):
+        for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.float64, torch.complex128):
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if nbytes % itemsize == 0:
+                tensors.append(random_bits((nbytes // itemsize,), dtype, seed=i))
+    tensors.append(random_bits((), torch.float32, seed=99))
+    tensors.append(random_bits((7, 0, 3), torch.float16, seed=98))
+    return tensors
+
+
+def test_all_size_classes_match_the_reference(backend):
+    zoo = size_zoo()
+    expected = [reference_fingerprint(t) for t in zoo]
+    assert fingerprint_many(zoo) == expected
+    assert [fingerprint(t) for t in zoo] == expected
+
+
+def test_packed_batches_flushed_early_give_the_same_bits(monkeypatch):
+    monkeypatch.setenv(dg.ENV_BACKEND, "eager")
+    monkeypatch.setattr(dg, "PACK_FLUSH_BYTES", 10_000)
+    zoo = size_zoo()
+    assert fingerprint_many(zoo) == [reference_fingerprint(t) for t in zoo]
+
+
+def test_numpy_definition_matches_torch_kernels_row_by_row():
+    gen = np.random.default_rng(1)
+    words = gen.integers(0, 2**63, size=(6, 512), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    rows = np.array([0, 1, 2, 1000, 2**40, 2**55 - 1], dtype=np.int64)
+    rowkeys = dg._np_rowkeys(rows)
+    assert np.array_equal(dg._torch_rowkeys(torch.from_numpy(rows)).numpy().view(np.uint64), rowkeys)
+    expected = dg._np_row_sums(words, rowkeys)
+    colkeys = torch.from_numpy(dg._T_U64.view(np.int64).copy())
+    args = (torch.from_numpy(words.view(np.int64)), torch.from_numpy(rowkeys.view(np.int64)), colkeys)
+    assert np.array_equal(dg._torch_row_sums(*args).numpy().view(np.uint64), expected)
+    assert np.array_equal(dg._eager_kernel("rows", *args).numpy().view(np.uint64), expected)
+    total = np.uint64(expected.sum(dtype=np.uint64))
+    assert dg._eager_kernel("total", *args).numpy().view(np.uint64)[0] == total
+
+
+def test_positions_have_distinct_keys():
+    # Injective keys: the low 9 bits are the column, and RK is a bijection of the row number.
+    cols = dg._T_U64 & np.uint64(511)
+    assert np.array_equal(cols, np.arange(512, dtype=np.uint64))
+    rowkeys = dg._np_rowkeys(np.arange(1 << 16))
+    assert np.all(rowkeys & np.uint64(511) == 0)
+    assert np.unique(rowkeys).size == rowkeys.size
+
+
+@pytest.mark.slow
+def test_compiled_kernels_match_the_reference(monkeypatch):
+    pytest.importorskip("torch._inductor")
+    monkeypatch.setenv(dg.ENV_BACKEND, "compiled")
+    zoo = size_zoo()
+    many = [random_bits((40,), torch.float32, seed=s) for s in range(300)]  # narrow rows, compiled
+    chunky = random_bits((300, 1500), torch.bfloat16, seed=5)
+    got = fingerprint_many([*zoo, *many, chunky])
+    assert got == [reference_fingerprint(t) for t in [*zoo, *many, chunky]]
+    assert fingerprint(chunky, chunks=300) == reference_fingerprint(chunky, chunks=300)
+    assert fingerprint(chunky, chunks=7, dim=1) == reference_fingerprint(chunky, chunks=7, dim=1)
+    assert fingerprint(many[0].reshape(4, 10), chunks=4) == reference_fingerprint(many[0].reshape(4, 10), chunks=4)
+
+
+def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    kernels = dg._CompiledKernels()
+    monkeypatch.setattr(dg, "_compiled", kernels)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    t = random_bits((dg.BODY_MIN_BYTES // 4,), torch.float32, seed=3)
+    monkeypatch.setenv(dg.ENV_BACKEND, "compiled")
+    with pytest.raises(FingerprintError, match=r"torch\.compile failed"):
+        fingerprint(t)
+    monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
+    monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)  # auto now wants compiled kernels
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp = fingerprint(t)
+    assert fp == reference_fingerprint(t)
+    assert any("compiled fingerprint kernels are unavailable" in str(w.message) for w in caught)
+
+
+def test_unknown_backend_is_a_usage_error(monkeypatch):
+    monkeypatch.setenv(dg.ENV_BACKEND, "fastest")
+    with pytest.raises(UsageError, match="DETRACE_FINGERPRINT_BACKEND"):
+        fingerprint(torch.ones(2))
+
+
+def test_reference_backend_serves_the_public_api(monkeypatch):
+    monkeypatch.setenv(dg.ENV_BACKEND, "reference")
+    t = random_bits((9, 9), torch.float16)
+    assert fingerprint(t, chunks=3) == reference_fingerprint(t, chunks=3)
+    monkeypatch.setenv(dg.ENV_BACKEND, "eager")
+    assert fingerprint(t, chunks=3) == reference_fingerprint(t, chunks=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Depends only on bits + shape + dtype
+
+
+def test_layout_does_not_matter(backend):
+    base = random_bits((64, 96), torch.float32, seed=7)
+    expected = fingerprint(base)
+    big = torch.zeros(3, 64, 96)
+    big[1] = base
+    copies = [
+        big[1],  # offset view
+        base.t().contiguous().t(),  # column-major strides
+        base.t().t(),
+        torch.as_strided(torch.cat([torch.zeros(5), base.reshape(-1)]), (64, 96), (96, 1), 5),  # odd offset
+        base.clone().requires_grad_(True),
+        torch.nn.Parameter(base.clone()),
+    ]
+    for copy in copies:
+        assert fingerprint(copy) == expected
+    # transposed-then-contiguous copy has the transposed content, so it has the transposed digest
+    assert fingerprint(base.t().contiguous()) == fingerprint(base.t())
+    assert fingerprint(torch.ones(3).expand(4, 3)) == fingerprint(torch.ones(4, 3))
+    z = torch.complex(torch.randn(6), torch.randn(6))
+    assert fingerprint(z.conj()) == fingerprint(z.conj().resolve_conj())
+    assert fingerprint(torch._neg_view(z)) == fingerprint(-z)
+
+
+def test_misaligned_byte_tensors_on_the_body_path(backend):
+    raw = random_bits((dg.BODY_MIN_BYTES + 4096 + 40,), torch.uint8, seed=11)
+    for offset in range(1, 9):
+        view = raw[offset : offset + dg.BODY_MIN_BYTES + 4096 + 17]
+        assert fingerprint(view) == reference_fingerprint(view.clone())
+
+
+def test_same_digest_with_one_and_two_threads(backend):
+    tensors = [random_bits((dg.BODY_MIN_BYTES,), torch.float32, seed=1), random_bits((300, 41), torch.bfloat16)]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fingerprint_many(tensors)
+        torch.set_num_threads(2)
+        two = fingerprint_many(tensors)
+    finally:
+        torch.set_num_threads(old)
+    assert one == two
+
+
+@pytest.mark.slow
+def test_same_digest_in_two_separate_processes():
+    script = textwrap.dedent(
+        """
+        import json, torch
+        from detrace.digest import fingerprint_many
+        g = torch.Generator().manual_seed(1234)
+        ts = [torch.randn(1000, 300, generator=g), torch.randn(33, generator=g).bfloat16(),
+              torch.randint(0, 9, (5, 7), generator=g), torch.zeros(()), torch.zeros(0)]
+        print(json.dumps([f.hex for f in fingerprint_many(ts)]))
+        """
+    )
+    outputs = []
+    for seed in ("1", "2"):  # different string-hash salts: no Python hash() may leak into a digest
+        env = {"PYTHONHASHSEED": seed, "DETRACE_FINGERPRINT_BACKEND": "eager", "PATH": "/usr/bin:/bin"}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+        outputs.append(json.loads(done.stdout))
+    assert outputs[0] == outputs[1]
+    g = torch.Generator().manual_seed(1234)
+    ts = [torch.randn(1000, 300, generator=g), torch.randn(33, generator=g).bfloat16(),
+          torch.randint(0, 9, (5, 7), generator=g), torch.zeros(()), torch.zeros(0)]
+    assert outputs[0] == [f.hex for f in fingerprint_many(ts)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Order-sensitive, side by side with torch.hash_tensor (an XOR fold)
+
+needs_hash_tensor = pytest.mark.skipif(not hasattr(torch, "hash_tensor"), reason="torch.hash_tensor needs torch>=2.8")
+
+
+@needs_hash_tensor
+def test_hash_tensor_misses_what_detrace_catches(backend):
+    x = torch.arange(1.0, 65.0)
+    swapped = x.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]  # adjacent swap inside one small block
+    permuted = x[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    m = torch.arange(12.0).reshape(3, 4) ** 2
+    square = torch.arange(16.0).reshape(4, 4)
+    paired = x.clone()
+    paired[[3, 40]] = (paired[[3, 40]].view(torch.int32) ^ 0x10).view(torch.float32)  # the same change twice
+    cases = [(x, swapped), (x, permuted), (square, square.t().contiguous()), (x, paired)]
+    for a, b in cases:
+        assert not torch.equal(a, b)
+        assert hash_tensor(a) == hash_tensor(b), "hash_tensor (XOR fold) misses this change"
+        assert fingerprint(a).digest != fingerprint(b).digest, "detrace must catch it"
+    # a non-symmetric matrix and its transpose (same shape via reshape of the transposed copy)
+    assert fingerprint(m).digest != fingerprint(m.t().contiguous().reshape(3, 4)).digest
+
+
+@given(st.integers(2, 300), st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_any_permutation_of_distinct_elements_changes_the_digest(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randperm(10_000, generator=gen)[:n].to(torch.int32)
+    perm = torch.randperm(n, generator=gen)
+    if torch.equal(perm, torch.arange(n)):
+        perm = perm.roll(1)
+    assert fingerprint(x[perm]).digest != fingerprint(x).digest
+
+
+@given(st.integers(0, 2**32 - 1), st.sampled_from([torch.bfloat16, torch.float32, torch.int8, torch.float64]))
+@settings(max_examples=60, deadline=None)
+def test_every_adjacent_swap_changes_the_digest(seed, dtype):
+    x = random_bits((37,), dtype, seed=seed % 1000)
+    i = seed % 36
+    if torch.equal(x[i : i + 1].view(torch.uint8), x[i + 1 : i + 2].view(torch.uint8)):
+        return
+    y = x.clone()
+    y[[i, i + 1]] = y[[i + 1, i]]
+    assert fingerprint(y).digest != fingerprint(x).digest
+
+
+# --------------------------------------------------------------------------------------------------
+# One flipped bit anywhere; equal changes never cancel; special values
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_single_bit_flip_changes_the_digest(dtype, backend):
+    x = random_bits((33,), dtype, seed=17)
+    bits = x.element_size() * 8
+    variants = [flip_bit(x, index, bit) for index in (0, 16, 32) for bit in range(bits)]
+    digests = [fp.digest for fp in fingerprint_many([x, *variants])]
+    assert len(set(digests)) == len(digests), "every flip gives its own digest, all differ from the original"
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16]),
+    n=st.integers(2, 2000),
+    data=st.data(),
+)
+@settings(max_examples=80, deadline=None)
+def test_one_changed_element_always_changes_the_digest(dtype, n, data):
+    x = random_bits((n,), dtype, seed=n)
+    i = data.draw(st.integers(0, n - 1))
+    y = x.clone()
+    raw = y[i : i + 1].view(torch.uint8)
+    new = data.draw(st.binary(min_size=raw.numel(), max_size=raw.numel()))
+    raw.copy_(torch.tensor(list(new), dtype=torch.uint8))
+    changed = not torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert (fingerprint(x).digest != fingerprint(y).digest) == changed
+
+
+@given(st.integers(3, 5000), st.data())
+@settings(max_examples=80, deadline=None)
+def test_two_equal_changes_never_cancel(n, data):
+    x = random_bits((n,), torch.int32, seed=n)
+    i, j = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+    delta = data.draw(st.integers(1, 2**31 - 1))
+    xor = x.clone()
+    xor[[i, j]] ^= delta  # the same XOR change at two positions: an XOR fold cancels it exactly
+    add = x.clone()
+    add[[i, j]] += delta  # the same additive change at two positions
+    base = fingerprint(x).digest
+    assert fingerprint(xor).digest != base
+    assert fingerprint(add).digest != base
+    if hasattr(torch, "hash_tensor"):
+        assert hash_tensor(xor) == hash_tensor(x)
+
+
+def test_special_values_are_distinct(backend):
+    values = [
+        torch.tensor(0.0), torch.tensor(-0.0),
+        torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32).reshape(()),  # quiet NaN
+        torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32).reshape(()),  # NaN, other payload
+        torch.tensor([0xFFC00000], dtype=torch.int64).to(torch.uint32).view(torch.float32).reshape(()),  # -NaN
+        torch.zeros(0), torch.zeros(1), torch.zeros(2), torch.zeros(1, 1), torch.zeros(0, 3), torch.zeros(3, 0),
+        torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int32), torch.zeros((), dtype=torch.bool),
+        torch.zeros(0, dtype=torch.int32), torch.zeros(4, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32),
+    ]
+    digests = [fp.digest for fp in fingerprint_many(values)]
+    assert len(set(digests)) == len(digests)
+
+
+def test_same_bytes_different_shape_or_dtype_differ(backend):
+    x = random_bits((24,), torch.float32)
+    views = [x, x.reshape(4, 6), x.reshape(6, 4), x.reshape(2, 3, 4), x.view(torch.int32),
+             x.view(torch.uint8), x.view(torch.bfloat16), x.view(torch.complex64)]
+    digests = [fp.digest for fp in fingerprint_many(views)]
+    assert len(set(digests)) == len(digests)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunk-wise mode
+
+
+def test_chunks_are_the_digests_of_the_slices(backend):
+    x = random_bits((10, 6, 5), torch.bfloat16, seed=2)
+    for chunks, dim in [(1, 0), (3, 0), (4, 1), (10, 0), (100, 0), (2, -1), (5, 2), (7, -2)]:
+        fp = fingerprint(x, chunks=chunks, dim=dim)
+        pieces = torch.tensor_split(x, min(chunks, x.shape[dim]), dim=dim)
+        assert fp.chunks == tuple(fingerprint(p).digest for p in pieces)
+        assert fp.chunk_dim == dim % x.dim()
+        assert fp.digest == fingerprint(x).digest
+
+
+def test_chunks_name_the_rows_that_differ(backend):
+    tokens = random_bits((64, 1100), torch.float32, seed=4)  # rows longer than 4096 bytes
+    routing = torch.randint(0, 8, (64, 2), generator=torch.Generator().manual_seed(0))  # narrow rows
+    for t in (tokens, routing):
+        changed = t.clone()
+        changed[[5, 40]] = changed[[40, 5]] if not torch.equal(t[5], t[40]) else changed[[5, 40]] + 1
+        a, b = fingerprint(t, chunks=t.shape[0]), fingerprint(changed, chunks=t.shape[0])
+        assert [i for i, (u, v) in enumerate(zip(a.chunks, b.chunks, strict=True)) if u != v] == [5, 40]
+    same = torch.ones(4, 3)
+    assert len(set(fingerprint(same, chunks=4).chunks)) == 1  # equal rows have equal digests
+
+
+def test_chunk_edge_cases(backend):
+    assert fingerprint(torch.zeros(0, 3), chunks=4).chunks == ()
+    assert fingerprint(torch.zeros(3, 0), chunks=3).chunks == tuple([fingerprint(torch.zeros(1, 0)).digest] * 3)
+    with pytest.raises(UsageError):
+        fingerprint(torch.zeros(()), chunks=2)
+    with pytest.raises(UsageError):
+        fingerprint(torch.zeros(3), chunks=0)
+    with pytest.raises(UsageError):
+        fingerprint(torch.zeros(3), chunks=2, dim=1)
+    many = fingerprint_many([torch.ones(4, 2), torch.zeros(2, 2)], chunks=2)
+    assert [len(fp.chunks) for fp in many] == [2, 2]
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched and staged modes
+
+
+def test_batched_reads_back_once_per_device(monkeypatch):
+    calls = []
+    original = torch.Tensor.cpu
+
+    def counting_cpu(self, *args, **kwargs):
+        calls.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setenv(dg.ENV_BACKEND, "eager")  # device kernels even on CPU (auto uses NumPy for small)
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    tensors = [random_bits((n,), torch.float32, seed=n) for n in (1, 10, 100, 1000, 70_000, 100_000)]
+    fps = fingerprint_many(tensors)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch.Tensor, "cpu", original)
+    assert fps == [reference_fingerprint(t) for t in tensors]
+
+
+def test_staged_batches_are_collected_together():
+    a = [torch.randn(5), torch.randn(3000)]
+    b = [torch.randn(2, 2)]
+    first, second = dg.stage(a), dg.stage(b, chunks=2)
+    assert len(first) == 2
+    got = dg.collect([first, second])
+    assert got == [fingerprint_many(a), fingerprint_many(b, chunks=2)]
+    assert first.result() == got[0]
+
+
+def test_many_small_tensors_in_one_call():
+    tensors = [random_bits((n % 50,), torch.float16, seed=n) for n in range(2000)]
+    assert fingerprint_many(tensors) == [reference_fingerprint(t) for t in tensors]
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized tensors: the component protocol
+
+
+class Packed:
+    """A stand-in quantized tensor that is not a torch.Tensor."""
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor) -> None:
+        self.data, self.scales = data, scales
+        self.shape = (data.shape[0], data.shape[1] * 2)
+        self.dtype = "int4_packed"
+
+    def __detrace_components__(self):
+        return {"data": self.data, "scales": self.scales}
+
+
+def test_components_are_fingerprinted_separately(backend):
+    data = random_bits((4, 8), torch.uint8)
+    scales = torch.rand(4, 1)
+    fp = fingerprint(Packed(data, scales))
+    assert [name for name, _ in fp.components] == ["data", "scales"]
+    assert fp.components[0][1] == fingerprint(data) and fp.components[1][1] == fingerprint(scales)
+    assert (fp.dtype, fp.shape, fp.numel) == ("int4_packed", (4, 16), 64)
+    assert fp == reference_fingerprint(Packed(data, scales))
+    other = fingerprint(Packed(data, scales * 2))
+    assert other.digest != fp.digest
+    assert other.components[0] == fp.components[0] and other.components[1] != fp.components[1]
+    chunked = fingerprint(Packed(data, scales), chunks=4)
+    assert chunked.components[0][1].chunks == fingerprint(data, chunks=4).chunks
+
+
+def test_tensor_subclass_with_components():
+    class Subclass(torch.Tensor):
+        def __detrace_components__(self):
+            return {"values": self.as_subclass(torch.Tensor), "extra": torch.tensor([1, 2])}
+
+    t = torch.arange(4.0).as_subclass(Subclass)
+    fp = fingerprint(t)
+    assert [name for name, _ in fp.components] == ["values", "extra"]
+    assert fp.dtype == "float32" and fp.shape == (4,)
+
+
+def test_torch_quantized_tensors_are_components():
+    q = torch.quantize_per_tensor(torch.randn(10), scale=0.1, zero_point=3, dtype=torch.qint8)
+    fp = fingerprint(q)
+    assert [name for name, _ in fp.components] == ["int_repr", "scale", "zero_point"]
+    q2 = torch.quantize_per_tensor(q.dequantize(), scale=0.1, zero_point=4, dtype=torch.qint8)
+    assert fingerprint(q2).digest != fp.digest
+
+
+# --------------------------------------------------------------------------------------------------
+# What cannot be fingerprinted: one clear sentence, never a wrong answer
+
+
+def test_unfingerprintable_inputs_raise_one_sentence():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.randn(3)
+
+    class BadComponents:
+        def __detrace_components__(self):
+            return [torch.ones(1)]
+
+    cases = [
+        torch.empty(3, device="meta"),
+        fake,
+        torch.randn(4, 4).to_sparse(),
+        torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        [1.0, 2.0],
+        np.zeros(3),
+        BadComponents(),
+    ]
+    for case in cases:
+        with pytest.raises(FingerprintError) as info:
+            fingerprint(case)
+        message = str(info.value)
+        assert message and "\n" not in message
+    with pytest.raises(FingerprintError):
+        fingerprint_many([torch.ones(2), torch.empty(2, device="meta")])
+
+
+def test_fingerprinting_is_invisible_to_dispatch_modes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(100)
+    expected = fingerprint(x)
+    with Recorder() as recorder:
+        got = fingerprint(x)
+    assert got == expected and recorder.ops == []

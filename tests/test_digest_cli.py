@@ -1,0 +1,86 @@
+"""`detrace fingerprint`: the demo, torch.save and safetensors files, and its errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from detrace.cli import main
+from detrace.digest import fingerprint
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["fingerprint", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_safetensors(path, tensors: dict[str, torch.Tensor]) -> None:
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64", torch.uint8: "U8"}
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+@pytest.mark.skipif(not hasattr(torch, "hash_tensor"), reason="the demo compares with torch.hash_tensor")
+def test_demo_shows_what_hash_tensor_misses(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    lines = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.strip()}
+    for change in ("adjacent swap (x[2] <-> x[3])", "permutation (reversed)", "equal change at two positions"):
+        row = next(line for key, line in lines.items() if key.startswith(change))
+        assert row.count("changed") == 1 and row.rstrip().endswith("SAME")
+    ulp = next(line for key, line in lines.items() if key.startswith("one element"))
+    assert ulp.count("changed") == 2
+
+
+def test_torch_file(tmp_path, capsys):
+    state = {"layer": {"weight": torch.randn(3, 4), "bias": torch.zeros(4)}, "step": 7,
+             "extra": [torch.ones(2, dtype=torch.bfloat16)]}
+    path = tmp_path / "model.pt"
+    torch.save(state, path)
+    code, out, err = run(capsys, str(path))
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert [row[-1] for row in rows] == ["layer.weight", "layer.bias", "extra.0"]
+    assert rows[0][:3] == [fingerprint(state["layer"]["weight"]).hex, "float32", "3x4"]
+    assert "3 tensors" in err and "skipped 1 non-tensor" in err
+    code, out, _ = run(capsys, str(path), "--json", "--chunks", "2")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert records[1]["chunks"] == [f"{c:016x}" for c in fingerprint(torch.zeros(4), chunks=2).chunks]
+    assert records[0]["digest"] == fingerprint(state["layer"]["weight"]).hex
+
+
+def test_safetensors_file(tmp_path, capsys):
+    tensors = {"a": torch.randn(5, 2), "b": torch.arange(6).reshape(2, 3), "c": torch.randn(3).bfloat16(),
+               "empty": torch.zeros(0, dtype=torch.uint8)}
+    path = tmp_path / "weights.safetensors"
+    write_safetensors(path, tensors)
+    code, out, _ = run(capsys, str(path), "--json")
+    assert code == 0
+    got = {r["name"]: r["digest"] for r in map(json.loads, out.splitlines())}
+    assert got == {name: fingerprint(t).hex for name, t in tensors.items()}
+
+
+def test_errors_exit_2_with_one_line(tmp_path, capsys):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    truncated = tmp_path / "cut.pt"
+    torch.save({"w": torch.randn(100)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
+    bad_header = tmp_path / "bad.safetensors"
+    bad_header.write_bytes(struct.pack("<Q", 5) + b"{nope")
+    cases = [[str(tmp_path / "missing.pt")], [str(garbage)], [str(truncated)], [str(bad_header)],
+             [str(garbage), "--chunks", "0"], ["--json"], ["--bogus"]]
+    for argv in cases:
+        code, _, err = run(capsys, *argv)
+        assert code == 2, argv
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
