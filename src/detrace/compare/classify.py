@@ -100,10 +100,6 @@ def content_mask(a: pa.RecordBatch, b: pa.RecordBatch) -> np.ndarray:
     return equal
 
 
-def is_output_side(role: str) -> bool:
-    return role in OUTPUT_ROLES
-
-
 def label(row: dict[str, Any]) -> str:
     """A record's identity in one line: "backward layers.1.moe aten.index_put_.default#0 output[0]"."""
     scope = f" {row['module']}" if row.get("module") else ""

@@ -1,1 +1,1 @@
-"""Renderers of results for people: terminal.py (terminal summaries); an HTML report joins it later."""
+"""Renderers of results for people: terminal.py (terminal summaries of diff and certify), html.py (the report)."""
