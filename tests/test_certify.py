@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,7 +10,7 @@ import pytest
 
 from detrace.cli import main
 from detrace.compare import certify
-from detrace.compare.certify import spans
+from detrace.compare.certify import recorded_steps, spans
 from detrace.compare.synthetic import SyntheticRun, rank_table, write_run, write_table
 from detrace.tracefile import rank_path
 
@@ -95,6 +96,17 @@ def test_unreadable_or_malformed_input_exits_2(tmp_path: Path, run: Path, capsys
     assert main(["certify", str(run), "--expected-steps", "3-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "runs backwards" in err and "Traceback" not in err
+
+
+def test_default_steps_are_the_recorded_windows(run: Path) -> None:
+    header = {"windows": {"steps": {"metrics": "0-3", "semantic": "0-3", "module": "2", "op": "2"}}}
+    assert recorded_steps(header) == "0-3,2"
+    assert recorded_steps({"windows": {"steps": {"metrics": "all", "op": "2"}}}) == "all"
+    assert recorded_steps({}) == "all"
+    (run / "run.json").write_text(json.dumps({"world_size": 2, **header}))
+    assert certify(run).ok and certify(run).steps == [0, 1, 2, 3]
+    (run / "run.json").write_text(json.dumps({"world_size": 2, "windows": {"steps": {"metrics": "0-5"}}}))
+    assert certify(run).violations[0] == "rank 0: 2 expected steps missing (4-5)"
 
 
 def test_spans() -> None:

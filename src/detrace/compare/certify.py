@@ -120,6 +120,13 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
     return _RankFacts(rank, records, frozenset(steps), violations)
 
 
+def recorded_steps(header: dict[str, Any]) -> str:
+    """The steps a run recorded at any rung, as a SPEC: the union of its per-rung step windows."""
+    windows = (header.get("windows") or {}).get("steps") or "all"
+    specs = sorted(set(windows.values())) if isinstance(windows, dict) else [windows]
+    return "all" if "all" in specs else ",".join(specs)
+
+
 def certify(run: str | Path, *, expected_ranks: str | None = None, expected_steps: str | None = None,
             workers: int | None = None) -> CertifyResult:
     """Check a run directory's invariants. SPECs default to the windows the run was recorded with.
@@ -128,7 +135,7 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     """
     info = open_run(run)
     rank_window = parse_window(expected_ranks or str(info.header.get("ranks", "all")))
-    step_window = parse_window(expected_steps or str(info.header.get("steps", "all")))
+    step_window = parse_window(expected_steps or recorded_steps(info.header))
     ranks = rank_window.expand(info.world_size) if not rank_window.bounded else rank_window.expand()
     present = [r for r in ranks if r in info.ranks]
     if workers is None:
