@@ -20,7 +20,7 @@ from detrace.formats import (
     nvfp4_decode,
     nvfp4_encode,
 )
-from detrace.formats.elements import e2m1_codes, e2m1_values, pack_fp4, unpack_fp4
+from detrace.formats.elements import e2m1_codes, e2m1_values, exp2i, pack_fp4, unpack_fp4
 
 
 def block(*values: float, size: int = 32) -> torch.Tensor:
@@ -32,6 +32,11 @@ def block(*values: float, size: int = 32) -> torch.Tensor:
 
 def scale_bytes(q: MXFP8Tensor) -> list[int]:
     return q.scales.view(torch.uint8).reshape(-1).tolist()
+
+
+def test_exact_powers_of_two():
+    k = torch.arange(-127, 128)
+    assert torch.equal(exp2i(k), torch.tensor([2.0**i for i in k.tolist()], dtype=torch.float64).float())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -215,6 +215,7 @@ class Fingerprint:
 # Inputs: what can be fingerprinted, and its logical bytes
 
 
+@cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -13,6 +13,14 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_EMAX = {"e4m3": 8, "e5m2": 15}
 
 
+def exp2i(k: torch.Tensor) -> torch.Tensor:
+    """Exactly 2**k as float32 for integer k in [-127, 127], built from its bits (pow/ldexp need not be exact
+    on every device). 2**-127 is the subnormal with only bit 22 set."""
+    k = k.to(torch.int32)
+    bits = torch.where(k >= -126, (k + 127) << 23, torch.full_like(k, 1 << 22))
+    return bits.view(torch.float32)
+
+
 def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round float32 `x` to nearest-even in `dtype`, saturating at the largest finite value (NaN stays NaN).
 

@@ -22,7 +22,7 @@ import torch
 
 from detrace.errors import UsageError
 from detrace.formats.blocks import check_input, from_blocks, to_blocks
-from detrace.formats.elements import FP8_DTYPES, FP8_EMAX, to_fp8
+from detrace.formats.elements import FP8_DTYPES, FP8_EMAX, exp2i, to_fp8
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -64,7 +64,7 @@ def mxfp8_encode(x: torch.Tensor, elem: str = "e4m3") -> MXFP8Tensor:
         shared = torch.where(amax == 0, -E8M0_BIAS, shared)
         biased = torch.where(torch.isfinite(amax), shared + E8M0_BIAS, E8M0_NAN).to(torch.uint8)
         # Dividing by X = 2**shared is exact in float32 except far below the FP8 range, where both round to 0.
-        scaled = torch.ldexp(blocks, -shared.unsqueeze(-1).float())
+        scaled = blocks * exp2i(-shared).unsqueeze(-1)
         data = to_fp8(scaled, FP8_DTYPES[elem])
     return MXFP8Tensor(
         data=data.reshape(*data.shape[:-2], -1),
@@ -79,7 +79,6 @@ def mxfp8_decode(q: MXFP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     with torch.no_grad():
         biased = q.scales.view(torch.uint8)
         elements = q.data.float().reshape(*biased.shape, MX_BLOCK)
-        exponent = biased.to(torch.int32) - E8M0_BIAS
-        values = torch.ldexp(elements, exponent.unsqueeze(-1).float())
+        values = elements * exp2i(biased.to(torch.int32) - E8M0_BIAS).unsqueeze(-1)
         values = torch.where((biased == E8M0_NAN).unsqueeze(-1), float("nan"), values)
         return from_blocks(values, q.shape, dtype)
