@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,21 @@ class Call:
     event: int | None = None
 
 
+_SEEN_LIMIT = 65536
+"""Most snapshots remembered for reuse (a bound on memory, not on correctness)."""
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The in-place version counter of a plain tensor; None where there is none to trust (inference tensors,
+    subclasses), so its snapshot is never reused."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        return None
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -103,6 +119,9 @@ class Tracer:
         self._stepped: set[int] = set()
         self._listeners: list[Callable[[], None]] = []
         self._closed = False
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, Snapshot]] = {}
+        """id(tensor) -> (the tensor, its version, its snapshot): a tensor recorded as an output and again as
+        the next call's input is fingerprinted once. Cleared when the optimizer starts and when a step ends."""
         if os.environ.get("RANK", "").isdigit():
             self._set_rank(int(os.environ["RANK"]))
         self._update_windows()
@@ -127,6 +146,7 @@ class Tracer:
     def set_step(self, step: int) -> None:
         """Set the step clock (e.g. after resuming from a checkpoint taken at `step`)."""
         with self._lock:
+            self._seen.clear()
             self.step = int(step)
             self._occurrences = {}
             self._after_optimizer = False
@@ -156,6 +176,8 @@ class Tracer:
                 self._stepped = set()
             self._stepped.add(id(optimizer))
             self.phase = "optimizer"
+            # Optimizers may write parameters through `.data`, which the version counter does not see.
+            self._seen.clear()
 
     def optimizer_ends(self) -> None:
         with self._lock:
@@ -223,23 +245,37 @@ class Tracer:
         from detrace.errors import FingerprintError
 
         limit = self.config.max_numel
-        local = [local_data(t) if isinstance(t, torch.Tensor) else None for t in tensors]
-        todo = [i for i, t in enumerate(local) if t is not None and (limit is None or t.numel() <= limit)]
+        out: list[Snapshot | None] = [None] * len(tensors)
+        todo: list[tuple[int, torch.Tensor, int | None]] = []
+        for i, tensor in enumerate(tensors):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            tensor = local_data(tensor)
+            version = _version(tensor)
+            seen = self._seen.get(id(tensor)) if version is not None else None
+            if seen is not None and seen[0]() is tensor and seen[1] == version:
+                out[i] = seen[2]
+            elif limit is not None and tensor.numel() > limit:
+                out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel(),
+                                  digest=None)
+            else:
+                todo.append((i, tensor, version))
+        if not todo:
+            return out
         try:
             with self.own(), torch.no_grad():
-                digests = fingerprint_many([local[i].detach() for i in todo]) if todo else []
+                fps: list[Any] = fingerprint_many([t.detach() for _, t, _ in todo])
         except FingerprintError:
-            digests = [None] * len(todo)
-        by_index = dict(zip(todo, digests, strict=True))
-        out: list[Snapshot | None] = []
-        for i, tensor in enumerate(local):
-            if tensor is None:
-                out.append(None)
-                continue
-            fp = by_index.get(i)
+            fps = [None] * len(todo)
+        if len(self._seen) > _SEEN_LIMIT:
+            self._seen.clear()
+        for (i, tensor, version), fp in zip(todo, fps, strict=True):
             chunks = tuple(fp.chunks) if fp is not None and fp.chunks else None
-            out.append(Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel(),
-                                digest=None if fp is None else fp.digest, chunks=chunks))
+            snap = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel(),
+                            digest=None if fp is None else fp.digest, chunks=chunks)
+            out[i] = snap
+            if version is not None and fp is not None:
+                self._seen[id(tensor)] = (weakref.ref(tensor), version, snap)
         return out
 
     def emit(self, call: Call, role: str, snapshots: Sequence[Snapshot | None]) -> None:
