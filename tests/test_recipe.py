@@ -45,7 +45,7 @@ def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-        torch.get_float32_matmul_precision(),
+        torch.get_float32_matmul_precision(), torch.get_num_threads(),
     )
     torch.use_deterministic_algorithms(False)
     yield
@@ -54,6 +54,7 @@ def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3], flags[4]
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags[5], flags[6]
     torch.set_float32_matmul_precision(flags[7])
+    torch.set_num_threads(flags[8])
     for option, value in saved_options.items():
         setattr(inductor, option, value)
 
