@@ -291,12 +291,17 @@ def _plain(t: Any) -> torch.Tensor:
     return t
 
 
-def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements in C order as a 1-D uint8 tensor on its device (a view when possible)."""
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of a contiguous tensor (the last dimension grows by the element size)."""
     try:
-        return t.contiguous().reshape(-1).view(torch.uint8)
+        return t.view(torch.uint8)
     except (RuntimeError, NotImplementedError) as err:
         raise FingerprintError(f"cannot read the bytes of a {_dtype_name(t.dtype)} tensor: {err}") from None
+
+
+def _logical_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements in C order as a 1-D uint8 tensor on its device (a view when possible)."""
+    return _bytes_of(t.contiguous().reshape(-1))
 
 
 def _as_rows(data: torch.Tensor, nrows: int) -> torch.Tensor | None:
@@ -728,6 +733,15 @@ def _check_chunks(chunks: int | None, dim: int) -> None:
         raise UsageError(f"dim must be an integer, not {dim!r}")
 
 
+def _chunk_dim(t: torch.Tensor, dim: int) -> int:
+    """`dim` as a non-negative dimension of `t`, or UsageError."""
+    if t.dim() == 0:
+        raise UsageError("chunk-wise fingerprints need a tensor with at least one dimension")
+    if not -t.dim() <= dim < t.dim():
+        raise UsageError(f"dim {dim} is out of range for a tensor with {t.dim()} dimensions")
+    return dim % t.dim()
+
+
 def _chunk_sizes(length: int, chunks: int) -> list[int]:
     """Near-equal chunk sizes, as torch.tensor_split: the first (length % n) chunks are one longer."""
     n = min(chunks, length)
@@ -749,12 +763,7 @@ def _chunk_groups(t: torch.Tensor, dim: int, sizes: list[int]) -> Iterator[tuple
         while i + m < len(sizes) and sizes[i + m] == size:
             m += 1
         part = t.narrow(dim, start, m * size).reshape(outer, m, size, inner).transpose(0, 1)
-        block = part.reshape(m, outer * size * inner)
-        try:
-            block = block.contiguous().view(torch.uint8)
-        except (RuntimeError, NotImplementedError) as err:
-            raise FingerprintError(f"cannot read the bytes of a {_dtype_name(t.dtype)} tensor: {err}") from None
-        yield block, size, m
+        yield _bytes_of(part.reshape(m, outer * size * inner).contiguous()), size, m
         start += m * size
         i += m
 
@@ -804,11 +813,7 @@ class _Planner:
         plan = self._plan(t.device)
         plan.add_bytes(_logical_bytes(t), node.slot, self.consts)
         if chunks is not None:
-            if t.dim() == 0:
-                raise UsageError("chunk-wise fingerprints need a tensor with at least one dimension")
-            if not -t.dim() <= dim < t.dim():
-                raise UsageError(f"dim {dim} is out of range for a tensor with {t.dim()} dimensions")
-            dim %= t.dim()
+            dim = _chunk_dim(t, dim)
             sizes = _chunk_sizes(t.shape[dim], chunks)
             slots: list[int] = []
             groups = []
@@ -897,11 +902,7 @@ def reference_fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 
         digest = _reference_digest(t)
         if chunks is None:
             return Fingerprint(digest, _dtype_name(t.dtype), tuple(t.shape), t.numel())
-        if t.dim() == 0:
-            raise UsageError("chunk-wise fingerprints need a tensor with at least one dimension")
-        if not -t.dim() <= dim < t.dim():
-            raise UsageError(f"dim {dim} is out of range for a tensor with {t.dim()} dimensions")
-        dim %= t.dim()
+        dim = _chunk_dim(t, dim)
         pieces = torch.tensor_split(t, min(chunks, t.shape[dim]), dim=dim) if t.shape[dim] else ()
         return Fingerprint(digest, _dtype_name(t.dtype), tuple(t.shape), t.numel(),
                            tuple(_reference_digest(p) for p in pieces), dim)
