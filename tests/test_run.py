@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from detrace.cli import main as cli
@@ -77,6 +78,7 @@ def test_python_script(tmp_path: Path, script: Path) -> None:
     assert header["windows"]["steps"]["op"] == "all" and header["status"] == "finished"
     trace = read_rank(tmp_path / "run", 0)
     assert trace.complete and trace.header["rank"] == 0 and trace.header["pid"] > 0
+    assert pa.ipc.open_file(tmp_path / "run" / "rank-00000.arrow").read_all().equals(trace.table)
     assert sorted({r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"}) == [0, 1, 2]
 
 

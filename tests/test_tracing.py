@@ -253,3 +253,17 @@ def test_bad_configuration() -> None:
     assert parse_steps_option(["2-4", "op=3"]) == {"metrics": "2-4", "semantic": "2-4", "module": "2-4", "op": "3"}
     config = TraceConfig(out=Path("x"), rung="op", steps={"op": "3"}, capture="name=aten.mm.default,rank=1")
     assert TraceConfig.from_env({"DETRACE_TRACE": config.to_env()}) == config
+
+
+def test_two_optimizers_share_a_step(tmp_path: Path) -> None:
+    a, b = nn.Linear(3, 1), nn.Linear(3, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters())
+    with detrace.trace(tmp_path / "two"):
+        for _ in range(3):
+            (a(torch.ones(2, 3)).sum() + b(torch.ones(2, 3)).sum()).backward()
+            opt_a.step()
+            opt_b.step()
+    records = rows(tmp_path / "two")
+    assert [r["step"] for r in records if r["name"] == "loss"] == [0, 1, 2]
+    assert [(r["step"], r["occurrence"]) for r in records if r["name"] == "grad_norm"] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
