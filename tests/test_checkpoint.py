@@ -20,10 +20,10 @@ from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import TrainState, verify_checkpoint
 
 
-def make_state(seed: int = 0, *, head: bool = False) -> TrainState:
+def make_state(seed: int = 0, *, head: bool = False, outputs: int = 3) -> TrainState:
     """A small model with AdamW after one step: parameters and optimizer moments to save."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, outputs))
     if head:
         model.append(torch.nn.Linear(3, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -119,6 +119,11 @@ def test_a_checkpoint_of_another_model_or_world_size_is_refused(tmp_path: Path) 
         make_state(head=True).load(tmp_path)
     with pytest.raises(CheckpointError, match=r"holds tensor 'optimizer\.state\.0\.bias\.exp_avg' that this"):
         TrainState(model=make_state().model).load(tmp_path)
+    narrower = make_state(outputs=2)
+    before = [parameter.clone() for parameter in narrower.model.parameters()]
+    with pytest.raises(CheckpointError, match=r"does not fit this training state: Size mismatch .* for model\.2\.bias"):
+        narrower.load(tmp_path)
+    assert all(map(torch.equal, before, narrower.model.parameters()))
     manifest = tmp_path / "step-00000000" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
     with pytest.raises(CheckpointError, match="saved by 2 ranks and cannot resume 1"):
@@ -273,3 +278,30 @@ def test_a_failure_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     # Rank 0 checks model.bias (first in name order), rank 1 model.weight, which was damaged.
     assert "another rank found damage" in errors[0]["load"]
     assert "tensor 'model.weight'" in errors[1]["load"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"scheduler": True}, "holds model, optimizer; this TrainState has model, optimizer, scheduler"),
+        ({"extra": {"tokens": 0}}, r"holds extra state \[\], this TrainState has \['tokens'\]"),
+        ({"generators": (torch.Generator(),)}, "holds 0 explicit generators, this TrainState was given 1"),
+        ({"data": True}, "disagree on whether there is data state"),
+    ],
+)
+def test_a_checkpoint_with_other_parts_is_refused_before_anything_is_loaded(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    from detrace.state import ResumableSampler
+
+    make_state(seed=0).save(tmp_path)
+    mine = make_state(seed=1)
+    if change.pop("scheduler", False):
+        change["scheduler"] = torch.optim.lr_scheduler.StepLR(mine.optimizer, step_size=1)
+    if change.pop("data", False):
+        change["data"] = ResumableSampler(4)
+    other = TrainState(model=mine.model, optimizer=mine.optimizer, **change)
+    before = [parameter.clone() for parameter in other.model.parameters()]
+    with pytest.raises(CheckpointError, match=message):
+        other.load(tmp_path)
+    assert all(map(torch.equal, before, other.model.parameters()))

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 from detrace.errors import CheckpointError
 from detrace.state import dist, manifest, tree
@@ -83,13 +84,16 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     shared_skeleton, shared_tensors = dist.together(lambda: tree.split(shared, ""))
     local_skeleton, local_tensors = dist.together(lambda: tree.split(local, f"rank{rank}"))
     planner = FingerprintingSavePlanner()
-    with _single_process_is_intended():
-        dcp.save(
-            {**shared_tensors, **local_tensors},
-            storage_writer=JsonFileSystemWriter(tmp, sync_files=True),
-            planner=planner,
-            no_dist=not dist.active(),
-        )
+    try:
+        with _single_process_is_intended():
+            dcp.save(
+                {**shared_tensors, **local_tensors},
+                storage_writer=JsonFileSystemWriter(tmp, sync_files=True),
+                planner=planner,
+                no_dist=not dist.active(),
+            )
+    except (RuntimeError, OSError, CheckpointException) as err:
+        raise CheckpointError(f"cannot write a checkpoint into {tmp}: {_first_line(err)}") from None
     if rank == 0:
         write_json(tmp / SHARED_FILE, shared_skeleton)
     write_json(tmp / _rank_file(rank), {"rank": rank, "step": step, "state": local_skeleton})
@@ -116,11 +120,13 @@ def resolve(path: Path) -> Path:
     raise CheckpointError(f"{path} is not a detrace checkpoint (no {manifest.MANIFEST_FILE}, no {LATEST_FILE})")
 
 
-def read(path: Path, *, shared: dict[str, Any]) -> Loaded:
+def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any], None]) -> Loaded:
     """Verify and load the checkpoint at `path` on every rank (collective).
 
     `shared` is a template of the shared state (what `write` got, from the current model and optimizer):
-    DCP loads into its tensors in place, in whatever sharding they have now.
+    DCP loads into its tensors in place, in whatever sharding they have now. `check(directory, shared
+    skeleton, local skeleton)` raises if the saved state does not fit; it runs, like every other check,
+    before anything is loaded, so a checkpoint that is refused leaves the training state untouched.
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
@@ -134,6 +140,7 @@ def read(path: Path, *, shared: dict[str, Any]) -> Loaded:
     local_document = read_json(directory / _rank_file(rank))
     _, template_tensors = tree.split(shared, "")
     _check_same_tensors(directory, set(tree.tensor_keys(shared_skeleton)), set(template_tensors))
+    check(directory, shared_skeleton, local_document["state"])
 
     # This rank's own tensors (RNG states, ...) are allocated from what was saved, not from a template.
     metadata = read_metadata(directory)
@@ -149,9 +156,9 @@ def read(path: Path, *, shared: dict[str, Any]) -> Loaded:
                 planner=DefaultLoadPlanner(flatten_state_dict=False),
                 no_dist=not dist.active(),
             )
-    except (RuntimeError, ValueError) as err:
-        # DCP wraps per-rank failures; its message names the offending key.
-        raise CheckpointError(f"{directory} does not fit this training state: {str(err).splitlines()[0]}") from None
+    except (RuntimeError, ValueError, OSError, CheckpointException) as err:
+        # DCP reports a failure on any rank as CheckpointException (a BaseException); its message names the key.
+        raise CheckpointError(f"{directory} does not fit this training state: {_first_line(err)}") from None
     return Loaded(
         step=document["step"],
         shared=tree.join(shared_skeleton, template_tensors),
@@ -166,6 +173,14 @@ def _single_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of what went wrong; for DCP's CheckpointException, of the first rank's own error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _check_same_tensors(directory: Path, saved: set[str], current: set[str]) -> None:

@@ -147,14 +147,8 @@ class TrainState:
         return local
 
     def _load(self, path: Path, *, control: str | None) -> int:
-        template = self._shared()
-        loaded = checkpoint.read(path, shared=template)
+        loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits)
         shared, local = loaded.shared, loaded.local
-        if set(shared) != set(template):
-            raise CheckpointError(
-                f"{loaded.directory} holds {', '.join(sorted(shared))}; "
-                f"this TrainState has {', '.join(sorted(template))}"
-            )
         if self.optimizer is None:
             set_model_state_dict(self.model, shared["model"])
         else:
@@ -166,11 +160,9 @@ class TrainState:
             self.scheduler.load_state_dict(shared["scheduler"])
         if self.scaler is not None:
             self.scaler.load_state_dict(shared["scaler"])
-        if ("data" in local) != (self.data is not None):
-            raise CheckpointError(f"{loaded.directory} and this TrainState disagree on whether there is data state")
         if self.data is not None and control != "skip-data":
             self.data.load_state_dict(local["data"])
-        self._load_extra(local["extra"], loaded.directory)
+        self._load_extra(local["extra"])
         # RNG last: nothing above may draw from a generator after it is restored.
         if control != "skip-rng":
             rng.restore(local["rng"], self.generators)
@@ -178,11 +170,26 @@ class TrainState:
         _continue_trace_clock(loaded.step)
         return loaded.step
 
-    def _load_extra(self, saved: Mapping[str, Any], directory: Path) -> None:
-        if set(saved) != set(self.extra):
+    def _check_fits(self, directory: Path, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint whose parts are not those of this TrainState (before anything is loaded)."""
+        parts = ("optimizer", "scheduler", "scaler")
+        have = sorted({"model", *(part for part in parts if getattr(self, part) is not None)})
+        if sorted(shared) != have:
+            saved = ", ".join(sorted(shared))
+            raise CheckpointError(f"{directory} holds {saved}; this TrainState has {', '.join(have)}")
+        if ("data" in local) != (self.data is not None):
+            raise CheckpointError(f"{directory} and this TrainState disagree on whether there is data state")
+        if set(local["extra"]) != set(self.extra):
+            saved, mine = sorted(local["extra"]), sorted(self.extra)
+            raise CheckpointError(f"{directory} holds extra state {saved}, this TrainState has {mine}")
+        saved_generators = len(local["rng"]["generators"])
+        if saved_generators != len(self.generators):
             raise CheckpointError(
-                f"{directory} holds extra state {sorted(saved)}, this TrainState has {sorted(self.extra)}"
+                f"{directory} holds {saved_generators} explicit generators, "
+                f"this TrainState was given {len(self.generators)}"
             )
+
+    def _load_extra(self, saved: Mapping[str, Any]) -> None:
         for name, value in saved.items():
             current = self.extra[name]
             if _is_stateful(current):
