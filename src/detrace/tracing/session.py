@@ -239,8 +239,11 @@ class Tracer:
         return Call(rung=rung, phase=phase, name=name, module=module, occurrence=occurrence, step=self.step,
                     group=group, group_seq=group_seq, peer=peer, extra=extra)
 
-    def snapshot(self, tensors: Sequence[torch.Tensor | None]) -> list[Snapshot | None]:
-        """Fingerprint tensors now (in one batch); None stays None. Tensors above --max-numel get no digest."""
+    def snapshot(self, tensors: Sequence[torch.Tensor | None], *, fresh: bool = False) -> list[Snapshot | None]:
+        """Fingerprint tensors now (in one batch); None stays None. Tensors above --max-numel get no digest.
+
+        `fresh`: never reuse an earlier snapshot (for tensors written behind the version counter's back, such
+        as a collective's output)."""
         from detrace.digest import fingerprint_many
         from detrace.errors import FingerprintError
 
@@ -252,7 +255,7 @@ class Tracer:
                 continue
             tensor = local_data(tensor)
             version = _version(tensor)
-            seen = self._seen.get(id(tensor)) if version is not None else None
+            seen = self._seen.get(id(tensor)) if version is not None and not fresh else None
             if seen is not None and seen[0]() is tensor and seen[1] == version:
                 out[i] = seen[2]
             elif limit is not None and tensor.numel() > limit:
@@ -297,6 +300,8 @@ class Tracer:
     def collective_completed(self) -> None:
         with self._lock:
             self.collectives += 1
+            # A collective writes its outputs without bumping their version counters.
+            self._seen.clear()
 
     def next_group_seq(self, group: str) -> int:
         with self._lock:

@@ -172,7 +172,7 @@ def _wrap_collective(tracer: Tracer, name: str, original: Callable[..., Any], de
             call.peer = result
 
         def finish() -> None:
-            _finish(tracer, call, before, tracer.snapshot(outputs_of(arguments)))
+            _finish(tracer, call, before, tracer.snapshot(outputs_of(arguments), fresh=True))
 
         if isinstance(result, dist.Work):
             return TracedWork(result, finish)
@@ -231,7 +231,7 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
 
             def completed(future: torch.futures.Future) -> torch.Tensor:
                 result = future.value()
-                _finish(tracer, call, before, tracer.snapshot(_tensors(result)))
+                _finish(tracer, call, before, tracer.snapshot(_tensors(result), fresh=True))
                 return result
 
             return hook(state, bucket).then(completed)
