@@ -7,7 +7,8 @@ torch.hash_tensor (an XOR fold that upcasts each element to 64 bits) and torch.s
 interleaved round by round so that load on the machine hits all three alike, and reports the median of the
 per-round ratios. It first measures the one-time start-up cost of the compiled kernels in fresh processes
 (cold: an empty Inductor cache; warm: the cache the cold run filled). The last lines are the figures, one
-per line, e.g. ``fingerprint/hash_tensor float32 64MiB: 1.83x``. Runtime: about a minute.
+per line, e.g. ``fingerprint/hash_tensor float32 64MiB: 1.83x``. Runtime: one to two minutes, most of
+it the two fresh processes that measure start-up (one compiles from scratch).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def small_tensors() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-startup", action="store_true", help="skip the fresh-process start-up measurement")
     args = parser.parse_args()
     if not hasattr(torch, "hash_tensor"):
