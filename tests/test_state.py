@@ -261,9 +261,13 @@ def test_environment_contract_errors(monkeypatch: pytest.MonkeyPatch, variables:
         _state().resume_if_requested()
 
 
-def test_stop_at_must_be_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_at_must_be_a_number_and_needs_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DETRACE_CKPT_DIR", raising=False)
     monkeypatch.setenv("DETRACE_STOP_AT", "ten")
     with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number, not 'ten'"):
+        _state().end_of_step(1)
+    monkeypatch.setenv("DETRACE_STOP_AT", "1")
+    with pytest.raises(UsageError, match="DETRACE_CKPT_DIR must name the checkpoint directory"):
         _state().end_of_step(1)
 
 
