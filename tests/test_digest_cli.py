@@ -78,7 +78,10 @@ def test_errors_exit_2_with_one_line(tmp_path, capsys):
     truncated.write_bytes(truncated.read_bytes()[:200])
     bad_header = tmp_path / "bad.safetensors"
     bad_header.write_bytes(struct.pack("<Q", 5) + b"{nope")
-    cases = [[str(tmp_path / "missing.pt")], [str(garbage)], [str(truncated)], [str(bad_header)],
+    bad_shape = tmp_path / "shape.safetensors"
+    write_safetensors(bad_shape, {"a": torch.randn(5, 2)})
+    bad_shape.write_bytes(bad_shape.read_bytes().replace(b"[5, 2]", b"[5, 3]"))
+    cases = [[str(tmp_path / "missing.pt")], [str(garbage)], [str(truncated)], [str(bad_header)], [str(bad_shape)],
              [str(garbage), "--chunks", "0"], ["--json"], ["--bogus"]]
     for argv in cases:
         code, _, err = run(capsys, *argv)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from detrace.cli._args import ArgumentParser
@@ -52,26 +53,29 @@ def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    raw = path.read_bytes()
-    if len(raw) < 8:
+    """The tensors of a .safetensors file, memory-mapped (copy-on-write: the file is never modified)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="c") if path.stat().st_size else np.zeros(0, dtype=np.uint8)
+    if mapped.size < 8:
         raise CheckpointError(f"{path} is too short to be a safetensors file")
-    (size,) = struct.unpack("<Q", raw[:8])
+    (size,) = struct.unpack("<Q", mapped[:8].tobytes())
     try:
-        header = json.loads(raw[8 : 8 + size])
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} has no valid safetensors header ({err})") from None
-    body = memoryview(raw)[8 + size :]
+        header = json.loads(mapped[8 : 8 + size].tobytes())
+        entries = {name: info for name, info in header.items() if name != "__metadata__"}
+        layout = {name: (info["dtype"], info["shape"], info["data_offsets"]) for name, info in entries.items()}
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as err:
+        raise CheckpointError(f"{path} has no valid safetensors header ({type(err).__name__}: {err})") from None
     tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+    for name, (dtype_name, shape, (begin, end)) in layout.items():
+        dtype = _SAFETENSORS_DTYPES.get(dtype_name)
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has an unsupported dtype {info.get('dtype')!r}")
-        begin, end = info["data_offsets"]
-        data = torch.frombuffer(bytearray(body[begin:end]), dtype=torch.uint8) if end > begin else \
-            torch.empty(0, dtype=torch.uint8)
-        tensors[name] = data.view(dtype).reshape(info["shape"])
+            raise CheckpointError(f"{path}: tensor {name!r} has an unsupported dtype {dtype_name!r}")
+        data = torch.from_numpy(mapped[8 + size + begin : 8 + size + end])
+        try:
+            if data.data_ptr() % dtype.itemsize:  # bytes not aligned for this dtype: copy them
+                data = data.clone()
+            tensors[name] = data.view(dtype).reshape(shape)
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{path}: tensor {name!r} does not match its header ({err})") from None
     return tensors
 
 
@@ -84,8 +88,8 @@ def _load(path: Path) -> list[tuple[str, Any]]:
         magic = handle.read(4)
     if magic[:2] != b"PK" and magic[:1] != b"\x80":
         raise CheckpointError(f"{path} is neither a torch.save file nor a .safetensors file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # zip-format files are memory-mapped, so a large checkpoint is not read into memory at once
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=magic[:2] == b"PK")
     except Exception as err:  # torch.load raises many kinds; all mean "unreadable"
         lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         reason = next((line for line in lines if "Unpickler error" in line), lines[0])
