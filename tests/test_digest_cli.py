@@ -44,19 +44,20 @@ def test_demo_shows_what_hash_tensor_misses(capsys):
 
 def test_torch_file(tmp_path, capsys):
     state = {"layer": {"weight": torch.randn(3, 4), "bias": torch.zeros(4)}, "step": 7,
-             "extra": [torch.ones(2, dtype=torch.bfloat16)]}
+             "extra": [torch.ones(2, dtype=torch.bfloat16), torch.tensor(3.0)]}
     path = tmp_path / "model.pt"
     torch.save(state, path)
     code, out, err = run(capsys, str(path))
     assert code == 0
     rows = [line.split() for line in out.splitlines()]
-    assert [row[-1] for row in rows] == ["layer.weight", "layer.bias", "extra.0"]
+    assert [row[-1] for row in rows] == ["layer.weight", "layer.bias", "extra.0", "extra.1"]
     assert rows[0][:3] == [fingerprint(state["layer"]["weight"]).hex, "float32", "3x4"]
-    assert "3 tensors" in err and "skipped 1 non-tensor" in err
+    assert "4 tensors" in err and "skipped 1 non-tensor" in err
     code, out, _ = run(capsys, str(path), "--json", "--chunks", "2")
     records = [json.loads(line) for line in out.splitlines()]
     assert records[1]["chunks"] == [f"{c:016x}" for c in fingerprint(torch.zeros(4), chunks=2).chunks]
     assert records[0]["digest"] == fingerprint(state["layer"]["weight"]).hex
+    assert records[3]["chunks"] is None and records[3]["digest"] == fingerprint(torch.tensor(3.0)).hex
 
 
 def test_safetensors_file(tmp_path, capsys):

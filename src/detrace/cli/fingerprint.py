@@ -104,7 +104,12 @@ def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -
     items = _load(path)
     named = [(name, value) for name, value in items if isinstance(value, torch.Tensor)]
     skipped = len(items) - len(named)
-    fingerprints = fingerprint_many([value for _, value in named], chunks=chunks, dim=dim)
+    values = [value for _, value in named]
+    # --chunks reaches the tensors that have dimension --dim; the others (scalars, say) get plain digests
+    chunked = [chunks is not None and -v.dim() <= dim < v.dim() for v in values]
+    with_chunks = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if c], chunks=chunks, dim=dim))
+    plain = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if not c]))
+    fingerprints = [next(with_chunks) if c else next(plain) for c in chunked]
     for (name, _), fp in zip(named, fingerprints, strict=True):
         if as_json:
             record = {"name": name, "digest": fp.hex, "dtype": fp.dtype, "shape": list(fp.shape),
