@@ -5,7 +5,6 @@ written atomically when the rank closes cleanly (`rank-00000.json`), and optiona
 launcher (`run.json`). Nothing else in detrace reads or writes these files directly.
 """
 
-from detrace.tracefile.capture import Capture, load_capture, resolve_op, save_capture
 from detrace.tracefile.layout import footer_path, rank_path, run_header_path
 from detrace.tracefile.reader import RankTrace, RunInfo, iter_batches, open_run, read_rank
 from detrace.tracefile.schema import (
@@ -18,6 +17,18 @@ from detrace.tracefile.schema import (
     rung_includes,
 )
 from detrace.tracefile.writer import RankWriter, write_json_atomic
+
+# The capture format needs torch; everything else here needs only pyarrow. Loading it lazily keeps the
+# analysis wing's worker processes from paying torch's import time and memory.
+_CAPTURE_NAMES = ("Capture", "load_capture", "resolve_op", "save_capture")
+
+
+def __getattr__(name: str) -> object:
+    if name in _CAPTURE_NAMES:
+        from detrace.tracefile import capture
+
+        return getattr(capture, name)
+    raise AttributeError(f"module 'detrace.tracefile' has no attribute {name!r}")
 
 __all__ = [
     "ARROW_SCHEMA",

@@ -32,17 +32,21 @@ class BatchStream:
         self.path = Path(path)
         self.torn = False
         self.detail: str | None = None
+        # A plain file read sequentially (not a memory map): resident memory stays bounded by one batch
+        # however long the rank's trace is.
         try:
-            data = pa.memory_map(str(self.path)).read_buffer()
+            self._file = pa.OSFile(str(self.path), "rb")
         except FileNotFoundError:
             raise TraceError(f"trace file {self.path} does not exist") from None
         except OSError as err:
-            raise TraceError(f"cannot read trace file {self.path}: {err.strerror or err}") from None
-        if data.size < len(_MAGIC) or data[: len(_MAGIC)].to_pybytes() != _MAGIC:
+            raise TraceError(f"cannot read trace file {self.path}: {err}") from None
+        if self._file.read(len(_MAGIC)) != _MAGIC:
+            self._file.close()
             raise TraceError(f"{self.path} is not a detrace trace file (no Arrow header)")
         try:
-            self._reader = pa.ipc.open_stream(data.slice(len(_MAGIC)))
+            self._reader = pa.ipc.open_stream(self._file)
         except (pa.ArrowInvalid, OSError):
+            self._file.close()
             raise TraceError(f"{self.path} is truncated before its schema: no record survived") from None
         metadata = self._reader.schema.metadata or {}
         version = metadata.get(b"detrace.schema", b"").decode()
@@ -52,17 +56,22 @@ class BatchStream:
             raise TraceError(f"{self.path} has columns that differ from schema {SCHEMA_VERSION}")
         self.header: dict[str, Any] = json.loads(metadata.get(b"detrace.header", b"{}"))
 
+    def close(self) -> None:
+        """Release the file (iterating to the end also does)."""
+        self._file.close()
+
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         while True:
             try:
                 batch = self._reader.read_next_batch()
             except StopIteration:
-                return
+                break
             except (pa.ArrowInvalid, OSError) as err:
                 self.torn = True
                 self.detail = f"torn tail: {err}"
-                return
+                break
             yield batch
+        self._file.close()
 
 
 def iter_batches(path: str | Path) -> BatchStream:
@@ -141,6 +150,12 @@ class RunInfo:
                      if r not in self.ranks and (wanted is None or r in wanted))
 
 
+def _read_header(path: Path) -> dict[str, Any]:
+    stream = BatchStream(path)
+    stream.close()
+    return stream.header
+
+
 def open_run(path: str | Path) -> RunInfo:
     """Open a run directory, checking that it exists and holds at least one readable rank trace."""
     run_dir = Path(path)
@@ -154,7 +169,7 @@ def open_run(path: str | Path) -> RunInfo:
         raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
     if not ranks:
         raise TraceError(f"{run_dir} holds no trace (no rank-*.arrow files)")
-    rank_headers = {rank: BatchStream(rank_path(run_dir, rank)).header for rank in ranks}
+    rank_headers = {rank: _read_header(rank_path(run_dir, rank)) for rank in ranks}
     header: dict[str, Any] = dict(rank_headers[ranks[0]])
     header_file = run_header_path(run_dir)
     if header_file.exists():
