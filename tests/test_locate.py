@@ -26,9 +26,9 @@ from detrace.locate import (
     load_ladder,
 )
 
-# A small training loop. `racy` gathers rows with repeated indices (backward: an accumulating index_put whose
-# two threads race; `--small` makes it too small to race); `--deterministic` turns on torch.use_deterministic_algorithms; DETRACE_TEST_FAULT_FILE
-# enables the one injected fault of these tests, named as such below.
+# A small training loop that gathers rows with repeated indices (backward: an accumulating index_put whose two
+# threads race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap;
+# DETRACE_TEST_FAULT_FILE enables the one injected fault of these tests, named as such below.
 SCRIPT = '''
 import os, sys
 from pathlib import Path
@@ -38,7 +38,7 @@ from torch import nn
 torch.set_num_threads(2)
 torch.use_deterministic_algorithms("--deterministic" in sys.argv)
 torch.manual_seed(0)
-# large enough for the two threads to race at almost every call; --small for the tests that need no race
+# large enough for the two threads to race at almost every call (~0.1 s a call)
 ROWS, COPIES = (1024, 4096) if "--small" in sys.argv else (8192, 131072)
 
 
@@ -53,7 +53,16 @@ class Gather(nn.Module):
         return x[self.idx] * self.scale
 
 
-model = nn.Sequential(nn.Linear(16, 16), Gather(), nn.Linear(16, 16))
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.gather, self.out = nn.Linear(16, 16), Gather(), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.out(self.gather(self.inp(x))))
+
+
+model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 data = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(2))
 
@@ -65,7 +74,7 @@ if fault:
 for step in range(int(sys.argv[1])):
     if fault and run == 2 and step == 1:
         with torch.no_grad():  # INJECTED FAULT: the second run of the ladder perturbs one weight at step 1
-            model[0].weight[0, 0] += 1e-3
+            model.inp.weight[0, 0] += 1e-3
     model(data).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
@@ -197,7 +206,8 @@ def test_deterministic_command_exits_0_with_the_verdict(
 
 def test_deterministic_human_summary(tmp_path: Path) -> None:
     script = write_script(tmp_path)
-    done = locate_cli("--out", str(tmp_path / "out"), "--", sys.executable, str(script), "1", "--small")
+    done = locate_cli("--out", str(tmp_path / "out"), "--", sys.executable, str(script), "1", "--small",
+                      "--deterministic")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deterministic over 1 steps:")
     assert "runs     2 (of at most 11)" in done.stdout
@@ -209,7 +219,7 @@ def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:
     script = write_script(tmp_path)
     out = tmp_path / "out"
     done = locate_cli("--json", "--out", str(out), "--", sys.executable, str(script), "2", "--small",
-                      env={"DETRACE_TEST_FAULT_FILE": str(tmp_path / "runs.txt")})
+                      "--deterministic", env={"DETRACE_TEST_FAULT_FILE": str(tmp_path / "runs.txt")})
     assert done.returncode == 2, done.stderr
     payload = json.loads(done.stdout)
     assert payload["verdict"] == "inconclusive" and payload["replay"] is None

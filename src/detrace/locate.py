@@ -111,6 +111,7 @@ class Stage:
     rung: str
     """semantic | module | op | kernel."""
     steps: str
+    """The steps this rung records in detail."""
     ranks: str
     runs: list[str] = field(default_factory=list)
     """Run directories, in the order they ran (pairs: a, b; a retried pair: c, d)."""
@@ -193,6 +194,15 @@ def _where(d: dict[str, Any]) -> str:
             + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
 
 
+def _windows(stage: Stage) -> str | dict[str, str]:
+    """The tracer's step windows for one run of a stage: the stage's rung in its step S only, the broader rungs
+    in every step up to S (cheap, and they show whether the pair parted before S)."""
+    if stage.steps == "all":
+        return "all"
+    upto = f"0-{stage.steps}"
+    return {"metrics": upto, "semantic": upto, "module": stage.steps, "op": stage.steps}
+
+
 def _found(d: Divergence) -> dict[str, Any]:
     """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and shapes."""
     return {**d.to_json(), "occurrence": d.occurrence, "index": d.index, "event": d.event,
@@ -218,7 +228,7 @@ class Ladder:
         # its cost, and only copies the one call it captures.
         max_numel = 0 if capture else self.config.max_numel if rung in ("module", "op") else None
         try:
-            result = run_traced(list(self.config.command), out, rung=rung, steps=stage.steps, ranks=stage.ranks,
+            result = run_traced(list(self.config.command), out, rung=rung, steps=_windows(stage), ranks=stage.ranks,
                                 max_numel=max_numel, capture=capture, env=self.config.env,
                                 timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
@@ -240,12 +250,13 @@ class Ladder:
         return result
 
     def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
-        """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence.
+        """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence there.
 
-        At the op rung the pair must also show an *origin* op (equal inputs, different output): a first divergent
-        op whose inputs already differed means the runs parted before the window, in steps not recorded.
-        Returns the divergence the stage settles on (`Stage.found`; at the op rung possibly a receiver, when no
-        retry found an origin), or None when no pair differed.
+        A narrow run records its rung in one step S only, but metrics and semantic records in every step up to
+        S: a pair that happens to part before S (nondeterminism is random) shows it there, and a module or op
+        in S whose parameters already differed is not mistaken for an origin; the retry then records that
+        earlier step instead. At the op rung the pair must show an origin op (equal inputs, different output).
+        Returns the divergence the stage settles on (`Stage.found`), or None when no pair parted.
         """
         names = iter("abcd")
         for attempt in range(1 + self.config.retries):
@@ -253,6 +264,13 @@ class Ladder:
                 self.planned += 2
             result = self._pair(stage, rung, next(names), next(names))
             if result.verdict != "diverged" or result.first is None:
+                stage.found = None
+                continue
+            parted = first_divergent_step(result)
+            if parted is not None and parted < int(stage.steps):
+                # This pair parted earlier than the broad pair did: that step is as good a window, retry there.
+                stage.found = {**_found(result.first), "before_window": True}
+                stage.steps = str(parted)
                 continue
             if rung != "op":
                 stage.found = _found(result.first)
@@ -304,15 +322,19 @@ class Ladder:
             self.stages.append(stage)
             found = self._narrow(stage, rung)
             if found is None:
-                stage.note = (f"{len(stage.runs)} runs at the {rung} rung recording step {step} on rank(s) "
+                stage.note = (f"{len(stage.runs)} runs at the {rung} rung recording step {stage.steps} on rank(s) "
                               f"{window['ranks']} did not differ: the nondeterminism did not recur there")
+            elif found.get("before_window"):
+                stage.note = (f"the {rung}-rung reruns parted before the step they recorded ({_where(found)}): "
+                              "the nondeterminism struck earlier in them, where they do not record in detail")
             elif rung == "op" and not found["origin"]:
-                stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs: "
-                              "in these reruns the runs parted before the recorded step")
+                stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs, and no "
+                              "op of that step had equal inputs and a differing output")
             else:
                 stage.note = f"first {'origin' if found['origin'] else 'divergence'} at {_where(found)}"
                 self.progress.rung(stage)
                 result.culprit = found
+                window["steps"] = stage.steps  # the op rung records the step the module rung confirmed
                 continue
             self.progress.rung(stage)
             result.message = (f"two runs part at step {step} on rank(s) {window['ranks']}, but the {rung}-rung "
