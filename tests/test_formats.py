@@ -225,6 +225,13 @@ def test_mxfp8_fake_quantize_is_idempotent(seed, width, fmt):
     assert torch.equal(fake_quantize(once, fmt), once)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fake_quantize_of_empty_and_scalar_tensors(fmt):
+    for shape in [(3, 0), (0, 5), (0,), ()]:
+        x = torch.ones(shape)
+        assert torch.equal(fake_quantize(x, fmt), x)
+
+
 def test_fake_quantize_rejects_unknown_formats_and_integer_inputs():
     with pytest.raises(UsageError):
         fake_quantize(torch.ones(4), "fp3")

@@ -15,8 +15,10 @@ def check_input(x: torch.Tensor, what: str) -> None:
 
 
 def to_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
-    """float32 [..., n_blocks, size] of `x` (a scalar counts as shape [1]), the last dim padded with zeros."""
-    x = x.float().reshape(*x.shape[:-1], -1) if x.dim() else x.float().reshape(1)
+    """float32 [..., n_blocks, size] of `x` (a scalar counts as shape [1]), the last dim padded with zeros.
+
+    float64 input is rounded to float32 first (the formats' usual inputs are float32, bfloat16, float16)."""
+    x = x.float() if x.dim() else x.float().reshape(1)
     pad = -x.shape[-1] % size
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
@@ -25,6 +27,6 @@ def to_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Undo `to_blocks`: merge blocks, drop the padding, restore shape and dtype."""
-    flat = blocks.reshape(*blocks.shape[:-2], -1)
+    flat = blocks.flatten(-2)
     last = shape[-1] if shape else 1
     return flat[..., :last].reshape(shape).to(dtype)

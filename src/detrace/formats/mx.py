@@ -67,7 +67,7 @@ def mxfp8_encode(x: torch.Tensor, elem: str = "e4m3") -> MXFP8Tensor:
         scaled = blocks * exp2i(-shared).unsqueeze(-1)
         data = to_fp8(scaled, FP8_DTYPES[elem])
     return MXFP8Tensor(
-        data=data.reshape(*data.shape[:-2], -1),
+        data=data.flatten(-2),
         scales=biased.view(torch.float8_e8m0fnu),
         shape=tuple(x.shape),
         elem=elem,

@@ -60,7 +60,7 @@ def nvfp4_encode(x: torch.Tensor) -> NVFP4Tensor:
         scale32 = block_scales.float()
         encode = torch.where(scale32 == 0, torch.zeros_like(scale32), s_enc / scale32)
         codes = e2m1_codes(blocks * encode.unsqueeze(-1))
-        data = pack_fp4(codes.reshape(*codes.shape[:-2], -1))
+        data = pack_fp4(codes.flatten(-2))
     return NVFP4Tensor(data=data, block_scales=block_scales, tensor_scale=1.0 / s_enc, shape=tuple(x.shape))
 
 
