@@ -161,6 +161,16 @@ def test_compiled_kernels_match_the_reference(monkeypatch):
     assert fingerprint(chunky, chunks=300) == reference_fingerprint(chunky, chunks=300)
     assert fingerprint(chunky, chunks=7, dim=1) == reference_fingerprint(chunky, chunks=7, dim=1)
     assert fingerprint(many[0].reshape(4, 10), chunks=4) == reference_fingerprint(many[0].reshape(4, 10), chunks=4)
+    big = random_bits((3 * dg.BODY_MIN_BYTES + 100,), torch.uint8, seed=8)
+    old = torch.get_num_threads()
+    try:  # the compiled kernels reduce in parallel: the thread count must not matter
+        digests = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            digests.append(fingerprint(big))
+    finally:
+        torch.set_num_threads(old)
+    assert digests[0] == digests[1] == reference_fingerprint(big)
 
 
 def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
