@@ -27,7 +27,8 @@ from detrace.locate import (
 )
 
 # A small training loop that gathers rows with repeated indices (backward: an accumulating index_put whose two
-# threads race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap;
+# threads race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap,
+# `--lr=X` is an intentional change (detrace compare);
 # DETRACE_TEST_FAULT_FILE enables the one injected fault of these tests, named as such below.
 SCRIPT = '''
 import os, sys
@@ -63,7 +64,8 @@ class Net(nn.Module):
 
 
 model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
+lr = float(next((a.split("=")[1] for a in sys.argv if a.startswith("--lr=")), 0.01))
+opt = torch.optim.SGD(model.parameters(), lr=lr)
 data = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(2))
 
 fault = os.environ.get("DETRACE_TEST_FAULT_FILE")

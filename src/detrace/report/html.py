@@ -167,7 +167,9 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
            f'<text x="{left}" y="14" font-weight="600">{_e(title)}</text>',
            f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
            'fill="#fbfcfd" stroke="#c9d0d8"/>']
-    for t in _ticks(y_lo, y_hi, 4):
+    # log axes: whole decades only, and none on the bottom edge, where "0 (equal)" sits
+    y_ticks = [t for t in _ticks(y_lo, y_hi, 4) if not log or (float(t).is_integer() and t > y_lo)]
+    for t in y_ticks:
         label = f"1e{round(t)}" if log else _fmt(t)
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke="#eceff3"/>'
                    f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
@@ -176,7 +178,7 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
     for t in _ticks(x_lo, x_hi, 6):
         if float(t).is_integer():
             out.append(f'<text x="{px(t):.1f}" y="{height - 10}" text-anchor="middle">{int(t)}</text>')
-    out.append(f'<text x="{width - right}" y="{height - 10}" text-anchor="end" class="muted">step</text>')
+    out.append(f'<text x="{left - 12}" y="{height - 10}" text-anchor="end">step</text>')
     for step, label, color in marks:
         out.append(f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{top}" y2="{height - bottom}" '
                    f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4 3"><title>{_e(label)}</title></line>'
@@ -185,6 +187,8 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
     for label, data, color, dashed in series:
         coords = []
         for s in sorted(data):
+            if not math.isfinite(data[s]):
+                continue  # a NaN or infinite metric has no place on the axis; the tables show it
             t = transform(data[s])
             y = py(t) if t is not None else height - bottom
             coords.append((px(s), y, s, data[s]))

@@ -1,0 +1,143 @@
+"""`detrace report`: the self-contained HTML of a run or locate directory, checked in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from test_locate import write_script
+from test_locate_e2e import dump_dom
+
+from detrace.cli import main
+from detrace.locate import LADDER_FILE, LADDER_SCHEMA
+from detrace.report.html import divergence_map, line_chart, metric_rank, metric_series, spread_map, write_report
+from detrace.tracefile import RankWriter
+from detrace.tracing.launch import run_traced
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two real traced runs of a small deterministic training loop (3 steps, rung semantic)."""
+    folder = tmp_path_factory.mktemp("report-runs")
+    script = write_script(folder)
+    pair = []
+    for name in ("a", "b"):
+        result = run_traced([sys.executable, str(script), "3", "--small", "--deterministic"], folder / name,
+                            rung="semantic", quiet=True, timeout=300)
+        assert result.returncode == 0, result.output_tail
+        pair.append(folder / name)
+    return pair[0], pair[1]
+
+
+def test_run_report_in_a_real_browser(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    run, _ = runs
+    target = tmp_path / "nested" / "run.html"
+    assert main(["report", str(run), "-o", str(target)]) == 0
+    html = target.read_text()
+    # self-contained: no script, no stylesheet or image from anywhere
+    assert "<script" not in html and "src=" not in html and "href=" not in html
+    dom = dump_dom(target)
+    for text in ("detrace run", "Metric curves", "loss", "grad_norm", "Ranks", "complete"):
+        assert text in dom
+
+
+def test_run_report_default_path(runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, run = runs
+    assert main(["report", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "report.html")
+    assert (run / "report.html").stat().st_size > 1000
+
+
+def test_metric_series_are_the_exact_recorded_values(runs: tuple[Path, Path]) -> None:
+    run, _ = runs
+    assert metric_rank(run) == 0
+    series = metric_series(run, 0)
+    assert set(series) >= {"loss", "grad_norm"} and sorted(series["loss"]) == [0, 1, 2]
+
+
+def test_identical_runs_map_to_no_difference(runs: tuple[Path, Path]) -> None:
+    spread = divergence_map(*runs)
+    assert list(spread) == [0] and sorted(spread[0]) == [0, 1, 2]
+    assert all(differ == 0 and total > 0 for differ, total in spread[0].values())
+
+
+def _row(seq: int, step: int, name: str, digest: int) -> dict[str, object]:
+    return {"seq": seq, "step": step, "rung": "semantic", "phase": "optimizer", "module": None, "name": name,
+            "occurrence": 0, "event": seq, "role": "param", "index": 0, "shape": [4], "dtype": "float32",
+            "numel": 4, "digest": digest, "collectives": 0}
+
+
+def test_map_counts_differing_and_unmatched_records(tmp_path: Path) -> None:
+    # hand-written traces: step 1 of B has a different digest for w and an extra record v
+    for run, rows in (("a", [_row(0, 0, "w", 1), _row(1, 1, "w", 2)]),
+                      ("b", [_row(0, 0, "w", 1), _row(1, 1, "w", 3), _row(2, 1, "v", 4)])):
+        writer = RankWriter(tmp_path / run, 0, header={})
+        for row in rows:
+            writer.add(row)
+        writer.close()
+    assert divergence_map(tmp_path / "a", tmp_path / "b") == {0: {0: (0, 1), 1: (2, 2)}}
+
+
+def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    # a ladder.json as `detrace locate` writes it, over the two real runs, with text that must be escaped
+    culprit = {"rank": 0, "step": 1, "seq": 5, "rung": "op", "phase": "backward", "kind": "numeric",
+               "name": "aten.index_put.default", "module": "blocks.<b>", "role": "output", "origin": True,
+               "occurrence": 0, "index": 0, "event": 3, "detail": {}}
+    stage = {"diff": None, "found": None, "note": "the runs part"}
+    ladder = {"schema": LADDER_SCHEMA, "verdict": "nondeterministic", "message": "culprit: <script>x</script>",
+              "command": ["python", "t.py"], "steps": 3, "culprit": culprit,
+              "culprit_records": [{"role": "input", "index": 0, "shape": [8, 4], "dtype": "float32", "numel": 32,
+                                   "equal": True},
+                                  {"role": "output", "index": 0, "shape": [8, 4], "dtype": "float32", "numel": 32,
+                                   "equal": False}],
+              "replay": {"schema": "detrace.replay/1", "op": "aten.index_put.default", "nondeterministic": True,
+                         "repeats": 20, "differing_elements": 7, "max_ulp": 3,
+                         "fixed_by": ["torch.use_deterministic_algorithms(True)"], "meta": {}, "shapes": [],
+                         "base": {"threads": 2, "deterministic": False},
+                         "arms": [{"threads": 2, "deterministic": False, "repeats": 20, "distinct": 5,
+                                   "differing_elements": 7, "max_ulp": 3, "matches_capture": False, "error": None}]},
+              "stages": [{**stage, "rung": "semantic", "steps": "all", "ranks": "all", "runs": [str(r) for r in runs]},
+                         {**stage, "rung": "op", "steps": "1", "ranks": "0", "runs": [], "found": culprit}],
+              "runs": [str(r) for r in runs], "report": ""}
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    page = write_report(tmp_path)
+    html = page.read_text()
+    assert "<script>" not in html and "&lt;script&gt;" in html and "blocks.&lt;b&gt;" in html
+    dom = dump_dom(page)
+    for text in ("nondeterministic", "aten.index_put.default", "Narrowing path", "differs", "equal",
+                 "torch.use_deterministic_algorithms(True)", "no metric differs between the two runs"):
+        assert text in dom
+
+
+def test_charts_handle_zero_and_nan() -> None:
+    svg = line_chart("d", [("x", {0: 0.0, 1: 1e-9, 2: math.nan}, "#000", False)], marks=[(1, "m", "#f00")], log=True)
+    assert svg.startswith("<svg") and "0 (equal)" in svg and "nan" not in svg
+    assert "1e-9" in svg or "1e-10" in svg
+    grid = spread_map({0: {0: (0, 3), 1: (3, 3)}, 1: {}}, origin=(0, 1), steps=2)
+    assert grid.count("<rect") == 5 and "first divergent record" in grid and "not recorded" in grid
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda p: p / "missing", "is not a run or locate directory"),
+        (lambda p: p, "neither a run directory"),
+    ],
+)
+def test_bad_input_is_one_sentence(tmp_path: Path, make, message: str,  # type: ignore[no-untyped-def]
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(make(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unreadable_ladder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / LADDER_FILE).write_text("{not json")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is unreadable" in capsys.readouterr().err
+    (tmp_path / LADDER_FILE).write_text(json.dumps({"schema": "other/9"}))
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has schema 'other/9'" in capsys.readouterr().err
