@@ -267,3 +267,41 @@ def test_two_optimizers_share_a_step(tmp_path: Path) -> None:
     assert [r["step"] for r in records if r["name"] == "loss"] == [0, 1, 2]
     assert [(r["step"], r["occurrence"]) for r in records if r["name"] == "grad_norm"] == [
         (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+
+class Gather(nn.Module):
+    """A table read with advanced indexing: its backward is aten.index_put with accumulate=True."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx]
+
+
+class GatherThenLinear(nn.Module):
+    """`gather`'s output feeds `fc` directly: the same tensor carries gather's grad_output hook and fc's
+    grad_input hook, which fire in that order, so fc's backward ends after gather's has begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather = Gather()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.gather(idx))
+
+
+def test_backward_ops_know_their_module_when_scopes_overlap(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = GatherThenLinear()
+    with detrace.trace(tmp_path / "b", rung="op"):
+        net(torch.tensor([0, 3, 3, 5])).sum().backward()
+        detrace.step()
+    backward = [(r["module"], r["name"]) for r in rows(tmp_path / "b") if r["phase"] == "backward"
+                and r["rung"] == "op"]
+    index_put = {module for module, name in backward if name.startswith("aten.index_put")}
+    assert index_put == {"gather"}, backward
+    assert {module for module, name in backward if name == "aten.mm.default"} == {"fc"}

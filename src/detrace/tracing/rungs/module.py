@@ -115,8 +115,9 @@ class _Backward:
 
     It begins when the first gradient w.r.t. an output arrives (grad_output; the module enters the scope) and
     ends when the gradients w.r.t. all its non-leaf inputs have arrived (grad_input; it leaves the scope). A
-    module without such inputs (the first layer) stays in scope until the backward ends, so the ops computing
-    its weight gradients still know it."""
+    module without such inputs (the first layer) stays in scope until the backward of a module containing it
+    ends, or the whole backward, so the ops computing its weight gradients still know it. Scopes are kept
+    nested by module names (`_enter`, `_leave`), since backward hooks do not fire in nested order."""
 
     def __init__(self, tracer: Tracer, forward: Call, outputs: list[torch.Tensor],
                  inputs: list[torch.Tensor]) -> None:
@@ -136,16 +137,44 @@ class _Backward:
                 return
             if self.call is None:
                 self.call = tracer.begin("module", "backward", self.forward.name, self.forward.module)
-                tracer.scope.append(self.forward.module or "")
+                _enter(tracer.scope, self.forward.module or "")
             tracer.emit(self.call, role, [None] * index + tracer.snapshot([grad]))
             if role == "grad_input":
                 self.pending_inputs -= 1
-                if self.pending_inputs == 0 and self.forward.module in tracer.scope:
-                    # Backward order is not strictly nested (residual branches): drop this module and whatever
-                    # its backward left above it.
-                    del tracer.scope[len(tracer.scope) - 1 - tracer.scope[::-1].index(self.forward.module):]
+                if self.pending_inputs == 0:
+                    _leave(tracer.scope, self.forward.module or "")
 
         return hook
+
+
+def _within(entry: str, name: str) -> bool:
+    """Whether module `entry` is a submodule of module `name` (qualified names; "" is the root)."""
+    return entry != name and (not name or entry.startswith(f"{name}."))
+
+
+def _enter(scope: list[str], name: str) -> None:
+    """A module's backward begins: it goes below the submodules whose backward already began, so the innermost
+    module stays last. (A module's output is often its last submodule's output: both grad_output hooks fire on
+    that tensor, the submodule's first, since its forward ended first.)"""
+    position = len(scope)
+    while position and _within(scope[position - 1], name):
+        position -= 1
+    scope.insert(position, name)
+
+
+def _leave(scope: list[str], name: str) -> None:
+    """A module's backward has ended: remove its own (innermost) entry, and the entries above it of its
+    submodules that stayed in scope for want of a grad_input (their backward is part of this one).
+
+    Backward order is not nested: other modules' backward may have begun since this one's (a module whose output
+    feeds this module's input gets its grad_output just before this module's grad_input fires, on the same
+    tensor), and they stay in scope."""
+    for position in range(len(scope) - 1, -1, -1):
+        if scope[position] == name:
+            break
+    else:
+        return
+    scope[position:] = [entry for entry in scope[position + 1:] if not _within(entry, name)]
 
 
 def install(tracer: Tracer) -> list[Undo]:
