@@ -92,6 +92,29 @@ def measure(device: torch.device, repeats: int, figures: list[str]) -> None:
             del x
 
 
+def per_core() -> str:
+    """CPU time per byte on one thread: what each implementation costs a core, whatever else the machine runs."""
+    from detrace.digest import fingerprint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(16 * 2**20)
+        fns = {"fingerprint": lambda: fingerprint(x), "hash_tensor": lambda: torch.hash_tensor(x), "sum": x.sum}
+        for fn in fns.values():
+            fn()
+        cpu: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(5):
+            for name, fn in fns.items():
+                start = time.process_time()
+                fn()
+                cpu[name].append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    rates = ", ".join(f"{name} {0.0625 / max(statistics.median(t), 1e-9):.1f}" for name, t in cpu.items())
+    return f"per core (1 thread, float32 64MiB, GiB per CPU-second): {rates}"
+
+
 def small_tensors() -> str:
     from detrace.digest import fingerprint_many
 
@@ -108,7 +131,7 @@ def small_tensors() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--no-startup", action="store_true", help="skip the fresh-process start-up measurement")
     args = parser.parse_args()
     if not hasattr(torch, "hash_tensor"):
@@ -123,6 +146,7 @@ def main() -> int:
               f"cold cache {cold:.1f} s, warm cache {warm:.1f} s")
     figures: list[str] = []
     measure(torch.device("cpu"), args.repeats, figures)
+    print(per_core())
     print(small_tensors())
     if torch.cuda.is_available():
         measure(torch.device("cuda"), args.repeats, figures)
