@@ -28,7 +28,7 @@ from detrace.locate import (
 
 # A small training loop that gathers rows with repeated indices (backward: an accumulating index_put whose two
 # threads race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap,
-# `--lr=X` is an intentional change (detrace compare);
+# `--lr=X` is an intentional change and `--pool` races in the forward too (detrace compare);
 # DETRACE_TEST_FAULT_FILE enables the one injected fault of these tests, named as such below.
 SCRIPT = '''
 import os, sys
@@ -51,7 +51,10 @@ class Gather(nn.Module):
         self.register_buffer("scale", torch.rand(COPIES, 1, generator=torch.Generator().manual_seed(3)))
 
     def forward(self, x):
-        return x[self.idx] * self.scale
+        rows = x[self.idx] * self.scale
+        if "--pool" in sys.argv:  # sum the copies back per row: the forward races too, so the loss varies
+            return torch.zeros_like(x).index_put((self.idx,), rows, accumulate=True)
+        return rows
 
 
 class Net(nn.Module):
@@ -77,7 +80,9 @@ for step in range(int(sys.argv[1])):
     if fault and run == 2 and step == 1:
         with torch.no_grad():  # INJECTED FAULT: the second run of the ladder perturbs one weight at step 1
             model.inp.weight[0, 0] += 1e-3
-    model(data).pow(2).mean().backward()
+    out = model(data)
+    # --pool: a float64 loss keeps the last bits that a float32 mean over 131072 values would round away
+    (out.double() if "--pool" in sys.argv else out).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
 print("trained", flush=True)

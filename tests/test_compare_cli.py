@@ -1,0 +1,110 @@
+"""`detrace compare BASE_A BASE_B CANDIDATE`: real or noise, on real runs (deterministic and racing baselines)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_locate import write_script
+
+from detrace.cli import main
+from detrace.cli.compare import compare_metric
+from detrace.tracing.launch import run_traced
+
+
+def _runs(folder: Path, *variants: tuple[str, list[str]]) -> dict[str, Path]:
+    script = write_script(folder)
+    out = {}
+    for name, args in variants:
+        result = run_traced([sys.executable, str(script), *args], folder / name, rung="semantic", quiet=True,
+                            timeout=300)
+        assert result.returncode == 0, result.output_tail
+        out[name] = folder / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def steady(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Deterministic baselines (bit-identical), the same program again, and a changed learning rate."""
+    same = ["3", "--small", "--deterministic"]
+    return _runs(tmp_path_factory.mktemp("compare-steady"), ("a", same), ("b", same), ("again", same),
+                 ("lr", [*same, "--lr=0.02"]))
+
+
+@pytest.fixture(scope="module")
+def racing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Baselines whose loss differs run to run (an index_put races in the forward), and a changed learning rate."""
+    same = ["4", "--pool"]
+    return _runs(tmp_path_factory.mktemp("compare-racing"), ("a", same), ("b", same), ("lr", [*same, "--lr=0.5"]))
+
+
+def _compare(capsys: pytest.CaptureFixture[str], *runs: Path) -> tuple[int, dict]:
+    code = main(["compare", *(str(r) for r in runs), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_same_program_is_identical(steady: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, payload = _compare(capsys, steady["a"], steady["b"], steady["again"])
+    assert code == 0 and payload["schema"] == "detrace.compare/1" and payload["verdict"] == "identical"
+    assert payload["trace"] == {"baselines": None, "candidate": None}
+
+
+def test_any_change_is_real_against_identical_baselines(steady: dict[str, Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, payload = _compare(capsys, steady["a"], steady["b"], steady["lr"])
+    assert code == 1 and payload["verdict"] == "real"
+    loss = next(m for m in payload["metrics"] if m["name"] == "loss")
+    assert loss["verdict"] == "real" and loss["first_beyond"] == 1  # the first update changes step 1's loss
+    assert all(row["noise"] == 0 for row in loss["steps"])
+    first = payload["trace"]["candidate"]
+    assert first["step"] == 0 and first["phase"] == "optimizer"  # the change shows first in the updated params
+
+
+def test_racing_baselines_measure_the_noise(racing: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, payload = _compare(capsys, racing["a"], racing["b"], racing["lr"])
+    assert code == 1 and payload["verdict"] == "real"
+    assert payload["trace"]["baselines"] is not None  # the baselines themselves differ
+    loss = next(m for m in payload["metrics"] if m["name"] == "loss")
+    assert loss["steps"][0]["noise"] > 0 and loss["verdict"] == "real"
+    # a baseline set against the baselines is, by construction, within their variation
+    code, payload = _compare(capsys, racing["a"], racing["b"], racing["b"])
+    assert code == 0 and payload["verdict"] == "noise"
+
+
+def test_human_table(steady: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(steady["a"]), str(steady["b"]), str(steady["lr"])]) == 1
+    out = capsys.readouterr().out
+    assert "real: the change's effect is real" in out and "beyond" in out
+    assert "candidate first differs from BASE_A at step 0, rank 0: optimizer" in " ".join(out.split())
+
+
+def test_rule_majority_of_differing_steps() -> None:
+    a = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
+    b = {0: 1.0, 1: 2.001, 2: 3.001, 3: 4.001}
+    near = {0: 1.0, 1: 2.0005, 2: 3.002, 3: 4.0}
+    far = {0: 1.0, 1: 2.5, 2: 3.5, 3: 4.5}
+    assert compare_metric("m", a, b, near, 10).verdict == "noise"
+    result = compare_metric("m", a, b, far, 10)
+    assert result.verdict == "real" and result.first_beyond == 1
+    assert compare_metric("m", a, b, dict(a), 10).verdict == "identical"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--factor", "0"], "--factor must be positive"),
+        (["--rank", "3"], "holds no trace of rank 3"),
+    ],
+)
+def test_bad_input_is_one_sentence(steady: dict[str, Path], extra: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(steady["a"]), str(steady["b"]), str(steady["lr"]), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "z")]) == 2
+    assert "does not exist" in capsys.readouterr().err
