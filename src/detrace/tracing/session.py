@@ -12,6 +12,9 @@ A process with neither at the end of a step or at exit is a single-process run: 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import math
 import os
 import sys
 import threading
@@ -21,11 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from detrace.errors import DetraceError
 from detrace.tracefile.layout import rank_path, run_header_path
-from detrace.tracefile.schema import RUNGS
+from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
 from detrace.tracing.config import TraceConfig
 from detrace.tracing.header import base_header
@@ -36,15 +40,24 @@ FLUSH_SECONDS = 1.0
 """Longest time a record waits in memory before its batch is written (checked at each record)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, kw_only=True)
 class Snapshot:
-    """The fingerprint of one tensor, taken at a moment of the call (the tensor itself is not kept)."""
+    """The fingerprint of one tensor (or component object) taken at a moment of a call; the tensor itself is not
+    kept. A small tensor's bits are copied at that moment and hashed with the rest of its batch, so `digest` is
+    filled in later (`Tracer.resolve`, at the latest when its records are written)."""
 
     shape: tuple[int, ...]
+    """The tensor's shape (a component object's logical shape)."""
     dtype: str
+    """torch dtype name without "torch.", or a component object's format name."""
     numel: int
-    digest: int | None
+    """Number of elements."""
+    digest: int | None = None
+    """The fingerprint; None until resolved, and for good above --max-numel or when it cannot be taken."""
     chunks: tuple[int, ...] | None = None
+    """Chunk-wise digests, when taken."""
+    components: tuple[tuple[str, Snapshot], ...] = ()
+    """A quantized tensor's components (`__detrace_components__`): (name, snapshot) in the object's order."""
 
 
 @dataclass(slots=True)
@@ -62,10 +75,17 @@ class Call:
     peer: int | None = None
     extra: str | None = None
     event: int | None = None
+    components: int = 0
+    """Component records added so far (their index)."""
 
 
 _SEEN_LIMIT = 65536
 """Most snapshots remembered for reuse (a bound on memory, not on correctness)."""
+DEFER_BYTES = 1 << 20
+"""Tensors up to this size are copied when recorded and hashed in a batch later (one `fingerprint_many` call
+for many records instead of one per call); larger ones are hashed at once, in place, without a copy."""
+PENDING_BYTES = 64 << 20
+"""Most bytes of such copies held at once: past this, the batch is hashed before the next record."""
 
 
 def _version(tensor: torch.Tensor) -> int | None:
@@ -79,8 +99,27 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def has_components(value: object) -> bool:
+    """Whether `value` is a quantized tensor or other object fingerprinted as its components."""
+    return getattr(type(value), "__detrace_components__", None) is not None
+
+
+def _deferrable(tensor: torch.Tensor) -> bool:
+    """A plain dense tensor whose bits a copy can carry to a later batch."""
+    return (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter) and tensor.layout == torch.strided \
+        and not tensor.is_meta and not tensor.is_quantized and tensor.numel() * tensor.element_size() <= DEFER_BYTES
+
+
+def _snapshot_of(fp: Any) -> Snapshot:
+    """A Snapshot from a detrace.digest.Fingerprint."""
+    return Snapshot(shape=fp.shape, dtype=fp.dtype, numel=fp.numel, digest=fp.digest,
+                    chunks=tuple(fp.chunks) if fp.chunks else None,
+                    components=tuple((name, _snapshot_of(part)) for name, part in fp.components))
 
 
 def local_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,16 +151,22 @@ class Tracer:
         self._seq = 0
         self._occurrences: dict[tuple[str, str | None, str], int] = {}
         self._previous_occurrences: dict[tuple[str, str | None, str], int] = {}
-        self._rows: list[dict[str, Any]] = []
+        self._records: list[tuple[int, Call, str, int, Snapshot | None, Any, int, str | None]] = []
+        """Buffered records: (seq, call, role, index, snapshot, metric value, collectives, extra); columns are
+        made of them when a batch is written."""
+        self._pending: list[tuple[torch.Tensor, Snapshot]] = []
+        """Copies of small recorded tensors and the snapshots whose digests they will give (see DEFER_BYTES)."""
+        self._pending_bytes = 0
         self._last_flush = time.monotonic()
         self._writer: RankWriter | None = None
         self._after_optimizer = False
         self._stepped: set[int] = set()
         self._listeners: list[Callable[[], None]] = []
         self._closed = False
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, Snapshot]] = {}
-        """id(tensor) -> (the tensor, its version, its snapshot): a tensor recorded as an output and again as
-        the next call's input is fingerprinted once. Cleared when the optimizer starts and when a step ends."""
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, int, Snapshot]] = {}
+        """id(tensor) -> (the tensor, its version, its data pointer, its snapshot): a tensor recorded as an output
+        and again, unchanged, as the next call's input is fingerprinted once. Only writes that bump the version
+        counter are seen, so `forget()` clears it wherever something may have written behind it (see there)."""
         if os.environ.get("RANK", "").isdigit():
             self._set_rank(int(os.environ["RANK"]))
         self._update_windows()
@@ -146,7 +191,7 @@ class Tracer:
     def set_step(self, step: int) -> None:
         """Set the step clock (e.g. after resuming from a checkpoint taken at `step`)."""
         with self._lock:
-            self._seen.clear()
+            self.forget()
             self.step = int(step)
             self._occurrences = {}
             self._after_optimizer = False
@@ -177,7 +222,7 @@ class Tracer:
             self._stepped.add(id(optimizer))
             self.phase = "optimizer"
             # Optimizers may write parameters through `.data`, which the version counter does not see.
-            self._seen.clear()
+            self.forget()
 
     def optimizer_ends(self) -> None:
         with self._lock:
@@ -193,7 +238,7 @@ class Tracer:
     def _set_rank(self, rank: int) -> None:
         self.rank = rank
         if rank not in self.config.rank_window:
-            self._rows = []
+            self._drop()
             self.enabled = False
         self._update_windows()
 
@@ -239,69 +284,133 @@ class Tracer:
         return Call(rung=rung, phase=phase, name=name, module=module, occurrence=occurrence, step=self.step,
                     group=group, group_seq=group_seq, peer=peer, extra=extra)
 
-    def snapshot(self, tensors: Sequence[torch.Tensor | None], *, fresh: bool = False) -> list[Snapshot | None]:
-        """Fingerprint tensors now (in one batch); None stays None. Tensors above --max-numel get no digest.
+    def snapshot(self, tensors: Sequence[Any], *, fresh: bool = False, now: bool = False
+                 ) -> list[Snapshot | None]:
+        """Take the fingerprints of tensors (and component objects) as they are now; None and other values give
+        None. Tensors above --max-numel get no digest. Small plain tensors are copied and hashed later in a
+        batch (digests filled in by `resolve`); `now` hashes everything at once, for callers that compare digests.
 
         `fresh`: never reuse an earlier snapshot (for tensors written behind the version counter's back, such
-        as a collective's output)."""
+        as a collective's output or a DDP bucket)."""
+        limit = self.config.max_numel
+        out: list[Snapshot | None] = [None] * len(tensors)
+        todo: list[tuple[int, Any, int | None]] = []
+        copies: list[tuple[torch.Tensor, Snapshot]] = []
+        seen = self._seen
+        for i, value in enumerate(tensors):
+            if not isinstance(value, torch.Tensor):
+                if value is not None and has_components(value):
+                    todo.append((i, value, None))
+                continue
+            tensor = local_data(value)
+            version = _version(tensor)
+            if version is not None and not fresh:
+                entry = seen.get(id(tensor))
+                if entry is not None and entry[1] == version and entry[0]() is tensor \
+                        and entry[2] == tensor.data_ptr():
+                    out[i] = entry[3]
+                    continue
+            if limit is not None and tensor.numel() > limit:
+                out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
+            elif has_components(tensor):
+                todo.append((i, tensor, None))
+            elif not now and _deferrable(tensor):
+                snap = out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype),
+                                         numel=tensor.numel())
+                copies.append((tensor, snap))
+                if version is not None:
+                    self._remember(tensor, version, snap)
+            else:
+                todo.append((i, tensor, version))
+        if copies:
+            self._defer(copies)
+        if todo:
+            for (i, tensor, version), snap in zip(todo, self._fingerprint([t for _, t, _ in todo]), strict=True):
+                out[i] = snap
+                if version is not None and snap.digest is not None:
+                    self._remember(tensor, version, snap)
+        return out
+
+    def _remember(self, tensor: torch.Tensor, version: int, snap: Snapshot) -> None:
+        if len(self._seen) > _SEEN_LIMIT:
+            self._seen.clear()
+        self._seen[id(tensor)] = (weakref.ref(tensor), version, tensor.data_ptr(), snap)
+
+    def forget(self) -> None:
+        """Reuse no snapshot taken so far: something may have written tensors without bumping their version
+        counters. Called when a collective completes (c10d and functional collectives write their outputs from
+        C++), when a DDP bucket is handed to its comm hook and when backward ends (DDP's reducer copies
+        gradients into buckets and back from C++), when an optimizer starts (optimizers write `.data`) and when
+        a step ends."""
+        self._seen.clear()
+
+    def _fingerprint(self, values: list[Any]) -> list[Snapshot]:
+        """Fingerprints of `values` now, in one batch (one by one if the batch fails, so that one value that
+        cannot be fingerprinted costs only its own digest)."""
         from detrace.digest import fingerprint_many
         from detrace.errors import FingerprintError
 
-        limit = self.config.max_numel
-        out: list[Snapshot | None] = [None] * len(tensors)
-        todo: list[tuple[int, torch.Tensor, int | None]] = []
-        for i, tensor in enumerate(tensors):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            tensor = local_data(tensor)
-            version = _version(tensor)
-            seen = self._seen.get(id(tensor)) if version is not None and not fresh else None
-            if seen is not None and seen[0]() is tensor and seen[1] == version:
-                out[i] = seen[2]
-            elif limit is not None and tensor.numel() > limit:
-                out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel(),
-                                  digest=None)
-            else:
-                todo.append((i, tensor, version))
-        if not todo:
-            return out
-        try:
-            with self.own(), torch.no_grad():
-                fps: list[Any] = fingerprint_many([t.detach() for _, t, _ in todo])
-        except FingerprintError:
-            fps = [None] * len(todo)
-        if len(self._seen) > _SEEN_LIMIT:
-            self._seen.clear()
-        for (i, tensor, version), fp in zip(todo, fps, strict=True):
-            chunks = tuple(fp.chunks) if fp is not None and fp.chunks else None
-            snap = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel(),
-                            digest=None if fp is None else fp.digest, chunks=chunks)
-            out[i] = snap
-            if version is not None and fp is not None:
-                self._seen[id(tensor)] = (weakref.ref(tensor), version, snap)
-        return out
+        with self.own(), torch.no_grad():
+            try:
+                return [_snapshot_of(fp) for fp in fingerprint_many(values)]
+            except FingerprintError:
+                pass
+            snaps = []
+            for value in values:
+                try:
+                    snaps.append(_snapshot_of(fingerprint_many([value])[0]))
+                except FingerprintError:
+                    shape = tuple(int(n) for n in getattr(value, "shape", ()))
+                    snaps.append(Snapshot(shape=shape, dtype=str(getattr(value, "dtype", type(value).__name__))
+                                          .removeprefix("torch."), numel=math.prod(shape)))
+            return snaps
+
+    def _defer(self, items: list[tuple[torch.Tensor, Snapshot]]) -> None:
+        """Copy the bits of small tensors for the next batch (a plain copy, unseen by dispatch modes)."""
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            copies = [(tensor.detach().clone(memory_format=torch.contiguous_format), snap) for tensor, snap in items]
+        with self._lock:
+            self._pending += copies
+            self._pending_bytes += sum(copy.numel() * copy.element_size() for copy, _ in copies)
+            if self._pending_bytes > PENDING_BYTES:
+                self.resolve()
+
+    def resolve(self) -> None:
+        """Hash the pending copies (one batch) and fill in their snapshots' digests."""
+        with self._lock:
+            pending, self._pending, self._pending_bytes = self._pending, [], 0
+            if not pending:
+                return
+            for (_, snap), done in zip(pending, self._fingerprint([copy for copy, _ in pending]), strict=True):
+                snap.digest, snap.chunks = done.digest, done.chunks
 
     def emit(self, call: Call, role: str, snapshots: Sequence[Snapshot | None]) -> None:
-        """Add one record per snapshot (None entries are skipped but keep their index)."""
+        """Add one record per snapshot (None entries are skipped but keep their index). A component object is
+        one record (its digest covers every component) followed by one record per component, role "component",
+        numbered within the call, with extra {"component": name, "of": role, "index": its index}."""
         with self._lock:
             if not self.enabled:
                 return
             for index, snap in enumerate(snapshots):
                 if snap is None:
                     continue
-                self._add(call, role, index, snap.shape, snap.dtype, snap.numel, snap.digest, snap.chunks, None)
+                self._add(call, role, index, snap, None, call.extra)
+                for name, part in snap.components:
+                    extra = json.loads(call.extra) if call.extra else {}
+                    extra.update(component=name, of=role, index=index)
+                    self._add(call, "component", call.components, part, None, json.dumps(extra))
+                    call.components += 1
 
     def emit_metric(self, call: Call, value: float | torch.Tensor, dtype: str) -> None:
         """Add an exact scalar. A tensor value is read at the next flush (one host transfer for the batch)."""
         with self._lock:
             if self.enabled:
-                self._add(call, "metric", 0, (), dtype, 1, None, None, value)
+                self._add(call, "metric", 0, Snapshot(shape=(), dtype=dtype, numel=1), value, call.extra)
 
     def collective_completed(self) -> None:
         with self._lock:
             self.collectives += 1
-            # A collective writes its outputs without bumping their version counters.
-            self._seen.clear()
+            self.forget()
 
     def next_group_seq(self, group: str) -> int:
         with self._lock:
@@ -309,21 +418,13 @@ class Tracer:
             self.groups[group] = seq + 1
             return seq
 
-    def _add(self, call: Call, role: str, index: int, shape: tuple[int, ...], dtype: str, numel: int,
-             digest: int | None, chunks: tuple[int, ...] | None, value: Any) -> None:
+    def _add(self, call: Call, role: str, index: int, snap: Snapshot, value: Any, extra: str | None) -> None:
         seq = self._seq
-        self._seq += 1
+        self._seq = seq + 1
         if call.event is None:
             call.event = seq
-        self._rows.append({
-            "seq": seq, "step": call.step, "rung": call.rung, "phase": call.phase, "module": call.module,
-            "name": call.name, "occurrence": call.occurrence, "event": call.event, "role": role, "index": index,
-            "shape": list(shape), "dtype": dtype, "numel": numel, "digest": digest,
-            "chunks": list(chunks) if chunks is not None else None, "value": value,
-            "collectives": self.collectives, "group": call.group, "group_seq": call.group_seq, "peer": call.peer,
-            "extra": call.extra,
-        })
-        if len(self._rows) >= FLUSH_RECORDS or time.monotonic() - self._last_flush >= FLUSH_SECONDS:
+        self._records.append((seq, call, role, index, snap, value, self.collectives, extra))
+        if len(self._records) >= FLUSH_RECORDS or time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             self.flush()
 
     # -- writing ----------------------------------------------------------------------------------------------
@@ -337,33 +438,46 @@ class Tracer:
         """Hand buffered records to the rank file (opening it on first use, once the rank is known)."""
         with self._lock:
             self._last_flush = time.monotonic()
-            if not self._rows or not self.enabled:
+            if not self._records or not self.enabled:
                 return
             if self._in_dataloader_worker():
                 self.disable()
                 return
             if self._discover_rank(step_ended=step_ended) is None or not self.enabled:
                 return
-            rows, self._rows = self._rows, []
-            self._materialize(rows)
+            self.resolve()
+            records, self._records = self._records, []
             try:
                 writer = self._writer or self._open()
-                for row in rows:
-                    writer.add(row)
-                writer.flush()
+                writer.add_batch(self._batch(records))
             except (DetraceError, OSError) as err:
                 # A failing trace must not take the training run down with it: say so once and stop recording.
                 print(f"detrace: tracing stopped on rank {self.rank}: {err}", file=sys.stderr)
                 self.disable()
 
-    def _materialize(self, rows: list[dict[str, Any]]) -> None:
-        pending = [row for row in rows if isinstance(row["value"], torch.Tensor)]
-        if pending:
+    def _batch(self, records: list[tuple[int, Call, str, int, Snapshot | None, Any, int, str | None]]
+               ) -> pa.RecordBatch:
+        """The Arrow batch of buffered records (columns in schema order; metric tensors read in one transfer)."""
+        seq, calls, roles, indices, snaps, values, collectives, extras = (
+            list(column) for column in zip(*records, strict=True))
+        tensors = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
+        if tensors:
             with self.own():
-                values = torch.stack([row["value"].detach().reshape(()).to("cpu", torch.float64)
-                                      for row in pending]).tolist()
-            for row, value in zip(pending, values, strict=True):
-                row["value"] = value
+                exact = torch.stack([values[i].detach().reshape(()).to("cpu", torch.float64) for i in tensors])
+            for i, value in zip(tensors, exact.tolist(), strict=True):
+                values[i] = value
+        columns = {
+            "seq": seq, "step": [c.step for c in calls], "rung": [c.rung for c in calls],
+            "phase": [c.phase for c in calls], "module": [c.module for c in calls], "name": [c.name for c in calls],
+            "occurrence": [c.occurrence for c in calls], "event": [c.event for c in calls], "role": roles,
+            "index": indices, "shape": [s.shape for s in snaps], "dtype": [s.dtype for s in snaps],
+            "numel": [s.numel for s in snaps], "digest": [s.digest for s in snaps],
+            "chunks": [s.chunks for s in snaps], "value": values, "collectives": collectives,
+            "group": [c.group for c in calls], "group_seq": [c.group_seq for c in calls],
+            "peer": [c.peer for c in calls], "extra": extras,
+        }
+        return pa.record_batch([pa.array(columns[name], type=ARROW_SCHEMA.field(name).type) for name in COLUMN_NAMES],
+                               schema=ARROW_SCHEMA)
 
     def _open(self) -> RankWriter:
         assert self.rank is not None
@@ -382,8 +496,11 @@ class Tracer:
         """Stop recording for good in this process, dropping what is buffered."""
         with self._lock:
             self.enabled = False
-            self._rows = []
+            self._drop()
             self._update_windows()
+
+    def _drop(self) -> None:
+        self._records, self._pending, self._pending_bytes = [], [], 0
 
     def abandon(self) -> None:
         """In a forked child: forget the parent's writer without touching its file, and record nothing."""

@@ -57,6 +57,8 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             return original_backward(tensors, grad_tensors, *args, **kwargs)
         finally:
             tracer.phase = phase
+            # DDP's reducer copied the reduced buckets into the gradients from C++ (no version bump).
+            tracer.forget()
             if phase != "backward":
                 tracer.scope.clear()  # module scopes a backward left open (see rungs/module.py)
 

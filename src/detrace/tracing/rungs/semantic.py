@@ -86,6 +86,10 @@ _CALLS: dict[str, tuple[str, Callable[[Args], list[torch.Tensor]], Callable[[Arg
 
 _groups: dict[int, str] = {}
 
+nested = threading.local()
+"""`nested.n` > 0 while a recorded collective (or DDP bucket) runs on this thread: the calls it makes are part of
+it and are not recorded again."""
+
 
 def group_name(group: Any) -> str:
     """The global ranks of a process group, e.g. "0,1" (the default group when None)."""
@@ -144,13 +148,12 @@ class TracedWork(dist.Work):
         self._inner.block_current_stream()
 
 
-def _wrap_collective(tracer: Tracer, name: str, original: Callable[..., Any], depth: threading.local
-                     ) -> Callable[..., Any]:
+def _wrap_collective(tracer: Tracer, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     phase, inputs_of, outputs_of, peer_key = _CALLS[name]
     signature = inspect.signature(original)
 
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if getattr(depth, "n", 0) or not tracer.on["semantic"]:
+        if getattr(nested, "n", 0) or not tracer.on["semantic"]:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -163,11 +166,11 @@ def _wrap_collective(tracer: Tracer, name: str, original: Callable[..., Any], de
                 peer = dist.get_global_rank(arguments.get("group"), arguments[f"group_{peer_key}"])
         call = tracer.begin("semantic", phase, name, group=group, group_seq=tracer.next_group_seq(group), peer=peer)
         before = tracer.snapshot(inputs_of(arguments))
-        depth.n = getattr(depth, "n", 0) + 1
+        nested.n = getattr(nested, "n", 0) + 1
         try:
             result = original(*args, **kwargs)
         finally:
-            depth.n -= 1
+            nested.n -= 1
         if name == "recv" and call.peer is None and isinstance(result, int):
             call.peer = result
 
@@ -196,13 +199,12 @@ def _finish(tracer: Tracer, call: Call, inputs: list[Snapshot | None], outputs: 
 
 def _install_collectives(tracer: Tracer) -> list[Undo]:
     undo: list[Undo] = []
-    depth = threading.local()
     c10d = dist.distributed_c10d
     for name in _CALLS:
         original = getattr(c10d, name, None)
         if original is None:
             continue
-        traced = _wrap_collective(tracer, name, original, depth)
+        traced = _wrap_collective(tracer, name, original)
         undo.append(replace(c10d, name, traced))
         if getattr(dist, name, None) is original:
             undo.append(replace(dist, name, traced))
@@ -215,7 +217,6 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
     original_init = DDP.__init__
     original_register = DDP.register_comm_hook
     original_builtin = DDP._register_builtin_comm_hook
-    all_reduce = dist.distributed_c10d.all_reduce  # the untraced one: the bucket is recorded as itself
 
     # The hooks below carry no annotations on purpose: DDP checks them, and this module's postponed (string)
     # annotations would not compare equal to dist.GradBucket / torch.futures.Future.
@@ -227,14 +228,21 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
             call = tracer.begin("semantic", "collective", "all_reduce", group=group,
                                 group_seq=tracer.next_group_seq(group),
                                 extra=json.dumps({"ddp_bucket": bucket.index()}))
-            before = tracer.snapshot([bucket.buffer()])
+            # The reducer copied the gradients into the bucket from C++, without bumping its version counter:
+            # an earlier snapshot of the same buffer (last step's) must not be reused.
+            before = tracer.snapshot([bucket.buffer()], fresh=True)
+            nested.n = getattr(nested, "n", 0) + 1
+            try:
+                future = hook(state, bucket)
+            finally:
+                nested.n -= 1
 
             def completed(future: torch.futures.Future) -> torch.Tensor:
                 result = future.value()
                 _finish(tracer, call, before, tracer.snapshot(_tensors(result), fresh=True))
                 return result
 
-            return hook(state, bucket).then(completed)
+            return future.then(completed)
 
         return traced_hook
 
@@ -244,7 +252,8 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
             # (at::mul_out with a double scalar), then all-reduces with SUM: the same two steps, the same bits.
             buffer = bucket.buffer()
             buffer.mul_(1.0 / ddp.process_group.size())
-            work = all_reduce(buffer, group=ddp.process_group, async_op=True)
+            # A nested call of the recording hook: recorded once, as the bucket (see `nested`).
+            work = dist.distributed_c10d.all_reduce(buffer, group=ddp.process_group, async_op=True)
             return work.get_future().then(lambda future: future.value()[0])
 
         return reduce
@@ -290,7 +299,7 @@ def _install_recompute(tracer: Tracer) -> list[Undo]:
                 out = fn(*args, **kwargs)
             finally:
                 tracer.phase = phase
-            snaps = tracer.snapshot(_tensors(out))
+            snaps = tracer.snapshot(_tensors(out), now=True)
             digests = [s.digest if s is not None else None for s in snaps]
             if again:
                 extra = json.dumps({"matches_forward": digests == forward})
@@ -338,7 +347,8 @@ def _install_optimizer(tracer: Tracer) -> list[Undo]:
         keys = [sorted(k for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor))
                 for p in params]
         tensors = [t for p, ks in zip(params, keys, strict=True) for t in (p, *(optimizer.state[p][k] for k in ks))]
-        snaps = iter(tracer.snapshot(tensors))
+        # fresh: optimizers may write parameters and states through `.data`, which bumps no version counter.
+        snaps = iter(tracer.snapshot(tensors, fresh=True))
         for call, ks in zip(calls, keys, strict=True):
             call.extra = json.dumps({"state": ks}) if ks else None
             tracer.emit(call, "param", [next(snaps)])
