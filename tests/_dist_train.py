@@ -1,4 +1,6 @@
-"""A 2-rank training script for the launcher tests: DDP, FSDP2, explicit collectives and p2p, on gloo.
+"""A 2-rank training script for the launcher tests: DDP, FSDP2, functional collectives (an expert-parallel style
+all_to_all_single_autograd and a DTensor redistribute, both with their backward), explicit collectives and p2p,
+on gloo.
 
 Prints one line per rank: `final RANK <sha256 of the final parameters' bytes>` so that runs with and without
 the tracer can be compared bit for bit. Run with torchrun, or with `spawn` as argv[1] to use mp.spawn.
@@ -23,7 +25,10 @@ def params_hash(*models: nn.Module) -> str:
 
 
 def train(rank: int, world: int) -> None:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -33,23 +38,27 @@ def train(rank: int, world: int) -> None:
     fully_shard(fsdp)
     opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=0.01)
     opt_fsdp = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    mesh = init_device_mesh("cpu", (world,))
+    exchange = nn.Linear(8, 8)  # not wrapped: its tokens go through all_to_all and a DTensor all-gather
+    opt_exchange = torch.optim.SGD(exchange.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     steps = int(os.environ.get("TRAIN_STEPS", "3"))
     for _ in range(steps):
         x = torch.randn(6, 8, generator=gen) / 3  # non-power-of-two scalings exercise the bucket's rounding
-        loss = ddp(x).pow(2).mean() + fsdp(x).pow(2).mean()
+        tokens = all_to_all_single_autograd(exchange(torch.randn(12, 8, generator=gen)), None, None, dist.group.WORLD)
+        gathered = DTensor.from_local(tokens, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
+        loss = ddp(x).pow(2).mean() + fsdp(x).pow(2).mean() + gathered.tanh().pow(2).mean()
         loss.backward()
-        opt_ddp.step()
-        opt_fsdp.step()
-        opt_ddp.zero_grad()
-        opt_fsdp.zero_grad()
+        for opt in (opt_ddp, opt_fsdp, opt_exchange):
+            opt.step()
+            opt.zero_grad()
         t = torch.full((4,), float(rank + 1))
         dist.all_reduce(t, async_op=True).wait()
         if rank == 0:
             dist.send(t * 2, dst=1)
         elif rank == 1:
             dist.recv(t, src=0)
-    print(f"final {rank} {params_hash(ddp, fsdp)}", flush=True)
+    print(f"final {rank} {params_hash(ddp, fsdp, exchange)}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -216,9 +216,22 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path) -> None:
         assert ("send" if rank == 0 else "recv") in names
         collectives = [r for r in records if r["phase"] == "collective"]
         assert all(r["group"] == "0,1" and r["group_seq"] is not None for r in collectives)
-    outputs = [[r["digest"] for r in read_rank(tmp_path / "run", rank).table.to_pylist()
-                if r["extra"] and "ddp_bucket" in r["extra"] and r["role"] == "output"] for rank in (0, 1)]
-    assert outputs[0] == outputs[1]  # an all-reduce gives every rank the same bits
+        # each call is recorded once: the DDP bucket's own all_reduce is not recorded again inside it
+        plain = [r for r in records if r["name"] == "all_reduce" and r["extra"] is None and r["role"] == "input"]
+        assert [r["step"] for r in plain] == [1, 2]  # the explicit one, after each optimizer step
+        # functional collectives, at completion: all_to_all forward and backward, DTensor's all-gather
+        functional = [(r["step"], r["name"], r["role"]) for r in records
+                      if r["extra"] and json.loads(r["extra"]).get("functional")]
+        for step in (0, 1):
+            assert functional.count((step, "all_to_all_single", "output")) == 2
+            assert (step, "all_to_all_single", "input") in functional
+            assert (step, "all_gather_into_tensor", "output") in functional
+    traces = [read_rank(tmp_path / "run", rank).table.to_pylist() for rank in (0, 1)]
+    for name in ("ddp_bucket", "all_gather_into_tensor"):
+        # an all-reduce and an all-gather give every rank the same bits
+        outputs = [[r["digest"] for r in trace if r["role"] == "output" and r["extra"]
+                    and name in (r["name"], *json.loads(r["extra"]))] for trace in traces]
+        assert outputs[0] == outputs[1] and outputs[0]
 
 
 @pytest.mark.slow

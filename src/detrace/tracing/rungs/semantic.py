@@ -211,6 +211,105 @@ def _install_collectives(tracer: Tracer) -> list[Undo]:
     return undo
 
 
+# Functional collectives (torch.ops._c10d_functional): op name -> the argument holding the peer of a p2p op.
+# Tensor parallelism (DTensor redistribute) and torch.distributed._functional_collectives (all_to_all_single_autograd
+# for expert parallelism) call these, in forward and in the backward functions of their autograd formulas.
+_FUNCTIONAL: dict[str, str | None] = {
+    "all_reduce": None, "all_reduce_": None, "all_reduce_coalesced": None, "all_reduce_coalesced_": None,
+    "all_gather_into_tensor": None, "all_gather_into_tensor_out": None, "all_gather_into_tensor_coalesced": None,
+    "reduce_scatter_tensor": None, "reduce_scatter_tensor_out": None, "reduce_scatter_tensor_coalesced": None,
+    "all_to_all_single": None, "broadcast": None, "broadcast_": None, "isend": "dst", "irecv": "src",
+}
+
+
+_PENDING_LIMIT = 1024
+"""Functional collectives awaiting their wait_tensor past which those whose outputs died unwaited are dropped."""
+
+
+class _TracedOp:
+    """Stands in for the op packet `torch.ops._c10d_functional.<name>`: calling it records the call; its overloads
+    and other attributes are the packet's own (a call through an overload, `.default(...)`, is not recorded)."""
+
+    def __init__(self, packet: Any, traced: Callable[..., Any]) -> None:
+        self._packet = packet
+        self._traced = traced
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._traced(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._packet, name)
+
+
+def _install_functional(tracer: Tracer) -> list[Undo]:
+    """Record functional collectives: inputs before the call, outputs when `wait_tensor` is called on them (what
+    AsyncCollectiveTensor does at first use), i.e. at completion. The call runs unchanged; nothing is added."""
+    import torch.distributed._functional_collectives  # registers the ops
+
+    ops = torch.ops._c10d_functional
+    # storage data pointer of an output -> (the output, outputs not yet waited on, finish); a view of an output
+    # (AsyncCollectiveTensor waits on views of it) finds it through its storage.
+    pending: dict[int, tuple[weakref.ref[torch.Tensor], set[int], Callable[[], None]]] = {}
+
+    def wrap(name: str, packet: Any) -> _TracedOp:
+        schema = packet.default._schema
+        names = [argument.name for argument in schema.arguments]
+        peer_key = _FUNCTIONAL[name]
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if getattr(nested, "n", 0) or not tracer.on["semantic"]:
+                return packet(*args, **kwargs)
+            arguments = dict(zip(names, args, strict=False)) | kwargs
+            pg = arguments["group_name"]
+            group = group_name(dist.distributed_c10d._resolve_process_group(pg) if isinstance(pg, str) else pg)
+            peer = arguments.get(peer_key) if peer_key is not None else None
+            call = tracer.begin("semantic", "p2p" if peer_key else "collective", name, group=group,
+                                group_seq=tracer.next_group_seq(group), peer=peer,
+                                extra=json.dumps({"functional": True}))
+            before = tracer.snapshot([] if name == "irecv" else _tensors(args[0] if args else arguments[names[0]]))
+            result = packet(*args, **kwargs)
+            outputs = [] if name == "isend" else _tensors(result)
+            if not outputs:
+                # isend: its completion is not observable here; only its input is recorded.
+                _finish(tracer, call, before, [])
+                return result
+            refs = [weakref.ref(t) for t in outputs]
+
+            def finish() -> None:
+                _finish(tracer, call, before, tracer.snapshot([ref() for ref in refs], fresh=True))
+
+            waiting = {t.untyped_storage().data_ptr() for t in outputs}
+            if len(pending) > _PENDING_LIMIT:  # outputs dropped without a wait
+                for key in [key for key, entry in pending.items() if entry[0]() is None]:
+                    del pending[key]
+            for ref, t in zip(refs, outputs, strict=True):
+                pending[t.untyped_storage().data_ptr()] = (ref, waiting, finish)
+            return result
+
+        return _TracedOp(packet, traced)
+
+    def wait_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = wait_packet(tensor, *args, **kwargs)
+        if pending and type(tensor) is torch.Tensor:
+            key = tensor.untyped_storage().data_ptr()
+            entry = pending.pop(key, None)
+            if entry is not None and entry[0]() is not None:
+                _, waiting, finish = entry
+                waiting.discard(key)
+                if not waiting:
+                    finish()
+        return result
+
+    undo: list[Undo] = []
+    for name in _FUNCTIONAL:
+        packet = getattr(ops, name, None)
+        if packet is not None:
+            undo.append(replace(ops, name, wrap(name, packet)))
+    wait_packet = ops.wait_tensor
+    undo.append(replace(ops, "wait_tensor", _TracedOp(wait_packet, wait_tensor)))
+    return undo
+
+
 def _install_ddp(tracer: Tracer) -> list[Undo]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -360,5 +459,5 @@ def _install_optimizer(tracer: Tracer) -> list[Undo]:
 def install(tracer: Tracer) -> list[Undo]:
     if not dist.is_available():
         return _install_recompute(tracer) + _install_optimizer(tracer)
-    return (_install_collectives(tracer) + _install_ddp(tracer) + _install_recompute(tracer)
-            + _install_optimizer(tracer))
+    return (_install_collectives(tracer) + _install_functional(tracer) + _install_ddp(tracer)
+            + _install_recompute(tracer) + _install_optimizer(tracer))
