@@ -15,6 +15,7 @@ from torch import nn
 
 import detrace
 from detrace.errors import TraceError, UsageError
+from detrace.formats import MXFP8Tensor, mxfp8_encode
 from detrace.tracefile import load_capture, open_run, read_rank
 from detrace.tracing import set_step
 from detrace.tracing.config import CaptureSelector, TraceConfig, parse_steps_option
@@ -305,3 +306,32 @@ def test_backward_ops_know_their_module_when_scopes_overlap(tmp_path: Path) -> N
     index_put = {module for module, name in backward if name.startswith("aten.index_put")}
     assert index_put == {"gather"}, backward
     assert {module for module, name in backward if name == "aten.mm.default"} == {"fc"}
+
+
+class Quantize(nn.Module):
+    def forward(self, x: torch.Tensor) -> MXFP8Tensor:
+        return mxfp8_encode(x)
+
+
+class Dequantize(nn.Module):
+    def forward(self, q: MXFP8Tensor) -> torch.Tensor:
+        return q.dequantize()
+
+
+def test_quantized_tensors_are_recorded_by_component(tmp_path: Path) -> None:
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    with detrace.trace(tmp_path / "q", rung="module"):
+        q = Quantize()(x)
+        Dequantize()(q)
+        detrace.step()
+    records = rows(tmp_path / "q")
+    for name, role in (("Quantize", "output"), ("Dequantize", "input")):
+        call = [r for r in records if r["name"] == name and r["role"] in (role, "component")]
+        # the object (its digest covers every component), then one record per component
+        assert [(r["role"], r["index"], r["dtype"]) for r in call] == [
+            (role, 0, "mxfp8_e4m3"), ("component", 0, "float8_e4m3fn"), ("component", 1, "float8_e8m0fnu")]
+        assert call[0]["digest"] == detrace.fingerprint(q).digest and call[0]["shape"] == [4, 64]
+        assert [json.loads(r["extra"]) for r in call[1:]] == [
+            {"component": part, "of": role, "index": 0} for part in ("data", "scales")]
+        assert [r["digest"] for r in call[1:]] == [detrace.fingerprint(q.data).digest,
+                                                    detrace.fingerprint(q.scales).digest]

@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+from torch.utils import _pytree as pytree
 
 from detrace.errors import DetraceError
 from detrace.tracefile.layout import rank_path, run_header_path
@@ -107,6 +108,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def has_components(value: object) -> bool:
     """Whether `value` is a quantized tensor or other object fingerprinted as its components."""
     return getattr(type(value), "__detrace_components__", None) is not None
+
+
+def recorded_leaves(value: Any, *, holes: bool = False) -> list[Any]:
+    """The tensors and component objects in a (nested) value, in pytree order: what a record is made of.
+    `holes`: None leaves stay, as None, so that indices follow the value's positions."""
+    return [leaf for leaf in pytree.tree_leaves(value)
+            if isinstance(leaf, torch.Tensor) or (holes and leaf is None) or has_components(leaf)]
 
 
 def _deferrable(tensor: torch.Tensor) -> bool:

@@ -21,17 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
-from torch.utils import _pytree as pytree
 
 from detrace.tracing.names import named_modules
-from detrace.tracing.session import Call, Tracer
+from detrace.tracing.session import Call, Tracer, recorded_leaves
 
 Undo = Callable[[], None]
-
-
-def _tensors(value: Any) -> list[torch.Tensor | None]:
-    return [t if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(value)
-            if t is None or isinstance(t, torch.Tensor)]
 
 
 class ModuleRung:
@@ -72,7 +66,7 @@ class ModuleRung:
         tracer.scope.append(name)
         call = tracer.begin("module", tracer.phase, type(module).__name__, name)
         self.forward_calls.append(call)
-        tracer.emit(call, "input", tracer.snapshot(_tensors(args)))
+        tracer.emit(call, "input", tracer.snapshot(recorded_leaves(args, holes=True)))
 
     def forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         tracer = self.tracer
@@ -81,12 +75,12 @@ class ModuleRung:
         call = self.forward_calls.pop()
         if tracer.scope:
             tracer.scope.pop()
-        outputs = _tensors(output)
+        outputs = recorded_leaves(output, holes=True)
         tracer.emit(call, "output", tracer.snapshot(outputs))
         if torch.is_grad_enabled():
-            grad_outputs = [t for t in outputs if t is not None and t.grad_fn is not None]
+            grad_outputs = [t for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             # Leaves are skipped: a hook on a leaf would stay on it for every later step.
-            grad_inputs = [t for t in _tensors(args) if t is not None and t.grad_fn is not None]
+            grad_inputs = [t for t in recorded_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if grad_outputs:
                 _Backward(self.tracer, call, grad_outputs, grad_inputs)
 

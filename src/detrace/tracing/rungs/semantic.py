@@ -36,22 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils import _pytree as pytree
 
 from detrace.tracing.names import parameter_names
 from detrace.tracing.patch import replace
-from detrace.tracing.session import Call, Snapshot, Tracer
+from detrace.tracing.session import Call, Snapshot, Tracer, recorded_leaves
 
 Undo = Callable[[], None]
 Args = dict[str, Any]
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
 def _arg(key: str) -> Callable[[Args], list[torch.Tensor]]:
-    return lambda args: _tensors(args.get(key))
+    return lambda args: recorded_leaves(args.get(key))
 
 
 _NONE: Callable[[Args], list[torch.Tensor]] = lambda args: []  # noqa: E731
@@ -266,9 +261,10 @@ def _install_functional(tracer: Tracer) -> list[Undo]:
             call = tracer.begin("semantic", "p2p" if peer_key else "collective", name, group=group,
                                 group_seq=tracer.next_group_seq(group), peer=peer,
                                 extra=json.dumps({"functional": True}))
-            before = tracer.snapshot([] if name == "irecv" else _tensors(args[0] if args else arguments[names[0]]))
+            inputs = [] if name == "irecv" else recorded_leaves(arguments[names[0]])
+            before = tracer.snapshot(inputs)
             result = packet(*args, **kwargs)
-            outputs = [] if name == "isend" else _tensors(result)
+            outputs = [] if name == "isend" else recorded_leaves(result)
             if not outputs:
                 # isend: its completion is not observable here; only its input is recorded.
                 _finish(tracer, call, before, [])
@@ -338,7 +334,7 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
 
             def completed(future: torch.futures.Future) -> torch.Tensor:
                 result = future.value()
-                _finish(tracer, call, before, tracer.snapshot(_tensors(result), fresh=True))
+                _finish(tracer, call, before, tracer.snapshot(recorded_leaves(result), fresh=True))
                 return result
 
             return future.then(completed)
@@ -398,7 +394,7 @@ def _install_recompute(tracer: Tracer) -> list[Undo]:
                 out = fn(*args, **kwargs)
             finally:
                 tracer.phase = phase
-            snaps = tracer.snapshot(_tensors(out), now=True)
+            snaps = tracer.snapshot(recorded_leaves(out), now=True)
             digests = [s.digest if s is not None else None for s in snaps]
             if again:
                 extra = json.dumps({"matches_forward": digests == forward})
