@@ -2,7 +2,9 @@
 
 One `Tracer` exists per traced process. The rungs (detrace.tracing.rungs) observe the program and call
 `begin()` / `snapshot()` / `emit()`; the tracer numbers records, counts occurrences, applies the windows and
-writes batches. It never keeps a tensor: `snapshot()` fingerprints at once and keeps only the digests.
+writes batches. It never keeps a tensor of the program's: `snapshot()` copies small tensors (hashed together, one
+`fingerprint_many` per flush instead of one per call) and fingerprints the others at once; records are kept as
+tuples and written as Arrow columns.
 
 Rank discovery: `RANK` (torchrun) or `torch.distributed.get_rank()` once the default group exists (mp.spawn sets
 no RANK). Until the rank is known, records stay in memory; a process that records nothing writes nothing.
@@ -85,6 +87,9 @@ _SEEN_LIMIT = 65536
 DEFER_BYTES = 1 << 20
 """Tensors up to this size are copied when recorded and hashed in a batch later (one `fingerprint_many` call
 for many records instead of one per call); larger ones are hashed at once, in place, without a copy."""
+BATCH_TENSORS = 16
+"""A snapshot of at least this many tensors (an optimizer step's parameters) is a batch already: hashed at once,
+without copies."""
 PENDING_BYTES = 64 << 20
 """Most bytes of such copies held at once: past this, the batch is hashed before the next record."""
 
@@ -120,7 +125,7 @@ def recorded_leaves(value: Any, *, holes: bool = False) -> list[Any]:
 def _deferrable(tensor: torch.Tensor) -> bool:
     """A plain dense tensor whose bits a copy can carry to a later batch."""
     return (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter) and tensor.layout == torch.strided \
-        and not tensor.is_meta and not tensor.is_quantized and tensor.numel() * tensor.element_size() <= DEFER_BYTES
+        and not tensor.is_meta and not tensor.is_quantized and tensor.nbytes <= DEFER_BYTES
 
 
 def _snapshot_of(fp: Any) -> Snapshot:
@@ -301,6 +306,7 @@ class Tracer:
         `fresh`: never reuse an earlier snapshot (for tensors written behind the version counter's back, such
         as a collective's output or a DDP bucket)."""
         limit = self.config.max_numel
+        now = now or len(tensors) >= BATCH_TENSORS
         out: list[Snapshot | None] = [None] * len(tensors)
         todo: list[tuple[int, Any, int | None]] = []
         copies: list[tuple[torch.Tensor, Snapshot]] = []
@@ -379,7 +385,7 @@ class Tracer:
             copies = [(tensor.detach().clone(memory_format=torch.contiguous_format), snap) for tensor, snap in items]
         with self._lock:
             self._pending += copies
-            self._pending_bytes += sum(copy.numel() * copy.element_size() for copy, _ in copies)
+            self._pending_bytes += sum(copy.nbytes for copy, _ in copies)
             if self._pending_bytes > PENDING_BYTES:
                 self.resolve()
 

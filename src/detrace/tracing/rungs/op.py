@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from detrace.tracing.capture import Capturer
@@ -77,12 +76,23 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
 
 
 def _arguments(which: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors passed for the given schema arguments, in schema order."""
+    """The tensors passed for the given schema arguments, in schema order (an op's argument is a tensor or a
+    list of optional tensors: no deeper nesting)."""
     tensors: list[torch.Tensor] = []
     for position, name in which:
         value = args[position] if position < len(args) else kwargs.get(name)
-        tensors += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors += [t for t in value if isinstance(t, torch.Tensor)]
     return tensors
+
+
+def _results(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned: a tensor, or tuples/lists of them (`_foreach_*`, `_fused_adam`)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for item in out for t in _results(item)] if isinstance(out, (list, tuple)) else []
 
 
 class OpRecorder(TorchDispatchMode):
@@ -113,7 +123,7 @@ class OpRecorder(TorchDispatchMode):
         tracer.emit(call, "input", tracer.snapshot(inputs))
         pending = self.capturer.before(call, args, kwargs) if self.capturer is not None else None
         out = func(*args, **kwargs)
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if info.fresh_outputs else []
+        outputs = _results(out) if info.fresh_outputs else []
         written = _arguments(info.written, args, kwargs)
         snaps = tracer.snapshot(outputs + written)
         tracer.emit(call, "output", snaps[: len(outputs)])

@@ -8,6 +8,11 @@ at `Work.wait()` (or when `Work.get_future()` completes) for an async one. Recor
 collectives completed before. Nested calls (a helper that calls another collective) are recorded once, at the
 outermost call.
 
+Functional collectives (`torch.ops._c10d_functional`, called by torch.distributed._functional_collectives, DTensor
+redistribute and the autograd formulas of both, so forward and backward): the op packets are replaced on the
+namespace for the life of the tracer; inputs are fingerprinted before the call, outputs when `wait_tensor` is
+called on them (or on a view of them: AsyncCollectiveTensor waits at first use), i.e. at completion.
+
 DDP: its gradient all-reduce runs in C++ (the Reducer) and never reaches Python's `dist.all_reduce`, so every
 DistributedDataParallel built while tracing gets a comm hook at its first forward that records each bucket and
 reduces it exactly as the default C++ path does (scale by 1/world_size, then a SUM all-reduce of the bucket).
