@@ -1,5 +1,5 @@
-"""The validation matrix: its commands, its verdict cells, its table and its errors; and one real row
-through `detrace check` / `detrace check-resume`."""
+"""The validation matrix: its commands, its verdict cells, its table and its errors; and the CI subset for real
+(one process and one 2-rank configuration through `detrace check` / `detrace check-resume`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from detrace.examples import validate
 from detrace.examples.validate import CONFIGS, FAST, Cell, Config, main, table
 
 SINGLE = Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=2)
-DDP = Config(name="ddp x2", nproc=2, args=("--parallel", "ddp"), threads=1)
+DDP = Config(name="ddp x2, one thread", nproc=2, args=("--parallel", "ddp"), threads=1)
 
 
 def test_commands_launch_the_trainer_directly_or_under_torchrun() -> None:
@@ -37,27 +37,55 @@ def test_nondeterministic_path_needs_index_dispatch_and_two_threads() -> None:
     "code,report,deterministic,expected",
     [
         (0, {"identical": True}, True, Cell("identical", True)),
-        (1, {"diffs": [{"first": {"step": 2, "rank": 0, "name": "loss"}}]}, True,
-         Cell("diverged at step 2 rank 0 loss", False)),
-        (1, {"diffs": [{"first": {"step": 1, "rank": 1, "name": "aten.index_put.default"}}]}, False,
-         Cell("detected at step 1 rank 1 aten.index_put.default", True)),
+        (1, {"diffs": [{"first": {"step": 2, "rank": 0, "kind": "numeric", "phase": "other", "name": "loss"}}]},
+         True, Cell("diverged (numeric) at step 2 rank 0 other loss", False)),
+        (1, {"diffs": [{"first": {"step": 1, "rank": 1, "kind": "numeric", "phase": "backward",
+                                  "name": "aten.index_put.default"}}]},
+         False, Cell("detected (numeric) at step 1 rank 1 backward aten.index_put.default", True)),
         (0, {"identical": True}, False, Cell("NOT detected (runs identical)", False)),
-        (1, None, True, Cell("error: ImportError: boom", False)),
+        (2, None, True, Cell("error: run 1/2 exited with code 1: ImportError: boom", False)),
     ],
 )  # fmt: skip
 def test_check_cells(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: int, report: object, deterministic: bool, expected: Cell
 ) -> None:
-    monkeypatch.setattr(validate, "_detrace", lambda args, timeout: (code, report, "ImportError: boom"))
+    why = "run 1/2 exited with code 1: ImportError: boom"
+    monkeypatch.setattr(validate, "_detrace", lambda args, *, timeout, log: (code, report, why))
     assert validate._check(SINGLE, steps=3, deterministic=deterministic, out=tmp_path, timeout=1) == expected
 
 
 def test_resume_cells(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    answers = iter([(0, {"verdict": "exact"}, ""), (2, {"verdict": "unproven"}, "control matched"), (2, None, "")])
-    monkeypatch.setattr(validate, "_detrace", lambda args, timeout: next(answers))
-    assert validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) == Cell("exact (at 2)", True)
-    assert validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) == Cell("unproven: control matched", False)
-    assert validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) == Cell("error: exit 2", False)
+    diverged = {"verdict": "diverged", "resume": {"first": {"step": 2, "rank": 1, "kind": "structural",
+                                                            "phase": "collective", "name": "all_reduce"}}}  # fmt: skip
+    answers = iter([(0, {"verdict": "exact"}, ""), (1, diverged, ""), (2, {"verdict": "unproven"}, ""),
+                    (2, None, "resumed run exited with code 1: boom")])  # fmt: skip
+    monkeypatch.setattr(validate, "_detrace", lambda args, *, timeout, log: next(answers))
+    cells = [validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) for _ in range(4)]
+    assert cells[0] == Cell("exact (at 2)", True)
+    assert cells[1] == Cell("diverged (structural) at step 2 rank 1 collective all_reduce", False)
+    assert cells[2].text.startswith("unproven: the negative control") and cells[2].ok is False
+    assert cells[3] == Cell("error: resumed run exited with code 1: boom", False)
+
+
+def test_a_failed_command_is_explained_by_the_cause_it_quotes() -> None:
+    stderr = """detrace check-resume: continuous run: out/continuous
+detrace check-resume: error: resumed run exited with code 1; its output ends with:
+W1129 13:31:11 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 11627 closing signal SIGTERM
+detrace.examples.train: error: checkpoint/step-00000002 holds tensor 'model.embedding.weight' that ...
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+    assert validate._reason(stderr) == (
+        "resumed run exited with code 1: detrace.examples.train: error: checkpoint/step-00000002 holds tensor "
+        "'model.embedding.weight' that ..."
+    )
+    assert validate._reason("Traceback (most recent call last):\nValueError: bad\n") == "ValueError: bad"
+    assert validate._reason("") == ""
+
+
+def test_the_verification_commands_stderr_is_kept(tmp_path: Path) -> None:
+    code, report, why = validate._detrace(["check", "--runs", "1", "--", "true"], timeout=60, log=tmp_path / "c.log")
+    assert (code, report) == (2, None) and "--runs must be at least 2" in why
+    assert why in (tmp_path / "c.log").read_text()
 
 
 def test_table_marks_only_failures() -> None:
@@ -87,12 +115,24 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 
 
 @pytest.mark.slow
-def test_one_real_row(tmp_path: Path) -> None:
+def test_the_ci_subset_is_green(tmp_path: Path) -> None:
+    """The fast subset for real, as CI runs it: one process and one 2-rank configuration, every verification
+    command on the real trainer. --steps 3 --at 1 keeps it short: the runs are mostly process start-up."""
     proc = subprocess.run(
-        [sys.executable, "-m", "detrace", "validate", "--only", "single index", "--steps", "3", "--at", "1",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "detrace", "validate", "--fast", "--steps", "3", "--at", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    row = proc.stdout.splitlines()[-1]
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert "| identical" in row and "exact (at 1)" in row and "detected" in row
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {cells[0]: cells[1:] for cells in _table_cells(proc.stdout)}
+    assert list(rows) == list(FAST)
+    for name, (same, resume, found, _) in rows.items():
+        assert same == "identical" and resume == "exact (at 1)", name
+        config = next(c for c in CONFIGS if c.name == name)
+        # Without the recipe the runs really diverge where the trainer has a nondeterministic path.
+        assert found.startswith("detected at step ") if config.nondeterministic_path else found.startswith("n/a")
+
+
+def _table_cells(stdout: str) -> list[list[str]]:
+    """The body rows of the Markdown table at the end of `stdout`, as lists of stripped cells."""
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from detrace.errors import UsageError
@@ -269,8 +270,14 @@ class MLP(nn.Module):
 # E: mixture of experts
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (what this rank holds and computes with); any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class Experts(nn.Module):
-    """`n` SwiGLU experts stored as stacked weights [n, out, in], so expert parallelism can split dim 0."""
+    """`n` SwiGLU experts stored as stacked weights [n, out, in], so expert parallelism can split dim 0
+    (it makes them DTensors sharded on dim 0: this module then holds and runs only its local experts)."""
 
     def __init__(self, n: int, dim: int, hidden: int, quant: str) -> None:
         super().__init__()
@@ -283,10 +290,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D]."""
+        w1, w3, w2 = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
         outs = []
         for e, xe in enumerate(x.split(counts)):  # a fixed loop over experts: no cross-expert reduction
-            h = F.silu(qmatmul(xe, self.w1[e], self.quant)) * qmatmul(xe, self.w3[e], self.quant)
-            outs.append(qmatmul(h, self.w2[e], self.quant))
+            h = F.silu(qmatmul(xe, w1[e], self.quant)) * qmatmul(xe, w3[e], self.quant)
+            outs.append(qmatmul(h, w2[e], self.quant))
         return torch.cat(outs)
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from detrace.errors import UsageError
-from detrace.examples.model import Experts, HybridLM, ModelConfig, lm_losses
+from detrace.examples.model import Experts, HybridLM, ModelConfig, lm_losses, local_tensor
 
 # layout -> its mesh as (dim name, size or None for "the rest of the world"), outermost first
 LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
@@ -159,14 +159,24 @@ class AllToAllExchange:
 
 
 def _shard_experts(model: HybridLM, layout: Layout) -> None:
-    """Keep only this ep rank's slice of every MoE layer's experts and route tokens through all_to_all."""
+    """Keep only this ep rank's slice of every MoE layer's experts and route tokens through all_to_all.
+
+    The slices are DTensors sharded on dim 0 over the "ep" mesh, not plain tensors: every rank's slice has
+    the same name, and a checkpoint (DCP) of plain tensors would take them for replicas and keep one rank's
+    for all; a Shard(0) DTensor says which rows of the whole [n_experts, ...] tensor each rank holds.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
     ep, r = layout.size("ep"), layout.coord("ep")
     if model.cfg.n_experts % ep:
         raise UsageError(f"{model.cfg.n_experts} experts do not split evenly over expert-parallel degree {ep}")
     n_local = model.cfg.n_experts // ep
+    assert layout.mesh is not None
+    mesh = layout.mesh["ep"]
     for moe in model.moe_layers():
         for name, w in list(moe.experts.named_parameters()):
-            setattr(moe.experts, name, nn.Parameter(w.detach()[r * n_local : (r + 1) * n_local].clone()))
+            rows = w.detach()[r * n_local : (r + 1) * n_local].clone()
+            setattr(moe.experts, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
         moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
 
 
@@ -175,15 +185,19 @@ def _is_expert(name: str) -> bool:
 
 
 def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average the gradients of `params` over `group`: one flat buffer, one all-reduce."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if not grads:
+    """Average the gradients of `params` over `group`, in place: one flat buffer, one all-reduce. A DTensor
+    gradient contributes its local shard (its replicas over `group` hold the same rows)."""
+    if not params:
         return
+    for p in params:
+        if p.grad is None:  # every rank must contribute the same buffer layout
+            p.grad = torch.zeros_like(p)
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
-    for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-        p.grad = g.view_as(p)
+    for g, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(mean.view_as(g))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -253,7 +267,11 @@ class ParallelModel:
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
-            self.module = DistributedDataParallel(self.raw)
+            # DDP rebuilds its gradient buckets once, after the first step, in the order gradients became
+            # ready; a resumed process would run its first step with the initial layout and all-reduce other
+            # buffers than the run that never stopped (`detrace check-resume` sees the bucket shapes differ).
+            # With find_unused_parameters the Reducer never rebuilds: one layout for the whole run.
+            self.module = DistributedDataParallel(self.raw, find_unused_parameters=True)
         elif kind == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -346,7 +364,6 @@ class ParallelModel:
 
         loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
         """
-        from torch.distributed.tensor import DTensor
 
         layout, cfg = self.layout, self.cfg
         has_loss = bool(self._lm) and layout.coord("tp") == 0
@@ -364,8 +381,7 @@ class ParallelModel:
                 moe.pop_aux_loss()
         for name, p in self.raw.named_parameters():
             if p.grad is not None and self._owned(name, p):
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                share[3] += g.float().square().sum()
+                share[3] += local_tensor(p.grad).float().square().sum()
         if layout.world > 1:
             gathered = [torch.empty_like(share) for _ in range(layout.world)]
             dist.all_gather(gathered, share)

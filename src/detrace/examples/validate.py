@@ -15,6 +15,7 @@ nondeterminism detected without recipe | time. Exit 0 when every cell is as expe
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -66,7 +67,11 @@ CONFIGS: tuple[Config, ...] = (
     Config(name="dp-ep x4", nproc=4, args=("--parallel", "dp-ep"), threads=1),
     Config(name="pp-dp x4", nproc=4, args=("--parallel", "pp-dp"), threads=1),
 )
-FAST = ("single index", "ddp x2")  # what CI runs
+FAST = ("single index", "fsdp x2")  # what CI runs (tests/test_validate.py)
+
+
+# A line of a failed training command's output that names the cause: a one-sentence error or an exception.
+CAUSE = re.compile(r"(^|: )error: |^[\w.]*(Error|Exception): ")
 
 
 @dataclass(frozen=True)
@@ -77,19 +82,36 @@ class Cell:
     ok: bool | None
 
 
-def _detrace(args: list[str], timeout: float) -> tuple[int, dict[str, object] | None, str]:
-    """Run `python -m detrace ARGS --json ...`; (exit code, its JSON or None, last stderr line)."""
+def _detrace(args: list[str], *, timeout: float, log: Path) -> tuple[int, dict[str, object] | None, str]:
+    """Run `python -m detrace ARGS` (a --json command); (exit code, its JSON or None, why it failed in one
+    line). Its whole stderr goes to `log`, which a red cell's reader will want."""
     proc = subprocess.run([sys.executable, "-m", "detrace", *args], capture_output=True, text=True, timeout=timeout)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stderr)
     try:
         report = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
     except json.JSONDecodeError:
         report = None
-    tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    return proc.returncode, report, tail
+    return proc.returncode, report, _reason(proc.stderr) or f"exit {proc.returncode}"
+
+
+def _reason(stderr: str) -> str:
+    """Why a verification command failed, in one line: detrace's own error sentence, joined to the first error
+    line of the training command's output that it quotes (the trainer's one-sentence error, or a Python
+    exception), which names the cause where detrace's sentence only says which run failed."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    own = next((i for i, line in enumerate(lines) if line.startswith("detrace ") and ": error: " in line), None)
+    if own is None:
+        return lines[-1] if lines else ""
+    head = lines[own].split(": error: ", 1)[1].split("; its output ends with", 1)[0]
+    cause = next((line for line in lines[own + 1 :] if CAUSE.search(line)), "")
+    return f"{head}: {cause}" if cause else head
 
 
 def _where(report: dict[str, object] | None) -> str:
-    """'step S rank R NAME' of the first divergence in a check/check-resume JSON report, if it has one."""
+    """' (KIND) at step S rank R PHASE NAME' of the first divergence in a check or check-resume JSON report,
+    if it has one. S is detrace's step clock: 0 is the first optimizer step (the trainer prints it as step 1).
+    KIND is "numeric" (same call, other bits) or "structural" (the sequence of calls changed)."""
     diffs = report.get("diffs") if report else None
     firsts = [d.get("first") for d in diffs or [] if isinstance(d, dict) and d.get("first")]
     if not firsts:
@@ -98,58 +120,38 @@ def _where(report: dict[str, object] | None) -> str:
     if not firsts:
         return ""
     f = firsts[0]
-    return f" at step {f.get('step')} rank {f.get('rank')} {f.get('name')}"
+    return f" ({f.get('kind')}) at step {f.get('step')} rank {f.get('rank')} {f.get('phase')} {f.get('name')}"
 
 
 def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float) -> Cell:
-    code, report, err = _detrace(
-        [
-            "check",
-            "--json",
-            "--runs",
-            "2",
-            "--out",
-            str(out),
-            "--timeout",
-            str(timeout),
-            "--",
-            *cfg.command(steps=steps, deterministic=deterministic),
-        ],
-        timeout * 3,
+    command = cfg.command(steps=steps, deterministic=deterministic)
+    code, report, why = _detrace(
+        ["check", "--json", "--runs", "2", "--out", str(out), "--timeout", str(timeout), "--", *command],
+        timeout=timeout * 3,
+        log=out.with_suffix(".log"),
     )
-    if report is None:  # a verdict always comes with its JSON; without it the command itself failed
-        return Cell(f"error: {err or f'exit {code}'}", False)
+    if report is None or code not in (0, 1):  # a verdict always comes with its JSON; without it the command failed
+        return Cell(f"error: {why}", False)
     if code == 0:
         return Cell("identical" if deterministic else "NOT detected (runs identical)", deterministic)
-    if code == 1:
-        return Cell(("diverged" if deterministic else "detected") + _where(report), not deterministic)
-    return Cell(f"error: {err}", False)
+    return Cell(("diverged" if deterministic else "detected") + _where(report), not deterministic)
 
 
 def _resume(cfg: Config, *, steps: int, at: int, out: Path, timeout: float) -> Cell:
-    code, report, err = _detrace(
-        [
-            "check-resume",
-            "--json",
-            "--at",
-            str(at),
-            "--out",
-            str(out),
-            "--timeout",
-            str(timeout),
-            "--",
-            *cfg.command(steps=steps, deterministic=True),
-        ],
-        timeout * 5,
+    command = cfg.command(steps=steps, deterministic=True)
+    code, report, why = _detrace(
+        ["check-resume", "--json", "--at", str(at), "--out", str(out), "--timeout", str(timeout), "--", *command],
+        timeout=timeout * 5,
+        log=out.with_suffix(".log"),
     )
-    if report is None:
-        return Cell(f"error: {err or f'exit {code}'}", False)
-    verdict = str(report.get("verdict", ""))
-    if code == 0:
+    verdict = str(report.get("verdict", "")) if report else ""
+    if code == 0 and verdict == "exact":
         return Cell(f"exact (at {at})", True)
-    if code == 1:
-        return Cell(f"{verdict or 'changed bits'}{_where(report)}", False)
-    return Cell(f"{verdict}: {err}" if verdict else f"error: {err}", False)
+    if code == 1 and verdict == "diverged":
+        return Cell(f"diverged{_where(report)}", False)
+    if verdict == "unproven":
+        return Cell("unproven: the negative control (resume without RNG state) did not diverge either", False)
+    return Cell(f"error: {why}", False)
 
 
 def validate(
