@@ -171,6 +171,8 @@ class Tracer:
         """Copies of small recorded tensors and the snapshots whose digests they will give (see DEFER_BYTES)."""
         self._pending_bytes = 0
         self._last_flush = time.monotonic()
+        self._flush_at = FLUSH_RECORDS
+        """Buffered records at which the next flush is tried (further on while the rank is still unknown)."""
         self._writer: RankWriter | None = None
         self._after_optimizer = False
         self._stepped: set[int] = set()
@@ -381,7 +383,7 @@ class Tracer:
 
     def _defer(self, items: list[tuple[torch.Tensor, Snapshot]]) -> None:
         """Copy the bits of small tensors for the next batch (a plain copy, unseen by dispatch modes)."""
-        with torch._C._DisableTorchDispatch(), torch.no_grad():
+        with torch._C._DisableTorchDispatch():
             copies = [(tensor.detach().clone(memory_format=torch.contiguous_format), snap) for tensor, snap in items]
         with self._lock:
             self._pending += copies
@@ -438,7 +440,7 @@ class Tracer:
         if call.event is None:
             call.event = seq
         self._records.append((seq, call, role, index, snap, value, self.collectives, extra))
-        if len(self._records) >= FLUSH_RECORDS or time.monotonic() - self._last_flush >= FLUSH_SECONDS:
+        if len(self._records) >= self._flush_at or time.monotonic() - self._last_flush >= FLUSH_SECONDS:
             self.flush()
 
     # -- writing ----------------------------------------------------------------------------------------------
@@ -452,6 +454,7 @@ class Tracer:
         """Hand buffered records to the rank file (opening it on first use, once the rank is known)."""
         with self._lock:
             self._last_flush = time.monotonic()
+            self._flush_at = len(self._records) + FLUSH_RECORDS
             if not self._records or not self.enabled:
                 return
             if self._in_dataloader_worker():
