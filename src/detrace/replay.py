@@ -42,7 +42,7 @@ class ReplayConfig:
 
     repeats: int = 20
     """Least number of executions of the op per arm; each compares its outputs with the arm's first one."""
-    min_seconds: float = 1.0
+    min_seconds: float = 2.0
     """Keep repeating an arm that has shown no difference yet until it has run this long: a race between
     threads only shows when the OS runs them at the same moment."""
     max_repeats: int = 1000
