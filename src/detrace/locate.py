@@ -11,10 +11,13 @@ each run narrower than the last, and compares pairs of runs with `detrace.diff`:
     rung 4  capture of the culprit's call (that op only, that step, that rank),
             then `detrace.replay` on it: is the op itself nondeterministic, and what fixes it    1 run
 
-That is 7 runs. Nondeterminism is random: a narrower pair may happen not to differ. Each narrow pair is then run
-once more (at most 2 extra pairs, so at most 11 runs); if it still does not differ, the verdict is
-"inconclusive" with what the broader rungs established. Every run starts from the same state (a fresh process
-of the same command, environment and working directory), and every run directory is kept under `out`.
+That is 7 runs. A narrow run records its rung in one step S only, but metrics and semantic records in every
+step up to S. Nondeterminism is random, so a narrower pair may part earlier than S (it is then run again,
+recording that step), not part at all, or, at the op rung, show no origin op (either way it is run once more).
+Each narrow rung retries at most once, so the ladder costs at most 11 runs; a rung that still does not settle
+makes the verdict "inconclusive", with what the broader rungs established. Every run starts from the same
+state (a fresh process of the same command, environment and working directory), and every run directory is
+kept under `out`.
 """
 
 from __future__ import annotations
@@ -52,14 +55,12 @@ MAX_RUNS = 11
 """Runs at most: each of the two narrow pairs may be run once more."""
 
 DEFAULT_STEPS = 3
-"""Steps of the embedded default workload. The `index` dispatch's backward races at almost every step, so the
-first or second step already differs, and the rest show the divergence spreading; each step costs seconds."""
-
-
+"""Steps of the embedded default workload: its race can strike at every step, so a few steps make a pair that
+never parts unlikely, and each step costs seconds (the op rung records one step only)."""
 DEFAULT_BATCH = 32
-"""Sequences per step of the embedded default: 32 x 32 tokens routed to 4 experts each make the MoE backward's
-accumulating index_put large enough (4096 rows into 1024) that its two threads race at almost every call; the
-preset's 8 sequences race only now and then, and a ladder needs the race to recur in its narrower reruns."""
+"""Sequences per step of the embedded default (the preset has 8): 32 x 32 tokens routed to 4 experts each make
+the MoE backward's accumulating index_put (4096 rows into 1024) long enough for its two threads to overlap, so
+the race recurs in the ladder's narrower reruns."""
 
 
 def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
