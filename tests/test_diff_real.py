@@ -178,10 +178,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.xfail(strict=False, reason="tracer: rank 0's DDP bucket all_reduce output is sometimes recorded with "
-                   "the same digest in both runs although rank 1's input and rank 0's resulting grads differ "
-                   "(bucket snapshot timing in tracing/rungs/semantic.py); the diff then sees rank 0 diverge first "
-                   "at its optimizer grad and calls it an origin")
 def test_ddp_origin_rank_and_receiver_via_the_gradient_all_reduce(tmp_path: Path) -> None:
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_SCRIPT)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+import detrace
 from detrace.cli import main as cli
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.tracefile import open_run, read_rank
@@ -132,7 +133,9 @@ def test_sigkill_leaves_complete_batches(tmp_path: Path, script: Path) -> None:
 
 
 def test_existing_trace_is_never_overwritten(tmp_path: Path, script: Path) -> None:
-    run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120, env={"STEPS": "1"})
+    with detrace.trace(tmp_path / "run"):  # an existing trace, made here: one process less to start
+        detrace.metric("x", 1.0)
+        detrace.step()
     with pytest.raises(TraceError, match="already holds a trace"):
         run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120)
     result = run_traced([PY, str(script)], tmp_path / "run", quiet=True, timeout=120, force=True)
