@@ -176,6 +176,10 @@ def test_op_rung_rule(tmp_path: Path) -> None:
     calls = [(r["name"], r["role"]) for r in records]
     assert ("aten.clone.default", "input") in calls and ("aten.clone.default", "output") in calls
     assert ("aten.add_.Tensor", "mutated") in calls and ("aten.add_.Tensor", "output") not in calls
+    # digests are of the bits at record time, although z was changed in place before they were computed
+    by_call = {(r["name"], r["role"]): r["digest"] for r in records}
+    assert by_call["aten.clone.default", "output"] == detrace.fingerprint(x.t().contiguous()).digest
+    assert by_call["aten.add_.Tensor", "mutated"] == detrace.fingerprint(z).digest
     assert ("aten.randn.generator", "output") in calls
     names = {r["name"] for r in records}
     assert not names & {"aten.arange.start", "aten.t.default", "aten.transpose.int", "aten.view.default",
@@ -335,3 +339,27 @@ def test_quantized_tensors_are_recorded_by_component(tmp_path: Path) -> None:
             {"component": part, "of": role, "index": 0} for part in ("data", "scales")]
         assert [r["digest"] for r in call[1:]] == [detrace.fingerprint(q.data).digest,
                                                     detrace.fingerprint(q.scales).digest]
+
+
+class DataSGD(torch.optim.Optimizer):
+    """Plain SGD written the old way: through `.data`, which bumps no version counter."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.abs()  # an op reading p: the op rung records (and could reuse) its fingerprint
+                p.data.sub_(0.5 * p.grad)
+
+
+def test_optimizer_outputs_are_fingerprinted_after_writes_behind_the_version_counter(tmp_path: Path) -> None:
+    net = nn.Linear(3, 2)
+    optimizer = DataSGD(net.parameters())
+    with detrace.trace(tmp_path / "d", rung="op"):
+        net(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+    params = {r["name"]: r["digest"] for r in rows(tmp_path / "d") if r["role"] == "param"}
+    assert params == {name: detrace.fingerprint(p).digest for name, p in net.named_parameters()}

@@ -125,7 +125,9 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         outputs = _results(out) if info.fresh_outputs else []
         written = _arguments(info.written, args, kwargs)
-        snaps = tracer.snapshot(outputs + written)
+        # fresh: an in-place op's version counter is bumped only after the call returns through the autograd
+        # layers above this mode, so a written tensor still shows the version it had before.
+        snaps = tracer.snapshot(outputs + written, fresh=True)
         tracer.emit(call, "output", snaps[: len(outputs)])
         tracer.emit(call, "mutated", snaps[len(outputs):])
         if pending is not None:
