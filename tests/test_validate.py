@@ -116,17 +116,17 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 
 @pytest.mark.slow
 def test_the_ci_subset_is_green(tmp_path: Path) -> None:
-    """The fast subset for real, as CI runs it: one process and one 2-rank configuration, every verification
-    command on the real trainer. --steps 3 --at 1 keeps it short: the runs are mostly process start-up."""
+    """The fast subset for real, with the documented defaults (--steps 4 --at 2): one process and one 2-rank
+    configuration, every verification command on the real trainer."""
     proc = subprocess.run(
-        [sys.executable, "-m", "detrace", "validate", "--fast", "--steps", "3", "--at", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "detrace", "validate", "--fast", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = {cells[0]: cells[1:] for cells in _table_cells(proc.stdout)}
     assert list(rows) == list(FAST)
     for name, (same, resume, found, _) in rows.items():
-        assert same == "identical" and resume == "exact (at 1)", name
+        assert same == "identical" and resume == "exact (at 2)", name
         config = next(c for c in CONFIGS if c.name == name)
         # Without the recipe the runs really diverge where the trainer has a nondeterministic path.
         assert found.startswith("detected at step ") if config.nondeterministic_path else found.startswith("n/a")

@@ -364,7 +364,6 @@ class ParallelModel:
 
         loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
         """
-
         layout, cfg = self.layout, self.cfg
         has_loss = bool(self._lm) and layout.coord("tp") == 0
         per_stream = 1.0 / layout.data_streams

@@ -5,7 +5,7 @@ For each configuration it runs, as subprocesses, exactly what a user would type:
 
 - `detrace check --runs 2 -- <train ... --deterministic>`: run-to-run bit-identical with the recipe;
 - `detrace check-resume --at K -- <train ... --deterministic>`: exact resume (with its negative control);
-- `detrace check --runs 2 -- <train ... --no-deterministic>`, only where the configuration has a
+- `detrace check --runs 3 -- <train ... --no-deterministic>`, only where the configuration has a
   nondeterministic path (the "index" MoE dispatch with 2+ threads per process): detrace must see it diverge;
 
 and prints one table row per configuration: config | run-to-run bit-identical | exact resume |
@@ -67,6 +67,10 @@ CONFIGS: tuple[Config, ...] = (
     Config(name="dp-ep x4", nproc=4, args=("--parallel", "dp-ep"), threads=1),
     Config(name="pp-dp x4", nproc=4, args=("--parallel", "pp-dp"), threads=1),
 )
+# Runs of the no-recipe check. Thread races decide whether two runs differ; on a machine whose cores are busy
+# with other work the two threads seldom overlap, and two short runs have come out identical. Each extra run
+# is one more chance to see the race.
+NO_RECIPE_RUNS = 3
 FAST = ("single index", "fsdp x2")  # what CI runs (tests/test_validate.py)
 
 
@@ -125,9 +129,10 @@ def _where(report: dict[str, object] | None) -> str:
 
 def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float) -> Cell:
     command = cfg.command(steps=steps, deterministic=deterministic)
+    runs = 2 if deterministic else NO_RECIPE_RUNS
     code, report, why = _detrace(
-        ["check", "--json", "--runs", "2", "--out", str(out), "--timeout", str(timeout), "--", *command],
-        timeout=timeout * 3,
+        ["check", "--json", "--runs", str(runs), "--out", str(out), "--timeout", str(timeout), "--", *command],
+        timeout=timeout * (runs + 1),
         log=out.with_suffix(".log"),
     )
     if report is None or code not in (0, 1):  # a verdict always comes with its JSON; without it the command failed
