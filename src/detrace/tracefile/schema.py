@@ -49,8 +49,20 @@ FIELDS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ("group", pa.string(), True, "collective/p2p records: ranks of the process group, e.g. '0,1'"),
     ("group_seq", pa.int64(), True, "collective/p2p records: index of the call within its group on this rank"),
     ("peer", pa.int32(), True, "p2p records: the peer rank"),
-    ("extra", pa.string(), True, "JSON object with rung-specific facts, e.g. {'matches_forward': true}"),
+    ("extra", pa.string(), True, "JSON object with rung-specific facts (EXTRA_KEYS)"),
 )
+
+# Keys the tracer writes into `extra`. A `component` record follows the record of the quantized tensor it is a
+# component of, within the same call (same `event`).
+EXTRA_KEYS = {
+    "matches_forward": "recompute records: whether the recomputed output has the original forward's bits",
+    "functional": "collective records made through torch.distributed._functional_collectives (recorded at wait)",
+    "component": "component records: the component's name (e.g. 'data', 'scales')",
+    "of": "component records: the role of the quantized tensor it belongs to",
+    "index": "component records: the index of the quantized tensor it belongs to",
+    "state": "optimizer state records: the optimizer state keys (e.g. ['exp_avg', 'exp_avg_sq'])",
+    "ddp_bucket": "DDP gradient all-reduce records: the index of the gradient bucket",
+}
 
 ARROW_SCHEMA = pa.schema([pa.field(name, typ, nullable=nullable) for name, typ, nullable, _ in FIELDS])
 COLUMN_NAMES = tuple(name for name, *_ in FIELDS)

@@ -69,6 +69,7 @@ class RankWriter:
             raise TraceError(f"cannot write trace file {self.path}: {err.strerror}") from None
         self._writer = pa.ipc.new_file(self._file, ARROW_SCHEMA.with_metadata(metadata))
         self._rows: list[dict[str, Any]] = []
+        self._checked_schema: pa.Schema | None = None
         self._last_flush = time.monotonic()
         self.records = 0
         self.last_step = -1
@@ -84,8 +85,10 @@ class RankWriter:
 
     def add_batch(self, batch: pa.RecordBatch | pa.Table) -> None:
         """Write many records at once (columnar, for bulk producers); buffered rows are flushed first."""
-        if batch.schema.remove_metadata() != ARROW_SCHEMA:
-            raise TraceError("record batch does not match the trace schema")
+        if batch.schema is not self._checked_schema:  # bulk producers reuse one schema object: check it once
+            if not batch.schema.equals(ARROW_SCHEMA, check_metadata=False):
+                raise TraceError("record batch does not match the trace schema")
+            self._checked_schema = batch.schema
         self.flush()
         if batch.num_rows == 0:
             return
