@@ -108,7 +108,9 @@ def _reason(stderr: str) -> str:
     if own is None:
         return lines[-1] if lines else ""
     head = lines[own].split(": error: ", 1)[1].split("; its output ends with", 1)[0]
-    cause = next((line for line in lines[own + 1 :] if CAUSE.search(line)), "")
+    causes = [line for line in lines[own + 1 :] if CAUSE.search(line)]
+    # A rank that failed because a peer crashed (gloo: "caused by a remote worker ...") is not the cause.
+    cause = next((line for line in causes if "remote worker" not in line), causes[0] if causes else "")
     return f"{head}: {cause}" if cause else head
 
 
@@ -156,7 +158,7 @@ def _resume(cfg: Config, *, steps: int, at: int, out: Path, timeout: float) -> C
         return Cell(f"diverged{_where(report)}", False)
     if verdict == "unproven":
         return Cell("unproven: the negative control (resume without RNG state) did not diverge either", False)
-    return Cell(f"error: {why}", False)
+    return Cell(f"error: {why}".replace(f"{out}/", ""), False)  # paths relative to this check's directory
 
 
 def validate(
