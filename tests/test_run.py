@@ -113,6 +113,19 @@ def test_crash_keeps_the_trace_readable(tmp_path: Path, script: Path) -> None:
     assert [r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"] == [0, 1]
 
 
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def test_sigkill_leaves_complete_batches(tmp_path: Path, script: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.Popen([PY, "-m", "detrace", "run", "--out", str(out), "--", PY, str(script)],
@@ -123,6 +136,9 @@ def test_sigkill_leaves_complete_batches(tmp_path: Path, script: Path) -> None:
     for line in proc.stdout:
         if line.startswith("step 20") or time.monotonic() > deadline:
             break
+    # SIGKILL the traced program itself (the launcher runs it in a session of its own), then the launcher.
+    for child in _children(proc.pid):
+        os.kill(child, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     trace = read_rank(out, 0)  # never raises on a torn tail
