@@ -207,7 +207,7 @@ def test_deterministic_command_exits_0_with_the_verdict(
     assert json.loads((out / LOCATE_FILE).read_text()) == payload
     ladder = load_ladder(out)
     assert "over 2 steps" in ladder["stages"][0]["note"]
-    assert "rung 1 (metrics + semantic) the two runs are bit-identical over 2 steps" in " ".join(
+    assert "rung 1 (metrics + semantic) the three runs are bit-identical over 2 steps" in " ".join(
         done.stderr.split())
 
 
@@ -217,7 +217,7 @@ def test_deterministic_human_summary(tmp_path: Path) -> None:
                       "--deterministic")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deterministic over 1 steps:")
-    assert "runs     2 (of at most 11)" in done.stdout
+    assert "runs     3 (of at most 12)" in done.stdout
 
 
 def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:

@@ -11,10 +11,11 @@ each run narrower than the last, and compares pairs of runs with `detrace.diff`:
     rung 4  capture of the culprit's call (that op only, that step, that rank),
             then `detrace.replay` on it: is the op itself nondeterministic, and what fixes it    1 run
 
-That is 7 runs. A narrow run records its rung in one step S only, but metrics and semantic records in every
-step up to S. Nondeterminism is random, so a narrower pair may part earlier than S (it is then run again,
-recording that step), not part at all, or, at the op rung, show no origin op (either way it is run once more).
-Each narrow rung retries at most once, so the ladder costs at most 11 runs; a rung that still does not settle
+That is 7 runs. A narrow run records every rung in steps 0..S. Nondeterminism is random, so a narrower pair
+may part earlier than S (caught in detail all the same; the stage moves to that step), not part by S (run once
+more, recording every step), or, at the op rung, show no origin op (run once more). A first pair that is
+identical gets a third run, and each narrow rung retries at most once, so the ladder costs at most 12 runs;
+a rung that still does not settle
 makes the verdict "inconclusive", with what the broader rungs established. Every run starts from the same
 state (a fresh process of the same command, environment and working directory), and every run directory is
 kept under `out`.
@@ -51,12 +52,12 @@ REPORT_FILE = "report.html"
 
 BASE_RUNS = 7
 """Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
-MAX_RUNS = 11
-"""Runs at most: each of the two narrow pairs may be run once more."""
+MAX_RUNS = 12
+"""Runs at most: a third broad run when the first pair is identical, and each narrow pair once more."""
 
-DEFAULT_STEPS = 3
-"""Steps of the embedded default workload: its race can strike at every step, so a few steps make a pair that
-never parts unlikely, and each step costs seconds (the op rung records one step only)."""
+DEFAULT_STEPS = 8
+"""Steps of the embedded default workload: its race strikes at a random step (on an idle machine, in roughly one
+step in five), so eight steps make a pair that never parts unlikely; a step costs a fraction of a second."""
 DEFAULT_BATCH = 32
 """Sequences per step of the embedded default (the preset has 8): 32 x 32 tokens routed to 4 experts each make
 the MoE backward's accumulating index_put (4096 rows into 1024) long enough for its two threads to overlap, so
@@ -122,6 +123,8 @@ class Stage:
     """The divergence this rung settled on: the diff's `first` object plus occurrence, index, event, detail."""
     note: str = ""
     """What the rung established, in one sentence."""
+    wide: bool = False
+    """Record every step, not only steps 0..S: set for the retry of a pair that did not part by step S."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rung": self.rung, "steps": self.steps, "ranks": self.ranks, "runs": self.runs,
@@ -195,13 +198,14 @@ def _where(d: dict[str, Any]) -> str:
             + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
 
 
-def _windows(stage: Stage) -> str | dict[str, str]:
-    """The tracer's step windows for one run of a stage: the stage's rung in its step S only, the broader rungs
-    in every step up to S (cheap, and they show whether the pair parted before S)."""
-    if stage.steps == "all":
-        return "all"
-    upto = f"0-{stage.steps}"
-    return {"metrics": upto, "semantic": upto, "module": stage.steps, "op": stage.steps}
+def _windows(stage: Stage) -> str:
+    """The tracer's step window for one run of a stage: every rung records every step up to the stage's step S.
+
+    Nondeterminism is random: a narrower pair may part at an earlier step than the broad pair did. Recording
+    the stage's rung from step 0 on means that wherever the pair parts, it parts inside the detailed window, and
+    no module or op in S is mistaken for an origin because its parameters already differed at an unrecorded step.
+    """
+    return "all" if stage.steps == "all" or stage.wide else f"0-{stage.steps}"
 
 
 def _found(d: Divergence) -> dict[str, Any]:
@@ -253,10 +257,10 @@ class Ladder:
     def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
         """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence there.
 
-        A narrow run records its rung in one step S only, but metrics and semantic records in every step up to
-        S: a pair that happens to part before S (nondeterminism is random) shows it there, and a module or op
-        in S whose parameters already differed is not mistaken for an origin; the retry then records that
-        earlier step instead. At the op rung the pair must show an origin op (equal inputs, different output).
+        A narrow run records its rung in every step up to S: a pair that happens to part before S
+        (nondeterminism is random) is caught there in detail, and the stage moves to that earlier step. A pair
+        that did not part by S is retried recording every step (a random race may strike later in the retry). At
+        the op rung the pair must show an origin op (equal inputs, different output).
         Returns the divergence the stage settles on (`Stage.found`), or None when no pair parted.
         """
         names = iter("abcd")
@@ -266,13 +270,11 @@ class Ladder:
             result = self._pair(stage, rung, next(names), next(names))
             if result.verdict != "diverged" or result.first is None:
                 stage.found = None
+                stage.wide = True
                 continue
             parted = first_divergent_step(result)
-            if parted is not None and parted < int(stage.steps):
-                # This pair parted earlier than the broad pair did: that step is as good a window, retry there.
-                stage.found = {**_found(result.first), "before_window": True}
-                stage.steps = str(parted)
-                continue
+            if parted is not None:
+                stage.steps = str(parted)  # where this pair parted (earlier than S, or later in a wide retry)
             if rung != "op":
                 stage.found = _found(result.first)
                 break
@@ -303,10 +305,19 @@ class Ladder:
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = _recorded_steps(Path(broad.runs[0]))
         if first_pair.verdict == "identical" or first_pair.first is None:
-            broad.note = f"the two runs are bit-identical over {result.steps} steps"
+            # A race that strikes at random steps can spare one pair: a third run, compared with the first,
+            # before the verdict is "deterministic".
+            self.planned += 1
+            third = self._run(broad, f"{len(self.stages)}-semantic-c", rung="semantic")
+            first_pair = diff(Path(broad.runs[0]), third)
+            if first_pair.verdict == "incomparable":
+                raise TraceError(f"two semantic-rung runs of the same command are not comparable: {first_pair.reason}")
+            broad.diff = first_pair.to_json()
+        if first_pair.verdict == "identical" or first_pair.first is None:
+            broad.note = f"the three runs are bit-identical over {result.steps} steps"
             self.progress.rung(broad)
             result.verdict = "deterministic"
-            result.message = f"every recorded bit of two runs is identical over {result.steps} steps"
+            result.message = f"every recorded bit of three runs is identical over {result.steps} steps"
             return result
         first = first_pair.first
         broad.found = _found(first)
@@ -323,11 +334,8 @@ class Ladder:
             self.stages.append(stage)
             found = self._narrow(stage, rung)
             if found is None:
-                stage.note = (f"{len(stage.runs)} runs at the {rung} rung recording step {stage.steps} on rank(s) "
-                              f"{window['ranks']} did not differ: the nondeterminism did not recur there")
-            elif found.get("before_window"):
-                stage.note = (f"the {rung}-rung reruns parted before the step they recorded ({_where(found)}): "
-                              "the nondeterminism struck earlier in them, where they do not record in detail")
+                stage.note = (f"{len(stage.runs)} runs at the {rung} rung (recording steps 0-{stage.steps}, then every "
+                              f"step) on rank(s) {window['ranks']} did not differ: the nondeterminism did not recur")
             elif rung == "op" and not found["origin"]:
                 stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs, and no "
                               "op of that step had equal inputs and a differing output")
