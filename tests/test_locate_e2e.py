@@ -31,6 +31,18 @@ def dump_dom(page: Path) -> str:
     return done.stdout
 
 
+def locate_racing(out: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`detrace locate --json --out OUT ARGS`, once more (into OUT-2, OUT-3) when the real race happened to spare
+    the runs (verdict deterministic or inconclusive): the ladder must name the culprit whenever the race strikes,
+    and a race that strikes in none of three ladders fails the test. Returns the last result and its out dir."""
+    for attempt in range(1, 4):
+        target = out if attempt == 1 else out.with_name(f"{out.name}-{attempt}")
+        done = locate_cli("--json", "--out", str(target), *args, timeout=timeout)
+        if done.returncode != 0 and not (done.returncode == 2 and '"inconclusive"' in done.stdout):
+            break
+    return done, target
+
+
 def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
@@ -43,7 +55,7 @@ def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     folder = tmp_path_factory.mktemp("locate-single")
     out = folder / "out"
-    done = locate_cli("--json", "--out", str(out), "--", sys.executable, str(write_script(folder)), "2")
+    done, out = locate_racing(out, "--", sys.executable, str(write_script(folder)), "2")
     return _ladder(done), out
 
 
@@ -57,7 +69,7 @@ def test_single_process_culprit_is_the_racing_index_put(single: tuple[dict[str, 
     assert replay["nondeterministic"] is True and replay["differing_elements"] > 0 and replay["max_ulp"] > 0
     assert FIX_DETERMINISTIC in replay["fixed_by"]
     names = [Path(run).name for run in payload["runs"]]
-    assert names[:2] == ["1-semantic-a", "1-semantic-b"] and names[-1] == "4-capture" and len(names) <= 11
+    assert names[:2] == ["1-semantic-a", "1-semantic-b"] and names[-1] == "4-capture" and len(names) <= 12
     assert all(Path(run).is_dir() and Path(run).parent == out for run in payload["runs"])
     # each narrower rung recorded only the divergent step
     ladder = load_ladder(out)
@@ -130,8 +142,8 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
     script = tmp_path / "dist_train.py"
     script.write_text(DIST_SCRIPT)
     out = tmp_path / "out"
-    done = locate_cli("--json", "--out", str(out), "--timeout", "300", "--", sys.executable, "-m",
-                      "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script))
+    done, out = locate_racing(out, "--timeout", "300", "--", sys.executable, "-m", "torch.distributed.run",
+                              "--standalone", "--nproc-per-node", "2", str(script))
     payload = _ladder(done)
     culprit = payload["culprit"]
     assert culprit["rank"] == 1 and culprit["name"].startswith("aten.index_put") and culprit["origin"] is True
@@ -143,7 +155,7 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
 
 def test_embedded_default_names_the_moe_dispatch_backward(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = locate_cli("--json", "--out", str(out), timeout=1200)
+    done, out = locate_racing(out, timeout=1200)
     payload = _ladder(done)
     culprit = payload["culprit"]
     assert culprit["name"].startswith("aten.index_put") and culprit["phase"] == "backward"
