@@ -44,13 +44,13 @@ class Config:
     def nondeterministic_path(self) -> bool:
         return self.threads >= 2 and "fixed" not in self.args
 
-    def command(self, *, steps: int, deterministic: bool) -> list[str]:
+    def command(self, *, steps: int, deterministic: bool, extra: tuple[str, ...] = ()) -> list[str]:
         launcher = [sys.executable]
         if self.nproc > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}"]
         recipe = "--deterministic" if deterministic else "--no-deterministic"
         train = ["-m", "detrace.examples.train", "--steps", str(steps), "--threads", str(self.threads)]
-        return [*launcher, *train, *self.args, recipe]
+        return [*launcher, *train, *self.args, *extra, recipe]
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -71,6 +71,11 @@ CONFIGS: tuple[Config, ...] = (
 # with other work the two threads seldom overlap, and two short runs have come out identical. Each extra run
 # is one more chance to see the race.
 NO_RECIPE_RUNS = 3
+# The no-recipe check trains longer and on larger batches (the settings of `detrace locate`'s embedded default):
+# the race strikes at a random step, roughly one step in five on an idle machine, and longer index_put calls
+# give the two threads more chances to overlap.
+NO_RECIPE_STEPS = 8
+NO_RECIPE_ARGS = ("--batch-size", "32")
 FAST = ("single index", "fsdp x2")  # what CI runs (tests/test_validate.py)
 
 
@@ -129,8 +134,9 @@ def _where(report: dict[str, object] | None) -> str:
     return f" ({f.get('kind')}) at step {f.get('step')} rank {f.get('rank')} {f.get('phase')} {f.get('name')}"
 
 
-def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float) -> Cell:
-    command = cfg.command(steps=steps, deterministic=deterministic)
+def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float,
+           extra: tuple[str, ...] = ()) -> Cell:
+    command = cfg.command(steps=steps, deterministic=deterministic, extra=extra)
     runs = 2 if deterministic else NO_RECIPE_RUNS
     code, report, why = _detrace(
         ["check", "--json", "--runs", str(runs), "--out", str(out), "--timeout", str(timeout), "--", *command],
@@ -179,7 +185,8 @@ def validate(
         same = _check(cfg, steps=steps, deterministic=True, out=out / slug / "check", timeout=timeout)
         resume = _resume(cfg, steps=steps, at=at, out=out / slug / "resume", timeout=timeout)
         if cfg.nondeterministic_path:
-            found = _check(cfg, steps=steps, deterministic=False, out=out / slug / "no-recipe", timeout=timeout)
+            found = _check(cfg, steps=max(steps, NO_RECIPE_STEPS), deterministic=False, extra=NO_RECIPE_ARGS,
+                           out=out / slug / "no-recipe", timeout=timeout)
         else:
             found = Cell("n/a (no nondeterministic path)", None)
         rows.append((cfg, same, resume, found, time.monotonic() - began))
