@@ -71,11 +71,11 @@ CONFIGS: tuple[Config, ...] = (
 # with other work the two threads seldom overlap, and two short runs have come out identical. Each extra run
 # is one more chance to see the race.
 NO_RECIPE_RUNS = 3
-# The no-recipe check trains longer and on larger batches (the settings of `detrace locate`'s embedded default):
-# the race strikes at a random step, roughly one step in five on an idle machine, and longer index_put calls
-# give the two threads more chances to overlap.
+# The no-recipe check trains longer, on larger batches and with 4 threads: the race strikes at a random step,
+# seldom when two threads run undisturbed on two idle cores (traced runs in CI came out identical 3 times in a
+# row); 4 threads on 2 cores are preempted at random points, so the order of the accumulating adds varies.
 NO_RECIPE_STEPS = 8
-NO_RECIPE_ARGS = ("--batch-size", "32")
+NO_RECIPE_ARGS = ("--batch-size", "32", "--threads", "4")
 FAST = ("single index", "fsdp x2")  # what CI runs (tests/test_validate.py)
 
 
