@@ -134,6 +134,7 @@ for step in range(2):
         dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad()
+dist.barrier()  # the untraced rank is faster: let both finish their last collective before tearing gloo down
 dist.destroy_process_group()
 '''
 
