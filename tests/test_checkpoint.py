@@ -233,6 +233,8 @@ def test_verify_checkpoint_command_in_a_real_process(tmp_path: Path) -> None:
 def _two_ranks(rank: int, root: str, port: int) -> None:
     import torch.distributed as dist
 
+    from detrace.examples.parallel import leave
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
@@ -255,7 +257,9 @@ def _two_ranks(rank: int, root: str, port: int) -> None:
     except CheckpointCorrupted as err:
         errors["load"] = str(err)
     Path(root, f"errors-{rank}.json").write_text(json.dumps(errors))
+    dist.barrier()
     dist.destroy_process_group()
+    leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
 
 
 @pytest.mark.slow

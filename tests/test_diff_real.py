@@ -139,6 +139,7 @@ DDP_SCRIPT = textwrap.dedent('''
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from torch import nn
     import detrace
+    from detrace.examples.parallel import leave
 
     class Net(nn.Module):
         def __init__(self):
@@ -165,7 +166,9 @@ DDP_SCRIPT = textwrap.dedent('''
                 optimizer.zero_grad()
                 ((model(idx) - target) ** 2).mean().backward()
                 optimizer.step()
+        dist.barrier()
         dist.destroy_process_group()
+        leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
 
     if __name__ == "__main__":
         mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)

@@ -43,6 +43,7 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from detrace import TrainState, deterministic
+    from detrace.examples.parallel import leave
     from detrace.state import ResumableLoader, ResumableSampler
 
     class AugmentedData(torch.utils.data.Dataset):
@@ -113,7 +114,9 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
         digest.update(name.encode() + full[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     (out / f"rank{rank}.json").write_text(json.dumps({"start": start, "losses": losses, "params": digest.hexdigest()}))
     if world > 1:
+        dist.barrier()
         dist.destroy_process_group()
+        leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
 
 
 def _main() -> int:

@@ -117,6 +117,7 @@ def train(cfg: TrainConfig) -> None:
     else:
         torch.manual_seed(cfg.seed)
     layout = parallel.setup(cfg.parallel)
+    completed = False
     try:
         preset = PRESETS[cfg.preset]
         batch_size = cfg.batch_size or int(preset["batch_size"])  # type: ignore[call-overload]
@@ -159,8 +160,9 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
+        completed = True
     finally:
-        parallel.teardown(layout)
+        parallel.teardown(layout, completed=completed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,4 +175,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parallel.leave(main())
