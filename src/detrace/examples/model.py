@@ -201,9 +201,12 @@ class SSM(nn.Module):
         drive = (dt * u).unsqueeze(-1) * Bm.unsqueeze(2)  # [B, T, I, N]
         h = torch.zeros_like(decay[:, 0])  # [B, I, N]
         ys = []
-        for t in range(T):  # h_t = exp(dt A) h_{t-1} + dt B u ;  y_t = C h_t
-            h = decay[:, t] * h + drive[:, t]
-            ys.append((h * Cm[:, t].unsqueeze(1)).sum(-1))  # [B, I]
+        # unbind, not decay[:, t]: its backward stacks the T slices' grads once, where T selects would each
+        # fill a zero gradient of the whole [B, T, I, N] tensor (quadratic in T)
+        steps = zip(decay.unbind(1), drive.unbind(1), Cm.unbind(1), strict=True)
+        for decay_t, drive_t, C_t in steps:  # h_t = exp(dt A) h_{t-1} + dt B u ;  y_t = C h_t
+            h = decay_t * h + drive_t
+            ys.append((h * C_t.unsqueeze(1)).sum(-1))  # [B, I]
         y = torch.stack(ys, dim=1) + u * self.D  # [B, T, I]
         return self.out_proj(y * F.silu(z))  # [B, T, D]
 
