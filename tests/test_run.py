@@ -298,3 +298,70 @@ def test_dataloader_workers_record_nothing(tmp_path: Path) -> None:
 def test_run_traced_rejects_an_empty_command(tmp_path: Path) -> None:
     with pytest.raises(UsageError):
         run_traced([], tmp_path / "run")
+
+
+DDP_BUCKETS = """
+import hashlib, os, subprocess, sys, threading
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from detrace.examples.parallel import leave
+
+torch.set_num_threads(1)
+rank = int(os.environ.get("RANK", "0"))
+peer = subprocess.Popen([sys.executable, __file__], env={**os.environ, "RANK": "1"}) if rank == 0 else None
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
+torch.manual_seed(0)
+ddp = DDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.004)
+
+def reversed_completion(state, bucket):
+    # The default hook's two steps (the same bits), but bucket i completes only after bucket i + 1: the
+    # completion order is the reverse of the index order.
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size())
+    dist.all_reduce(buffer)
+    future = torch.futures.Future()
+    threading.Timer(0.03 * (8 - bucket.index()), future.set_result, args=(buffer,)).start()
+    return future
+
+if os.environ["HOOK"] == "reversed":
+    ddp.register_comm_hook(None, reversed_completion)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+gen = torch.Generator().manual_seed(rank)
+for _ in range(3):
+    ddp(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())).hexdigest()
+print(f"final {rank} {digest}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+if peer is not None:
+    peer.wait()
+leave(0)
+"""
+
+
+def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path) -> None:
+    script = tmp_path / "buckets.py"
+    script.write_text(DDP_BUCKETS)
+    runs: dict[str, list[list[dict]]] = {}
+    finals: list[list[str]] = []
+    for hook in ("default", "reversed"):  # the same program, its buckets completing in two different orders
+        result = run_traced([PY, str(script)], tmp_path / hook, rung="semantic", quiet=True, timeout=120,
+                            env={"PORT": free_port(), "HOOK": hook})
+        assert result.returncode == 0, result.output_tail
+        runs[hook] = [read_rank(tmp_path / hook, rank).table.to_pylist() for rank in (0, 1)]
+        finals.append(_final_lines(result.output_tail))
+    assert finals[0] == finals[1] and len(finals[0]) == 2  # the two hooks compute the same bits
+    for rank in (0, 1):
+        sequences = []
+        for hook in ("default", "reversed"):
+            buckets = [r for r in runs[hook][rank] if r["extra"] and "ddp_bucket" in r["extra"]]
+            for step in (1, 2):  # DDP's first backward uses one bucket, then rebuilds them by the given cap
+                indices = [json.loads(r["extra"])["ddp_bucket"] for r in buckets if r["step"] == step]
+                assert indices == [i for i in range(4) for _ in "io"]  # each bucket's input, then its output
+            sequences.append([(r["step"], r["name"], r["occurrence"], r["role"], r["extra"], r["collectives"],
+                               r["digest"]) for r in buckets])
+        assert sequences[0] == sequences[1]

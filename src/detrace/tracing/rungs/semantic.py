@@ -17,6 +17,9 @@ DDP: its gradient all-reduce runs in C++ (the Reducer) and never reaches Python'
 DistributedDataParallel built while tracing gets a comm hook at its first forward that records each bucket and
 reduces it exactly as the default C++ path does (scale by 1/world_size, then a SUM all-reduce of the bucket).
 A comm hook the user registers is wrapped instead; a built-in (C++) comm hook is left alone and unrecorded.
+Buckets complete in whatever order the backend finishes them, so their snapshots are kept (input when the hook
+runs, output at completion) and recorded at the end of the backward, in bucket index order: records, occurrences
+and collective counts come out the same in every run.
 
 Recompute: `torch.utils.checkpoint.checkpoint` (reentrant and not) runs the checkpointed function twice; its
 outputs are recorded both times, the second with phase "recompute" and extra {"matches_forward": bool}. While
@@ -36,6 +39,7 @@ import json
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -311,8 +315,28 @@ def _install_functional(tracer: Tracer) -> list[Undo]:
     return undo
 
 
+@dataclass(slots=True)
+class _Bucket:
+    """A DDP bucket's reduction, kept until the backward ends: its snapshots only, never the bucket."""
+
+    index: int
+    phase: str
+    group: str
+    group_seq: int
+    before: list[Snapshot | None] = field(default_factory=list)
+    after: list[Snapshot | None] = field(default_factory=list)
+    """Empty until the reduction completes."""
+    completed: threading.Event = field(default_factory=threading.Event)
+
+
+_NO_TASK = -2
+"""No autograd graph task (`torch._C._current_graph_task_id()` gives -1 outside backward)."""
+
+
 def _install_ddp(tracer: Tracer) -> list[Undo]:
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    engine = torch.autograd.Variable._execution_engine
 
     original_init = DDP.__init__
     original_register = DDP.register_comm_hook
@@ -321,16 +345,43 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
     # The hooks below carry no annotations on purpose: DDP checks them, and this module's postponed (string)
     # annotations would not compare equal to dist.GradBucket / torch.futures.Future.
     def recording(ddp: DDP, hook: Callable[[Any, Any], torch.futures.Future]) -> Callable[..., Any]:
+        # This backward's buckets. Their reductions complete in whatever order gloo (or NCCL) finishes them,
+        # so they are recorded once the backward is over, all together, in bucket index order: two runs then
+        # give the same records in the same order, with the same occurrences and collective counts.
+        buckets: list[_Bucket] = []
+        task = [_NO_TASK]  # the autograd graph task whose end records `buckets`
+
+        def record(entry: _Bucket) -> None:
+            call = tracer.begin("semantic", entry.phase, "all_reduce", group=entry.group,
+                                group_seq=entry.group_seq, extra=json.dumps({"ddp_bucket": entry.index}))
+            _finish(tracer, call, entry.before, entry.after)
+
+        def record_buckets(*, wait: bool = True) -> None:
+            done = sorted(buckets, key=lambda entry: entry.index)
+            buckets.clear()
+            task[0] = _NO_TASK
+            for entry in done:
+                # The reducer's final callback waited for every bucket already (see at_backward_end); this
+                # wait only guards that ordering. Buckets left by a failed backward are not waited for.
+                if wait:
+                    entry.completed.wait()
+                record(entry)
+
+        def at_backward_end() -> None:
+            # Queued from the first bucket's hook, this runs before the reducer's own final callback (queued
+            # after the last bucket's hook), which waits for every bucket and copies them into the gradients.
+            # Queuing once more puts the recording after it.
+            engine.queue_callback(record_buckets)
+
         def traced_hook(state, bucket):  # type: ignore[no-untyped-def]
             if not tracer.on["semantic"]:
                 return hook(state, bucket)
             group = group_name(ddp.process_group)
-            call = tracer.begin("semantic", "collective", "all_reduce", group=group,
-                                group_seq=tracer.next_group_seq(group),
-                                extra=json.dumps({"ddp_bucket": bucket.index()}))
+            entry = _Bucket(index=bucket.index(), phase=tracer.phase, group=group,
+                            group_seq=tracer.next_group_seq(group))
             # The reducer copied the gradients into the bucket from C++, without bumping its version counter:
             # an earlier snapshot of the same buffer (last step's) must not be reused.
-            before = tracer.snapshot([bucket.buffer()], fresh=True)
+            entry.before = tracer.snapshot([bucket.buffer()], fresh=True)
             nested.n = getattr(nested, "n", 0) + 1
             try:
                 future = hook(state, bucket)
@@ -339,9 +390,20 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
 
             def completed(future: torch.futures.Future) -> torch.Tensor:
                 result = future.value()
-                _finish(tracer, call, before, tracer.snapshot(recorded_leaves(result), fresh=True))
+                entry.after = tracer.snapshot(recorded_leaves(result), fresh=True)
+                tracer.forget()  # the reduction wrote the bucket from C++
+                entry.completed.set()
                 return result
 
+            current = torch._C._current_graph_task_id()
+            if current == -1:  # not called from a backward (the reducer always is): recorded at completion
+                return future.then(lambda done: (completed(done), record(entry))[0])
+            if current != task[0]:
+                if buckets:  # left by a backward that failed before its end: recorded as they are
+                    record_buckets(wait=False)
+                engine.queue_callback(at_backward_end)
+                task[0] = current
+            buckets.append(entry)
             return future.then(completed)
 
         return traced_hook
