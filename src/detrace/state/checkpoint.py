@@ -7,9 +7,14 @@ Layout of a checkpoint root (what `TrainState.save(root)` and `DETRACE_CKPT_DIR`
         manifest.json            fingerprints of every stored tensor chunk + checksums of the JSON files
         dcp_metadata.json        torch.distributed.checkpoint's metadata, as JSON
         __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, read weights_only)
-        state.json               the shared state's non-tensor values (optimizer hyper-parameters, scheduler)
-        rank-0.json ...          each rank's own state: step, RNG, data position, extra
+        rank-0.json ...          each rank's skeletons (non-tensor values, tensor keys): its model/optimizer
+                                 state and its own state (step, RNG, data position, extra)
     root/.tmp-step-00000014/     a save in progress: invisible until committed
+
+The model/optimizer state ("shared", as opposed to a rank's own RNG and data position) need not be the same
+on every rank: DDP replicates it, FSDP2 shards it, and pipeline parallelism gives each stage other layers.
+Each rank therefore records its own skeleton, and on load each rank is checked against its own record.
+Tensors that several ranks hold under one key are replicas, which DCP writes once.
 
 Every rank writes its part into the temporary directory; rank 0 writes the manifest last, renames the
 directory into place and only then repoints `latest`. A crash at any moment leaves `latest` naming the
@@ -45,7 +50,6 @@ from detrace.state.storage import (
 )
 
 LATEST_FILE = "latest"
-SHARED_FILE = "state.json"
 _VERSION = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
 _TMP_PREFIX = ".tmp-"
 
@@ -57,7 +61,7 @@ class Loaded:
     step: int
     """Number of completed optimizer steps at save time."""
     shared: dict[str, Any]
-    """The shared state (model, optimizer, ...), its tensors those of the template, filled in place."""
+    """The model/optimizer/scheduler/scaler state, its tensors those of the template, filled in place."""
     local: dict[str, Any]
     """This rank's own state (RNG, data position, extra)."""
     directory: Path
@@ -67,8 +71,10 @@ class Loaded:
 def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any], keep: int = 1) -> Path:
     """Save a checkpoint of `step` under `root` on every rank; returns the committed version directory.
 
-    `shared` is the same on every rank (DCP deduplicates replicated tensors and shards DTensors); `local`
-    is this rank's own. Collective: every rank of the process group must call it.
+    `shared` is this rank's model/optimizer state as DCP's state_dict helpers give it: replicated (DCP
+    writes a tensor that several ranks hold under one key once), sharded (DTensors), or this rank's own
+    part (a pipeline stage's layers). `local` is this rank's RNG, data position and extra state.
+    Collective: every rank of the process group must call it.
     """
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
@@ -94,9 +100,11 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
             )
     except (RuntimeError, OSError, CheckpointException) as err:
         raise CheckpointError(f"cannot write a checkpoint into {tmp}: {_first_line(err)}") from None
-    if rank == 0:
-        write_json(tmp / SHARED_FILE, shared_skeleton)
-    write_json(tmp / _rank_file(rank), {"rank": rank, "step": step, "state": local_skeleton})
+    # Every rank records its own skeleton of the shared state: under pipeline parallelism no two stages
+    # have the same one, and a rank's record is what its resume is checked against.
+    write_json(
+        tmp / _rank_file(rank), {"rank": rank, "step": step, "shared": shared_skeleton, "local": local_skeleton}
+    )
     write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks()))
     dist.barrier()  # every rank's part is on disk before rank 0 commits
     if rank == 0:
@@ -123,10 +131,12 @@ def resolve(path: Path) -> Path:
 def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any], None]) -> Loaded:
     """Verify and load the checkpoint at `path` on every rank (collective).
 
-    `shared` is a template of the shared state (what `write` got, from the current model and optimizer):
-    DCP loads into its tensors in place, in whatever sharding they have now. `check(directory, shared
-    skeleton, local skeleton)` raises if the saved state does not fit; it runs, like every other check,
-    before anything is loaded, so a checkpoint that is refused leaves the training state untouched.
+    `shared` is a template of this rank's shared state (what `write` got, from the current model and
+    optimizer): DCP loads into its tensors in place, in whatever sharding they have now. Each rank checks
+    the template against the skeleton that the same rank saved, so ranks may hold different tensors (the
+    stages of a pipeline). `check(directory, shared skeleton, local skeleton)` raises if the saved state does
+    not fit; it runs, like every other check, before anything is loaded, so a checkpoint that is refused
+    leaves the training state untouched, and a refusal on any rank stops every rank.
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
@@ -136,16 +146,25 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
             f"{directory} was saved by {document['world_size']} ranks and cannot resume {world}: "
             "each rank's RNG and data position belong to one rank"
         )
-    shared_skeleton = read_json(directory / SHARED_FILE)
-    local_document = read_json(directory / _rank_file(rank))
     _, template_tensors = tree.split(shared, "")
-    _check_same_tensors(directory, set(tree.tensor_keys(shared_skeleton)), set(template_tensors))
-    check(directory, shared_skeleton, local_document["state"])
+
+    def fits() -> tuple[Any, Any]:
+        saved = _rank_document(directory, rank, step=document["step"])
+        _check_same_tensors(
+            directory, set(tree.tensor_keys(saved["shared"])), set(template_tensors), rank=rank, world=world
+        )
+        check(directory, saved["shared"], saved["local"])
+        return saved["shared"], saved["local"]
+
+    # A rank whose state does not fit must not leave the others waiting in DCP's collective load.
+    shared_skeleton, local_skeleton = dist.together(
+        fits, elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error"
+    )
 
     # This rank's own tensors (RNG states, ...) are allocated from what was saved, not from a template.
     metadata = read_metadata(directory)
     local_tensors = {}
-    for key in tree.tensor_keys(local_document["state"]):
+    for key in tree.tensor_keys(local_skeleton):
         entry = metadata.state_dict_metadata[key]
         local_tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
@@ -162,7 +181,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     return Loaded(
         step=document["step"],
         shared=tree.join(shared_skeleton, template_tensors),
-        local=tree.join(local_document["state"], local_tensors),
+        local=tree.join(local_skeleton, local_tensors),
         directory=directory,
     )
 
@@ -183,14 +202,31 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def _check_same_tensors(directory: Path, saved: set[str], current: set[str]) -> None:
+def _rank_document(directory: Path, rank: int, *, step: int) -> dict[str, Any]:
+    """What rank `rank` saved beside its tensors: the skeletons of its shared and its own state."""
+    path = directory / _rank_file(rank)
+    document = read_json(path)
+    # The manifest's checksum vouches for the bytes; this guards against a file of another layout.
+    if (
+        not isinstance(document, dict)
+        or not {"rank", "step", "shared", "local"} <= set(document)
+        or document["rank"] != rank
+        or document["step"] != step
+    ):
+        raise CheckpointError(f"{path} is not the state of rank {rank} at step {step}")
+    return document
+
+
+def _check_same_tensors(directory: Path, saved: set[str], current: set[str], *, rank: int, world: int) -> None:
+    """This rank's tensors must be those the same rank saved (the names of a pipeline stage's layers, ...)."""
+    whose = f" (rank {rank} of {world})" if world > 1 else ""
     if saved - current:
         raise CheckpointError(
-            f"{directory} holds tensor {sorted(saved - current)[0]!r} that this training state does not have"
+            f"{directory} holds tensor {sorted(saved - current)[0]!r} that this training state{whose} does not have"
         )
     if current - saved:
         raise CheckpointError(
-            f"this training state has tensor {sorted(current - saved)[0]!r} that {directory} does not hold"
+            f"this training state{whose} has tensor {sorted(current - saved)[0]!r} that {directory} does not hold"
         )
 
 

@@ -42,14 +42,19 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def together(action: Callable[[], T]) -> T:
+def together(
+    action: Callable[[], T],
+    *,
+    elsewhere: str = "another rank failed to prepare its part of the checkpoint; see its error",
+) -> T:
     """Run `action` on every rank; when it fails on any rank, raise on every rank, so that no rank goes on
-    into a collective that the failed one will never join."""
+    into a collective that the failed one will never join. The ranks where it succeeded raise a
+    CheckpointError saying `elsewhere`."""
     error: DetraceError | None = None
     try:
         result = action()
     except DetraceError as err:
         error = err
     if any_rank(error is not None):
-        raise error or CheckpointError("another rank failed to prepare its part of the checkpoint; see its error")
+        raise error or CheckpointError(elsewhere)
     return result

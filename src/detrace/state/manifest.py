@@ -21,7 +21,10 @@ from detrace.state import dist
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
 
 MANIFEST_FILE = "manifest.json"
-SCHEMA = "detrace.checkpoint/1"
+# The version of the whole checkpoint layout, not only of this file. 2: every rank's file holds the skeleton
+# of its own model/optimizer state (ranks may differ, as pipeline stages do); 1 had one state.json for all.
+SCHEMA = "detrace.checkpoint/2"
+_SCHEMA_FAMILY = "detrace.checkpoint/"
 
 # Verification loads stored chunks in batches of about this many bytes, so memory stays bounded while the
 # fingerprints of a batch are still computed in one bulk call.
@@ -63,7 +66,14 @@ def read(directory: Path) -> dict[str, Any]:
     if not (directory / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{directory} is not a complete detrace checkpoint (it has no {MANIFEST_FILE})")
     manifest = read_json(directory / MANIFEST_FILE)
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+    schema = manifest.get("schema") if isinstance(manifest, dict) else None
+    if isinstance(schema, str) and schema.startswith(_SCHEMA_FAMILY) and schema != SCHEMA:
+        written_by = manifest.get("detrace")
+        by = f" by detrace {written_by}" if isinstance(written_by, str) else ""
+        raise CheckpointError(
+            f"{directory} was written{by} in checkpoint format {schema}, and this detrace reads only {SCHEMA}"
+        )
+    if schema != SCHEMA:
         raise CheckpointError(f"{directory / MANIFEST_FILE} is not a detrace checkpoint manifest ({SCHEMA})")
     return manifest
 

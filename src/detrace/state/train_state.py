@@ -14,9 +14,11 @@ A training loop needs two calls: `start = state.resume_if_requested()` before it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +126,13 @@ class TrainState:
         return True
 
     def _shared(self) -> dict[str, Any]:
-        """State that is the same on every rank, replicated (DDP) or sharded (FSDP2) across them."""
+        """Model, optimizer, scheduler and scaler state as this rank holds it: replicated (DDP), sharded
+        (FSDP2), or this rank's own part of the model (a pipeline stage)."""
         if self.optimizer is None:
             shared: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         else:
-            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            with _unobserved_optimizer_steps(self.optimizer):
+                model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
             shared = {"model": model_state, "optimizer": optimizer_state}
         if self.scheduler is not None:
             shared["scheduler"] = self.scheduler.state_dict()
@@ -152,10 +156,11 @@ class TrainState:
         if self.optimizer is None:
             set_model_state_dict(self.model, shared["model"])
         else:
-            set_state_dict(
-                self.model, self.optimizer,
-                model_state_dict=shared["model"], optim_state_dict=shared["optimizer"],
-            )
+            with _unobserved_optimizer_steps(self.optimizer):
+                set_state_dict(
+                    self.model, self.optimizer,
+                    model_state_dict=shared["model"], optim_state_dict=shared["optimizer"],
+                )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(shared["scheduler"])
         if self.scaler is not None:
@@ -203,6 +208,38 @@ class TrainState:
 
 def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+@contextlib.contextmanager
+def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within this block, `optimizer.step()` runs without the optimizer step hooks (global and its own).
+
+    Why: torch.distributed.checkpoint.state_dict initialises the state of an optimizer that has not stepped
+    yet by calling `optimizer.step()` with zero gradients and a zero learning rate (on load into a fresh
+    process, and on a save before the first step). That is no training step, but anything that counts steps
+    with the optimizer hooks would count it: detrace's tracer would end its step 0 there and record the
+    load's own collectives in step 1 (`detrace check-resume --at 1` then saw a resumed run differ), and an
+    LR scheduler's wrapper would take it for the loop's first step. Torch wraps every optimizer class's
+    `step` once in the function that runs the hooks (marked `hooked`, the original kept in `__wrapped__`);
+    an instance attribute that calls the original shadows the class's (and any instance-level wrapper,
+    such as an LR scheduler's) for the duration, and is removed again afterwards. Nothing in the tracer
+    needs to know: no hook fires, so no clock moves.
+    """
+    step = type(optimizer).step
+    unhooked = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if unhooked is None:  # a torch that wraps differently: leave step alone rather than guess
+        yield
+        return
+    missing = object()
+    own = optimizer.__dict__.get("step", missing)
+    optimizer.step = types.MethodType(unhooked, optimizer)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is missing:
+            del optimizer.__dict__["step"]
+        else:
+            optimizer.__dict__["step"] = own
 
 
 def _checkpoint_dir() -> Path:
