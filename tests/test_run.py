@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -146,6 +147,51 @@ def test_sigkill_leaves_complete_batches(tmp_path: Path, script: Path) -> None:
     assert trace.last_complete_step >= 19
     steps = [r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"]
     assert steps == list(range(len(steps)))
+
+
+SLEEPER = """
+import os, subprocess, sys, time
+if sys.argv[1:] != ["worker"]:  # CMD starts a worker in a session of its own, as torchrun does
+    subprocess.Popen([sys.executable, __file__, "worker"], start_new_session=True)
+with open(os.environ["PIDS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has ended (its new parent may be slow to reap it)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_sigkill_of_the_launcher_kills_the_command_tree(tmp_path: Path) -> None:
+    script, pids = tmp_path / "sleeper.py", tmp_path / "pids"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen([PY, "-m", "detrace", "run", "--out", str(tmp_path / "run"), "--", PY, str(script)],
+                            env={**os.environ, "PIDS": str(pids)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            started = [int(line) for line in pids.read_text().split()] if pids.exists() else []
+        assert len(started) == 2 and all(map(_alive, started))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_alive, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, started))  # CMD and its worker in another session
+    finally:
+        for pid in [proc.pid, *started]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_existing_trace_is_never_overwritten(tmp_path: Path, script: Path) -> None:

@@ -4,6 +4,9 @@
 run.json (which also proves the directory writable), starts CMD in its own process group with DETRACE_TRACE
 and the inject directory on PYTHONPATH, streams its output while keeping the last few KB, and completes
 run.json from the ranks' headers when CMD ends. It never raises for a nonzero exit: that is `returncode`.
+
+CMD's whole process tree is killed (SIGKILL) on a timeout, on an exception in the launcher (Ctrl-C), and when
+the launcher itself dies, even by SIGKILL: a watchdog process does it then (see `_WATCHDOG`).
 """
 
 from __future__ import annotations
@@ -108,7 +111,96 @@ def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None
             sink.flush()
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+# The watchdog: a small process of its own (own session, so a Ctrl-C at the terminal does not end it) that reads
+# its stdin, a pipe whose only write end the launcher holds. A byte means CMD ended: it exits. End of file
+# without a byte means the launcher died (SIGKILL, SIGTERM, a crash: the kernel closes its pipe) or is killing
+# CMD: it kills CMD's whole tree with SIGKILL. CMD's process group is not enough: torchrun starts each worker in
+# a session of its own, and a SIGKILLed torchrun leaves them running (they get no death signal). So the tree is
+# found by parent pid in /proc while it is intact, each process stopped first so that none can fork unseen, then
+# all are killed, then CMD's process group (for anything already orphaned in it). A death signal (prctl
+# PR_SET_PDEATHSIG) on CMD would kill CMD first and leave its orphaned workers no longer traceable to it.
+# -I -S: no site, so the tracer's sitecustomize (on CMD's PYTHONPATH) is not loaded; CMD's identity is its
+# start time, so a pid reused after CMD ended is never touched.
+_WATCHDOG = r"""
+import os, signal, sys
+
+def stat(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+def children():
+    tree = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return tree
+    for name in names:
+        fields = stat(int(name)) if name.isdigit() else None
+        if fields:
+            tree.setdefault(int(fields[1]), []).append(int(name))
+    return tree
+
+def send(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+def start_time(pid):
+    fields = stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+cmd = int(sys.argv[1])
+proc = os.path.isdir("/proc")  # without it (not Linux): CMD's process group only
+born = start_time(cmd)
+if sys.stdin.buffer.read(1) or proc and (born is None or start_time(cmd) != born):
+    sys.exit(0)
+stopped, todo = set(), [cmd] if proc else []
+while todo:
+    for pid in todo:
+        send(pid, signal.SIGSTOP)
+        stopped.add(pid)
+    tree = children()
+    todo = [child for pid in stopped for child in tree.get(pid, ()) if child not in stopped]
+for pid in stopped:
+    send(pid, signal.SIGKILL)
+try:
+    os.killpg(cmd, signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def _start_watchdog(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
+    """The watchdog of CMD's tree (see _WATCHDOG); None where it cannot be started (CMD then runs unwatched)."""
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(proc.pid)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return None
+
+
+def _release_watchdog(watchdog: subprocess.Popen[bytes] | None, *, kill: bool) -> None:
+    """CMD ended: let the watchdog go (kill: have it kill CMD's whole tree first), and reap it."""
+    if watchdog is None:
+        return
+    assert watchdog.stdin is not None
+    with contextlib.suppress(OSError):
+        if not kill:
+            watchdog.stdin.write(b"x")
+        watchdog.stdin.close()
+    try:
+        watchdog.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
+
+
+def _kill_group(proc: subprocess.Popen[bytes], watchdog: subprocess.Popen[bytes] | None) -> None:
+    _release_watchdog(watchdog, kill=True)  # the whole tree, torchrun's workers in their own sessions included
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -121,7 +213,7 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     """Run `cmd` traced into `out`. `env` adds variables to this process's environment for CMD.
 
     Raises UsageError for bad options, TraceError for an output directory that cannot be used, CommandFailed
-    when CMD cannot be started or runs past `timeout` (its whole process group is killed).
+    when CMD cannot be started or runs past `timeout` (its whole process tree is killed).
     """
     command = tuple(cmd)
     if not command:
@@ -154,6 +246,7 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
         raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
     except OSError as err:
         raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
+    watchdog = _start_watchdog(proc)
     tail: collections.deque[bytes] = collections.deque()
     assert proc.stdout is not None
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail, not quiet), daemon=True)
@@ -161,11 +254,12 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     timed_out = False
     try:
         proc.wait(timeout=timeout)
+        _release_watchdog(watchdog, kill=False)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
+        _kill_group(proc, watchdog)
     except BaseException:
-        _kill_group(proc)
+        _kill_group(proc, watchdog)
         raise
     finally:
         pump.join(timeout=5)
