@@ -52,18 +52,23 @@ def test_layout_is_sharded_atomic_and_pickle_free(tmp_path: Path) -> None:
     assert version == tmp_path / "step-00000007"
     assert (tmp_path / "latest").read_text() == "step-00000007\n"
     names = sorted(path.name for path in version.iterdir())
-    assert names == ["__0_0.distcp", "dcp_metadata.json", "manifest.json", "rank-0.json", "state.json"]
+    assert names == ["__0_0.distcp", "dcp_metadata.json", "manifest.json", "rank-0.json"]
     for path in version.iterdir():
         if path.suffix == ".json":
             json.loads(path.read_text())
         else:  # torch.save records (zip archives), which DCP reads back with weights_only=True
             assert path.read_bytes()[:2] == b"PK"
     manifest = json.loads((version / "manifest.json").read_text())
+    assert manifest["schema"] == "detrace.checkpoint/2"
     assert manifest["step"] == 7 and manifest["world_size"] == 1
     assert {"model.0.weight", "optimizer.state.0.weight.exp_avg", "rank0.rng.torch"} <= set(manifest["tensors"])
-    assert set(manifest["files"]) == {"dcp_metadata.json", "rank-0.json", "state.json"}
-    hyper = json.loads((version / "state.json").read_text())["optimizer"]["param_groups"][0]
+    assert set(manifest["files"]) == {"dcp_metadata.json", "rank-0.json"}
+    # The rank's file holds the skeleton of its model/optimizer state (ranks may differ) and of its own.
+    own = json.loads((version / "rank-0.json").read_text())
+    assert own["rank"] == 0 and own["step"] == 7 and set(own["local"]) == {"rng", "extra"}
+    hyper = own["shared"]["optimizer"]["param_groups"][0]
     assert hyper["lr"] == 0.01 and hyper["betas"] == {"__tuple__": [0.9, 0.999]}
+    assert own["shared"]["model"]["0.weight"] == {"__tensor__": "model.0.weight"}
 
 
 def test_load_restores_the_saved_bits(tmp_path: Path) -> None:
@@ -107,9 +112,34 @@ def test_a_flipped_bit_is_reported_by_tensor_name(tmp_path: Path) -> None:
 
 def test_an_edited_state_file_is_reported_by_name(tmp_path: Path) -> None:
     version = make_state().save(tmp_path)
-    text = (version / "state.json").read_text().replace("0.01", "0.02")
-    (version / "state.json").write_text(text)
-    with pytest.raises(CheckpointCorrupted, match=r"file state\.json does not match its checksum"):
+    text = (version / "rank-0.json").read_text().replace("0.01", "0.02")
+    (version / "rank-0.json").write_text(text)
+    with pytest.raises(CheckpointCorrupted, match=r"file rank-0\.json does not match its checksum"):
+        verify_checkpoint(tmp_path)
+    with pytest.raises(CheckpointCorrupted, match=r"file rank-0\.json does not match its checksum"):
+        make_state().load(tmp_path)
+
+
+def test_a_checkpoint_of_another_format_version_is_refused(tmp_path: Path) -> None:
+    """Format 1 kept one state.json for every rank; a format 1 (or a future) checkpoint is refused by name,
+    before anything is read, by verify-checkpoint and by load alike."""
+    version = make_state().save(tmp_path)
+    manifest = version / "manifest.json"
+    for schema in ("detrace.checkpoint/1", "detrace.checkpoint/3"):
+        document = json.loads(manifest.read_text())
+        document.update(schema=schema, detrace="0.0.1")
+        manifest.write_text(json.dumps(document))
+        message = rf"written by detrace 0\.0\.1 in checkpoint format {schema}, and this detrace reads only .*/2"
+        with pytest.raises(CheckpointError, match=message):
+            verify_checkpoint(tmp_path)
+        other = make_state(seed=1)
+        before = [parameter.clone() for parameter in other.model.parameters()]
+        with pytest.raises(CheckpointError, match=message):
+            other.load(tmp_path)
+        assert all(map(torch.equal, before, other.model.parameters()))
+    document.update(schema="someone.else/1")
+    manifest.write_text(json.dumps(document))
+    with pytest.raises(CheckpointError, match=r"is not a detrace checkpoint manifest \(detrace\.checkpoint/2\)"):
         verify_checkpoint(tmp_path)
 
 

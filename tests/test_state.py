@@ -282,3 +282,43 @@ def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: py
     state.save(tmp_path)
     _state().load(tmp_path)
     assert clock == [5]
+
+
+def test_loading_into_a_fresh_optimizer_is_no_optimizer_step(tmp_path: Path) -> None:
+    """DCP's state_dict helpers initialise an optimizer that never stepped with a zero-lr `step()`. The
+    global step hooks (detrace's tracer counts steps with them) and an LR scheduler's step wrapper must not
+    see it: the tracer would end a step inside the load and record the load's own calls in the next."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def fresh(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        return TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+
+    saved = fresh(0)
+    saved.model(torch.randn(4, 3)).sum().backward()
+    saved.optimizer.step()
+    saved.scheduler.step()
+    saved.step = 1
+    saved.save(tmp_path)
+
+    seen: list[str] = []
+    handles = [register_optimizer_step_pre_hook(lambda *_: seen.append("pre")),
+               register_optimizer_step_post_hook(lambda *_: seen.append("post"))]
+    try:
+        resumed = fresh(1)
+        scheduler_wrapper = resumed.optimizer.step
+        assert not resumed.optimizer.state  # so torch's helpers do initialise it
+        assert resumed.load(tmp_path) == 1
+        assert seen == []
+        # The optimizer is whole again: its scheduler's wrapper is back and a real step runs the hooks.
+        assert resumed.optimizer.step == scheduler_wrapper and "step" in vars(resumed.optimizer)
+        resumed.model(torch.randn(4, 3)).sum().backward()
+        resumed.optimizer.step()
+        assert seen == ["pre", "post"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert resumed.optimizer.state_dict()["state"][0]["step"].item() == 2  # 1 loaded + 1 taken, no extra
