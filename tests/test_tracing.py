@@ -363,3 +363,62 @@ def test_optimizer_outputs_are_fingerprinted_after_writes_behind_the_version_cou
         optimizer.step()
     params = {r["name"]: r["digest"] for r in rows(tmp_path / "d") if r["role"] == "param"}
     assert params == {name: detrace.fingerprint(p).digest for name, p in net.named_parameters()}
+
+
+FUNCTIONAL = """
+import sys
+import torch
+import torch.distributed as dist
+import detrace
+from detrace.examples.parallel import leave
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
+import torch.distributed._functional_collectives  # registers the ops
+ops, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+for rung in ("semantic", "op"):  # op: its dispatch mode calls the overload again, inside the recorded call
+    with detrace.trace(f"{out}/{rung}/{rank}", rung=rung):
+        x = torch.arange(4.0) + rank
+        a = ops.wait_tensor(ops.all_reduce(x, "sum", group))  # the op packet
+        b = ops.wait_tensor.default(ops.all_reduce.default(x * 2, "sum", group))  # the overload, as compiled code
+        c = ops.wait_tensor.default(ops.all_gather_into_tensor.default(x, 2, group))
+        detrace.step()
+    print(rung, a.tolist(), b.tolist(), c.tolist(), flush=True)
+# the overloads are themselves again: the tracer swapped their class only while it ran
+print("restored", type(ops.all_reduce.default) is torch._ops.OpOverload, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+leave(0)
+"""
+
+
+def test_functional_collectives_through_the_overload_are_recorded_once(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "functional.py"
+    script.write_text(FUNCTIONAL)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    for output in outputs:
+        for rung in ("semantic", "op"):  # the values, unchanged
+            assert f"{rung} [1.0, 3.0, 5.0, 7.0] [2.0, 6.0, 10.0, 14.0] [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]" \
+                in output
+        assert "restored True" in output
+    for rung in ("semantic", "op"):
+        traces = [[r for r in rows(tmp_path / rung / str(rank), rank) if r["extra"] == '{"functional": true}']
+                  for rank in (0, 1)]
+        for trace in traces:
+            assert [(r["name"], r["occurrence"], r["group_seq"], r["role"]) for r in trace] == [
+                ("all_reduce", 0, 0, "input"), ("all_reduce", 0, 0, "output"),
+                ("all_reduce", 1, 1, "input"), ("all_reduce", 1, 1, "output"),
+                ("all_gather_into_tensor", 0, 2, "input"), ("all_gather_into_tensor", 0, 2, "output")]
+        outputs_digests = [[r["digest"] for r in trace if r["role"] == "output"] for trace in traces]
+        assert outputs_digests[0] == outputs_digests[1]  # every rank gets the same bits

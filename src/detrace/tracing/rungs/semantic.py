@@ -10,8 +10,9 @@ outermost call.
 
 Functional collectives (`torch.ops._c10d_functional`, called by torch.distributed._functional_collectives, DTensor
 redistribute and the autograd formulas of both, so forward and backward): the op packets are replaced on the
-namespace for the life of the tracer; inputs are fingerprinted before the call, outputs when `wait_tensor` is
-called on them (or on a view of them: AsyncCollectiveTensor waits at first use), i.e. at completion.
+namespace for the life of the tracer, and calls through their `.default` overload (compiled code's way) are
+recorded too, once; inputs are fingerprinted before the call, outputs when `wait_tensor` is called on them (or
+on a view of them: AsyncCollectiveTensor waits at first use), i.e. at completion.
 
 DDP: its gradient all-reduce runs in C++ (the Reducer) and never reaches Python's `dist.all_reduce`, so every
 DistributedDataParallel built while tracing gets a comm hook at its first forward that records each bucket and
@@ -34,6 +35,7 @@ Optimizer: grads as the step begins (role grad), then each parameter (role param
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import threading
@@ -232,7 +234,7 @@ _PENDING_LIMIT = 1024
 
 class _TracedOp:
     """Stands in for the op packet `torch.ops._c10d_functional.<name>`: calling it records the call; its overloads
-    and other attributes are the packet's own (a call through an overload, `.default(...)`, is not recorded)."""
+    and other attributes are the packet's own (a call through an overload is recorded by `_trace_overload`)."""
 
     def __init__(self, packet: Any, traced: Callable[..., Any]) -> None:
         self._packet = packet
@@ -245,9 +247,29 @@ class _TracedOp:
         return getattr(self._packet, name)
 
 
+def _trace_overload(overload: Any, trace: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Undo:
+    """Record calls through an op overload, `torch.ops._c10d_functional.all_reduce.default(...)`: what compiled
+    code (Inductor's output, AOT graphs) and some libraries call. The overload object itself stays in place, its
+    class swapped for a subclass whose `__call__` records: code compares overloads by identity (`func is
+    ...wait_tensor.default`) and keys tables by them, which a stand-in object would break. `trace(run)` gives
+    the recording call of `run`, the overload's own call."""
+    cls = type(overload)
+    run = functools.partial(cls.__call__, overload)
+    traced = trace(run)
+    overload.__class__ = type(cls.__name__, (cls,), {
+        "__call__": lambda self, /, *args, **kwargs: traced(*args, **kwargs), "__module__": cls.__module__})
+
+    def undo() -> None:
+        overload.__class__ = cls
+
+    return undo
+
+
 def _install_functional(tracer: Tracer) -> list[Undo]:
     """Record functional collectives: inputs before the call, outputs when `wait_tensor` is called on them (what
-    AsyncCollectiveTensor does at first use), i.e. at completion. The call runs unchanged; nothing is added."""
+    AsyncCollectiveTensor does at first use), i.e. at completion. The call runs unchanged; nothing is added.
+    Calls through the op packet (`torch.ops._c10d_functional.all_reduce(...)`) and through its overload
+    (`....all_reduce.default(...)`) are both recorded, once: the packet calls the C++ op, not the overload."""
     import torch.distributed._functional_collectives  # registers the ops
 
     ops = torch.ops._c10d_functional
@@ -255,63 +277,76 @@ def _install_functional(tracer: Tracer) -> list[Undo]:
     # (AsyncCollectiveTensor waits on views of it) finds it through its storage.
     pending: dict[int, tuple[weakref.ref[torch.Tensor], set[int], Callable[[], None]]] = {}
 
-    def wrap(name: str, packet: Any) -> _TracedOp:
-        schema = packet.default._schema
+    def recording(name: str, schema: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         names = [argument.name for argument in schema.arguments]
         peer_key = _FUNCTIONAL[name]
 
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            if getattr(nested, "n", 0) or not tracer.on["semantic"]:
-                return packet(*args, **kwargs)
-            arguments = dict(zip(names, args, strict=False)) | kwargs
-            pg = arguments["group_name"]
-            group = group_name(dist.distributed_c10d._resolve_process_group(pg) if isinstance(pg, str) else pg)
-            peer = arguments.get(peer_key) if peer_key is not None else None
-            call = tracer.begin("semantic", "p2p" if peer_key else "collective", name, group=group,
-                                group_seq=tracer.next_group_seq(group), peer=peer,
-                                extra=json.dumps({"functional": True}))
-            inputs = [] if name == "irecv" else recorded_leaves(arguments[names[0]])
-            before = tracer.snapshot(inputs)
-            result = packet(*args, **kwargs)
-            outputs = [] if name == "isend" else recorded_leaves(result)
-            if not outputs:
-                # isend: its completion is not observable here; only its input is recorded.
-                _finish(tracer, call, before, [])
+        def trace(run: Callable[..., Any]) -> Callable[..., Any]:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                if getattr(nested, "n", 0) or not tracer.on["semantic"]:
+                    return run(*args, **kwargs)
+                arguments = dict(zip(names, args, strict=False)) | kwargs
+                pg = arguments["group_name"]
+                group = group_name(dist.distributed_c10d._resolve_process_group(pg) if isinstance(pg, str) else pg)
+                peer = arguments.get(peer_key) if peer_key is not None else None
+                call = tracer.begin("semantic", "p2p" if peer_key else "collective", name, group=group,
+                                    group_seq=tracer.next_group_seq(group), peer=peer,
+                                    extra=json.dumps({"functional": True}))
+                inputs = [] if name == "irecv" else recorded_leaves(arguments[names[0]])
+                before = tracer.snapshot(inputs)
+                # Nested: a dispatch mode (the op rung's, DTensor's) that sees the op calls its overload again.
+                nested.n = getattr(nested, "n", 0) + 1
+                try:
+                    result = run(*args, **kwargs)
+                finally:
+                    nested.n -= 1
+                outputs = [] if name == "isend" else recorded_leaves(result)
+                if not outputs:
+                    # isend: its completion is not observable here; only its input is recorded.
+                    _finish(tracer, call, before, [])
+                    return result
+                refs = [weakref.ref(t) for t in outputs]
+
+                def finish() -> None:
+                    _finish(tracer, call, before, tracer.snapshot([ref() for ref in refs], fresh=True))
+
+                waiting = {t.untyped_storage().data_ptr() for t in outputs}
+                if len(pending) > _PENDING_LIMIT:  # outputs dropped without a wait
+                    for key in [key for key, entry in pending.items() if entry[0]() is None]:
+                        del pending[key]
+                for ref, t in zip(refs, outputs, strict=True):
+                    pending[t.untyped_storage().data_ptr()] = (ref, waiting, finish)
                 return result
-            refs = [weakref.ref(t) for t in outputs]
 
-            def finish() -> None:
-                _finish(tracer, call, before, tracer.snapshot([ref() for ref in refs], fresh=True))
+            return traced
 
-            waiting = {t.untyped_storage().data_ptr() for t in outputs}
-            if len(pending) > _PENDING_LIMIT:  # outputs dropped without a wait
-                for key in [key for key, entry in pending.items() if entry[0]() is None]:
-                    del pending[key]
-            for ref, t in zip(refs, outputs, strict=True):
-                pending[t.untyped_storage().data_ptr()] = (ref, waiting, finish)
+        return trace
+
+    def waiting(run: Callable[..., Any]) -> Callable[..., Any]:
+        def wait_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            result = run(tensor, *args, **kwargs)
+            if pending and type(tensor) is torch.Tensor:
+                key = tensor.untyped_storage().data_ptr()
+                entry = pending.pop(key, None)
+                if entry is not None and entry[0]() is not None:
+                    _, left, finish = entry
+                    left.discard(key)
+                    if not left:
+                        finish()
             return result
 
-        return _TracedOp(packet, traced)
-
-    def wait_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        result = wait_packet(tensor, *args, **kwargs)
-        if pending and type(tensor) is torch.Tensor:
-            key = tensor.untyped_storage().data_ptr()
-            entry = pending.pop(key, None)
-            if entry is not None and entry[0]() is not None:
-                _, waiting, finish = entry
-                waiting.discard(key)
-                if not waiting:
-                    finish()
-        return result
+        return wait_tensor
 
     undo: list[Undo] = []
     for name in _FUNCTIONAL:
         packet = getattr(ops, name, None)
         if packet is not None:
-            undo.append(replace(ops, name, wrap(name, packet)))
+            trace = recording(name, packet.default._schema)
+            undo.append(replace(ops, name, _TracedOp(packet, trace(packet))))
+            undo.append(_trace_overload(packet.default, trace))
     wait_packet = ops.wait_tensor
-    undo.append(replace(ops, "wait_tensor", _TracedOp(wait_packet, wait_tensor)))
+    undo.append(replace(ops, "wait_tensor", _TracedOp(wait_packet, waiting(wait_packet))))
+    undo.append(_trace_overload(wait_packet.default, waiting))
     return undo
 
 
