@@ -336,6 +336,11 @@ class ParallelModel:
             n_microbatches=PP_MICROBATCHES,
             loss_fn=self._loss,
         )
+        # The schedule sets its stage up at its first step: a vote over p2p between the stages, then the
+        # buffers. Done here, every process does it before training, so the first step of a resumed process
+        # makes the same calls as that step of a run that never stopped (`detrace check-resume`).
+        target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None
+        self.schedule._initialize_stage((tokens,) if stage == 0 else (), {}, target)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lm, mtp = lm_losses(logits, targets)
