@@ -1,5 +1,10 @@
 """Tracer overhead: step time of the reference model at each rung, relative to the same step untraced.
 
+The reference model runs at one of its presets (`detrace.examples.model.PRESETS`): `small` (the default) is a
+small transformer-style training step (dim 256, 8 layers, 16 experts, batch 16 x 128 tokens); `tiny` (dim 64,
+4 layers, batch 8 x 32 tokens) is the stress case, where thousands of sub-millisecond ops make the tracer's
+fixed cost per record show.
+
 All variants run in one process, interleaved (untraced, metrics, semantic, module, op, op outside its window,
 then again), so that machine noise hits them alike; each ratio is the median over repeats of
 (median traced step time / median untraced step time of the same repeat). "outside window" traces at the op
@@ -7,7 +12,7 @@ rung with `steps="0"`, measured on later steps: the cost of rungs that are switc
 
 The last lines are the figures, one per line: `overhead RUNG: 1.004x`.
 
-    python bench/overhead.py [--repeats 5] [--steps 6] [--threads 1]
+    python bench/overhead.py [--preset small] [--repeats 5] [--steps 3] [--warmup 1] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 import torch
 
 import detrace
-from detrace.examples.model import HybridLM, ModelConfig, objective
+from detrace.examples.model import PRESETS, HybridLM, ModelConfig, objective
 
 VARIANTS = ("untraced", "metrics", "semantic", "module", "op", "outside window")
 
@@ -67,16 +72,18 @@ def time_steps(step: Callable[[], None], variant: str, out: Path, warmup: int, s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant and repeat")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and repeat")
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = ModelConfig()
-    step = make_step(config, args.batch, args.seq)
+    preset = PRESETS[args.preset]
+    config = preset["model"]
+    assert isinstance(config, ModelConfig)
+    batch, seq = int(preset["batch_size"]), int(preset["seq_len"])  # type: ignore[call-overload]
+    step = make_step(config, batch, seq)
     ratios: dict[str, list[float]] = {v: [] for v in VARIANTS[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -88,10 +95,10 @@ def main() -> None:
                 ratios[variant].append(medians[variant] / medians["untraced"])
             print(f"repeat {repeat}: untraced {medians['untraced'] * 1e3:.1f} ms/step; "
                   + ", ".join(f"{v} {medians[v] * 1e3:.1f}" for v in VARIANTS[1:]), flush=True)
-    print(f"model: HybridLM {config.pattern} dim {config.dim}, batch {args.batch}, seq {args.seq}, "
+    print(f"model: preset {args.preset}, HybridLM {config.pattern} dim {config.dim}, batch {batch}, seq {seq}, "
           f"threads {args.threads}, {args.repeats} repeats x {args.steps} steps")
     for variant in VARIANTS[1:]:
-        print(f"overhead {variant}: {statistics.median(ratios[variant]):.3f}x")
+        print(f"overhead {args.preset} {variant}: {statistics.median(ratios[variant]):.3f}x")
 
 
 if __name__ == "__main__":
