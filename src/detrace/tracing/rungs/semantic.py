@@ -355,7 +355,6 @@ class _Bucket:
     """A DDP bucket's reduction, kept until the backward ends: its snapshots only, never the bucket."""
 
     index: int
-    phase: str
     group: str
     group_seq: int
     before: list[Snapshot | None] = field(default_factory=list)
@@ -387,7 +386,7 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
         task = [_NO_TASK]  # the autograd graph task whose end records `buckets`
 
         def record(entry: _Bucket) -> None:
-            call = tracer.begin("semantic", entry.phase, "all_reduce", group=entry.group,
+            call = tracer.begin("semantic", "collective", "all_reduce", group=entry.group,
                                 group_seq=entry.group_seq, extra=json.dumps({"ddp_bucket": entry.index}))
             _finish(tracer, call, entry.before, entry.after)
 
@@ -412,8 +411,7 @@ def _install_ddp(tracer: Tracer) -> list[Undo]:
             if not tracer.on["semantic"]:
                 return hook(state, bucket)
             group = group_name(ddp.process_group)
-            entry = _Bucket(index=bucket.index(), phase=tracer.phase, group=group,
-                            group_seq=tracer.next_group_seq(group))
+            entry = _Bucket(index=bucket.index(), group=group, group_seq=tracer.next_group_seq(group))
             # The reducer copied the gradients into the bucket from C++, without bumping its version counter:
             # an earlier snapshot of the same buffer (last step's) must not be reused.
             entry.before = tracer.snapshot([bucket.buffer()], fresh=True)
