@@ -276,6 +276,7 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path) -> None:
         records = trace.table.to_pylist()
         buckets = [r for r in records if r["extra"] and "ddp_bucket" in r["extra"]]
         assert {r["role"] for r in buckets} == {"input", "output"} and {r["step"] for r in buckets} == {0, 1}
+        assert {r["phase"] for r in buckets} == {"collective"}  # the diff's receiver walk goes through it
         names = {r["name"] for r in records if r["phase"] in ("collective", "p2p")}
         assert {"all_reduce", "all_gather_single", "reduce_scatter_single"} <= names
         assert ("send" if rank == 0 else "recv") in names
