@@ -50,7 +50,7 @@ def test_identical_runs(tmp_path: Path) -> None:
     result = diff(a, b)
     assert result.verdict == "identical" and result.exit_code == 0
     assert result.first is None and result.origin_ranks == []
-    assert result.compared == (2, 2 * RUN.records_per_rank)
+    assert result.compared == (2, 2 * RUN.records_per_rank, 0)
     assert [r.cause for r in result.ranks] == ["identical", "identical"]
     assert first_divergent_step(result) is None
 
@@ -231,9 +231,12 @@ def test_metric_values_compare_bit_for_bit_and_untaken_digests_do_not(tmp_path: 
 
     write_rows(tmp_path / "a", 0, rows(0.0, 5), world_size=1)
     write_rows(tmp_path / "b", 0, rows(-0.0, None), world_size=1)  # B took no digest (above --max-numel)
-    first = diff(tmp_path / "a", tmp_path / "b").first
+    result = diff(tmp_path / "a", tmp_path / "b")
+    first = result.first
     assert first is not None and first.name == "loss" and first.detail["value"] == [0.0, -0.0]
     assert not first.origin  # a metric observes a value; it computes nothing
+    assert result.compared == (1, 2, 1)  # the untaken digest is reported as not verified; the metric was
+    assert result.ranks[0].unverified == 1
 
 
 def _collective(seq: int, rank_digest: int, out_digest: int, *, phase: str = "collective",
@@ -305,7 +308,7 @@ def test_json_has_exactly_the_schema_keys(tmp_path: Path) -> None:
     assert set(payload["first"]) == {"rank", "step", "seq", "rung", "phase", "kind", "name", "module", "role",
                                      "origin"}
     assert set(payload["ranks"][0]) == {"rank", "first", "cause", "via"}
-    assert payload["compared"] == {"ranks": 2, "records": 2 * RUN.records_per_rank}
+    assert payload["compared"] == {"ranks": 2, "records": 2 * RUN.records_per_rank, "unverified": 0}
 
 
 @settings(max_examples=25, deadline=None)

@@ -16,6 +16,7 @@ from torch import nn
 import detrace
 from detrace.errors import TraceError, UsageError
 from detrace.formats import MXFP8Tensor, mxfp8_encode
+from detrace.report.terminal import diff_lines
 from detrace.tracefile import load_capture, open_run, read_rank
 from detrace.tracing import set_step
 from detrace.tracing.config import CaptureSelector, TraceConfig, parse_steps_option
@@ -198,6 +199,12 @@ def test_windows_and_max_numel(tmp_path: Path) -> None:
     small = [r for r in records if r["numel"] <= 20 and r["rung"] != "metrics"]
     assert big and all(r["digest"] is None and r["shape"] for r in big)
     assert small and all(r["digest"] is not None for r in small)
+    # The diff cannot vouch for the bits it was not given: it says how many records it could not verify.
+    with detrace.trace(tmp_path / "w2", rung="op", steps={"op": "1", "module": "1"}, max_numel=20):
+        train(steps=3)
+    result = detrace.diff(tmp_path / "w", tmp_path / "w2")
+    assert result.verdict == "identical" and result.compared.unverified == len(big)
+    assert diff_lines(result)[1].startswith(f"not verified: {len(big):,} records carry no digest")
 
 
 def test_rank_outside_window_writes_nothing(tmp_path: Path) -> None:

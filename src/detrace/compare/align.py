@@ -80,12 +80,19 @@ class RankOutcome:
     link: Link | None = None
     """Set when `first` is the output of a collective/p2p call whose inputs on this rank matched."""
     records: int = 0
+    unverified: int = 0
     numeric: int = 0
     structural: int = 0
     sent: dict[str, int] = field(default_factory=dict)
     """Process group -> first group_seq of a collective whose input on this rank differed."""
     sent_to: dict[int, int] = field(default_factory=dict)
     """Peer rank -> first group_seq of a send whose data on this rank differed."""
+
+
+def _unverified(batch: pa.RecordBatch) -> int:
+    """Records with neither a digest nor a metric value: nothing of theirs can be compared. From the columns'
+    null counts (bitmap pop-counts), so the fast path stays a pass of C++."""
+    return max(0, batch.column("digest").null_count + batch.column("value").null_count - batch.num_rows)
 
 
 class _Cursor:
@@ -213,6 +220,7 @@ class RankAligner:
     def _aligned(self, sa: pa.RecordBatch, sb: pa.RecordBatch, equal: np.ndarray | None) -> None:
         """Account for aligned records; `equal` is None when the fast path found every record equal."""
         self.outcome.records += sa.num_rows
+        self.outcome.unverified += max(_unverified(sa), _unverified(sb))
         self._last = sa
         differ = np.flatnonzero(~equal) if equal is not None else np.empty(0, dtype=np.int64)
         if differ.size:

@@ -73,7 +73,8 @@ def resolve(outcomes: list[RankOutcome]) -> tuple[list[RankResult], list[int], D
                 detail = {**first.detail, "inputs_matched_on_all_ranks": True}
                 first = dataclasses.replace(first, origin=True, detail=detail)
         results.append(RankResult(rank=outcome.rank, first=first, cause=cause, via=via, records=outcome.records,  # type: ignore[arg-type]
-                                  numeric=outcome.numeric, structural=outcome.structural))
+                                  numeric=outcome.numeric, structural=outcome.structural,
+                                  unverified=outcome.unverified))
     origins = sorted((r for r in results if r.cause == "origin"), key=lambda r: r.first.order)  # type: ignore[union-attr]
     pool = origins or [r for r in results if r.first is not None]
     first = min((r.first for r in pool), key=lambda d: d.order, default=None)  # type: ignore[union-attr]

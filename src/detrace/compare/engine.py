@@ -80,7 +80,8 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
     results, origin_ranks, first = resolve(outcomes)
     verdict = "diverged" if first is not None else "identical"
     return DiffResult(verdict=verdict, first=first, origin_ranks=origin_ranks, ranks=results,
-                      compared=Compared(len(results), sum(r.records for r in results)), a=str(a), b=str(b))
+                      compared=Compared(len(results), sum(r.records for r in results),
+                                        sum(r.unverified for r in results)), a=str(a), b=str(b))
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -82,6 +82,9 @@ class RankResult:
     """Aligned records whose bits differ."""
     structural: int = 0
     """Places where the sequence of records differs (each resynchronised)."""
+    unverified: int = 0
+    """Aligned records with no digest to compare in one run or both (above --max-numel, or unfingerprintable):
+    they count as equal, since there is nothing to compare, and are reported so that nobody takes them as proven."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "first": self.first.to_json() if self.first else None, "cause": self.cause,
@@ -93,6 +96,8 @@ class Compared(NamedTuple):
 
     ranks: int
     records: int
+    unverified: int = 0
+    """Of `records`, those without a digest in one run or both (see RankResult.unverified)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +123,8 @@ class DiffResult:
         return {"schema": SCHEMA, "verdict": self.verdict, "reason": self.reason,
                 "first": self.first.to_json() if self.first else None, "origin_ranks": list(self.origin_ranks),
                 "ranks": [r.to_json() for r in self.ranks],
-                "compared": {"ranks": self.compared.ranks, "records": self.compared.records}}
+                "compared": {"ranks": self.compared.ranks, "records": self.compared.records,
+                             "unverified": self.compared.unverified}}
 
     @property
     def exit_code(self) -> int:

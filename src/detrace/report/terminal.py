@@ -85,10 +85,14 @@ def diff_lines(result: DiffResult) -> list[str]:
     diverged = [r for r in result.ranks if r.first is not None]
     if result.verdict == "incomparable":
         return [f"incomparable: {result.reason}"]
+    unverified = result.compared.unverified
+    note = [f"not verified: {unverified:,} records carry no digest (above --max-numel, or not fingerprintable);"
+            " only their shapes and dtypes were compared"] if unverified else []
     if result.verdict == "identical":
-        return [f"identical: {result.compared.ranks} ranks, {result.compared.records:,} records, every bit equal"]
+        return [f"identical: {result.compared.ranks} ranks, {result.compared.records:,} records, every bit equal",
+                *note]
     lines = [f"diverged: {len(diverged)} of {result.compared.ranks} ranks differ "
-             f"({result.compared.records:,} records compared)"]
+             f"({result.compared.records:,} records compared)", *note]
     if result.first is not None:
         lines.append(f"first divergence: {_where(result.first)} [{result.first.kind}]")
         lines += [f"  {line}" for line in _explain(result.first)]
