@@ -67,7 +67,8 @@ def test_racing_baselines_measure_the_noise(racing: dict[str, Path], capsys: pyt
     assert code == 1 and payload["verdict"] == "real"
     assert payload["trace"]["baselines"] is not None  # the baselines themselves differ
     loss = next(m for m in payload["metrics"] if m["name"] == "loss")
-    assert loss["steps"][0]["noise"] > 0 and loss["verdict"] == "real"
+    # the race strikes at random steps: some step of the baselines differs, and its noise is measured
+    assert any(row["noise"] > 0 for row in loss["steps"]) and loss["verdict"] == "real"
     # a baseline set against the baselines is, by construction, within their variation
     code, payload = _compare(capsys, racing["a"], racing["b"], racing["b"])
     assert code == 0 and payload["verdict"] == "noise"
