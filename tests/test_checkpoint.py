@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import spawn_ranks
 
 from detrace.cli import main as detrace
 from detrace.errors import CheckpointCorrupted, CheckpointError
@@ -294,18 +295,7 @@ def _two_ranks(rank: int, root: str, port: int) -> None:
 
 @pytest.mark.slow
 def test_a_failure_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.start_processes(_two_ranks, args=(str(tmp_path), port), nprocs=2, join=False)
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError("the ranks hung")
+    spawn_ranks(_two_ranks, (str(tmp_path),), timeout=180)
     errors = [json.loads((tmp_path / f"errors-{rank}.json").read_text()) for rank in range(2)]
     assert "another rank failed to prepare" in errors[0]["save"]
     assert "cannot save 'rank1.extra.schedule'" in errors[1]["save"]

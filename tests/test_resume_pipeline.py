@@ -11,14 +11,13 @@ import datetime
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -82,18 +81,7 @@ def _pipeline_ranks(rank: int, root: str, port: int) -> None:
 
 
 def test_each_rank_resumes_its_own_layers_and_a_misfit_on_one_rank_stops_all(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.start_processes(
-        _pipeline_ranks, args=(str(tmp_path), port), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError("the ranks hung")
+    spawn_ranks(_pipeline_ranks, (str(tmp_path),), timeout=120)
     reports = [json.loads((tmp_path / f"report-{rank}.json").read_text()) for rank in range(2)]
     for report in reports:
         assert report["step"] == 1 and report["params"] and report["moments"]
