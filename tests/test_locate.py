@@ -112,7 +112,7 @@ def test_config_checks() -> None:
 
 
 def test_run_budget_is_stated() -> None:
-    assert (BASE_RUNS, MAX_RUNS) == (7, 12)
+    assert (BASE_RUNS, MAX_RUNS) == (7, 13)
 
 
 def test_default_command_is_the_index_dispatch_on_two_threads() -> None:
@@ -198,7 +198,7 @@ def test_deterministic_command_exits_0_with_the_verdict(
     done, out = deterministic
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
-    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report"]
+    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
     assert payload["schema"] == "detrace.locate/1" and payload["verdict"] == "deterministic"
     assert payload["culprit"] is None and payload["replay"] is None
     assert payload["runs"] == [str(out / name) for name in ("1-semantic-a", "1-semantic-b", "1-semantic-c")]
@@ -217,7 +217,7 @@ def test_deterministic_human_summary(tmp_path: Path) -> None:
                       "--deterministic")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deterministic over 1 steps:")
-    assert "runs     3 (of at most 12)" in done.stdout
+    assert "runs     3 (of at most 13)" in done.stdout
 
 
 def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:

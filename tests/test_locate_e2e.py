@@ -46,7 +46,7 @@ def locate_racing(out: Path, *args: str, timeout: float = 600) -> tuple[subproce
 def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
-    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report"]
+    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
     assert payload["verdict"] == "nondeterministic"
     return payload
 

@@ -19,6 +19,13 @@ a rung that still does not settle
 makes the verdict "inconclusive", with what the broader rungs established. Every run starts from the same
 state (a fresh process of the same command, environment and working directory), and every run directory is
 kept under `out`.
+
+The checkpointed ladder, for a CMD that follows the resume contract (`detrace.TrainState`, docs/resume.md): the
+broad runs save a checkpoint every K steps (DETRACE_CKPT_EVERY); one run resumed from a checkpoint of run A must
+reproduce A's trace over the next window (the proof); then every narrower run resumes from A's latest checkpoint
+at or before the divergent step and stops right after it (DETRACE_RESUME_FROM, DETRACE_STOP_AT), so it executes
+at most K + 1 steps wherever the divergence lies. A proof that fails makes the narrow runs full runs again; a
+CMD that writes no checkpoint gets today's full runs.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +45,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
-from detrace.compare.classify import IDENTITY, INPUT_ROLES, OUTPUT_ROLES, content_mask
+from detrace.compare.classify import IDENTITY, INPUT_ROLES, OUTPUT_ROLES, content_mask, label
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
+from detrace.state.manifest import MANIFEST_FILE
 from detrace.tracefile import open_run, read_rank, write_json_atomic
 from detrace.tracing.launch import run_traced
 
@@ -49,11 +59,16 @@ LOCATE_FILE = "locate.json"
 LADDER_FILE = "ladder.json"
 """Everything the rungs established (stages, diffs, the culprit's records, every replay arm): the report's input."""
 REPORT_FILE = "report.html"
+REFERENCE_RUN = "1-semantic-a"
+"""Run A of the broad rung: the narrow runs resume from its checkpoints, and the resume proof is held against it."""
+CHECKPOINTS = "checkpoints"
+"""Subdirectory of `out` where the broad run A keeps its checkpoints (and other runs their scratch saves)."""
 
 BASE_RUNS = 7
 """Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
-MAX_RUNS = 12
-"""Runs at most: a third broad run when the first pair is identical, and each narrow pair once more."""
+MAX_RUNS = 13
+"""Runs at most: a third broad run when the first pair is identical, the resume proof of a checkpointed ladder,
+and each narrow pair once more."""
 
 DEFAULT_STEPS = 8
 """Steps of the embedded default workload: its race strikes at a random step (on an idle machine, in roughly one
@@ -62,6 +77,12 @@ DEFAULT_BATCH = 32
 """Sequences per step of the embedded default (the preset has 8): 32 x 32 tokens routed to 4 experts each make
 the MoE backward's accumulating index_put (4096 rows into 1024) long enough for its two threads to overlap, so
 the race recurs in the ladder's narrower reruns."""
+
+
+DEFAULT_CHECKPOINT_EVERY = 8
+"""K when locate chooses: a narrow run resumed from a checkpoint executes at most K + 1 steps (six of them in a
+ladder whose pairs reproduce the divergence), and the broad runs each write one checkpoint per K steps (every
+version kept until locate ends: a long run of a large model wants a larger `--checkpoint-every`)."""
 
 
 def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
@@ -88,10 +109,15 @@ class LocateConfig:
     """How the kernel rung replays the culprit."""
     env: dict[str, str] | None = None
     """Extra environment for CMD (the same for every run, so every arm starts from the same state)."""
+    checkpoint_every: int | None = None
+    """K: the broad runs of a CMD that follows the resume contract save a checkpoint every K steps, and the
+    narrow runs resume from the last one before the divergence. None: `DEFAULT_CHECKPOINT_EVERY`."""
 
     def __post_init__(self) -> None:
         if not self.command:
             raise UsageError("locate needs a command to run")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every must be a positive number of steps, not {self.checkpoint_every}")
         if self.timeout is not None and not self.timeout > 0:
             raise UsageError(f"--timeout must be a positive number of seconds, not {self.timeout}")
         if not 0 <= self.retries <= 1:
@@ -111,7 +137,7 @@ class Stage:
     """One rung of the ladder as it ran."""
 
     rung: str
-    """semantic | module | op | kernel."""
+    """semantic | resume (the proof that resuming is exact) | module | op | kernel."""
     steps: str
     """The steps this rung records in detail."""
     ranks: str
@@ -125,10 +151,35 @@ class Stage:
     """What the rung established, in one sentence."""
     wide: bool = False
     """Record every step, not only steps 0..S: set for the retry of a pair that did not part by step S."""
+    start: int = 0
+    """The global step this stage's runs start at: 0 (from the beginning), or the checkpoint they resume from."""
+    resume_from: str | None = None
+    """The checkpoint version its runs resume from (DETRACE_RESUME_FROM); None: they start at step 0."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rung": self.rung, "steps": self.steps, "ranks": self.ranks, "runs": self.runs,
-                "diff": self.diff, "found": self.found, "note": self.note}
+                "diff": self.diff, "found": self.found, "note": self.note, "start": self.start}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCost:
+    """What one run of CMD cost."""
+
+    run: str
+    """Its directory name under `out`."""
+    rung: str
+    start: int
+    """The global step it started at (0, or the checkpoint it resumed from)."""
+    stop: int | None
+    """DETRACE_STOP_AT: it stopped once this many steps had completed; None: it ran to its end."""
+    seconds: float
+    """Wall time of the process."""
+
+    def to_json(self, total: int) -> dict[str, Any]:
+        """With `total`, the steps a full run executes (the broad rung's count)."""
+        end = total if self.stop is None else min(self.stop, total)
+        return {"run": self.run, "rung": self.rung, "start": self.start, "steps": max(0, end - self.start),
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass(kw_only=True)
@@ -150,6 +201,15 @@ class LocateResult:
     replay: ReplayResult | None = None
     stages: list[Stage] = field(default_factory=list)
     report: str = ""
+    costs: list[RunCost] = field(default_factory=list)
+    """Every run of CMD, in the order they ran."""
+    notes: list[str] = field(default_factory=list)
+    """What the summary adds: a CMD without the resume contract, or a resume that was not exact."""
+    checkpoint_every: int | None = None
+    """K of the checkpointed ladder; None when CMD wrote no checkpoint (it does not follow the contract)."""
+    resume: str = "no-contract"
+    """no-contract (CMD wrote no checkpoint: every run is a full run) | unused (no narrow run needed a
+    checkpoint) | exact (proven: narrow runs resumed) | inexact (the proof failed: narrow runs are full runs)."""
 
     @property
     def runs(self) -> list[str]:
@@ -159,13 +219,20 @@ class LocateResult:
     def exit_code(self) -> int:
         return {"deterministic": 0, "nondeterministic": 1}.get(self.verdict, 2)
 
+    def cost(self) -> dict[str, Any]:
+        """What the ladder cost: runs, steps executed per run and where each started, and the resume used."""
+        per_run = [c.to_json(self.steps) for c in self.costs]
+        return {"runs": len(per_run), "steps": sum(r["steps"] for r in per_run),
+                "seconds": round(sum(c.seconds for c in self.costs), 3),
+                "checkpoint_every": self.checkpoint_every, "resume": self.resume, "per_run": per_run}
+
     def to_json(self) -> dict[str, Any]:
-        """Exactly DESIGN.md's `detrace.locate/1` object."""
+        """DESIGN.md's `detrace.locate/1` object, with the ladder's cost."""
         culprit = None if self.culprit is None else {k: self.culprit[k] for k in
                                                       ("rank", "step", "phase", "module", "name", "origin")}
         return {"schema": LOCATE_SCHEMA, "verdict": self.verdict, "culprit": culprit,
                 "replay": None if self.replay is None else self.replay.summary(),
-                "runs": self.runs, "report": self.report}
+                "runs": self.runs, "report": self.report, "cost": self.cost()}
 
     def ladder_json(self) -> dict[str, Any]:
         """`detrace.ladder/1`: everything `detrace report` draws."""
@@ -173,7 +240,8 @@ class LocateResult:
                 "command": self.command, "steps": self.steps, "culprit": self.culprit,
                 "culprit_records": self.culprit_records,
                 "replay": None if self.replay is None else self.replay.to_json(),
-                "stages": [s.to_json() for s in self.stages], "runs": self.runs, "report": self.report}
+                "stages": [s.to_json() for s in self.stages], "runs": self.runs, "report": self.report,
+                "notes": self.notes, "cost": self.cost()}
 
 
 class Progress:
@@ -198,16 +266,6 @@ def _where(d: dict[str, Any]) -> str:
             + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
 
 
-def _windows(stage: Stage) -> str:
-    """The tracer's step window for one run of a stage: every rung records every step up to the stage's step S.
-
-    Nondeterminism is random: a narrower pair may part at an earlier step than the broad pair did. Recording
-    the stage's rung from step 0 on means that wherever the pair parts, it parts inside the detailed window, and
-    no module or op in S is mistaken for an origin because its parameters already differed at an unrecorded step.
-    """
-    return "all" if stage.steps == "all" or stage.wide else f"0-{stage.steps}"
-
-
 def _found(d: Divergence) -> dict[str, Any]:
     """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and shapes."""
     return {**d.to_json(), "occurrence": d.occurrence, "index": d.index, "event": d.event,
@@ -222,25 +280,95 @@ class Ladder:
         self.progress = progress or Progress()
         self.planned = BASE_RUNS
         self.stages: list[Stage] = []
+        self.costs: list[RunCost] = []
+        self.every = config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
+        self.checkpoints: dict[int, Path] = {}
+        """Run A's checkpoints: completed steps -> version directory. Empty: CMD ignores the contract."""
+        self.resume = "no-contract"
+        self.completed: list[str] = []
+        """The rungs at which CMD ran to completion so far (a later failure is then the rung's doing)."""
 
     # -- running CMD ---------------------------------------------------------------------------------------
 
-    def _run(self, stage: Stage, name: str, *, rung: str, capture: str | None = None) -> Path:
+    def _window(self, stage: Stage) -> str:
+        """The tracer's step window for one run of a stage: every rung records every step from the stage's start
+        (0, or the checkpoint it resumes from) up to its step S.
+
+        Nondeterminism is random: a narrower pair may part at an earlier step than the broad pair did. Recording
+        the stage's rung from its start on means that wherever the pair parts, it parts inside the detailed
+        window, and no module or op in S is mistaken for an origin because its parameters already differed at
+        an unrecorded step (a resumed pair starts from one checkpoint: nothing differs before its start).
+        """
+        if stage.steps == "all" or (stage.wide and self._stop(stage) is None):
+            return "all"
+        return f"{stage.start}-{self._stop(stage) - 1}" if stage.wide else f"{stage.start}-{stage.steps}"  # type: ignore[operator]
+
+    def _stop(self, stage: Stage) -> int | None:
+        """DETRACE_STOP_AT for a narrow stage's runs: right after step S (a wide retry: after the window that
+        starts at the stage's start); None: full runs (CMD ignores the contract, or resuming was inexact)."""
+        if self.resume in ("no-contract", "inexact") or stage.steps == "all":
+            return None
+        return stage.start + self.every + 1 if stage.wide else int(stage.steps) + 1
+
+    def _place(self, stage: Stage) -> None:
+        """Start the stage's runs from run A's latest checkpoint at or before its step, once resuming is proven."""
+        stage.start, stage.resume_from = 0, None
+        if self.resume == "exact":
+            start = max((c for c in self.checkpoints if c <= int(stage.steps)), default=0)
+            if start:
+                stage.start, stage.resume_from = start, str(self.checkpoints[start])
+
+    def _contract_env(self, name: str, *, periodic: bool = False, stop: int | None = None,
+                      resume_from: str | None = None) -> dict[str, str]:
+        """The resume contract's variables for one run (docs/resume.md); its saves go to its own directory."""
+        env = {"DETRACE_CKPT_DIR": str(self.config.out / CHECKPOINTS / name)}
+        if periodic:
+            env["DETRACE_CKPT_EVERY"] = str(self.every)
+        if stop is not None:
+            env["DETRACE_STOP_AT"] = str(stop)
+        if resume_from is not None:
+            env["DETRACE_RESUME_FROM"] = resume_from
+        return env
+
+    def _run(self, stage: Stage, name: str, *, rung: str, capture: str | None = None, window: str | None = None,
+             contract: dict[str, str] | None = None) -> Path:
+        """One run of CMD. `contract`: the resume contract's variables (None: a narrow run as the stage says)."""
         out = self.config.out / name
         self.progress.run_started(name, self.planned)
         stage.runs.append(str(out))
+        if contract is None and stage.steps == "all":  # a broad run: checkpoints every K steps, if CMD obliges
+            contract = self._contract_env(name, periodic=True)
+        elif contract is None:
+            stop = self._stop(stage)
+            contract = {} if stop is None else self._contract_env(name, stop=stop, resume_from=stage.resume_from)
+        stop_at = contract.get("DETRACE_STOP_AT")
+        start = stage.start if "DETRACE_RESUME_FROM" in contract else 0
         # The capture run is not compared with anything: it fingerprints nothing (max_numel 0), which halves
         # its cost, and only copies the one call it captures.
         max_numel = 0 if capture else self.config.max_numel if rung in ("module", "op") else None
+        what = f"{'the capture run (op rung)' if capture else f'the {rung} rung'}" + (
+            f", resumed from the checkpoint after step {start}" if start else "")
         try:
-            result = run_traced(list(self.config.command), out, rung=rung, steps=_windows(stage), ranks=stage.ranks,
-                                max_numel=max_numel, capture=capture, env=self.config.env,
-                                timeout=self.config.timeout, quiet=True)
+            result = run_traced(list(self.config.command), out, rung=rung, steps=window or self._window(stage),
+                                ranks=stage.ranks, max_numel=max_numel, capture=capture,
+                                env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
-            raise RunFailed(f"run {name} of the ladder failed: {err}") from None
+            raise RunFailed(f"run {name} of the ladder ({what}) failed: {err}") from None
         if result.returncode != 0:
-            raise RunFailed(f"CMD exited with status {result.returncode} in run {name} of the ladder (kept in "
-                            f"{out}); a command that fails on its own cannot be located", result.output_tail)
+            if self.completed:
+                cause = (f"CMD ran to completion at the {self.completed[0]} rung, so detrace's "
+                         f"{'capture' if capture else rung} rung made it fail")
+            else:
+                cause = ("no run has completed yet, so locate cannot tell whether CMD or detrace's "
+                         f"{rung} rung made it fail: run CMD without detrace to see")
+            raise RunFailed(f"CMD exited with status {result.returncode} in run {name} of the ladder ({what}; kept "
+                            f"in {out}); {cause}", result.output_tail)
+        if rung not in self.completed:
+            self.completed.append(rung)
+        self.costs.append(RunCost(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
+                                  seconds=result.elapsed))
+        if name != REFERENCE_RUN:  # only run A's checkpoints are resumed from
+            shutil.rmtree(self.config.out / CHECKPOINTS / name, ignore_errors=True)
         self.progress.run_finished(name, result.elapsed)
         return out
 
@@ -296,14 +424,30 @@ class Ladder:
     # -- the rungs -----------------------------------------------------------------------------------------
 
     def run(self) -> LocateResult:
+        result = self._ladder()
+        narrowed = any(stage.rung in ("module", "op", "kernel") for stage in self.stages)
+        if narrowed and self.resume == "no-contract":
+            result.notes.append("CMD wrote no checkpoint, so every narrow run re-ran it from step 0: on long runs, "
+                                "the resume contract (detrace.TrainState, docs/resume.md) lets locate resume them "
+                                "from a checkpoint next to the divergence")
+        elif narrowed and self.resume == "inexact":
+            result.notes.append(next(s.note for s in self.stages if s.rung == "resume"))
+        return result
+
+    def _ladder(self) -> LocateResult:
         cfg = self.config
         result = LocateResult(verdict="inconclusive", message="", command=list(cfg.command), out=cfg.out)
         result.stages = self.stages
+        result.costs = self.costs
 
         broad = Stage(rung="semantic", steps="all", ranks="all")
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = _recorded_steps(Path(broad.runs[0]))
+        self.checkpoints = _checkpoints(self.config.out / CHECKPOINTS / REFERENCE_RUN)
+        if self.checkpoints:
+            self.resume = result.resume = "unused"
+            result.checkpoint_every = self.every
         if first_pair.verdict == "identical" or first_pair.first is None:
             # A race that strikes at random steps can spare one pair: a third run, compared with the first,
             # before the verdict is "deterministic".
@@ -328,9 +472,12 @@ class Ladder:
         broad.note = f"the runs part at {_where(broad.found)}; origin rank(s) {window['ranks']}"
         self.progress.rung(broad)
         result.culprit = broad.found
+        self._prove_resume(step)
+        result.resume = self.resume
 
         for rung in ("module", "op"):
             stage = Stage(rung=rung, **window)
+            self._place(stage)
             self.stages.append(stage)
             found = self._narrow(stage, rung)
             if found is None:
@@ -365,8 +512,45 @@ class Ladder:
                                "; replayed alone it was deterministic, so its inputs or surroundings decide")
         return result
 
+    def _prove_resume(self, step: int) -> None:
+        """Once: a run resumed from one of run A's checkpoints before `step` must reproduce A's trace over the
+        next window, or no narrow run resumes.
+
+        The window is the steps after checkpoint P, up to K of them and none at or after the divergent step
+        (the runs differ there by themselves). Step P itself is left out: run A saved a checkpoint in it and the
+        resumed run loaded one, and under a process group both record their collectives. The resumed run also
+        saves every K steps, so that its saves fall in the same steps as A's.
+        """
+        if not self.checkpoints or not max((c for c in self.checkpoints if c <= step), default=0):
+            return  # no checkpoint before the divergence: narrow runs start at step 0 (and stop after it)
+        proof_from = max((c for c in self.checkpoints if c <= step - 2), default=0)
+        if not proof_from:
+            return  # the divergence is too close to the first checkpoint to prove anything before it
+        last = min(proof_from + self.every, step - 1)
+        stage = Stage(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
+                      resume_from=str(self.checkpoints[proof_from]))
+        self.stages.append(stage)
+        self.planned += 1
+        name = f"{len(self.stages)}-resume"
+        try:
+            run = self._run(stage, name, rung="semantic", window=stage.steps, contract=self._contract_env(
+                name, periodic=True, stop=last + 1, resume_from=stage.resume_from))
+            difference = same_over(self.config.out / REFERENCE_RUN, run, proof_from + 1, last)
+        except RunFailed as err:
+            difference = f"the resumed run failed ({err})"
+        if difference is None:
+            self.resume = "exact"
+            stage.note = (f"resuming from the checkpoint after step {proof_from} reproduced run A over steps "
+                          f"{stage.steps}: the narrow runs resume from checkpoints")
+        else:
+            self.resume = "inexact"
+            stage.note = (f"resuming from the checkpoint after step {proof_from} did not reproduce run A over steps "
+                          f"{stage.steps} ({difference}): the resume is not exact, so every narrow run is a full run")
+        self.progress.rung(stage)
+
     def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
         stage = Stage(rung="kernel", steps=str(culprit["step"]), ranks=str(culprit["rank"]))
+        self._place(stage)
         self.stages.append(stage)
         # No rank= key: the run's rank window already limits it to that rank, and a single process learns its
         # rank only at the end of its first step. module= is always given ("" for none) to pin the occurrence.
@@ -387,13 +571,18 @@ class Ladder:
         return replayed
 
 
-def aligned_records(run_a: str | Path, run_b: str | Path, rank: int) -> tuple[pa.Table, np.ndarray, int, int]:
+def aligned_records(run_a: str | Path, run_b: str | Path, rank: int, *,
+                    steps: tuple[int, int] | None = None) -> tuple[pa.Table, np.ndarray, int, int]:
     """One rank's records of two runs matched by identity (the A side of each pair, in A's order), whether each
     pair carries the same bits (`detrace.compare.classify.content_mask`), and how many records of A and of B
     found no partner. Positional alignment and resynchronisation are the diff's business; this is the
-    order-free view that per-step counts and the search for an origin call need.
+    order-free view that per-step counts and the search for an origin call need. `steps` (first, last) keeps
+    only the records of those steps.
     """
     ta, tb = read_rank(run_a, rank).table, read_rank(run_b, rank).table
+    if steps is not None:
+        ta, tb = (t.filter(pc.and_(pc.greater_equal(t["step"], steps[0]), pc.less_equal(t["step"], steps[1])))
+                  for t in (ta, tb))
 
     def keys(table: pa.Table, position: str) -> pa.Table:
         columns = {name: table[name] for name in IDENTITY}
@@ -434,6 +623,37 @@ def first_origin_call(run_a: str | Path, run_b: str | Path, rank: int) -> dict[s
             return {**{k: found.get(k) for k in keep}, "rank": rank, "kind": "numeric", "origin": True,
                     "detail": {}}
     return None
+
+
+def same_over(run_a: str | Path, run_b: str | Path, first: int, last: int) -> str | None:
+    """Whether two runs recorded the same records with the same bits in steps `first`..`last`, whatever each
+    recorded outside them (one may have started there, resumed from a checkpoint). None when they did; else
+    where they first differ, in one phrase."""
+    ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
+    if sorted(ranks_a) != sorted(ranks_b):
+        return f"ranks {_ranks_spec(list(ranks_a))} against ranks {_ranks_spec(list(ranks_b))}"
+    compared = 0
+    for rank in sorted(ranks_a):
+        table, equal, only_a, only_b = aligned_records(run_a, run_b, rank, steps=(first, last))
+        if not equal.all():
+            row = table.slice(int(np.argmin(equal)), 1).to_pylist()[0]
+            return f"rank {rank}, step {row['step']}: {label(row)} differs"
+        if only_a or only_b:
+            return f"rank {rank}: {only_a} records of run A and {only_b} of the resumed run have no partner"
+        compared += table.num_rows
+    return None if compared else f"no records in steps {first}-{last}"
+
+
+def _checkpoints(root: Path) -> dict[int, Path]:
+    """The checkpoint versions a run saved under `root` (docs/resume.md's layout): completed steps -> directory.
+    Only complete versions count (their manifest is written last); none when CMD ignored the contract."""
+    found: dict[int, Path] = {}
+    if root.is_dir():
+        for version in root.iterdir():
+            match = re.fullmatch(r"step-(\d+)", version.name)
+            if match and (version / MANIFEST_FILE).is_file():
+                found[int(match.group(1))] = version
+    return found
 
 
 def _recorded_steps(run_dir: Path) -> int:

@@ -1,6 +1,8 @@
-"""`detrace locate [--json] [--out DIR] [-- CMD...]`: drive the whole ladder, print progress on stderr.
+"""`detrace locate [--json] [--out DIR] [--checkpoint-every K] [-- CMD...]`: drive the whole ladder, print progress
+on stderr.
 
-Exit 0 when the runs are deterministic, 1 when a culprit was found, 2 on error or an inconclusive ladder.
+Exit 0 when the runs are deterministic, 1 when a culprit was found, 2 on error or an inconclusive ladder. With
+`--json`, an error too is one JSON object on stdout (`"verdict": "error"` and the sentence).
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.errors import CommandFailed
+from detrace.errors import CommandFailed, DetraceError
 from detrace.locate import (
     BASE_RUNS,
+    DEFAULT_CHECKPOINT_EVERY,
+    LOCATE_SCHEMA,
     MAX_RUNS,
     LocateConfig,
     LocateResult,
@@ -27,8 +31,8 @@ from detrace.locate import (
 from detrace.locate import Progress as LadderProgress
 from detrace.replay import ReplayConfig
 
-_RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "module": "rung 2 (module)", "op": "rung 3 (op)",
-                "kernel": "rung 4 (kernel)"}
+_RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "resume": "resume proof", "module": "rung 2 (module)",
+                "op": "rung 3 (op)", "kernel": "rung 4 (kernel)"}
 
 
 class RichProgress(LadderProgress):
@@ -77,13 +81,31 @@ def render(result: LocateResult, console: Console) -> None:
                       f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
-    for run in result.runs:
-        console.print(f"           {run}", highlight=False)
+    for run, cost in zip(result.runs, result.cost()["per_run"], strict=True):
+        console.print(f"           {run}  (from step {cost['start']}, {cost['steps']} steps)", highlight=False)
+    cost = result.cost()
+    every = f", a checkpoint every {cost['checkpoint_every']} steps" if cost["checkpoint_every"] else ""
+    console.print(f"  cost     {cost['steps']} steps executed in {cost['runs']} runs, {cost['seconds']:.1f} s"
+                  f"{every} (resume: {cost['resume']})", highlight=False)
+    for note in result.notes:
+        console.print(f"  note     {note}", highlight=False)
     console.print(f"  report   {result.report}", highlight=False)
 
 
 def main(argv: list[str]) -> int:
     options, command = split_command(argv)
+    try:
+        return _locate(options, command)
+    except DetraceError as err:
+        if "--json" not in options:
+            raise
+        # One JSON object on stdout, whatever went wrong: a caller parsing stdout never gets nothing.
+        print(json.dumps({"schema": LOCATE_SCHEMA, "verdict": "error", "message": str(err)}, indent=1))
+        print(f"detrace locate: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def _locate(options: list[str], command: list[str]) -> int:
     parser = ArgumentParser(
         "locate",
         f"Find the first op that makes two runs of CMD differ, by the progressive ladder: {BASE_RUNS} runs of CMD "
@@ -102,9 +124,14 @@ def main(argv: list[str]) -> int:
                         help="at the module and op rungs, do not fingerprint tensors above N elements")
     parser.add_argument("--repeats", type=int, default=ReplayConfig().repeats,
                         help="least executions per arm of the kernel rung's replay (default %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                        help="for a CMD that follows the resume contract (detrace.TrainState): the broad runs save "
+                             f"a checkpoint every K steps (default {DEFAULT_CHECKPOINT_EVERY}) and the narrow runs "
+                             "resume from the last one before the divergence")
     args = parser.parse_args(options)
     config = LocateConfig(command=tuple(command or default_command()), out=args.out or default_out(),
-                          timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats))
+                          timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats),
+                          checkpoint_every=args.checkpoint_every)
     console = Console(stderr=True, highlight=False)
     console.print(f"detrace locate: {' '.join(config.command)}" + ("" if command else "  (embedded default)"))
     console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")

@@ -62,6 +62,10 @@ class TrainConfig:
     """Peak AdamW learning rate (linear warmup over the first steps)."""
     batch_size: int | None = None
     """Sequences per data stream per step; None takes the preset's."""
+    nondeterministic_from: int | None = None
+    """A planted late divergence: the first S optimizer steps (global steps 0..S-1, printed 1..S) run under
+    `torch.use_deterministic_algorithms(True)`, the later ones without, so the real race of the "index"
+    dispatch starts at global step S. None: PyTorch's defaults throughout (or `deterministic`)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -72,6 +76,12 @@ class TrainConfig:
             raise UsageError(f"parallel layout {self.parallel!r} must be one of {', '.join(parallel.LAYOUTS)}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be positive, not {self.lr}")
+        if self.nondeterministic_from is not None:
+            if self.nondeterministic_from < 0:
+                raise UsageError(f"--nondeterministic-from must be 0 or more, not {self.nondeterministic_from}")
+            if self.deterministic or self.dispatch != "index":
+                raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
+                                 "--dispatch index and no --deterministic")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -97,6 +107,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per data stream (default: preset)")
+    p.add_argument("--nondeterministic-from", type=int, default=None, metavar="S",
+                   help="deterministic for the first S steps, then the index dispatch's real race (global step S on)")
     args = p.parse_args(list(argv))
     return TrainConfig(**{k: v for k, v in vars(args).items()})
 
@@ -145,6 +157,10 @@ def train(cfg: TrainConfig) -> None:
             )
         batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
         for step in range(start + 1, cfg.steps + 1):
+            if cfg.nondeterministic_from is not None:
+                # Deterministic algorithms make the MoE backward's accumulating index_put serial (sorted); off,
+                # its CPU kernel adds from 2+ threads in a racing order. Global step = steps completed before.
+                torch.use_deterministic_algorithms(step - 1 < cfg.nondeterministic_from)
             inputs, targets = (t.to(layout.device) for t in split_batch(next(batches)))
             pm.forward_backward(inputs, targets)
             m = pm.metrics()

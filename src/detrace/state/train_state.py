@@ -5,7 +5,9 @@ unmodified training script stop, save and resume:
 
     DETRACE_CKPT_DIR=path       where checkpoints go
     DETRACE_STOP_AT=K           after step K completes, save and stop the training loop
+    DETRACE_CKPT_EVERY=K        also save after every K-th step, keeping every version (step-0000000K, ...)
     DETRACE_RESUME=1            load the checkpoint from DETRACE_CKPT_DIR at start
+    DETRACE_RESUME_FROM=path    load this checkpoint at start (a root, or one version such as .../step-00000016)
     DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
 
 A training loop needs two calls: `start = state.resume_if_requested()` before it, and
@@ -35,7 +37,9 @@ from detrace.state import checkpoint, rng
 
 ENV_CKPT_DIR = "DETRACE_CKPT_DIR"
 ENV_STOP_AT = "DETRACE_STOP_AT"
+ENV_CKPT_EVERY = "DETRACE_CKPT_EVERY"
 ENV_RESUME = "DETRACE_RESUME"
+ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
 ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
 
 # Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
@@ -97,7 +101,8 @@ class TrainState:
         return self._load(Path(path), control=None)
 
     def resume_if_requested(self) -> int:
-        """Load from DETRACE_CKPT_DIR when DETRACE_RESUME=1; the step to continue from (0 otherwise)."""
+        """Load from DETRACE_RESUME_FROM when it is set, else from DETRACE_CKPT_DIR when DETRACE_RESUME=1;
+        the step to continue from (0 otherwise)."""
         resume = os.environ.get(ENV_RESUME, "")
         if resume not in ("", "0", "1"):
             raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
@@ -105,25 +110,27 @@ class TrainState:
         if control is not None and control not in CONTROLS:
             known = ", ".join(CONTROLS)
             raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+        source = os.environ.get(ENV_RESUME_FROM)
+        if source:
+            return self._load(Path(source), control=control)
         if resume != "1":
             return 0
         return self._load(_checkpoint_dir(), control=control)
 
     def end_of_step(self, step: int) -> bool:
         """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
-        return True so that the loop stops."""
+        return True so that the loop stops. After every DETRACE_CKPT_EVERY-th step, save and go on."""
         self.step = step
-        stop_at = os.environ.get(ENV_STOP_AT)
-        if not stop_at:
-            return False
-        try:
-            stop = int(stop_at)
-        except ValueError:
-            raise UsageError(f"{ENV_STOP_AT} must be a step number, not {stop_at!r}") from None
-        if step != stop:
-            return False
-        self.save(_checkpoint_dir())
-        return True
+        stop = _step_variable(ENV_STOP_AT)
+        every = _step_variable(ENV_CKPT_EVERY)
+        if every == 0:
+            raise UsageError(f"{ENV_CKPT_EVERY} must be a positive number of steps, not 0")
+        periodic = every is not None and step % every == 0
+        if step == stop or periodic:
+            # Periodic checkpoints keep every version: a later run may resume from any of them (detrace
+            # locate resumes its narrow rungs from the last one before a divergence).
+            self.save(_checkpoint_dir(), keep=sys.maxsize if every is not None else 1)
+        return step == stop
 
     def _shared(self) -> dict[str, Any]:
         """Model, optimizer, scheduler and scaler state as this rank holds it: replicated (DDP), sharded
@@ -240,6 +247,20 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
             del optimizer.__dict__["step"]
         else:
             optimizer.__dict__["step"] = own
+
+
+def _step_variable(name: str) -> int | None:
+    """A step count from the environment variable `name`, or None when it is unset or empty."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{name} must be a step number, not {value!r}") from None
+    if number < 0:
+        raise UsageError(f"{name} must be a step number, not {value!r}")
+    return number
 
 
 def _checkpoint_dir() -> Path:

@@ -1,0 +1,124 @@
+"""The checkpointed ladder: the resume contract's periodic checkpoints and chosen versions (DETRACE_CKPT_EVERY,
+DETRACE_RESUME_FROM), and `detrace locate` resuming its narrow rungs from them on the reference workload's planted
+late race (`--nondeterministic-from`), falling back to full runs when the resume is not exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_locate import locate_cli
+
+from detrace import TrainState
+from detrace.errors import UsageError
+from detrace.examples.train import TrainConfig, parse_args
+from detrace.state import ResumableSampler
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(3, 2)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=ResumableSampler(8))
+
+
+def test_checkpoint_every_keeps_every_version_and_resume_from_picks_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(ckpt))
+    monkeypatch.setenv("DETRACE_CKPT_EVERY", "2")
+    state = _state()
+    weights = {}
+    for step in range(1, 7):
+        state.model.weight.data.fill_(float(step))
+        weights[step] = state.model.weight.detach().clone()
+        assert not state.end_of_step(step)  # periodic saves never stop the loop
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-00000002", "step-00000004", "step-00000006"]
+    assert (ckpt / "latest").read_text() == "step-00000006\n"
+
+    # Resume from a chosen version, and stop there: the stop's save goes to DETRACE_CKPT_DIR, the others stay.
+    monkeypatch.delenv("DETRACE_CKPT_EVERY")
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "scratch"))
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(ckpt / "step-00000004"))
+    resumed = _state()
+    assert resumed.resume_if_requested() == 4
+    assert torch.equal(resumed.model.weight, weights[4])
+    monkeypatch.setenv("DETRACE_STOP_AT", "5")
+    assert resumed.end_of_step(5)
+    assert (tmp_path / "scratch" / "latest").read_text() == "step-00000005\n"
+    assert len([p for p in ckpt.iterdir() if p.name.startswith("step-")]) == 3
+
+
+@pytest.mark.parametrize(("value", "message"), [("0", "DETRACE_CKPT_EVERY must be a positive number of steps"),
+                                                ("often", "DETRACE_CKPT_EVERY must be a step number, not 'often'"),
+                                                ("-2", "DETRACE_CKPT_EVERY must be a step number, not '-2'")])
+def test_checkpoint_every_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.setenv("DETRACE_CKPT_EVERY", value)
+    with pytest.raises(UsageError, match=message):
+        _state().end_of_step(1)
+
+
+def test_resume_from_a_missing_checkpoint_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from detrace.errors import CheckpointError
+
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / "nowhere"))
+    with pytest.raises(CheckpointError, match="there is no checkpoint at"):
+        _state().resume_if_requested()
+
+
+def test_nondeterministic_from_checks() -> None:
+    assert parse_args(["--nondeterministic-from", "3"]).nondeterministic_from == 3
+    with pytest.raises(UsageError, match="needs --dispatch index and no --deterministic"):
+        TrainConfig(nondeterministic_from=3, deterministic=True)
+    with pytest.raises(UsageError, match="needs --dispatch index"):
+        TrainConfig(nondeterministic_from=3, dispatch="fixed")
+    with pytest.raises(UsageError, match="must be 0 or more"):
+        TrainConfig(nondeterministic_from=-1)
+
+
+# A loop that draws its data from a counter file, so that every run differs from the one before (INJECTED FAULT 1,
+# a run-to-run difference), and exits 5 when it is traced at the module rung (INJECTED FAULT 2: it stands for a
+# rung that breaks the program, as module hooks once broke Dynamo).
+RUNG_FAULT_SCRIPT = '''
+import json, os, sys
+from pathlib import Path
+import torch
+
+counter = Path(sys.argv[1])
+run = int(counter.read_text()) + 1 if counter.exists() else 0
+counter.write_text(str(run))
+if json.loads(os.environ.get("DETRACE_TRACE", "{}")).get("rung") == "module":
+    sys.exit(5)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(2):
+    model(torch.full((2, 4), float(run))).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_a_failure_only_under_a_narrow_rung_names_that_rung_in_json(tmp_path: Path) -> None:
+    script = tmp_path / "fails_under_module.py"
+    script.write_text(RUNG_FAULT_SCRIPT)
+    done = locate_cli("--json", "--out", str(tmp_path / "out"), "--", sys.executable, str(script),
+                      str(tmp_path / "runs.txt"))
+    assert done.returncode == 2, done.stderr
+    payload = json.loads(done.stdout)  # one JSON object, and nothing else, on stdout
+    assert payload["schema"] == "detrace.locate/1" and payload["verdict"] == "error"
+    message = payload["message"]
+    assert "CMD exited with status 5 in run 2-module-a" in message
+    assert "ran to completion at the semantic rung, so detrace's module rung made it fail" in message
+    assert "fails on its own" not in message and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--timeout", "-1", "--", "true"], ["--", "detrace-no-such-command-xyz"]])
+def test_every_error_is_one_json_object_with_json(tmp_path: Path, args: list[str]) -> None:
+    done = locate_cli("--json", "--out", str(tmp_path / "out"), *args)
+    assert done.returncode == 2
+    payload = json.loads(done.stdout)
+    assert payload["verdict"] == "error" and payload["message"] and "Traceback" not in done.stderr
+    assert f"detrace locate: error: {payload['message']}" in done.stderr
