@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_locate import locate_cli
+from test_locate_e2e import locate_racing
 
 from detrace import TrainState
 from detrace.errors import UsageError
@@ -122,3 +123,46 @@ def test_every_error_is_one_json_object_with_json(tmp_path: Path, args: list[str
     payload = json.loads(done.stdout)
     assert payload["verdict"] == "error" and payload["message"] and "Traceback" not in done.stderr
     assert f"detrace locate: error: {payload['message']}" in done.stderr
+
+
+# The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
+# race (32 sequences per step, as the embedded default, so that its accumulating index_put races).
+PLANTED = [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2",
+           "--batch-size", "32", "--nondeterministic-from", "4"]
+
+
+@pytest.mark.slow
+def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
+    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8")
+    assert done.returncode == 1, done.stdout + done.stderr
+    payload = json.loads(done.stdout)
+    culprit = payload["culprit"]
+    assert culprit["name"].startswith("aten.index_put") and culprit["phase"] == "backward"
+    assert culprit["module"].endswith(".moe") and culprit["origin"] is True and culprit["step"] >= 4
+    cost = payload["cost"]
+    assert cost["resume"] == "exact" and cost["checkpoint_every"] == 2 and cost["runs"] == len(payload["runs"])
+    runs = {run["run"]: run for run in cost["per_run"]}
+    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 8}
+    proof = runs["2-resume"]
+    assert 2 <= proof["start"] < 4 and proof["steps"] <= 3
+    narrow = [run for name, run in runs.items() if name[0] not in "12"]
+    assert narrow and all(run["rung"] in ("module", "op") for run in narrow)
+    for run in narrow:  # from the last checkpoint at or before the divergence, at most window + 1 steps
+        assert 4 <= run["start"] <= culprit["step"] and 1 <= run["steps"] <= 3, run
+    assert (out / "checkpoints" / "1-semantic-a" / "step-00000004").is_dir()
+
+
+@pytest.mark.slow
+def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
+    # The negative control (DETRACE_RESUME_CONTROL=skip-rng: resume without the RNG states; the router jitter
+    # draws from the global RNG every step) makes every resume of CMD inexact: the proof must catch it, and no
+    # narrow run may resume.
+    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "1", "--", *PLANTED, "--steps", "6",
+                              env={"DETRACE_RESUME_CONTROL": "skip-rng"})
+    payload = json.loads(done.stdout)
+    assert payload["cost"]["resume"] == "inexact", done.stderr
+    ladder = json.loads((out / "ladder.json").read_text())
+    proof = next(stage for stage in ladder["stages"] if stage["rung"] == "resume")
+    assert "did not reproduce run A" in proof["note"] and "every narrow run is a full run" in ladder["notes"][0]
+    narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
+    assert narrow and all(run["start"] == 0 and run["steps"] == 6 for run in narrow)

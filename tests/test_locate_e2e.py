@@ -31,13 +31,14 @@ def dump_dom(page: Path) -> str:
     return done.stdout
 
 
-def locate_racing(out: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], Path]:
+def locate_racing(out: Path, *args: str, timeout: float = 600,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`detrace locate --json --out OUT ARGS`, once more (into OUT-2, OUT-3) when the real race happened to spare
     the runs (verdict deterministic or inconclusive): the ladder must name the culprit whenever the race strikes,
     and a race that strikes in none of three ladders fails the test. Returns the last result and its out dir."""
     for attempt in range(1, 4):
         target = out if attempt == 1 else out.with_name(f"{out.name}-{attempt}")
-        done = locate_cli("--json", "--out", str(target), *args, timeout=timeout)
+        done = locate_cli("--json", "--out", str(target), *args, timeout=timeout, env=env)
         if done.returncode != 0 and not (done.returncode == 2 and '"inconclusive"' in done.stdout):
             break
     return done, target

@@ -112,6 +112,8 @@ class LocateConfig:
     checkpoint_every: int | None = None
     """K: the broad runs of a CMD that follows the resume contract save a checkpoint every K steps, and the
     narrow runs resume from the last one before the divergence. None: `DEFAULT_CHECKPOINT_EVERY`."""
+    checkpoints: bool = True
+    """False: ask CMD for no checkpoint, so every run is a full run (the ladder before checkpoints)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -337,7 +339,7 @@ class Ladder:
         self.progress.run_started(name, self.planned)
         stage.runs.append(str(out))
         if contract is None and stage.steps == "all":  # a broad run: checkpoints every K steps, if CMD obliges
-            contract = self._contract_env(name, periodic=True)
+            contract = self._contract_env(name, periodic=True) if self.config.checkpoints else {}
         elif contract is None:
             stop = self._stop(stage)
             contract = {} if stop is None else self._contract_env(name, stop=stop, resume_from=stage.resume_from)

@@ -128,10 +128,12 @@ def _locate(options: list[str], command: list[str]) -> int:
                         help="for a CMD that follows the resume contract (detrace.TrainState): the broad runs save "
                              f"a checkpoint every K steps (default {DEFAULT_CHECKPOINT_EVERY}) and the narrow runs "
                              "resume from the last one before the divergence")
+    parser.add_argument("--no-checkpoints", action="store_true",
+                        help="ask CMD for no checkpoint: every run is a full run")
     args = parser.parse_args(options)
     config = LocateConfig(command=tuple(command or default_command()), out=args.out or default_out(),
                           timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats),
-                          checkpoint_every=args.checkpoint_every)
+                          checkpoint_every=args.checkpoint_every, checkpoints=not args.no_checkpoints)
     console = Console(stderr=True, highlight=False)
     console.print(f"detrace locate: {' '.join(config.command)}" + ("" if command else "  (embedded default)"))
     console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")
