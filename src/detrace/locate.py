@@ -301,16 +301,17 @@ class Ladder:
         window, and no module or op in S is mistaken for an origin because its parameters already differed at
         an unrecorded step (a resumed pair starts from one checkpoint: nothing differs before its start).
         """
-        if stage.steps == "all" or (stage.wide and self._stop(stage) is None):
+        stop = self._stop(stage)
+        if stage.steps == "all" or (stage.wide and stop is None):
             return "all"
-        return f"{stage.start}-{self._stop(stage) - 1}" if stage.wide else f"{stage.start}-{stage.steps}"  # type: ignore[operator]
+        return f"{stage.start}-{stop - 1 if stage.wide and stop is not None else stage.steps}"
 
     def _stop(self, stage: Stage) -> int | None:
-        """DETRACE_STOP_AT for a narrow stage's runs: right after step S (a wide retry: after the window that
-        starts at the stage's start); None: full runs (CMD ignores the contract, or resuming was inexact)."""
+        """DETRACE_STOP_AT for a narrow stage's runs: right after step S (a wide retry: after the window of K
+        steps from the stage's start, or S if later); None: full runs (no contract, or resuming was inexact)."""
         if self.resume in ("no-contract", "inexact") or stage.steps == "all":
             return None
-        return stage.start + self.every + 1 if stage.wide else int(stage.steps) + 1
+        return max(stage.start + self.every, int(stage.steps)) + 1 if stage.wide else int(stage.steps) + 1
 
     def _place(self, stage: Stage) -> None:
         """Start the stage's runs from run A's latest checkpoint at or before its step, once resuming is proven."""
@@ -478,7 +479,7 @@ class Ladder:
         result.resume = self.resume
 
         for rung in ("module", "op"):
-            stage = Stage(rung=rung, **window)
+            stage = Stage(rung=rung, steps=window["steps"], ranks=window["ranks"])
             self._place(stage)
             self.stages.append(stage)
             found = self._narrow(stage, rung)
