@@ -81,8 +81,8 @@ the race recurs in the ladder's narrower reruns."""
 
 DEFAULT_CHECKPOINT_EVERY = 8
 """K when locate chooses: a narrow run resumed from a checkpoint executes at most K + 1 steps (six of them in a
-ladder whose pairs reproduce the divergence), and the broad runs each write one checkpoint per K steps (every
-version kept until locate ends: a long run of a large model wants a larger `--checkpoint-every`)."""
+ladder whose pairs reproduce the divergence), and the broad runs each write one checkpoint per K steps (run A's
+are all kept, in OUT/checkpoints: a long run of a large model wants a larger `--checkpoint-every`)."""
 
 
 def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
