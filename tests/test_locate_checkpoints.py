@@ -133,7 +133,7 @@ PLANTED = [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "
 
 @pytest.mark.slow
 def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
-    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8")
+    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "2", "--", *PLANTED, "--steps", "6")
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
     culprit = payload["culprit"]
@@ -142,7 +142,7 @@ def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     cost = payload["cost"]
     assert cost["resume"] == "exact" and cost["checkpoint_every"] == 2 and cost["runs"] == len(payload["runs"])
     runs = {run["run"]: run for run in cost["per_run"]}
-    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 8}
+    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 6}
     proof = runs["2-resume"]
     assert 2 <= proof["start"] < 4 and proof["steps"] <= 3
     narrow = [run for name, run in runs.items() if name[0] not in "12"]
@@ -157,7 +157,7 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
     # The negative control (DETRACE_RESUME_CONTROL=skip-rng: resume without the RNG states; the router jitter
     # draws from the global RNG every step) makes every resume of CMD inexact: the proof must catch it, and no
     # narrow run may resume.
-    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "1", "--", *PLANTED, "--steps", "6",
+    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "1", "--", *PLANTED, "--steps", "5",
                               env={"DETRACE_RESUME_CONTROL": "skip-rng"})
     payload = json.loads(done.stdout)
     assert payload["cost"]["resume"] == "inexact", done.stderr
@@ -165,4 +165,4 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
     proof = next(stage for stage in ladder["stages"] if stage["rung"] == "resume")
     assert "did not reproduce run A" in proof["note"] and "every narrow run is a full run" in ladder["notes"][0]
     narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
-    assert narrow and all(run["start"] == 0 and run["steps"] == 6 for run in narrow)
+    assert narrow and all(run["start"] == 0 and run["steps"] == 5 for run in narrow)
