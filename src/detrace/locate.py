@@ -357,6 +357,8 @@ class Ladder:
                                 env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
             raise RunFailed(f"run {name} of the ladder ({what}) failed: {err}") from None
+        self.costs.append(RunCost(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
+                                  seconds=result.elapsed))
         if result.returncode != 0:
             if self.completed:
                 cause = (f"CMD ran to completion at the {self.completed[0]} rung, so detrace's "
@@ -368,8 +370,6 @@ class Ladder:
                             f"in {out}); {cause}", result.output_tail)
         if rung not in self.completed:
             self.completed.append(rung)
-        self.costs.append(RunCost(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
-                                  seconds=result.elapsed))
         if name != REFERENCE_RUN:  # only run A's checkpoints are resumed from
             shutil.rmtree(self.config.out / CHECKPOINTS / name, ignore_errors=True)
         self.progress.run_finished(name, result.elapsed)

@@ -81,9 +81,12 @@ def render(result: LocateResult, console: Console) -> None:
                       f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
-    for run, cost in zip(result.runs, result.cost()["per_run"], strict=True):
-        console.print(f"           {run}  (from step {cost['start']}, {cost['steps']} steps)", highlight=False)
     cost = result.cost()
+    per_run = {run["run"]: run for run in cost["per_run"]}
+    for run in result.runs:
+        spent = per_run.get(Path(run).name)
+        where = f"  (from step {spent['start']}, {spent['steps']} steps)" if spent else ""
+        console.print(f"           {run}{where}", highlight=False)
     every = f", a checkpoint every {cost['checkpoint_every']} steps" if cost["checkpoint_every"] else ""
     console.print(f"  cost     {cost['steps']} steps executed in {cost['runs']} runs, {cost['seconds']:.1f} s"
                   f"{every} (resume: {cost['resume']})", highlight=False)
