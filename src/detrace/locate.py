@@ -356,7 +356,7 @@ class Ladder:
                                 ranks=stage.ranks, max_numel=max_numel, capture=capture,
                                 env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
-            raise RunFailed(f"run {name} of the ladder ({what}) failed: {err}") from None
+            raise RunFailed(f"run {name} of the ladder failed, at {what}: {err}") from None
         self.costs.append(RunCost(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
                                   seconds=result.elapsed))
         if result.returncode != 0:
