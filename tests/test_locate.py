@@ -112,7 +112,7 @@ def test_config_checks() -> None:
 
 
 def test_run_budget_is_stated() -> None:
-    assert (BASE_RUNS, MAX_RUNS) == (7, 13)
+    assert (BASE_RUNS, MAX_RUNS) == (7, 14)
 
 
 def test_default_command_is_the_index_dispatch_on_two_threads() -> None:
@@ -217,7 +217,7 @@ def test_deterministic_human_summary(tmp_path: Path) -> None:
                       "--deterministic")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deterministic over 1 steps:")
-    assert "runs     3 (of at most 13)" in done.stdout
+    assert "runs     3 (of at most 14)" in done.stdout
 
 
 def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:

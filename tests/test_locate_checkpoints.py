@@ -143,8 +143,8 @@ def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     assert cost["resume"] == "exact" and cost["checkpoint_every"] == 2 and cost["runs"] == len(payload["runs"])
     runs = {run["run"]: run for run in cost["per_run"]}
     assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 6}
-    proof = runs["2-resume"]
-    assert 2 <= proof["start"] < 4 and proof["steps"] <= 3
+    proofs = [run for name, run in runs.items() if name.startswith("2-resume-")]
+    assert 1 <= len(proofs) <= 2 and all(2 <= run["start"] < 4 and run["steps"] <= 3 for run in proofs)
     narrow = [run for name, run in runs.items() if name[0] not in "12"]
     assert narrow and all(run["rung"] in ("module", "op") for run in narrow)
     for run in narrow:  # from the last checkpoint at or before the divergence, at most window + 1 steps
@@ -163,6 +163,7 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
     assert payload["cost"]["resume"] == "inexact", done.stderr
     ladder = json.loads((out / "ladder.json").read_text())
     proof = next(stage for stage in ladder["stages"] if stage["rung"] == "resume")
-    assert "did not reproduce run A" in proof["note"] and "every narrow run is a full run" in ladder["notes"][0]
+    assert "run A" in proof["note"] and "every narrow run is a full run" in proof["note"]
+    assert ladder["notes"] == [proof["note"]]
     narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
     assert narrow and all(run["start"] == 0 and run["steps"] == 5 for run in narrow)

@@ -66,9 +66,9 @@ CHECKPOINTS = "checkpoints"
 
 BASE_RUNS = 7
 """Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
-MAX_RUNS = 13
-"""Runs at most: a third broad run when the first pair is identical, the resume proof of a checkpointed ladder,
-and each narrow pair once more."""
+MAX_RUNS = 14
+"""Runs at most: a third broad run when the first pair is identical, the resume proof of a checkpointed ladder
+(twice when the first resumed run differs), and each narrow pair once more."""
 
 DEFAULT_STEPS = 8
 """Steps of the embedded default workload: its race strikes at a random step (on an idle machine, in roughly one
@@ -533,22 +533,37 @@ class Ladder:
         stage = Stage(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
                       resume_from=str(self.checkpoints[proof_from]))
         self.stages.append(stage)
-        self.planned += 1
-        name = f"{len(self.stages)}-resume"
-        try:
-            run = self._run(stage, name, rung="semantic", window=stage.steps, contract=self._contract_env(
-                name, periodic=True, stop=last + 1, resume_from=stage.resume_from))
-            difference = same_over(self.config.out / REFERENCE_RUN, run, proof_from + 1, last)
-        except RunFailed as err:
-            difference = f"the resumed run failed ({err})"
+        reference = self.config.out / REFERENCE_RUN
+        resumed: list[Path] = []
+        difference: str | None = None
+        for attempt in "ab":
+            # A resumed run that differs from A may have met the nondeterminism itself (it can strike before the
+            # step where A and B first parted): a second one tells which. Either reproducing A proves the resume.
+            self.planned += 1
+            name = f"{len(self.stages)}-resume-{attempt}"
+            try:
+                resumed.append(self._run(stage, name, rung="semantic", window=stage.steps,
+                                         contract=self._contract_env(name, periodic=True, stop=last + 1,
+                                                                     resume_from=stage.resume_from)))
+            except RunFailed as err:
+                difference = f"the resumed run failed ({err})"
+                break
+            difference = same_over(reference, resumed[-1], proof_from + 1, last)
+            if difference is None:
+                break
+        where = f"resuming from the checkpoint after step {proof_from}"
         if difference is None:
             self.resume = "exact"
-            stage.note = (f"resuming from the checkpoint after step {proof_from} reproduced run A over steps "
-                          f"{stage.steps}: the narrow runs resume from checkpoints")
+            stage.note = f"{where} reproduced run A over steps {stage.steps}: the narrow runs resume from checkpoints"
+        elif len(resumed) == 2 and same_over(resumed[0], resumed[1], proof_from + 1, last) is not None:
+            self.resume = "inexact"
+            stage.note = (f"two runs {where} differ from run A and from each other over steps {stage.steps} "
+                          f"({difference}): the nondeterminism strikes there already, so the resume cannot be "
+                          "proven exact, and every narrow run is a full run")
         else:
             self.resume = "inexact"
-            stage.note = (f"resuming from the checkpoint after step {proof_from} did not reproduce run A over steps "
-                          f"{stage.steps} ({difference}): the resume is not exact, so every narrow run is a full run")
+            stage.note = (f"{where} did not reproduce run A over steps {stage.steps} ({difference}): the resume is "
+                          "not exact, so every narrow run is a full run")
         self.progress.rung(stage)
 
     def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
