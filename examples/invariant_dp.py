@@ -37,13 +37,13 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     M, B = args.microbatches, args.microbatch_size
+    global_count = M * B  # the loss is scaled by the global sample count, never a per-rank one
     idp = InvariantDataParallel(model, microbatches=M) if args.reduce == "invariant" else None
     for step in range(args.steps):
         data = torch.Generator().manual_seed(step)  # the global batch: the same on every rank
         x, y = torch.randn(M, B, 32, generator=data), torch.randint(0, 8, (M, B), generator=data)
-        global_count = M * B  # the loss is scaled by the global sample count, never a per-rank one
 
-        def loss_of(i: int) -> torch.Tensor:
+        def loss_of(i: int, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             return nn.functional.cross_entropy(model(x[i]), y[i], reduction="sum") / global_count
 
         if idp is not None:

@@ -303,7 +303,7 @@ class InvariantDataParallel:
 
     def _check_replicas(self) -> None:
         """Refuse replicas that start from different parameters (one all-gather of a fingerprint, once)."""
-        rank, world = _world(self.group)
+        world = _world(self.group)[1]
         if world == 1:
             return
         tensors = [p.detach() for p in self.module.parameters()]
