@@ -19,6 +19,7 @@ from torch import nn
 
 from detrace.cli import main as cli
 from detrace.errors import UsageError
+from detrace.examples.validate import _topology_row
 from detrace.parallel import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
 from detrace.topology import parse_worlds, torchrun_command
 from tests._ranks import spawn_ranks
@@ -199,6 +200,9 @@ def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -
     finals = report["final_params"]
     assert isinstance(finals, dict) and len(set(finals.values())) == 1
     assert re.fullmatch(r"[0-9a-f]{16}", str(finals["1"]))
+    # the validation matrix's row comparing its dp-invariant runs, on these runs
+    row = _topology_row({w: tmp_path / "tiny" / f"world-{w}" for w in (1, 2, 4)})
+    assert row[0].name == "dp-invariant x1 = x2 = x4" and row[1].ok, row[1]
 
 
 @pytest.mark.slow
@@ -212,6 +216,8 @@ def test_check_topology_on_a_plain_loop_and_its_naive_fault(tmp_path: Path) -> N
     first = report["first"]
     assert isinstance(first, dict) and first["step"] == 0 and first["world"] == 2
     assert first["kind"] in ("loss", "grad_norm", "param")
+    row = _topology_row({1: tmp_path / "plain" / "world-1", 2: tmp_path / "naive" / "world-2"})
+    assert row[1].ok is False and row[1].text.startswith("diverged: world 2 differs from world 1 at step 0")
 
 
 def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

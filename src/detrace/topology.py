@@ -170,8 +170,8 @@ def check_topology(cmd: list[str], *, worlds: tuple[int, ...], out: Path, thread
         raise UsageError(f"--threads must be positive, not {threads}")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"output directory {out} is not empty; choose a new one")
-    runs, finals, records = {}, {}, {}
-    first: Mismatch | None = None
+    runs: dict[int, Path] = {}
+    finals: dict[int, str | None] = {}
     for world in worlds:
         run = runs[world] = out / f"world-{world}"
         progress(f"world {world}: {run}")
@@ -182,22 +182,30 @@ def check_topology(cmd: list[str], *, worlds: tuple[int, ...], out: Path, thread
                                 f"with:\n{result.output_tail.rstrip()}")
         found = FINAL.findall(result.output_tail)
         finals[world] = found[-1] if found else None
-        records[world], inner = _records(run, world)
-        first = first or inner
-    reference = records[worlds[0]]
-    if not any(kind == "param" for _, kind, _ in reference):
-        raise CommandFailed(f"CMD recorded no parameters after an optimizer step at world size {worlds[0]}: does it "
-                            "step a torch.optim optimizer?")
-    for world in worlds[1:]:
-        if first is not None:
-            break
-        first = _first_difference(reference, records[world], world)
+    first, steps, tensors = compare_runs(runs)
     if first is None and all(finals.values()):
         odd = next((w for w in worlds if finals[w] != finals[worlds[0]]), None)
         if odd is not None:
             first = Mismatch(step=-1, kind="final params", name="", world=odd,
                              detail=f"{finals[worlds[0]]} vs {finals[odd]}")
+    return TopologyResult(worlds=worlds, runs=runs, steps=steps, tensors=tensors, finals=finals, first=first)
+
+
+def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
+    """Compare traced runs of one command at several world sizes ({world: run directory}, the first the
+    reference): (the first mismatch or None, steps compared, parameters per step)."""
+    records: dict[int, dict[Key, str]] = {}
+    first: Mismatch | None = None
+    for world, run in runs.items():
+        records[world], inner = _records(run, world)
+        first = first or inner
+    worlds = list(runs)
+    reference = records[worlds[0]]
+    if not any(kind == "param" for _, kind, _ in reference):
+        raise CommandFailed(f"CMD recorded no parameters after an optimizer step at world size {worlds[0]}: does it "
+                            "step a torch.optim optimizer?")
+    for world in worlds[1:]:
+        first = first or _first_difference(reference, records[world], world)
     steps = {step for step, _, _ in reference}
     tensors = {name for _, kind, name in reference if kind == "param"}
-    return TopologyResult(worlds=worlds, runs=runs, steps=len(steps), tensors=len(tensors), finals=finals,
-                          first=first)
+    return first, len(steps), len(tensors)
