@@ -20,7 +20,7 @@ Randomness is per microbatch: each step draws one seed from the global CPU gener
 rank at every W) and runs microbatch i under a generator seeded from (that seed, i), restored afterwards, so
 dropout or router jitter in microbatch i do not depend on which rank runs it.
 
-The exchange uses `torch.distributed.isend`/`irecv` or `all_gather_into_tensor` on the given group (gloo,
+The exchange uses `torch.distributed.isend`/`irecv` or `all_gather_single` on the given group (gloo,
 NCCL): they are the user's collectives, seen by detrace's tracer like any other.
 
     idp = InvariantDataParallel(model, microbatches=8)
@@ -178,7 +178,7 @@ def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, ran
         gathered = []
         for flat in flats:
             out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-            dist.all_gather_into_tensor(out, flat, group=group)
+            _all_gather(out, flat, group)
             gathered.append(out.view(world, -1).unbind(0))
         return _tree_sum([[g[r].clone() for g in gathered] for r in range(world)])
     for k in range(world.bit_length() - 1):  # round k: blocks r and r xor 2^k, each 2^k ranks' subtree
@@ -196,6 +196,13 @@ def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, ran
         lower, upper = (flats, received) if rank < partner else (received, flats)
         flats = [a + b for a, b in zip(lower, upper, strict=True)]  # lower block + upper block
     return flats
+
+
+def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """`out` = every rank's `tensor`, in rank order. all_gather_single where this torch has it (it deprecates
+    all_gather_into_tensor); looked up at each call, where a tracer may have wrapped it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, tensor, group=group)
 
 
 @contextlib.contextmanager
@@ -309,7 +316,7 @@ class InvariantDataParallel:
         tensors = [p.detach() for p in self.module.parameters()]
         mine = _digests(tensors).to(tensors[0].device if tensors else None)
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine, group=self.group)
+        _all_gather(every, mine, self.group)
         rows = every.view(world, -1)
         differ = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
         if differ:
