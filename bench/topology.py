@@ -74,7 +74,7 @@ def _trainer(method: str, preset: str, microbatches: int):  # type: ignore[no-un
             opt.step()
             opt.zero_grad(set_to_none=True)
     else:
-        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        ddp = DistributedDataParallel(model)
 
         def step() -> None:
             tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen).chunk(microbatches)
