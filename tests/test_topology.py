@@ -210,7 +210,7 @@ def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_check_topology_on_a_plain_loop_and_its_naive_fault(tmp_path: Path) -> None:
-    code, report = _check_topology(tmp_path, "plain", "1,4", sys.executable, str(LOOP), "--steps", "2")
+    code, report = _check_topology(tmp_path, "plain", "1,2", sys.executable, str(LOOP), "--steps", "2")
     assert code == 0, report
     # Test-only fault: the same loop reducing the usual way (running-order accumulation, then all_reduce)
     code, report = _check_topology(tmp_path, "naive", "1,2", sys.executable, str(LOOP), "--steps", "2",
