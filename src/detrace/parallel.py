@@ -160,10 +160,13 @@ def _buckets(templates: Sequence[torch.Tensor]) -> list[_Bucket]:
 
 
 def _flatten(buckets: list[_Bucket], tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """One flat buffer per bucket; a missing gradient (a parameter this microbatch did not use) is zeros."""
     flats = []
     for b in buckets:
-        parts = [torch.zeros(n, dtype=b.dtype, device=b.device) if tensors[i] is None
-                 else tensors[i].detach().reshape(-1) for i, n in zip(b.entries, b.sizes, strict=True)]  # type: ignore[union-attr]
+        parts = []
+        for i, n in zip(b.entries, b.sizes, strict=True):
+            t = tensors[i]
+            parts.append(torch.zeros(n, dtype=b.dtype, device=b.device) if t is None else t.detach().reshape(-1))
         flats.append(torch.cat(parts))
     return flats
 
