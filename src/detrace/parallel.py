@@ -49,10 +49,10 @@ __all__ = ["EXCHANGES", "InvariantDataParallel", "invariant_backward", "owned_mi
 EXCHANGES = ("auto", "doubling", "gather")
 """How the ranks complete the tree: recursive doubling over p2p, an all-gather of the partial sums, or by size."""
 
-GATHER_MAX_BYTES = 1 << 20
+GATHER_MAX_BYTES = 1 << 16
 """`exchange="auto"` all-gathers a partial sum of at most this many bytes and uses recursive doubling above it:
 the all-gather is one collective (less latency) but moves (W - 1) partial sums where doubling moves log2(W).
-Measured by bench/topology.py (docs/topology.md)."""
+bench/topology.py on gloo (docs/topology.md): a wash up to 64 KiB, doubling ahead from 1 MiB (2-6x at 16 MiB)."""
 
 LossOf = Callable[[int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 
