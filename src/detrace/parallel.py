@@ -195,6 +195,7 @@ def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, ran
             else:
                 works = [dist.irecv(other, peer, group=group), dist.isend(flat, peer, group=group)]
             for work in works:
+                assert work is not None  # a member of the group always gets its Work
                 work.wait()
         lower, upper = (flats, received) if rank < partner else (received, flats)
         flats = [a + b for a, b in zip(lower, upper, strict=True)]  # lower block + upper block
@@ -257,7 +258,7 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
             with_values = values is not None
             loss.backward()
         extras = [loss.detach().reshape(1)] + ([values.detach().reshape(-1)] if values is not None else [])
-        entries: list[torch.Tensor | None] = [p.grad for p in params] + extras
+        entries: list[torch.Tensor | None] = [*(p.grad for p in params), *extras]
         if buckets is None:
             buckets = _buckets([p if p.grad is None else p.grad for p in params] + extras)
         acc.push(_flatten(buckets, entries))

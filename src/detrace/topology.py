@@ -129,19 +129,19 @@ def _records(run: Path, world: int) -> tuple[dict[Key, str], Mismatch | None]:
             elif row["name"] == "grad_norm":
                 keyed[(row["step"], "grad_norm", "")] = _bits(row["value"])
         for step, values in losses.items():  # rank r computes the block [r n, (r + 1) n)
-            for k, value in enumerate(values):
-                keyed[(step, "loss", str(rank * len(values) + k))] = _bits(value)
+            for k, loss in enumerate(values):
+                keyed[(step, "loss", str(rank * len(values) + k))] = _bits(loss)
         for row in params.select(["step", "name", "digest"]).to_pylist():
             digest = row["digest"]
             keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
-        for key, value in keyed.items():
+        for key, bits in keyed.items():
             if key[1] == "loss":  # each rank has its own microbatches' losses
-                merged[key] = value
+                merged[key] = bits
             elif key not in merged:
-                merged[key], owner[key] = value, rank
-            elif merged[key] != value:
+                merged[key], owner[key] = bits, rank
+            elif merged[key] != bits:
                 return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(), world=world,
-                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {value}")
+                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}")
     return merged, None
 
 
