@@ -233,3 +233,26 @@ def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert cli(["check-topology", "--out", str(tmp_path / "full"), "--", "python", "t.py"]) == 2
     err = capsys.readouterr().err
     assert "without a launcher" in err and "not empty" in err and "Traceback" not in err
+
+
+def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
+    import detrace
+    from detrace.errors import CommandFailed, TraceError
+    from detrace.topology import compare_runs
+
+    with detrace.trace(tmp_path / "run", rung="semantic"):
+        (torch.ones(3, requires_grad=True) * 2).sum().backward()  # a loss, but no optimizer step
+    with pytest.raises(CommandFailed, match="no parameters"):
+        compare_runs({1: tmp_path / "run"})
+    with pytest.raises(TraceError, match="not of all 2 ranks"):
+        compare_runs({2: tmp_path / "run"})
+
+
+@pytest.mark.slow
+def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--worlds", "1,2", "--out",
+                           str(tmp_path / "fail"), "--", sys.executable, "-c", "raise SystemExit(3)"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
+    assert "detrace check-topology: error: CMD at world size 1 exited with code 1" in proc.stderr
