@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "locate": ("locate", "drive the whole ladder on CMD (or the reference workload) to find the culprit op"),
     "check": ("check", "run CMD N times and require bit-identical traces"),
     "check-resume": ("check_resume", "verify that stopping at step K and resuming changes no bit"),
+    "check-topology": ("check_topology", "run CMD at several world sizes and require the same bits at each"),
     "replay": ("replay", "kernel rung: re-execute one captured op to test it for nondeterminism"),
     "report": ("report", "write a self-contained HTML report of a run or locate directory"),
     "compare": ("compare", "measure an intentional change against the run-to-run variation of a baseline"),

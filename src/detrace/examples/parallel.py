@@ -11,6 +11,7 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | pp      | pp=2             | the layers: 2 stages, 1F1B schedule, send/recv | none needed                   |
 | dp-ep   | dp=W/2, ep=2     | data over dp x ep; experts over ep             | non-expert over all, experts over dp |
 | pp-dp   | pp=2, dp=W/2     | layers over pp; data over dp                   | all-reduce over dp            |
+| dp-invariant | dp=W (or 1) | the global batch's M microbatches, in blocks  | fixed tree (detrace.parallel) |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -20,6 +21,10 @@ separate backward.
 Every metric the trainer prints is reduced here the same way in every layout (`ParallelModel.metrics`):
 each rank contributes the share it owns, the shares are all-gathered and summed in rank order, so the
 printed bits do not depend on a collective's internal reduction order and are the same on every rank.
+
+dp-invariant is the exception: its gradients and metrics are sums over the M microbatches in one fixed tree
+(`detrace.parallel.invariant_backward`), the same bits at every world size W (a power of two dividing M, 1
+included, with or without torchrun); every rank reads the whole global batch and computes its block of it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from detrace.errors import UsageError
 from detrace.examples.model import Experts, HybridLM, ModelConfig, lm_losses, local_tensor
+from detrace.parallel import InvariantDataParallel
 
 # layout -> its mesh as (dim name, size or None for "the rest of the world"), outermost first
 LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
@@ -49,6 +55,7 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "pp": (("pp", 2),),
     "dp-ep": (("dp", None), ("ep", 2)),
     "pp-dp": (("pp", 2), ("dp", None)),
+    "dp-invariant": (("dp", None),),
 }
 PP_MICROBATCHES = 4
 
@@ -89,11 +96,15 @@ class Layout:
     @property
     def data_streams(self) -> int:
         """How many different batches one step consumes: data parallel and expert parallel ranks each read
-        their own; tensor and pipeline parallel ranks share one."""
+        their own; tensor and pipeline parallel ranks share one; dp-invariant ranks all read the global batch."""
+        if self.kind == "dp-invariant":
+            return 1
         return self.size("dp") * self.size("ep")
 
     @property
     def data_rank(self) -> int:
+        if self.kind == "dp-invariant":
+            return 0
         return self.coord("dp") * self.size("ep") + self.coord("ep")
 
 
@@ -105,6 +116,8 @@ def setup(kind: str) -> Layout:
     if kind == "none":
         return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if kind == "dp-invariant" and world == 1:  # one process computes all M microbatches: no group needed
+        return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
     if world < 2 or "MASTER_ADDR" not in os.environ:
         raise UsageError(f"--parallel {kind} needs 2 or more processes: launch it with torchrun --nproc-per-node N")
     fixed = math.prod(size for _, size in LAYOUTS[kind] if size is not None)
@@ -273,7 +286,8 @@ class ParallelModel:
     """The reference model placed on a layout, with the trainer's per-step operations:
     `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int,
+                 microbatches: int | None = None) -> None:
         self.cfg, self.layout = cfg, layout
         # Same initial weights on every rank: each shards what it was given.
         torch.manual_seed(seed)
@@ -302,6 +316,12 @@ class ParallelModel:
             fully_shard(self.raw, mesh=layout.mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
+        self.invariant: InvariantDataParallel | None = None
+        self._invariant_sums: torch.Tensor | None = None
+        if kind == "dp-invariant":
+            if microbatches is None or batch_size % microbatches:
+                raise UsageError(f"--parallel dp-invariant needs --microbatches M dividing the batch size {batch_size}")
+            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches)
         if layout.size("pp") > 1:
             self._build_pipeline(batch_size, seq_len)
         # parameter lists for the hand-written gradient averages
@@ -351,6 +371,9 @@ class ParallelModel:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
+        if self.invariant is not None:
+            self._invariant_step(inputs, targets)
+            return
         if self.schedule is not None:
             if self.layout.coord("pp") == 0:
                 self.schedule.step(inputs)
@@ -374,6 +397,23 @@ class ParallelModel:
         elif layout.kind == "pp-dp":
             _average_gradients(self._experts + self._dense, layout.group("dp"))
 
+    def _invariant_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree."""
+        assert self.invariant is not None
+        cfg, M = self.cfg, self.invariant.microbatches
+        xs, ys = inputs.chunk(M), targets.chunk(M)
+
+        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # Every microbatch holds B / M sequences of T tokens: dividing its mean loss by M is dividing its sum
+            # by the global token count, a constant (never a per-rank count).
+            lm, mtp = lm_losses(self.raw(xs[i]), ys[i])
+            aux = sum((moe.pop_aux_loss() for moe in self.raw.moe_layers()), torch.zeros(()))
+            logged = torch.stack([lm.detach(), mtp.detach(), aux.to(lm.device)]) / M
+            return (lm + cfg.mtp_loss_coef * mtp) / M, logged
+
+        _, sums = self.invariant.backward(loss_of)  # type: ignore[misc]
+        self._invariant_sums = sums
+
     def _owned(self, name: str, param: torch.Tensor) -> bool:
         """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over
         pp (each stage its own), over ep if it is an expert, over its DTensor mesh dims; on every other mesh
@@ -391,6 +431,15 @@ class ParallelModel:
         loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
         """
         layout, cfg = self.layout, self.cfg
+        if self._invariant_sums is not None:
+            # Every rank holds every gradient and the tree's sums: no collective, the same bits at every W.
+            lm, mtp, aux = self._invariant_sums.unbind()
+            sq = torch.zeros((), device=layout.device)
+            for p in self.raw.parameters():
+                if p.grad is not None:
+                    sq += p.grad.float().square().sum()
+            loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+            return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
         has_loss = bool(self._lm) and layout.coord("tp") == 0
         per_stream = 1.0 / layout.data_streams
         share = torch.zeros(4, device=layout.device)  # lm, mtp, aux, squared grad norm

@@ -29,6 +29,7 @@ from detrace.errors import DetraceError, UsageError
 from detrace.examples import parallel
 from detrace.examples.data import SyntheticTokens, split_batch
 from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
+from detrace.parallel import parameters_fingerprint
 
 PROG = "detrace.examples.train"
 WARMUP_STEPS = 10
@@ -66,6 +67,8 @@ class TrainConfig:
     """A planted late divergence: the first S optimizer steps (global steps 0..S-1, printed 1..S) run under
     `torch.use_deterministic_algorithms(True)`, the later ones without, so the real race of the "index"
     dispatch starts at global step S. None: PyTorch's defaults throughout (or `deterministic`)."""
+    microbatches: int | None = None
+    """--parallel dp-invariant: the global batch's microbatches M (a multiple of the world size)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -82,6 +85,12 @@ class TrainConfig:
             if self.deterministic or self.dispatch != "index":
                 raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
                                  "--dispatch index and no --deterministic")
+        if (self.parallel == "dp-invariant") != (self.microbatches is not None):
+            raise UsageError("--microbatches goes with --parallel dp-invariant, and dp-invariant needs it")
+        if self.parallel == "dp-invariant" and self.dispatch == "index" and not self.deterministic:
+            # Same bits at every world size needs each microbatch's kernels deterministic first.
+            raise UsageError("--parallel dp-invariant needs --dispatch fixed or --deterministic (the index "
+                             "dispatch's backward races)")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -109,6 +118,7 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per data stream (default: preset)")
     p.add_argument("--nondeterministic-from", type=int, default=None, metavar="S",
                    help="deterministic for the first S steps, then the index dispatch's real race (global step S on)")
+    p.add_argument("--microbatches", type=int, default=None, help="dp-invariant: microbatches M of the global batch")
     args = p.parse_args(list(argv))
     return TrainConfig(**{k: v for k, v in vars(args).items()})
 
@@ -135,7 +145,8 @@ def train(cfg: TrainConfig) -> None:
         batch_size = cfg.batch_size or int(preset["batch_size"])  # type: ignore[call-overload]
         seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
         model_cfg = cfg.model_config()
-        pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len)
+        pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len,
+                                    microbatches=cfg.microbatches)
         params = [p for p in pm.raw.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
@@ -176,6 +187,8 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
+        if cfg.parallel == "dp-invariant" and layout.rank == 0:
+            print(f"final params {parameters_fingerprint(pm.raw)}", flush=True)  # the same line at every W
         completed = True
     finally:
         parallel.teardown(layout, completed=completed)

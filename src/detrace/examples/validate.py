@@ -39,6 +39,8 @@ class Config:
     """Trainer options besides --steps and the recipe switch."""
     threads: int
     """torch threads per process; the "index" dispatch is nondeterministic on CPU only with 2 or more."""
+    topology: bool = False
+    """One world size of the dp-invariant workload: the runs of every such row must also match each other."""
 
     @property
     def nondeterministic_path(self) -> bool:
@@ -66,6 +68,9 @@ CONFIGS: tuple[Config, ...] = (
     Config(name="pp x2", nproc=2, args=("--parallel", "pp"), threads=1),
     Config(name="dp-ep x4", nproc=4, args=("--parallel", "dp-ep"), threads=1),
     Config(name="pp-dp x4", nproc=4, args=("--parallel", "pp-dp"), threads=1),
+    *(Config(name=f"dp-invariant x{n}", nproc=n, args=("--parallel", "dp-invariant", "--microbatches", "4",
+                                                       "--dispatch", "fixed"), threads=1, topology=True)
+      for n in (1, 2, 4)),
 )
 # Runs of the no-recipe check. Thread races decide whether two runs differ; on a machine whose cores are busy
 # with other work the two threads seldom overlap, and two short runs have come out identical. Each extra run
@@ -190,7 +195,27 @@ def validate(
         else:
             found = Cell("n/a (no nondeterministic path)", None)
         rows.append((cfg, same, resume, found, time.monotonic() - began))
+    worlds = {cfg.nproc: out / cfg.name.replace(" ", "-") / "check" / "run-0" for cfg in configs if cfg.topology}
+    if len(worlds) > 1:
+        rows.append(_topology_row(worlds))
     return rows
+
+
+def _topology_row(worlds: dict[int, Path]) -> tuple[Config, Cell, Cell, Cell, float]:
+    """The dp-invariant rows' first runs compared with each other, record by record (`detrace.topology`)."""
+    from detrace.topology import compare_runs
+
+    began = time.monotonic()
+    name = "dp-invariant " + " = ".join(f"x{n}" for n in worlds)
+    row = Config(name=name, nproc=max(worlds), args=(), threads=1)
+    try:
+        first, steps, _ = compare_runs(worlds)
+    except DetraceError as err:
+        same = Cell(f"error: {err}", False)
+    else:
+        same = Cell(f"identical across world sizes ({steps} steps)", True) if first is None else \
+            Cell(f"diverged: {first.sentence(next(iter(worlds)))}", False)
+    return row, same, Cell("n/a (see the rows above)", None), Cell("n/a", None), time.monotonic() - began
 
 
 def table(rows: Sequence[tuple[Config, Cell, Cell, Cell, float]]) -> str:

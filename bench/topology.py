@@ -1,0 +1,204 @@
+"""Invariant data parallelism (`detrace.parallel`) against DDP on gloo: step time and memory, as ratios.
+
+Both train the reference model on the same global batch of M microbatches; each rank computes its M / W
+microbatches one at a time (DDP accumulates them under `no_sync` and all-reduces with the last; the invariant
+step sums them in the fixed tree and completes it with its exchange). The compute is the same: the ratio is the
+cost of the fixed order (the partial-sum buffers, the flat copies, the exchange).
+
+Time: at each world size, one set of ranks runs both, interleaved step by step (the starting method alternates),
+so that machine noise hits them alike; the figure is the median over steps of (invariant step / DDP step of the
+same pair), with the interquartile range as spread.
+
+Memory: a separate set of ranks per method (peak RSS cannot be separated within one process): the growth of
+rank 0's peak resident set over the training steps, invariant / DDP.
+
+Exchange: the two ways of completing the tree (recursive doubling over p2p, all-gather of the partial sums),
+timed interleaved on flat buffers of several sizes: what `detrace.parallel.GATHER_MAX_BYTES` is chosen from.
+
+The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
+
+    python bench/topology.py [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from detrace.examples.model import PRESETS, HybridLM, ModelConfig, lm_losses
+from detrace.parallel import InvariantDataParallel
+
+SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes of the exchanged partial sum
+
+
+def _setup(rank: int, world: int, rendezvous: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+
+
+def _trainer(method: str, preset: str, microbatches: int):  # type: ignore[no-untyped-def]
+    """A step function of `method` ("invariant" or "ddp") on the preset's model and batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    spec = PRESETS[preset]
+    cfg = spec["model"]
+    assert isinstance(cfg, ModelConfig)
+    cfg = ModelConfig(**{**cfg.__dict__, "dispatch": "fixed"})
+    batch, seq = int(spec["batch_size"]), int(spec["seq_len"])  # type: ignore[call-overload]
+    torch.manual_seed(0)
+    model = HybridLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = microbatches // world
+    if method == "invariant":
+        idp = InvariantDataParallel(model, microbatches=microbatches)
+
+        def step() -> None:
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen).chunk(microbatches)
+
+            def loss_of(i: int) -> torch.Tensor:
+                lm, mtp = lm_losses(model(tokens[i][:, :seq]), tokens[i][:, 1:])
+                return (lm + cfg.mtp_loss_coef * mtp) / microbatches
+
+            idp.backward(loss_of)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        ddp = DistributedDataParallel(model)
+
+        def step() -> None:
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen).chunk(microbatches)
+            for k, i in enumerate(range(rank * per, (rank + 1) * per)):
+                sync = ddp.no_sync() if k < per - 1 else _Null()
+                with sync:
+                    lm, mtp = lm_losses(ddp(tokens[i][:, :seq]), tokens[i][:, 1:])
+                    # DDP averages over ranks: scale by W / M so both sum the same objective
+                    ((lm + cfg.mtp_loss_coef * mtp) * world / microbatches).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
+    _setup(rank, world, rendezvous, args.threads)
+    steps = {m: _trainer(m, args.preset, args.microbatches) for m in ("invariant", "ddp")}
+    for step in steps.values():  # warm-up
+        step()
+    ratios = []
+    for k in range(args.steps):
+        order = ("invariant", "ddp") if k % 2 == 0 else ("ddp", "invariant")
+        took = {}
+        for method in order:
+            dist.barrier()
+            began = time.perf_counter()
+            steps[method]()
+            dist.barrier()
+            took[method] = time.perf_counter() - began
+        ratios.append(took["invariant"] / took["ddp"])
+    exchange = _exchange_sweep(world, args.steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ratios": ratios, "exchange": exchange}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _exchange_sweep(world: int, repeats: int) -> dict[str, list[float]]:
+    """doubling / gather time ratios per size (median over repeats, interleaved)."""
+    from detrace.parallel import _exchange
+
+    rank = dist.get_rank()
+    result = {}
+    for size in SIZES:
+        flat = torch.randn(size // 4)
+        ratios = []
+        for k in range(repeats):
+            took = {}
+            for how in (("doubling", "gather") if k % 2 == 0 else ("gather", "doubling")):
+                dist.barrier()
+                began = time.perf_counter()
+                _exchange([flat.clone()], group=None, rank=rank, world=world, how=how)
+                took[how] = time.perf_counter() - began
+            ratios.append(took["doubling"] / took["gather"])
+        result[str(size)] = ratios
+    return result
+
+
+def _memory(rank: int, world: int, args: argparse.Namespace, method: str, out: str, rendezvous: str) -> None:
+    _setup(rank, world, rendezvous, args.threads)
+    step = _trainer(method, args.preset, args.microbatches)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(max(2, args.steps // 2)):
+        step()
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    if rank == 0:
+        Path(out).write_text(json.dumps({"kib": grown}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args: object) -> None:  # type: ignore[no-untyped-def]
+    rendezvous = tempfile.mktemp(prefix="detrace-bench-topology-")  # a file the ranks meet in (no port)
+    mp.start_processes(fn, args=(world, *args, rendezvous), nprocs=world, start_method="spawn")
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    figures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in worlds:
+            path = f"{tmp}/time-{world}.json"
+            _spawn(_timing, world, args, path)
+            data = json.loads(Path(path).read_text())
+            lo, mid, hi = _quartiles(data["ratios"])
+            figures.append(f"step time W={world} invariant/ddp: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
+                           f"{len(data['ratios'])} pairs)")
+            for size, ratios in data["exchange"].items():
+                lo, mid, hi = _quartiles(ratios)
+                figures.append(f"exchange W={world} {int(size) >> 10} KiB doubling/gather: {mid:.2f}x "
+                               f"(IQR {lo:.2f}-{hi:.2f})")
+            kib = {}
+            for method in ("invariant", "ddp"):
+                path = f"{tmp}/mem-{world}-{method}.json"
+                _spawn(_memory, world, args, method, path)
+                kib[method] = json.loads(Path(path).read_text())["kib"]
+            figures.append(f"peak RSS growth W={world} invariant/ddp: {kib['invariant'] / max(kib['ddp'], 1):.2f}x "
+                           f"({kib['invariant'] / 1024:.1f} MiB vs {kib['ddp'] / 1024:.1f} MiB)")
+    print(f"preset={args.preset} microbatches={args.microbatches} steps={args.steps} threads={args.threads} "
+          f"backend=gloo")
+    for line in figures:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
