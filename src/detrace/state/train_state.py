@@ -255,4 +255,4 @@ def _continue_trace_clock(step: int) -> None:
     tracing = sys.modules.get("detrace.tracing")
     set_step = getattr(tracing, "set_step", None)
     if callable(set_step):
-        set_step(step)
+        set_step(step, source="train_state")
