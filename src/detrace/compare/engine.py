@@ -98,6 +98,22 @@ def describe_steps(first: int, last: int, a: StepSpan, b: StepSpan) -> str | Non
     return f"compared global {steps} ({'; '.join(notes)})"
 
 
+def _command_difference(a: list[str], b: list[str]) -> str:
+    """"A ran `... --augment` and B ran `... --augment --resume`": the arguments where two commands differ, with
+    one argument of context on each side."""
+    head = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    tail = next((i for i, (x, y) in enumerate(zip(a[::-1], b[::-1], strict=False)) if x != y or i >= len(a) - head
+                 or i >= len(b) - head), 0)
+    lo = max(head - 1, 0)
+
+    def part(command: list[str]) -> str:
+        hi = min(len(command) - tail + 1, len(command))
+        text = shlex.join(command[lo:hi])
+        return ("... " if lo else "") + _short(text) + (" ..." if hi < len(command) else "")
+
+    return f"A ran `{part(a)}` and B ran `{part(b)}`"
+
+
 def _command(run: RunInfo) -> list[str] | None:
     command = run.header.get("command")
     return [str(part) for part in command] if isinstance(command, list) and command else None
@@ -157,7 +173,7 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
     notes = []
     command_a, command_b = _command(run_a), _command(run_b)
     if command_a is not None and command_b is not None and command_a != command_b:
-        said = f"A ran `{_short(shlex.join(command_a))}` and B ran `{_short(shlex.join(command_b))}`"
+        said = _command_difference(command_a, command_b)
         if strict_command and reason is None:
             reason = f"the runs are of different commands: {said} (--strict-command)."
         notes.append(f"the runs are of different commands: {said}")
