@@ -65,6 +65,18 @@ def test_check_resume_at_several_stop_points_reuses_the_continuous_runs(tmp_path
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["at-1", "at-3", "continuous", "continuous-again"]
 
 
+def test_check_resume_exact_on_ddp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The reference workload on 2 gloo ranks under torchrun: every arm is a 2-rank job.
+    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, "-m",
+                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.examples.train",
+                 "--preset", "tiny", "--steps", "3", "--parallel", "ddp", "--deterministic"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    [point] = report["points"]
+    assert report["repeat"]["compared"]["ranks"] == 2 and point["resume"]["compared"]["ranks"] == 2
+    assert point["resume"]["compared"]["steps"] == {"first": 2, "last": 2} and point["control"]["verdict"] == "diverged"
+
+
 def test_check_resume_catches_a_resume_bug(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The script forgets to put the optimizer in its TrainState: AdamW restarts with empty moments.
     code, out = _check_resume(tmp_path, capsys, "--forget-optimizer", json_out=False)

@@ -186,6 +186,9 @@ class Tracer:
         """The global step of the first step that ended in this process (the first optimizer step)."""
         self._recorded: list[int] = []
         """[first, last] global step that holds records."""
+        self.detecting = True
+        """Whether an optimizer's restored step count may set the clock (TrainState turns it off while it
+        restores: it sets the step itself, afterwards)."""
         self.phase = "forward"
         self.scope: list[str] = []
         """Qualified names of the modules being run, innermost last (kept by the module rung)."""
@@ -265,7 +268,7 @@ class Tracer:
         """An optimizer was restored from a checkpoint that carries `step` completed steps (detection with no
         edit). Believed only before this process's first step ended, and below every other source."""
         with self._lock:
-            if self._first_step is not None or step <= 0:
+            if self._first_step is not None or step <= 0 or not self.detecting:
                 return
             before = self.step
             if self.set_step(step, "optimizer"):
