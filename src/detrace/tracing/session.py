@@ -264,14 +264,15 @@ class Tracer:
                 self._move_clock(step)
             return True
 
-    def restored(self, step: int) -> None:
+    def restored(self, step: int, *, in_step: bool = False) -> None:
         """An optimizer was restored from a checkpoint that carries `step` completed steps (detection with no
-        edit). Believed only before this process's first step ended, and below every other source."""
+        edit). Believed only before this process's first step ended, and below every other source. `in_step`:
+        noticed as the first optimizer step begins, so the records still buffered belong to the restored step."""
         with self._lock:
             if self._first_step is not None or step <= 0 or not self.detecting:
                 return
             before = self.step
-            if self.set_step(step, "optimizer"):
+            if self.set_step(step, "optimizer") and in_step:
                 # Records of this step made before the optimizer was read (its forward and backward, when the
                 # state is read at the first optimizer step) belong to the restored step too.
                 for record in self._records:

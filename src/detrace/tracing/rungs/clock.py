@@ -36,7 +36,7 @@ def install_pre(tracer: Tracer) -> Callable[[], None]:
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         if tracer.step_source == "process" and not tracer.stepped:
-            tracer.restored(restored_step(optimizer))
+            tracer.restored(restored_step(optimizer), in_step=True)
         tracer.optimizer_begins(optimizer)
 
     return register_optimizer_step_pre_hook(pre).remove
