@@ -49,24 +49,29 @@ def _int(value: Any) -> bool:
 
 
 def step_span(run_dir: Path, rank: int) -> StepSpan:
-    """A rank's global steps, from its footer, or read from its records when it has none (or an older one)."""
+    """A rank's global steps: from its footer (the tracer's `steps`, the writer's `last_step`), and from its
+    records for what the footer lacks (the first batch for the first step; every batch for the last step of a
+    rank that was killed before it wrote a footer)."""
     footer = read_footer(run_dir, rank)
-    steps = footer.get("steps") if isinstance(footer, dict) else None
-    if isinstance(steps, dict) and _int(steps.get("first")):
-        recorded = steps.get("recorded")
-        if recorded is None or (isinstance(recorded, list) and len(recorded) == 2 and all(map(_int, recorded))):
-            source = steps.get("source")
-            return StepSpan(first=steps["first"], last=recorded[1] if recorded else -1,
-                            source=source if isinstance(source, str) else None, closed=True)
-    first = last = None
-    stream = iter_batches(rank_path(run_dir, rank))
-    for batch in stream:
-        if batch.num_rows:
-            column = batch.column("step")
-            first = column[0].as_py() if first is None else first
-            last = column[-1].as_py()
-    return StepSpan(first=first or 0, last=-1 if last is None else last, source=None,
-                    closed=footer is not None and not stream.torn)
+    footer = footer if isinstance(footer, dict) else None
+    steps = footer.get("steps") if footer is not None else None
+    steps = steps if isinstance(steps, dict) else {}
+    source = steps.get("source") if isinstance(steps.get("source"), str) else None
+    first = steps["first"] if _int(steps.get("first")) else None
+    last = footer["last_step"] if footer is not None and isinstance(footer.get("last_step"), int) else None
+    if first is None or last is None:
+        seen = None
+        stream = iter_batches(rank_path(run_dir, rank))
+        for batch in stream:
+            if batch.num_rows:
+                column = batch.column("step")
+                first = column[0].as_py() if first is None else first
+                if last is not None:
+                    break  # only the first step was missing
+                seen = column[-1].as_py()
+        stream.close()
+        last = seen if last is None else last
+    return StepSpan(first=first or 0, last=-1 if last is None else last, source=source, closed=footer is not None)
 
 
 def common_steps(a: StepSpan, b: StepSpan) -> tuple[int, int, int | None] | None:
