@@ -146,6 +146,21 @@ def test_sources_follow_their_precedence(tmp_path: Path, monkeypatch: pytest.Mon
     assert _footer(tmp_path / "hf") == {"first": 9, "recorded": [9, 12], "source": "train_state"}
 
 
+def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_path: Path) -> None:
+    model, optimizer = _fresh()
+    _train(model, optimizer, _batches(3), range(3))
+    state = detrace.TrainState(model=model, optimizer=optimizer)
+    state.step = 3
+    state.save(tmp_path / "ckpt")
+    with detrace.trace(tmp_path / "t", rung="semantic"):
+        model, optimizer = _fresh()
+        tracer = detrace.tracing.active()
+        assert detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt") == 3
+        assert tracer.detecting  # turned off only while TrainState restored
+        _train(model, optimizer, _batches(5), range(3, 5))
+    assert _footer(tmp_path / "t") == {"first": 3, "recorded": [3, 4], "source": "train_state"}
+
+
 @pytest.mark.parametrize("value", ["-1", "ten", "1.5"])
 def test_a_malformed_step_offset_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DETRACE_STEP_OFFSET", value)
