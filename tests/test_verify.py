@@ -132,10 +132,18 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert message in err and "Traceback" not in err
 
 
-def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["check-resume", "--at", "1", "--out", str(tmp_path / "o"), "--", sys.executable, "-c", "pass"])
-    assert code == 2
-    assert "wrote no checkpoint" in capsys.readouterr().err
+# A loop with optimizer steps but no TrainState: traced and repeatable, but it cannot stop and resume.
+NO_CONTRACT = ("import torch; torch.manual_seed(0); m = torch.nn.Linear(2, 1)\n"
+               "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+               "for _ in range(3): m(torch.ones(2)).sum().backward(); o.step()")
+
+
+@pytest.mark.parametrize(("code", "message"), [(NO_CONTRACT, "wrote no checkpoint"),
+                                               ("pass", "continuous holds no trace")])
+def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        code: str, message: str) -> None:
+    assert main(["check-resume", "--at", "1", "--out", str(tmp_path / "o"), "--", sys.executable, "-c", code]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_check_refuses_a_non_empty_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
