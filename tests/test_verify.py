@@ -55,6 +55,14 @@ def test_check_resume_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert set(point["runs"]) == {"stopped", "resumed", "control"}
 
 
+def test_check_resume_exact_says_where_the_control_diverged(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check_resume(tmp_path, capsys, json_out=False)
+    assert code == 0, out
+    assert out.startswith("exact: two continuous runs agree, and resuming after step 2 changed no bit; the negative "
+                          "control (skip-rng) diverged as it must, first divergence: rank 0, step 2, ")
+
+
 def test_check_resume_at_several_stop_points_reuses_the_continuous_runs(tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _check_resume(tmp_path, capsys, at="3,1")

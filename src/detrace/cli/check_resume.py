@@ -73,10 +73,10 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
               f"({NEGATIVE_CONTROL}), so this check cannot tell a correct resume from a wrong one (does CMD use "
               "randomness after that step?)")
     else:
-        controls = [(diff_lines(p.control_diff)[1:2] or ["(no detail)"])[0]  # type: ignore[arg-type]
-                    for p in result.points]
+        control = next((line for line in diff_lines(result.deciding) if line.startswith("first divergence")),
+                       "first divergence: (no detail)")
         print(f"exact: two continuous runs agree, and resuming after step {stops} changed no bit; the negative "
-              f"control ({NEGATIVE_CONTROL}) diverged as it must, {controls[0]}")
+              f"control ({NEGATIVE_CONTROL}) diverged as it must, {control}")
 
 
 def main(argv: list[str]) -> int:
