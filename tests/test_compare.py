@@ -50,7 +50,7 @@ def test_identical_runs(tmp_path: Path) -> None:
     result = diff(a, b)
     assert result.verdict == "identical" and result.exit_code == 0
     assert result.first is None and result.origin_ranks == []
-    assert result.compared == (2, 2 * RUN.records_per_rank, 0)
+    assert result.compared == (2, 2 * RUN.records_per_rank, 0, (0, RUN.steps - 1))
     assert [r.cause for r in result.ranks] == ["identical", "identical"]
     assert first_divergent_step(result) is None
 
@@ -235,7 +235,7 @@ def test_metric_values_compare_bit_for_bit_and_untaken_digests_do_not(tmp_path: 
     first = result.first
     assert first is not None and first.name == "loss" and first.detail["value"] == [0.0, -0.0]
     assert not first.origin  # a metric observes a value; it computes nothing
-    assert result.compared == (1, 2, 1)  # the untaken digest is reported as not verified; the metric was
+    assert result.compared == (1, 2, 1, (0, 0))  # the untaken digest is reported as not verified; the metric was
     assert result.ranks[0].unverified == 1
 
 
@@ -303,12 +303,14 @@ def test_unreadable_inputs_raise_trace_errors_naming_the_path(tmp_path: Path) ->
 def test_json_has_exactly_the_schema_keys(tmp_path: Path) -> None:
     a, b = pair(tmp_path, fault=Fault(rank=0, step=1, op=0))
     payload = diff(a, b).to_json()
-    assert set(payload) == {"schema", "verdict", "reason", "first", "origin_ranks", "ranks", "compared"}
+    assert set(payload) == {"schema", "verdict", "reason", "first", "origin_ranks", "ranks", "compared", "notes"}
     assert payload["schema"] == "detrace.diff/1"
     assert set(payload["first"]) == {"rank", "step", "seq", "rung", "phase", "kind", "name", "module", "role",
                                      "origin"}
     assert set(payload["ranks"][0]) == {"rank", "first", "cause", "via"}
-    assert payload["compared"] == {"ranks": 2, "records": 2 * RUN.records_per_rank, "unverified": 0}
+    assert payload["compared"] == {"ranks": 2, "records": 2 * RUN.records_per_rank, "unverified": 0,
+                                   "steps": {"first": 0, "last": RUN.steps - 1}}
+    assert payload["notes"] == []
 
 
 @settings(max_examples=25, deadline=None)

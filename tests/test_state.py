@@ -275,13 +275,14 @@ def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: py
     import sys
     import types
 
-    clock: list[int] = []
-    monkeypatch.setitem(sys.modules, "detrace.tracing", types.SimpleNamespace(set_step=clock.append))
+    clock: list[tuple[int, str]] = []
+    tracing = types.SimpleNamespace(set_step=lambda n, *, source: clock.append((n, source)))
+    monkeypatch.setitem(sys.modules, "detrace.tracing", tracing)
     state = _state()
     state.step = 5
     state.save(tmp_path)
     _state().load(tmp_path)
-    assert clock == [5]
+    assert clock == [(5, "train_state")]
 
 
 def test_loading_into_a_fresh_optimizer_is_no_optimizer_step(tmp_path: Path) -> None:

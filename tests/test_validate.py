@@ -55,16 +55,19 @@ def test_check_cells(
 
 
 def test_resume_cells(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    diverged = {"verdict": "diverged", "resume": {"first": {"step": 2, "rank": 1, "kind": "structural",
-                                                            "phase": "collective", "name": "all_reduce"}}}  # fmt: skip
-    answers = iter([(0, {"verdict": "exact"}, ""), (1, diverged, ""), (2, {"verdict": "unproven"}, ""),
-                    (2, None, "resumed run exited with code 1: boom")])  # fmt: skip
+    first = {"step": 2, "rank": 1, "kind": "structural", "phase": "collective", "name": "all_reduce"}
+    diverged = {"verdict": "resume-changed-the-run", "first": first}
+    racing = {"verdict": "nondeterministic", "first": {**first, "kind": "numeric"}}
+    answers = iter([(0, {"verdict": "exact"}, ""), (1, diverged, ""), (4, {"verdict": "inconclusive"}, ""),
+                    (2, None, "resumed run exited with code 1: boom"), (3, racing, "")])  # fmt: skip
     monkeypatch.setattr(validate, "_detrace", lambda args, *, timeout, log: next(answers))
-    cells = [validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) for _ in range(4)]
+    cells = [validate._resume(SINGLE, steps=4, at=2, out=tmp_path, timeout=1) for _ in range(5)]
     assert cells[0] == Cell("exact (at 2)", True)
     assert cells[1] == Cell("diverged (structural) at step 2 rank 1 collective all_reduce", False)
     assert cells[2].text.startswith("unproven: the negative control") and cells[2].ok is False
     assert cells[3] == Cell("error: resumed run exited with code 1: boom", False)
+    assert cells[4] == Cell("nondeterministic, resume not judged (numeric) at step 2 rank 1 collective all_reduce",
+                            False)
 
 
 def test_a_failed_command_is_explained_by_the_cause_it_quotes() -> None:

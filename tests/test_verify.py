@@ -34,31 +34,89 @@ def test_check_catches_real_nondeterminism(tmp_path: Path, capsys: pytest.Captur
     assert re.search(r"run [23] differs from run 1", out) and "first divergence" in out
 
 
+def _check_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, at: str = "2",
+                  json_out: bool = True) -> tuple[int, dict | str]:
+    code = main(["check-resume", "--at", at, "--out", str(tmp_path / "r"), *(["--json"] if json_out else []), "--",
+                 sys.executable, TOY, "--steps", "4", *args])
+    out = capsys.readouterr().out
+    return code, json.loads(out) if json_out else out
+
+
 def test_check_resume_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--",
-                 sys.executable, TOY, "--steps", "4"])
+    code, report = _check_resume(tmp_path, capsys)
+    assert code == 0, report
+    assert report["schema"] == "detrace.check-resume/1" and report["verdict"] == "exact" and report["at"] == [2]
+    assert report["repeat"]["verdict"] == "identical" and report["repeat"]["compared"]["records"] > 0
+    [point] = report["points"]
+    assert point["verdict"] == "exact" and point["resume"]["verdict"] == "identical"
+    assert point["resume"]["compared"]["steps"] == {"first": 2, "last": 3}
+    assert point["control"]["verdict"] == "diverged" and point["resumed_again"] is None
+    assert report["first"]["step"] == 2  # the control's first resumed step already differs without its RNG
+    assert set(point["runs"]) == {"stopped", "resumed", "control"}
+
+
+def test_check_resume_exact_says_where_the_control_diverged(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check_resume(tmp_path, capsys, json_out=False)
+    assert code == 0, out
+    assert out.startswith("exact: two continuous runs agree, and resuming after step 2 changed no bit; the negative "
+                          "control (skip-rng) diverged as it must, first divergence: rank 0, step 2, ")
+
+
+def test_check_resume_at_several_stop_points_reuses_the_continuous_runs(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check_resume(tmp_path, capsys, at="3,1")
+    assert code == 0, report
+    assert report["at"] == [1, 3] and [p["verdict"] for p in report["points"]] == ["exact", "exact"]
+    assert [p["resume"]["compared"]["steps"] for p in report["points"]] == [{"first": 1, "last": 3},
+                                                                            {"first": 3, "last": 3}]
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["at-1", "at-3", "continuous", "continuous-again"]
+
+
+def test_check_resume_exact_on_ddp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The reference workload on 2 gloo ranks under torchrun: every arm is a 2-rank job.
+    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, "-m",
+                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.examples.train",
+                 "--preset", "tiny", "--steps", "3", "--parallel", "ddp", "--deterministic"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
-    assert report["verdict"] == "exact"
-    assert report["resume"]["verdict"] == "identical" and report["resume"]["compared"]["records"] > 0
-    assert report["control"]["verdict"] == "diverged"
-    assert report["control"]["first"]["step"] == 2  # the first resumed step already differs without its RNG
+    [point] = report["points"]
+    assert report["repeat"]["compared"]["ranks"] == 2 and point["resume"]["compared"]["ranks"] == 2
+    assert point["resume"]["compared"]["steps"] == {"first": 2, "last": 2} and point["control"]["verdict"] == "diverged"
 
 
 def test_check_resume_catches_a_resume_bug(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The script forgets to put the optimizer in its TrainState: AdamW restarts with empty moments.
-    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--",
-                 sys.executable, TOY, "--steps", "4", "--forget-optimizer"])
-    out = capsys.readouterr().out
+    code, out = _check_resume(tmp_path, capsys, "--forget-optimizer", json_out=False)
     assert code == 1, out
-    assert "changed the run" in out and "step 2" in out
+    assert out.startswith("resume-changed-the-run: resuming after step 2 changed the run") and "step 2" in out
 
 
-def test_check_resume_without_randomness_proves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--",
-                 sys.executable, TOY, "--steps", "4", "--no-random"])
-    assert code == 2
-    assert "unproven" in capsys.readouterr().out
+def test_check_resume_never_blames_the_resume_for_a_nondeterministic_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check_resume(tmp_path, capsys, "--unrepeatable", json_out=False)
+    assert code == 3, out
+    assert out.startswith("nondeterministic: two continuous runs of the same command differ")
+    assert f"find the culprit with: detrace locate -- {sys.executable} {TOY}" in out
+    assert not (tmp_path / "r" / "at-2").exists()  # no resume was tried
+
+
+def test_check_resume_confirms_a_difference_before_blaming_the_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Only the resumed processes are unrepeatable: the continuous arms agree, the resumed run differs from them,
+    # and a second resumed run differs from the first: that is no resume bug.
+    code, report = _check_resume(tmp_path, capsys, "--unrepeatable-after-resume")
+    assert code == 3, report
+    [point] = report["points"]
+    assert report["verdict"] == point["verdict"] == "nondeterministic"
+    assert point["resume"]["verdict"] == "diverged" and point["resumed_again"]["verdict"] == "diverged"
+    assert report["first"]["step"] == 2 and report["suggest"].startswith("detrace locate -- ")
+
+
+def test_check_resume_without_randomness_is_inconclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _check_resume(tmp_path, capsys, "--no-random", json_out=False)
+    assert code == 4
+    assert out.startswith("inconclusive: the run resumed after step 2 matched, but so did the negative control")
 
 
 @pytest.mark.parametrize(
@@ -68,6 +126,7 @@ def test_check_resume_without_randomness_proves_nothing(tmp_path: Path, capsys: 
         (["check"], "no command given"),
         (["check-resume", "--", "python"], "the following arguments are required: --at"),
         (["check-resume", "--at", "0", "--", "python"], "--at must be a step of at least 1"),
+        (["check-resume", "--at", "2,x", "--", "python"], "--at must be a step of at least 1"),
         (["check", "--", "no-such-command-detrace"], "no-such-command-detrace"),
         (["check", "--", sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], "exited with code 3"),
     ],
@@ -81,10 +140,18 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert message in err and "Traceback" not in err
 
 
-def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["check-resume", "--at", "1", "--out", str(tmp_path / "o"), "--", sys.executable, "-c", "pass"])
-    assert code == 2
-    assert "wrote no checkpoint" in capsys.readouterr().err
+# A loop with optimizer steps but no TrainState: traced and repeatable, but it cannot stop and resume.
+NO_CONTRACT = ("import torch; torch.manual_seed(0); m = torch.nn.Linear(2, 1)\n"
+               "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+               "for _ in range(3): m(torch.ones(2)).sum().backward(); o.step()")
+
+
+@pytest.mark.parametrize(("code", "message"), [(NO_CONTRACT, "wrote no checkpoint"),
+                                               ("pass", "continuous holds no trace")])
+def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        code: str, message: str) -> None:
+    assert main(["check-resume", "--at", "1", "--out", str(tmp_path / "o"), "--", sys.executable, "-c", code]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_check_refuses_a_non_empty_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
 """The two guarantees, verified on a user's command: run-to-run identity (`check`) and exact resume
-(`check-resume`). Both drive the launcher and the diff; neither reads a trace itself.
+(`check-resume`, a proof with four arms). Both drive the launcher and the diff; neither reads a trace itself.
 
 check-resume speaks to CMD through the environment contract that `detrace.TrainState` implements
 (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, DETRACE_RESUME_CONTROL; see docs/resume.md).
@@ -41,28 +41,75 @@ class CheckResult:
         return next((d for d in self.diffs if d.verdict != "identical"), None)
 
 
+VERDICTS = {"exact": 0, "resume-changed-the-run": 1, "nondeterministic": 3, "inconclusive": 4}
+"""check-resume's verdicts and their exit codes (2 is an error: bad arguments, CMD failed or broke the contract)."""
+
+
 @dataclass(frozen=True, kw_only=True)
-class ResumeResult:
-    """The outcome of `detrace check-resume`."""
+class StopPoint:
+    """One stop point of `detrace check-resume`: stopped after step `at`, resumed, and the negative control."""
 
     at: int
-    """The step after which the run was stopped and resumed."""
-    continuous: Path
+    """The step after which the run was stopped and resumed (a global step: steps counted from 1)."""
+    verdict: str
+    """exact, resume-changed-the-run, nondeterministic (the resumed run did not repeat itself) or inconclusive."""
     stopped: Path
     resumed: Path
-    control: Path
     resume_diff: DiffResult
-    """Continuous vs resumed, from step `at` on: must be identical."""
-    control_diff: DiffResult
-    """Continuous vs the deliberately wrong resume: must diverge, or the check proves nothing."""
-    notes: list[str] = field(default_factory=list)
+    """Continuous vs resumed, on the steps both have (`at` and up)."""
+    control: Path | None = None
+    control_diff: DiffResult | None = None
+    """Continuous vs the deliberately wrong resume (run when the resume matched): must diverge."""
+    resumed_again: Path | None = None
+    again_diff: DiffResult | None = None
+    """Resumed vs resumed once more (run when the resume differed): a resume that changes the run does so the
+    same way twice; a run that differs from itself is nondeterministic."""
+
+    @property
+    def first(self) -> DiffResult | None:
+        """The diff that names this point's verdict."""
+        if self.verdict == "nondeterministic":
+            return self.again_diff
+        if self.verdict == "inconclusive":
+            return self.control_diff
+        return self.control_diff if self.verdict == "exact" else self.resume_diff
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeResult:
+    """The outcome of `detrace check-resume`: four arms (continuous, continuous again, stopped and resumed, the
+    negative control), the last two per stop point."""
+
+    at: list[int]
+    """The stop points, ascending."""
+    continuous: Path
+    again: Path
+    repeat_diff: DiffResult
+    """Continuous vs continuous again: must be identical, or nothing can be said of the resume."""
+    points: list[StopPoint] = field(default_factory=list)
+    """One per stop point; empty when the two continuous runs differ (no resume was tried)."""
 
     @property
     def verdict(self) -> str:
-        """'exact', 'diverged' (resume changed bits) or 'unproven' (the negative control did not diverge)."""
-        if self.resume_diff.verdict != "identical":
-            return "diverged"
-        return "exact" if self.control_diff.verdict == "diverged" else "unproven"
+        """nondeterministic (before anything else: never blame a resume for a run that differs from itself), then
+        resume-changed-the-run, inconclusive (a control that did not diverge proves nothing), exact."""
+        if self.repeat_diff.verdict != "identical":
+            return "nondeterministic"
+        verdicts = {point.verdict for point in self.points}
+        return next(v for v in ("nondeterministic", "resume-changed-the-run", "inconclusive", "exact")
+                    if v in verdicts)
+
+    @property
+    def exit_code(self) -> int:
+        return VERDICTS[self.verdict]
+
+    @property
+    def deciding(self) -> DiffResult:
+        """The diff whose first divergence the verdict names."""
+        if self.repeat_diff.verdict != "identical":
+            return self.repeat_diff
+        point = next(p for p in self.points if p.verdict == self.verdict)
+        return point.first  # type: ignore[return-value]
 
 
 Progress = Callable[[str], None]
@@ -104,28 +151,78 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
     return CheckResult(runs=dirs, diffs=[diff(dirs[0], other) for other in dirs[1:]])
 
 
-def check_resume(cmd: list[str], *, at: int, out: Path, timeout: float | None = None,
+def parse_stop_points(text: str) -> list[int]:
+    """`--at 2,5`: the stop points, ascending, each a step of at least 1."""
+    points = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), or several "
+                             f"such as 2,5; not {text!r}")
+        points.add(int(item))
+    return sorted(points)
+
+
+def _comparable(result: DiffResult, what: str) -> DiffResult:
+    if result.verdict == "incomparable":
+        raise CommandFailed(f"{what} cannot be compared: {result.reason}")
+    return result
+
+
+def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | None = None,
                  progress: Progress = lambda _: None) -> ResumeResult:
-    """Continuous run vs stopped-after-step-`at`-and-resumed, plus a negative control that must diverge."""
-    if at < 1:
+    """The four-arm resume proof: a continuous run, a second continuous run (equal to the first, or the run is
+    nondeterministic and no resume can be judged), for each stop point K a run stopped after step K and resumed
+    (equal to the continuous run from step K on), and a negative control that must diverge. A resumed run that
+    differs is resumed once more: only a difference that repeats is blamed on the resume."""
+    if not at or any(k < 1 for k in at):
         raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), got {at}")
     if not cmd:
         raise UsageError("no command given; put it after '--', e.g. detrace check-resume --at 3 -- python train.py")
+    at = sorted(set(at))
     out = _fresh(out)
-    # Only records from step `at` on are compared: the resumed process starts there.
-    window = f"{at}::1"
-    ckpt = out / "checkpoint"
-    continuous, stopped, resumed, control = (out / name for name in ("continuous", "stopped", "resumed", "control"))
+    # Records before the first stop point are never compared: the resumed processes start there or later.
+    window = f"{at[0]}::1"
+    continuous, again = out / "continuous", out / "continuous-again"
     _launch(cmd, continuous, label="continuous run", progress=progress, timeout=timeout, steps=window)
-    _launch(cmd, stopped, label=f"run stopped after step {at}", progress=progress, timeout=timeout, steps=window,
-            env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(at)})
+    _launch(cmd, again, label="continuous run, again", progress=progress, timeout=timeout, steps=window)
+    repeat = _comparable(diff(continuous, again), "the two continuous runs")
+    result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
+    if repeat.verdict != "identical":
+        return result
+    for k in at:
+        result.points.append(_stop_point(cmd, k, out / f"at-{k}", continuous, window=window, timeout=timeout,
+                                         progress=progress))
+    return result
+
+
+def _stop_point(cmd: list[str], k: int, out: Path, continuous: Path, *, window: str, timeout: float | None,
+                progress: Progress) -> StopPoint:
+    ckpt = out / "checkpoint"
+    stopped, resumed = out / "stopped", out / "resumed"
+    _launch(cmd, stopped, label=f"run stopped after step {k}", progress=progress, timeout=timeout, steps=window,
+            env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
     if not ckpt.exists():
         raise CommandFailed(
-            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {at}; does it use detrace.TrainState "
+            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use detrace.TrainState "
             "(resume_if_requested / end_of_step), and does it run more than that many steps?")
     resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
-    _launch(cmd, resumed, label="resumed run", progress=progress, timeout=timeout, steps=window, env=resume_env)
-    _launch(cmd, control, label=f"negative control ({NEGATIVE_CONTROL})", progress=progress, timeout=timeout,
-            steps=window, env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
-    return ResumeResult(at=at, continuous=continuous, stopped=stopped, resumed=resumed, control=control,
-                        resume_diff=diff(continuous, resumed), control_diff=diff(continuous, control))
+    _launch(cmd, resumed, label=f"run resumed after step {k}", progress=progress, timeout=timeout, steps=window,
+            env=resume_env)
+    resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
+    if resume_diff.verdict != "identical":
+        again = out / "resumed-again"
+        _launch(cmd, again, label=f"run resumed after step {k}, again", progress=progress, timeout=timeout,
+                steps=window, env=resume_env)
+        again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
+        verdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
+        return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
+                         resumed_again=again, again_diff=again_diff)
+    control = out / "control"
+    _launch(cmd, control, label=f"negative control after step {k} ({NEGATIVE_CONTROL})", progress=progress,
+            timeout=timeout, steps=window, env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
+    control_diff = _comparable(diff(continuous, control), f"the continuous run and the negative control after "
+                                                          f"step {k}")
+    verdict = "exact" if control_diff.verdict == "diverged" else "inconclusive"
+    return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
+                     control=control, control_diff=control_diff)

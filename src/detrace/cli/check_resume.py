@@ -1,42 +1,99 @@
-"""`detrace check-resume --at K [--out DIR] [--timeout S] [--json] -- CMD...`: a run stopped after step K and
-resumed in a fresh process must continue with exactly the bits of the run that never stopped; a negative
-control (resume without the RNG states) must diverge, or the check proves nothing.
-Exit 0 exact, 1 resume changed bits, 2 error or unproven."""
+"""`detrace check-resume --at K[,K2...] [--out DIR] [--timeout S] [--json] -- CMD...`: the four-arm resume proof.
+
+Arms: a continuous run; the same again (the run must equal itself, or no resume can be judged); per stop point K,
+a run stopped after step K and resumed in a fresh process (it must continue with exactly the bits of the
+continuous run); and a negative control (resume without the RNG states) that must diverge, or the check proves
+nothing. Exit codes: 0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic, 4 inconclusive.
+"""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from detrace.cli._args import ArgumentParser, split_command
+from detrace.compare import DiffResult
 from detrace.report.terminal import diff_lines, render_diff
-from detrace.verify import NEGATIVE_CONTROL, check_resume, default_out
+from detrace.verify import NEGATIVE_CONTROL, ResumeResult, StopPoint, check_resume, default_out, parse_stop_points
+
+SCHEMA = "detrace.check-resume/1"
+
+
+def _diff(result: DiffResult | None) -> dict[str, Any] | None:
+    return result.to_json() if result is not None else None
+
+
+def _point(point: StopPoint) -> dict[str, Any]:
+    runs = {"stopped": point.stopped, "resumed": point.resumed, "control": point.control,
+            "resumed_again": point.resumed_again}
+    return {"at": point.at, "verdict": point.verdict,
+            "runs": {name: str(path) for name, path in runs.items() if path is not None},
+            "resume": _diff(point.resume_diff), "control": _diff(point.control_diff),
+            "resumed_again": _diff(point.again_diff)}
+
+
+def to_json(result: ResumeResult, cmd: list[str]) -> dict[str, Any]:
+    """The `--json` object, schema detrace.check-resume/1."""
+    deciding = result.deciding
+    return {"schema": SCHEMA, "verdict": result.verdict, "exit_code": result.exit_code, "at": result.at,
+            "first": deciding.first.to_json() if deciding.first is not None else None,
+            "suggest": _locate(cmd) if result.verdict == "nondeterministic" else None,
+            "runs": {"continuous": str(result.continuous), "continuous_again": str(result.again)},
+            "repeat": result.repeat_diff.to_json(), "points": [_point(p) for p in result.points]}
+
+
+def _locate(cmd: list[str]) -> str:
+    return f"detrace locate -- {shlex.join(cmd)}"
+
+
+def _summary(result: ResumeResult, cmd: list[str]) -> None:
+    verdict = result.verdict
+    stops = ", ".join(map(str, result.at))
+    if verdict == "nondeterministic":
+        if result.repeat_diff.verdict != "identical":
+            print("nondeterministic: two continuous runs of the same command differ, so no resume can be judged:")
+            render_diff(result.repeat_diff)
+        else:
+            point = next(p for p in result.points if p.verdict == "nondeterministic")
+            print(f"nondeterministic: the run resumed after step {point.at} differs from the continuous run, and "
+                  "a second resumed run differs from the first, so the difference is not the resume's:")
+            render_diff(point.again_diff)  # type: ignore[arg-type]
+        print(f"find the culprit with: {_locate(cmd)}")
+    elif verdict == "resume-changed-the-run":
+        point = next(p for p in result.points if p.verdict == verdict)
+        print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
+              "and a second resume differs in the same way):")
+        render_diff(point.resume_diff)
+    elif verdict == "inconclusive":
+        point = next(p for p in result.points if p.verdict == verdict)
+        print(f"inconclusive: the run resumed after step {point.at} matched, but so did the negative control "
+              f"({NEGATIVE_CONTROL}), so this check cannot tell a correct resume from a wrong one (does CMD use "
+              "randomness after that step?)")
+    else:
+        control = next((line for line in diff_lines(result.deciding) if line.startswith("first divergence")),
+                       "first divergence: (no detail)")
+        print(f"exact: two continuous runs agree, and resuming after step {stops} changed no bit; the negative "
+              f"control ({NEGATIVE_CONTROL}) diverged as it must, {control}")
 
 
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
-    parser = ArgumentParser("check-resume", "Verify that stopping after step K and resuming changes no bit.")
-    parser.add_argument("--at", type=int, required=True, help="stop after this many optimizer steps, then resume")
+    parser = ArgumentParser("check-resume", "Verify that stopping after step K and resuming changes no bit, with "
+                            "a second continuous run (is the run deterministic at all?) and a negative control.")
+    parser.add_argument("--at", required=True, metavar="K[,K...]",
+                        help="stop after this many optimizer steps, then resume; several stop points: 2,5")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-resume-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
-    parser.add_argument("--json", action="store_true", help="print the verdict and both diffs as JSON on stdout")
+    parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)
-    result = check_resume(cmd, at=args.at, out=args.out or default_out("resume"), timeout=args.timeout,
+    result = check_resume(cmd, at=parse_stop_points(args.at), out=args.out or default_out("resume"),
+                          timeout=args.timeout,
                           progress=lambda line: print(f"detrace check-resume: {line}", file=sys.stderr))
     if args.json:
-        print(json.dumps({"schema": "detrace.check-resume/1", "verdict": result.verdict, "at": result.at,
-                          "runs": {name: str(getattr(result, name))
-                                   for name in ("continuous", "stopped", "resumed", "control")},
-                          "resume": result.resume_diff.to_json(), "control": result.control_diff.to_json()}))
-    elif result.verdict == "exact":
-        control = diff_lines(result.control_diff)[1:2] or ["(no detail)"]
-        print(f"exact: resuming after step {args.at} changed no bit; the negative control ({NEGATIVE_CONTROL}) "
-              f"diverged as it must, {control[0]}")
-    elif result.verdict == "diverged":
-        print(f"resuming after step {args.at} changed the run:")
-        render_diff(result.resume_diff)
+        print(json.dumps(to_json(result, cmd)))
     else:
-        print(f"unproven: the resumed run matched, but so did the negative control ({NEGATIVE_CONTROL}), so this "
-              "check cannot tell a correct resume from a wrong one (does CMD use randomness after the resume step?)")
-    return {"exact": 0, "diverged": 1}.get(result.verdict, 2)
+        _summary(result, cmd)
+    return result.exit_code

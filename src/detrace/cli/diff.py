@@ -1,4 +1,5 @@
-"""`detrace diff A B [--json] [--rank R]`: compare two run directories and name the first divergent bit.
+"""`detrace diff A B [--json] [--rank R] [--strict-command]`: compare two run directories on the global steps both
+have and name the first divergent bit.
 
 Exit codes: 0 identical, 1 diverged, 2 incomparable or unreadable (one sentence on stderr, never a traceback).
 """
@@ -22,8 +23,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rank", type=int, metavar="R", help="compare only rank R")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="processes aligning ranks in parallel (default: every core, for large runs)")
+    parser.add_argument("--strict-command", action="store_true",
+                        help="runs of different commands are incomparable (default: compared, and the summary says so)")
     args = parser.parse_args(argv)
-    result = diff(args.a, args.b, rank=args.rank, workers=args.workers)
+    result = diff(args.a, args.b, rank=args.rank, workers=args.workers, strict_command=args.strict_command)
     if args.json:
         print(json.dumps(result.to_json()))
     if result.verdict == "incomparable":

@@ -98,7 +98,7 @@ def _unverified(batch: pa.RecordBatch) -> int:
 class _Cursor:
     """One side of the alignment: a buffered, advancing view over a rank file's batches."""
 
-    def __init__(self, run_dir: Path, rank: int, present: bool) -> None:
+    def __init__(self, run_dir: Path, rank: int, present: bool, *, end: int | None = None) -> None:
         self.stream = iter_batches(rank_path(run_dir, rank)) if present else None
         self.footer = read_footer(run_dir, rank) if present else None
         self._batches = iter(self.stream) if self.stream is not None else iter(())
@@ -106,6 +106,8 @@ class _Cursor:
         self._buffered = 0
         self.position = 0
         """Records consumed so far."""
+        self.end = end
+        """The last global step compared: records of later steps are left out (None: to the end of the file)."""
 
     @property
     def complete(self) -> bool:
@@ -114,6 +116,10 @@ class _Cursor:
 
     def _fill(self) -> bool:
         for batch in self._batches:
+            if self.end is not None and batch.num_rows and batch.column("step")[-1].as_py() > self.end:
+                # Steps never decrease within a rank: the rest of the file lies past the compared steps.
+                batch = batch.slice(0, int(np.searchsorted(batch.column("step").to_numpy(), self.end, side="right")))
+                self._batches = iter(())
             if batch.num_rows:
                 self._buffer.append(batch)
                 self._buffered += batch.num_rows
@@ -180,11 +186,14 @@ def _is_origin(row: dict[str, Any]) -> bool:
 class RankAligner:
     """Aligns one rank of run A with the same rank of run B."""
 
-    def __init__(self, rank: int, a: Path, b: Path, *, in_a: bool = True, in_b: bool = True) -> None:
+    def __init__(self, rank: int, a: Path, b: Path, *, in_a: bool = True, in_b: bool = True,
+                 steps: tuple[int, int | None] = (0, None)) -> None:
         self.rank = rank
         self.a_dir = a
-        self.a = _Cursor(a, rank, in_a)
-        self.b = _Cursor(b, rank, in_b)
+        self.a = _Cursor(a, rank, in_a, end=steps[1])
+        self.b = _Cursor(b, rank, in_b, end=steps[1])
+        self.start = steps[0]
+        """The first global step compared: both runs' records of earlier steps are skipped."""
         self.outcome = RankOutcome(rank=rank)
         # First numeric divergence (rows of A and B, and its position in A), and the origin found for it.
         self._d1: tuple[dict[str, Any], dict[str, Any], int] | None = None
@@ -197,6 +206,9 @@ class RankAligner:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
+        if self.start:
+            self.a.skip_to_step(self.start)
+            self.b.skip_to_step(self.start)
         while (ha := self.a.head()) is not None and (hb := self.b.head()) is not None:
             n = min(ha.num_rows, hb.num_rows)
             sa, sb = ha.slice(0, n), hb.slice(0, n)
@@ -232,6 +244,8 @@ class RankAligner:
                 self._d1 = (ra, rb, self.a.position + i)
                 if _is_origin(ra):
                     self._origin = (ra, rb)
+                elif ra["phase"] == "data":
+                    self._walking = False  # the data entered from outside the traced calls: nothing to walk back to
                 else:
                     # A collective's output that differs with equal inputs came from a peer: no walking back.
                     self._walking = not (ra["phase"] in COMMUNICATION and ra["role"] in OUTPUT_ROLES)
@@ -369,7 +383,8 @@ class RankAligner:
         return {"inputs": inputs, "outputs": outputs}
 
 
-def align_rank(task: tuple[int, str, str, bool, bool]) -> RankOutcome:
-    """Pool entry point: (rank, run A, run B, rank present in A, rank present in B) -> outcome."""
-    rank, a, b, in_a, in_b = task
-    return RankAligner(rank, Path(a), Path(b), in_a=in_a, in_b=in_b).run()
+def align_rank(task: tuple[int, str, str, bool, bool, int, int | None]) -> RankOutcome:
+    """Pool entry point: (rank, run A, run B, rank present in A, rank present in B, first and last global step
+    compared) -> outcome."""
+    rank, a, b, in_a, in_b, start, end = task
+    return RankAligner(rank, Path(a), Path(b), in_a=in_a, in_b=in_b, steps=(start, end)).run()

@@ -98,6 +98,8 @@ class Compared(NamedTuple):
     records: int
     unverified: int = 0
     """Of `records`, those without a digest in one run or both (see RankResult.unverified)."""
+    steps: tuple[int, int] | None = None
+    """The first and last global step compared (the steps both runs have); None when nothing was compared."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +119,10 @@ class DiffResult:
     """Run directory A."""
     b: str = ""
     """Run directory B."""
+    steps: str | None = None
+    """The compared global steps in words: "compared global steps 4-7 (B resumed after step 4)"."""
+    notes: list[str] = field(default_factory=list)
+    """What the reader should know beside the verdict (e.g. the runs are of different commands)."""
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object of `detrace diff`, schema "detrace.diff/1"."""
@@ -124,7 +130,10 @@ class DiffResult:
                 "first": self.first.to_json() if self.first else None, "origin_ranks": list(self.origin_ranks),
                 "ranks": [r.to_json() for r in self.ranks],
                 "compared": {"ranks": self.compared.ranks, "records": self.compared.records,
-                             "unverified": self.compared.unverified}}
+                             "unverified": self.compared.unverified,
+                             "steps": None if self.compared.steps is None else
+                             {"first": self.compared.steps[0], "last": self.compared.steps[1]}},
+                "notes": list(self.notes)}
 
     @property
     def exit_code(self) -> int:

@@ -131,8 +131,8 @@ def _where(report: dict[str, object] | None) -> str:
     diffs = report.get("diffs") if report else None
     firsts = [d.get("first") for d in diffs or [] if isinstance(d, dict) and d.get("first")]
     if not firsts:
-        resume = report.get("resume") if report else None
-        firsts = [resume.get("first")] if isinstance(resume, dict) and resume.get("first") else []
+        first = report.get("first") if report else None  # check-resume names the divergence of its verdict
+        firsts = [first] if isinstance(first, dict) else []
     if not firsts:
         return ""
     f = firsts[0]
@@ -159,15 +159,17 @@ def _resume(cfg: Config, *, steps: int, at: int, out: Path, timeout: float) -> C
     command = cfg.command(steps=steps, deterministic=True)
     code, report, why = _detrace(
         ["check-resume", "--json", "--at", str(at), "--out", str(out), "--timeout", str(timeout), "--", *command],
-        timeout=timeout * 5,
+        timeout=timeout * 6,
         log=out.with_suffix(".log"),
     )
     verdict = str(report.get("verdict", "")) if report else ""
     if code == 0 and verdict == "exact":
         return Cell(f"exact (at {at})", True)
-    if code == 1 and verdict == "diverged":
+    if code == 1 and verdict == "resume-changed-the-run":
         return Cell(f"diverged{_where(report)}", False)
-    if verdict == "unproven":
+    if code == 3 and verdict == "nondeterministic":
+        return Cell(f"nondeterministic, resume not judged{_where(report)}", False)
+    if verdict == "inconclusive":
         return Cell("unproven: the negative control (resume without RNG state) did not diverge either", False)
     return Cell(f"error: {why}".replace(f"{out}/", ""), False)  # paths relative to this check's directory
 

@@ -24,6 +24,8 @@ _STYLE = {"identical": "bold green", "diverged": "bold red", "incomparable": "bo
 
 
 def _where(d: Divergence) -> str:
+    if d.phase == "data":
+        return f"rank {d.rank}, step {d.step}, the input batch ({d.role}[{d.index}], call #{d.occurrence})"
     module = f" in {d.module}" if d.module else ""
     return f"rank {d.rank}, step {d.step}, {d.phase}{module}: {d.name} ({d.role}[{d.index}], call #{d.occurrence})"
 
@@ -37,7 +39,13 @@ def _explain(d: Divergence) -> list[str]:
     """What differs, in a few indented lines."""
     detail = d.detail
     lines: list[str] = []
-    if d.kind == "numeric":
+    if d.kind == "numeric" and d.phase == "data":
+        lines.append("the input batch differs: the data entering the model's forward is not the same in both runs; "
+                     "no traced call computed it (look at the data order, the augmentation's randomness, the "
+                     "loader's position)")
+        if "digest" in detail:
+            lines.append(f"digest {detail['digest'][0]} vs {detail['digest'][1]}")
+    elif d.kind == "numeric":
         lines.append("origin: its inputs were equal and its output differs" if d.origin else
                      "not an origin: an input of this call already differed")
         if "digest" in detail:
@@ -84,10 +92,11 @@ def diff_lines(result: DiffResult) -> list[str]:
     """The summary as plain lines (what a pipe gets)."""
     diverged = [r for r in result.ranks if r.first is not None]
     if result.verdict == "incomparable":
-        return [f"incomparable: {result.reason}"]
+        return [f"incomparable: {result.reason}", *result.notes]
     unverified = result.compared.unverified
     note = [f"not verified: {unverified:,} records carry no digest (above --max-numel, or not fingerprintable);"
             " only their shapes and dtypes were compared"] if unverified else []
+    note = [line for line in (result.steps, *result.notes) if line] + note
     if result.verdict == "identical":
         return [f"identical: {result.compared.ranks} ranks, {result.compared.records:,} records, every bit equal",
                 *note]

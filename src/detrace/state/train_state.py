@@ -158,6 +158,10 @@ class TrainState:
         return local
 
     def _load(self, path: Path, *, control: str | None) -> int:
+        with _trace_clock_kept():
+            return self._restore(path, control=control)
+
+    def _restore(self, path: Path, *, control: str | None) -> int:
         loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits)
         shared, local = loaded.shared, loaded.local
         if self.optimizer is None:
@@ -270,10 +274,28 @@ def _checkpoint_dir() -> Path:
     return Path(directory)
 
 
+@contextlib.contextmanager
+def _trace_clock_kept() -> Iterator[None]:
+    """While TrainState restores, an active tracer does not take the restored optimizer's step count for the
+    step (its detection with no edit): TrainState gives the step itself once everything is restored, so what the
+    restore records after the optimizer (the model's load) stays with the set-up, in no training step."""
+    tracing = sys.modules.get("detrace.tracing")
+    active = getattr(tracing, "active", None)
+    tracer = active() if callable(active) else None
+    if tracer is None or not hasattr(tracer, "detecting"):
+        yield
+        return
+    tracer.detecting = False
+    try:
+        yield
+    finally:
+        tracer.detecting = True
+
+
 def _continue_trace_clock(step: int) -> None:
     """Let an active tracer count steps on from `step`. Only a tracer that is already imported can be
     recording; its module is another part of detrace and may be absent from this build."""
     tracing = sys.modules.get("detrace.tracing")
     set_step = getattr(tracing, "set_step", None)
     if callable(set_step):
-        set_step(step)
+        set_step(step, source="train_state")

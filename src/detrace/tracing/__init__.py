@@ -9,6 +9,10 @@ Library form::
 Zero-edit form: `detrace run --out runs/a --rung semantic -- CMD...` arms the same tracer in every Python
 process CMD starts (`arm_from_env`, called by the injected sitecustomize once torch is imported).
 
+Steps are global: optimizer steps since the training began, across restarts (see detrace.tracing.session for
+the sources of the numbering and their precedence). A resumed run's records carry the steps of the run that
+never stopped, so `detrace diff` compares the two on the steps both have.
+
 `step`, `metric` and `set_step` are no-ops when no tracer is active.
 """
 
@@ -110,18 +114,28 @@ def trace(out: str | Path, *, rung: str = "metrics", steps: str | Mapping[str, s
         _stop()
 
 
-def step() -> None:
-    """End the current step (for loops without an optimizer; after optimizer.step() it changes nothing)."""
-    if _tracer is not None:
+def step(n: int | None = None) -> None:
+    """`detrace.step()`: end the current step (for loops without an optimizer; after optimizer.step() it changes
+    nothing). `detrace.step(n)`: the step running now is global step `n` (optimizer steps completed since the
+    training began, across restarts): call it once after resuming, or at the start of every step."""
+    if n is not None:
+        set_step(n)
+    elif _tracer is not None:
         _tracer.user_step()
 
 
-def set_step(n: int) -> None:
-    """Set the step clock to `n` (e.g. after resuming from a checkpoint taken after step n-1)."""
+def set_step(n: int, *, source: str = "explicit") -> None:
+    """Set the step clock to global step `n`, e.g. after resuming from a checkpoint taken after `n` steps.
+
+    `source` names where the number comes from ("train_state", "explicit", "hf", "lightning", ...): it is
+    recorded in the trace, and a source never overrides one of higher precedence (TrainState, then explicit
+    calls and DETRACE_STEP_OFFSET, then framework integrations, then an optimizer's restored step count)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise UsageError(f"set_step needs a non-negative integer, not {n!r}")
+    if not isinstance(source, str) or not source or source == "process":
+        raise UsageError(f"set_step needs a source name such as 'explicit' or 'hf', not {source!r}")
     if _tracer is not None:
-        _tracer.set_step(n)
+        _tracer.set_step(n, source)
 
 
 def metric(name: str, value: float | object) -> None:

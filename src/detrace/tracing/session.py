@@ -6,6 +6,13 @@ writes batches. It never keeps a tensor of the program's: `snapshot()` copies sm
 `fingerprint_many` per flush instead of one per call) and fingerprints the others at once; records are kept as
 tuples and written as Arrow columns.
 
+The step clock counts global steps: optimizer steps since the training began, across restarts. It starts at
+DETRACE_STEP_OFFSET (0 when unset) and is set by the first source that applies, in this order of precedence:
+`detrace.TrainState` on resume ("train_state"), an explicit `detrace.step(n)` / `set_step(n)` ("explicit", or
+"env" for the offset), a framework integration ("hf", "lightning", ...), and detection with no edit: an optimizer
+restored from a checkpoint carries its step count ("optimizer"). A source of lower precedence never overrides
+one of higher precedence. The footer records the first and last global step and the source.
+
 Rank discovery: `RANK` (torchrun) or `torch.distributed.get_rank()` once the default group exists (mp.spawn sets
 no RANK). Until the rank is known, records stay in memory; a process that records nothing writes nothing.
 A process with neither at the end of a step or at exit is a single-process run: rank 0.
@@ -36,6 +43,31 @@ from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
 from detrace.tracing.config import TraceConfig
 from detrace.tracing.header import base_header
+
+STEP_OFFSET_ENV = "DETRACE_STEP_OFFSET"
+"""The global step at which the step clock of a traced process starts (e.g. a run resumed after step K: K)."""
+
+_PRECEDENCE = {"train_state": 0, "explicit": 1, "env": 1, "optimizer": 3, "process": 4}
+"""Step sources by precedence (lower wins); any other name is a framework integration, between the two groups."""
+INTEGRATION_PRECEDENCE = 2
+
+
+def precedence(source: str) -> int:
+    """How strongly a step source is believed: a source never overrides one with a lower number."""
+    return _PRECEDENCE.get(source, INTEGRATION_PRECEDENCE)
+
+
+def step_offset(environ: Any = os.environ) -> int:
+    """DETRACE_STEP_OFFSET as a global step (0 when unset); a malformed value is a UsageError naming it."""
+    text = environ.get(STEP_OFFSET_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit():
+        from detrace.errors import UsageError
+
+        raise UsageError(f"{STEP_OFFSET_ENV} must be a non-negative integer (a global step), not {text!r}")
+    return int(text)
+
 
 FLUSH_RECORDS = 4096
 """Records buffered before a batch is written."""
@@ -146,7 +178,17 @@ class Tracer:
 
     def __init__(self, config: TraceConfig) -> None:
         self.config = config
-        self.step = 0
+        self.step = step_offset()
+        """The global step of the records being made now."""
+        self.step_source = "env" if self.step else "process"
+        """Where the step clock's value came from ("process": counted from this process's start)."""
+        self._first_step: int | None = None
+        """The global step of the first step that ended in this process (the first optimizer step)."""
+        self._recorded: list[int] = []
+        """[first, last] global step that holds records."""
+        self.detecting = True
+        """Whether an optimizer's restored step count may set the clock (TrainState turns it off while it
+        restores: it sets the step itself, afterwards)."""
         self.phase = "forward"
         self.scope: list[str] = []
         """Qualified names of the modules being run, innermost last (kept by the module rung)."""
@@ -203,8 +245,7 @@ class Tracer:
             for listener in self._listeners:
                 listener()
 
-    def set_step(self, step: int) -> None:
-        """Set the step clock (e.g. after resuming from a checkpoint taken at `step`)."""
+    def _move_clock(self, step: int) -> None:
         with self._lock:
             self.forget()
             self.step = int(step)
@@ -212,12 +253,53 @@ class Tracer:
             self._after_optimizer = False
             self._update_windows()
 
+    def set_step(self, step: int, source: str = "explicit") -> bool:
+        """Set the global step of what runs now (e.g. after resuming from a checkpoint taken after `step` steps),
+        unless a source of higher precedence set it already. Returns whether the clock took the value."""
+        with self._lock:
+            if precedence(source) > precedence(self.step_source):
+                return False
+            self.step_source = source
+            if step != self.step:
+                self._move_clock(step)
+            return True
+
+    def restored(self, step: int, *, in_step: bool = False) -> None:
+        """An optimizer was restored from a checkpoint that carries `step` completed steps (detection with no
+        edit). Believed only before this process's first step ended, and below every other source. `in_step`:
+        noticed as the first optimizer step begins, so the records still buffered belong to the restored step."""
+        with self._lock:
+            if self._first_step is not None or step <= 0 or not self.detecting:
+                return
+            before = self.step
+            if self.set_step(step, "optimizer") and in_step:
+                # Records of this step made before the optimizer was read (its forward and backward, when the
+                # state is read at the first optimizer step) belong to the restored step too.
+                for record in self._records:
+                    if record[1].step == before:
+                        record[1].step = step
+                if self._recorded and self._recorded[-1] == before:
+                    self._recorded = [step, step] if self._recorded[0] == before else [self._recorded[0], step]
+
+    @property
+    def stepped(self) -> bool:
+        """Whether a step has ended in this process."""
+        return self._first_step is not None
+
     def end_step(self) -> None:
         """The step is over: write its records and move the clock on."""
         with self._lock:
+            if self._first_step is None:
+                self._first_step = self.step
             self._previous_occurrences = self._occurrences
-            self.set_step(self.step + 1)
+            self._move_clock(self.step + 1)
             self.flush(step_ended=True)
+
+    def steps(self) -> dict[str, Any]:
+        """The footer's account of the global steps: the first step run, the first and last step holding records,
+        and the source of the numbering."""
+        first = self._first_step if self._first_step is not None else (self._recorded or [self.step])[0]
+        return {"first": first, "recorded": list(self._recorded) or None, "source": self.step_source}
 
     def user_step(self) -> None:
         """`detrace.step()`: ends the step unless an optimizer step already ended it (and no backward ran since)."""
@@ -230,7 +312,7 @@ class Tracer:
         with self._lock:
             if self._after_optimizer and id(optimizer) not in self._stepped:
                 occurrences = self._previous_occurrences
-                self.set_step(self.step - 1)
+                self._move_clock(self.step - 1)
                 self._occurrences = occurrences
             elif not self._after_optimizer:
                 self._stepped = set()
@@ -437,6 +519,10 @@ class Tracer:
     def _add(self, call: Call, role: str, index: int, snap: Snapshot, value: Any, extra: str | None) -> None:
         seq = self._seq
         self._seq = seq + 1
+        if not self._recorded:
+            self._recorded = [call.step, call.step]
+        elif call.step > self._recorded[1]:
+            self._recorded[1] = call.step
         if call.event is None:
             call.event = seq
         self._records.append((seq, call, role, index, snap, value, self.collectives, extra))
@@ -535,7 +621,7 @@ class Tracer:
             writer = self._writer
             if writer is not None:
                 footer = {"groups": sorted(self.groups), "step": self.step, "pid": os.getpid(),
-                          "world_size": self.world_size, "collectives": self.collectives}
+                          "world_size": self.world_size, "collectives": self.collectives, "steps": self.steps()}
                 writer.close(footer)
                 if self.rank == 0 and not self.config.launched:
                     header = base_header(self.config, world_size=self.world_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrace.tracefile.schema import rung_includes
-from detrace.tracing.rungs import clock, metrics, module, op, semantic
+from detrace.tracing.rungs import batch, clock, metrics, module, op, semantic
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -17,10 +17,10 @@ Undo = Callable[[], None]
 
 def install(tracer: Tracer) -> list[Undo]:
     """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables."""
-    undo = [clock.install_pre(tracer), *metrics.install(tracer)]
+    undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer)]
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):
-        undo += semantic.install(tracer)
+        undo += semantic.install(tracer) + batch.install(tracer)
     if rung_includes(rung, "module"):
         undo += module.install(tracer)
     if rung_includes(rung, "op"):
