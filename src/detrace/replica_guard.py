@@ -120,7 +120,7 @@ def vote(keys: list[list[int]], digests: list[list[int]], labels: dict[int, str]
 
 
 class Guard:
-    """The installed guard (see the module docstring). `remove()` uninstalls it."""
+    """The replica guard (see the module docstring): `install()` it, `remove()` it."""
 
     def __init__(self, *, every: int, mode: Mode) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -135,10 +135,18 @@ class Guard:
         self._layout: dict[int, tuple[list[list[int]], dict[int, str], int]] = {}
         """id(optimizer) -> (every rank's key hashes, key hash -> label, the longest list): exchanged once."""
         self._names: dict[int, str] | None = None
-        self._remove: Callable[[], None] = register_optimizer_step_post_hook(self._after_step).remove
+        self._remove: Callable[[], None] | None = None
+
+    def install(self) -> Guard:
+        """Check after every optimizer step from now on (a global optimizer hook)."""
+        if self._remove is None:
+            self._remove = register_optimizer_step_post_hook(self._after_step).remove
+        return self
 
     def remove(self) -> None:
-        self._remove()
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # The optimizer has updated its state: `step` now counts this step too.
@@ -226,7 +234,7 @@ def guard(*, every: int = 1, mode: Mode = "stop") -> Guard:
     global _guard
     if _guard is not None:
         _guard.remove()
-    _guard = Guard(every=every, mode=mode)
+    _guard = Guard(every=every, mode=mode).install()
     return _guard
 
 
