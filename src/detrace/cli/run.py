@@ -1,7 +1,7 @@
 """`detrace run`: run CMD with the tracer injected into every Python process it starts; no edit of CMD.
 
     detrace run [--out DIR] [--rung metrics|semantic|module|op] [--steps SPEC] [--ranks SPEC] [--max-numel N]
-                [--force] [--capture SELECTOR] [--timeout SECONDS] -- CMD...
+                [--force] [--capture SELECTOR] [--timeout SECONDS] [--guard N[:warn]] -- CMD...
 
 Exits with CMD's exit code.
 """
@@ -13,6 +13,7 @@ import time
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import UsageError
+from detrace.replica_guard import ENV_GUARD, parse_env
 from detrace.tracefile.schema import RUNGS
 from detrace.tracing.config import parse_steps_option
 from detrace.tracing.launch import describe, run_traced
@@ -36,6 +37,9 @@ def _parser() -> ArgumentParser:
                         help="kernel rung: save one op call for replay, e.g. step=3,rank=1,phase=backward,"
                         "name=aten.index_put_.default,occurrence=0 (needs --rung op)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", help="kill CMD after this many seconds")
+    parser.add_argument("--guard", metavar="N[:warn]",
+                        help="replica guard: compare every replicated tensor across ranks every N steps; exit 3 "
+                        "on a mismatch (N:warn reports and goes on)")
     return parser
 
 
@@ -44,8 +48,13 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(options)
     if not command:
         raise UsageError("no command to run; give it after '--', e.g. detrace run -- python train.py")
+    env = {}
+    if args.guard is not None:
+        parse_env(args.guard)  # a bad value is refused here, before CMD starts
+        env[ENV_GUARD] = args.guard
     out = args.out or time.strftime("detrace-runs/run-%Y%m%d-%H%M%S")
     result = run_traced(command, out, rung=args.rung, steps=parse_steps_option(args.steps), ranks=args.ranks,
-                        max_numel=args.max_numel, capture=args.capture, force=args.force, timeout=args.timeout)
+                        max_numel=args.max_numel, capture=args.capture, force=args.force, timeout=args.timeout,
+                        env=env)
     print(f"detrace run: {describe(result)}", file=sys.stderr)
     return result.returncode

@@ -1,0 +1,173 @@
+"""Defect detection, in one process: the fault spec and the bit flip, the guard's vote, recheck's verdicts and
+their error paths. The multi-process cases (DDP, dp-ep) are in test_defects_e2e.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from detrace.errors import UsageError
+from detrace.faults import FaultInjector, FaultSpec, flip_bit, global_step
+from detrace.recheck import judge, recheck
+from detrace.replica_guard import Guard, Mismatch, parse_env, vote
+
+PY = sys.executable
+
+
+def test_fault_spec_parses_every_key() -> None:
+    spec = FaultSpec.parse("bitflip:step=3,rank=1,tensor=layers.0.norm.weight,bit=20,index=5,repeat")
+    assert spec == FaultSpec(step=3, rank=1, tensor="layers.0.norm.weight", bit=20, index=5, repeat=True)
+    assert FaultSpec.parse("bitflip:step=0,rank=0,tensor=w.grad,bit=0").repeat is False
+
+
+@pytest.mark.parametrize("text, words", [
+    ("flip:step=1,rank=0,tensor=w,bit=1", "is not a fault"),
+    ("bitflip:step=1,rank=0,tensor=w", "lacks bit"),
+    ("bitflip:step=x,rank=0,tensor=w,bit=1", "step must be a non-negative integer"),
+    ("bitflip:step=1,rank=0,tensor=w,bit=1,speed=3", "unknown key 'speed'"),
+    ("bitflip:step=1,rank=0,tensor=w,bit=1,repeat=yes", "repeat takes no value"),
+    ("bitflip:step=1,rank=0,tensor=,bit=1", "needs tensor=NAME"),
+])
+def test_fault_spec_refuses_malformed_text(text: str, words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        FaultSpec.parse(text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])
+def test_flip_bit_changes_exactly_one_bit(dtype: torch.dtype) -> None:
+    t = torch.arange(6).to(dtype)
+    before = t.clone()
+    flip_bit(t, index=4, bit=3)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    changed = (t.view(width) ^ before.view(width)).tolist()
+    assert changed == [0, 0, 0, 0, 8, 0]
+    flip_bit(t, index=4, bit=3)
+    assert torch.equal(t.view(width), before.view(width))  # a flip undoes itself
+
+
+def test_flip_bit_reaches_the_sign_bit_and_refuses_outside_the_tensor() -> None:
+    t = torch.ones(2)
+    flip_bit(t, index=1, bit=31)
+    assert t.tolist() == [1.0, -1.0]
+    with pytest.raises(UsageError, match="index 2 is outside"):
+        flip_bit(t, index=2, bit=0)
+    with pytest.raises(UsageError, match="bit 32 is outside"):
+        flip_bit(t, index=0, bit=32)
+
+
+def _train(model: nn.Module, steps: int) -> list[torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    seen = []
+    for _ in range(steps):
+        model(torch.ones(2, 4)).square().sum().backward()  # the loss reads the output's bits
+        optimizer.step()
+        optimizer.zero_grad()
+        seen.append(model.weight.detach().clone())
+    return seen
+
+
+@pytest.mark.parametrize("tensor", ["weight", "weight.grad", "output"])
+def test_injected_fault_strikes_once_at_its_step(tensor: str) -> None:
+    torch.manual_seed(0)
+    clean = _train(nn.Linear(4, 3), 3)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    injector = FaultInjector(FaultSpec(step=1, rank=0, tensor=tensor, bit=22))
+    injector.install()
+    try:
+        faulty = _train(model, 3)
+    finally:
+        injector.remove()
+    assert torch.equal(faulty[0], clean[0]) and not torch.equal(faulty[1], clean[1])
+    assert injector.struck == [1]
+
+
+def test_repeat_fault_follows_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = FaultSpec(step=0, rank=1, tensor="weight", bit=22, repeat=True)
+    for device, strikes in (("1", [0, 1, 2]), ("0", [])):
+        monkeypatch.setenv("DETRACE_DEVICE_ID", device)
+        injector = FaultInjector(spec)
+        injector.install()
+        try:
+            _train(nn.Linear(4, 3), 3)
+        finally:
+            injector.remove()
+        assert injector.struck == strikes
+
+
+def test_transient_fault_spares_a_reexecution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_REEXEC", "1")
+    injector = FaultInjector(FaultSpec(step=0, rank=0, tensor="weight", bit=22))
+    injector.install()
+    try:
+        _train(nn.Linear(4, 3), 2)
+    finally:
+        injector.remove()
+    assert injector.struck == []
+
+
+def test_global_step_counts_on_from_a_restored_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(2, 2)
+    adam = torch.optim.Adam(model.parameters())
+    assert global_step(adam, 0) == 0
+    model(torch.ones(1, 2)).sum().backward()
+    adam.step()
+    restored = torch.optim.Adam(model.parameters())
+    restored.load_state_dict(adam.state_dict())
+    assert global_step(restored, 0) == 1  # one step already taken before this process began
+    monkeypatch.setenv("DETRACE_STEP_OFFSET", "40")
+    assert global_step(torch.optim.SGD(model.parameters(), lr=0.1), 2) == 42
+
+
+def test_vote_names_the_outvoted_replica_or_both_of_two() -> None:
+    keys = [[1, 2], [1, 2], [1, 2]]
+    digests = [[10, 20], [10, 21], [10, 20]]
+    assert vote(keys, digests, {1: "a", 2: "b"}, step=4) == [
+        Mismatch(step=4, tensor="b", odd_ranks=(1,), replicas=(0, 1, 2))]
+    two = vote([[7], [7]], [[1], [2]], {7: "w"}, step=0)
+    assert two[0].odd_ranks == (0, 1) and "no majority" in two[0].sentence()
+    # Shards are only compared with their replicas: a key held by one rank alone is nobody's replica.
+    assert vote([[1, 3], [1, 4]], [[5, 6], [5, 7]], {}, step=0) == []
+
+
+def test_guard_options_are_checked() -> None:
+    assert parse_env("5") == (5, "stop") and parse_env("2:warn") == (2, "warn")
+    for bad in ("0", "x", "3:loud", "-1"):
+        with pytest.raises(UsageError, match="DETRACE_GUARD"):
+            parse_env(bad)
+    with pytest.raises(UsageError, match="positive integer"):
+        Guard(every=0, mode="stop")
+    with pytest.raises(UsageError, match="'stop' or 'warn'"):
+        Guard(every=1, mode="loud")  # type: ignore[arg-type]
+
+
+def test_run_refuses_a_bad_guard_before_starting_the_command(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    proc = subprocess.run([PY, "-m", "detrace", "run", "--out", str(tmp_path / "r"), "--guard", "often", "--",
+                           PY, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "DETRACE_GUARD='often'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_judge_tells_the_four_verdicts() -> None:
+    run = {0: {("w", "param", 0, 0): 1}, 1: {("w", "param", 0, 0): 2}}
+    flipped = {0: {("w", "param", 0, 0): 1}, 1: {("w", "param", 0, 0): 1}}
+    assert judge(run, run, run) == ("clean", ())
+    assert judge(run, run, flipped) == ("persistent", (1,))
+    assert judge(run, flipped, flipped) == ("transient", (1,))
+    noisy = {0: {("w", "param", 0, 0): 3}, 1: {("w", "param", 0, 0): 4}}
+    assert judge(run, noisy, flipped) == ("software-nondeterminism", (0, 1))
+    assert judge(run, noisy, noisy) == ("software-nondeterminism", (0, 1))  # no rank reproduced at all
+
+
+def test_recheck_error_paths(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="does not exist"):
+        recheck(tmp_path / "missing", step=1, out=tmp_path / "out")
+    proc = subprocess.run([PY, "-m", "detrace", "recheck", str(tmp_path / "missing")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--step" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,85 @@
+"""Defect detection on the reference workload, in real processes: an injected bit flip (a test fault, named as
+such) caught by the replica guard at dp-ep x4 and ddp x2, and `detrace recheck` telling a transient flip from a
+persistent one and from a clean step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from detrace.tracefile import read_rank
+
+PY = sys.executable
+pytestmark = pytest.mark.slow
+
+TRAIN = ["-m", "detrace.examples.train", "--preset", "tiny", "--deterministic", "--threads", "1"]
+NORM = "layers.0.norm.weight"  # replicated on every rank in ddp and dp-ep (not an expert)
+
+
+def detrace(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "detrace", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+def torchrun(n: int) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+
+
+def guard_records(run: Path, rank: int) -> list[dict]:
+    table = read_rank(run, rank).table
+    return table.filter(pc.equal(table["name"], "guard")).select(["step", "value", "extra"]).to_pylist()
+
+
+def test_guard_stops_dp_ep_before_the_next_checkpoint_and_outvotes_the_odd_rank(tmp_path: Path) -> None:
+    fault = f"bitflip:step=1,rank=1,tensor={NORM},bit=20"
+    proc = detrace(["run", "--out", "run", "--guard", "1", "--", *torchrun(4), *TRAIN, "--steps", "3",
+                    "--parallel", "dp-ep"], tmp_path, DETRACE_FAULT=fault,
+                   DETRACE_CKPT_DIR=str(tmp_path / "ckpt"), DETRACE_STOP_AT="2")
+    output = proc.stdout + proc.stderr  # detrace run passes CMD's output through
+    assert proc.returncode != 0 and "exitcode  : 3" in output
+    assert (f"detrace guard: step 1: the replicas of {NORM} differ after the optimizer step: rank 1 "
+            "(outvoted by the other replicas, of 4 replicas)") in output
+    assert not (tmp_path / "ckpt").exists()  # stopped before end_of_step(2) could save the corrupted state
+    records = guard_records(tmp_path / "run", 0)
+    assert [r["step"] for r in records] == [0, 1] and [r["value"] for r in records] == [0.0, 1.0]
+    assert json.loads(records[1]["extra"])["mismatches"] == [{"tensor": NORM, "odd_ranks": [1]}]
+
+
+def test_persistent_flip_on_a_ddp_rank_is_guarded_then_rechecked_to_its_device(tmp_path: Path) -> None:
+    fault = f"bitflip:step=2,rank=1,tensor={NORM},bit=20,repeat"
+    proc = detrace(["run", "--out", "run", "--rung", "semantic", "--guard", "1:warn", "--", *torchrun(2), *TRAIN,
+                    "--steps", "3", "--parallel", "ddp"], tmp_path, DETRACE_FAULT=fault)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (f"step 2: the replicas of {NORM} differ after the optimizer step: ranks 0, 1 (no majority"
+            in proc.stdout + proc.stderr)
+    proc = detrace(["recheck", "run", "--step", "2", "--out", "recheck", "--json"], tmp_path, DETRACE_FAULT=fault)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["verdict"] == "persistent" and result["ranks"] == [1]
+    assert result["same_device"] == {"0": True, "1": True} and result["other_device"] == {"0": True, "1": False}
+
+
+def test_recheck_tells_a_transient_flip_from_a_clean_step(tmp_path: Path) -> None:
+    fault = f"bitflip:step=2,rank=0,tensor={NORM},bit=20"
+    assert detrace(["run", "--out", "faulty", "--rung", "semantic", "--", PY, *TRAIN, "--steps", "3"], tmp_path,
+                   DETRACE_FAULT=fault).returncode == 0
+    proc = detrace(["recheck", "faulty", "--step", "2", "--out", "recheck-faulty"], tmp_path, DETRACE_FAULT=fault)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.startswith("transient: rank 0 does not reproduce its own result of step 2")
+    # A clean run of the same command, rechecked from the checkpoint the first recheck made (taken after 2 steps).
+    assert detrace(["run", "--out", "clean", "--rung", "semantic", "--", PY, *TRAIN, "--steps", "3"],
+                   tmp_path).returncode == 0
+    proc = detrace(["recheck", "clean", "--step", "2", "--out", "recheck-clean", "--checkpoint",
+                    "recheck-faulty/checkpoint"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("clean: step 2 re-executed on the same and on other devices gives the run's bits")
+    assert not (tmp_path / "recheck-clean" / "prepare").exists()  # the given checkpoint saved that run
+    proc = detrace(["recheck", "clean", "--step", "1", "--out", "recheck-late", "--checkpoint",
+                    "recheck-faulty/checkpoint"], tmp_path)
+    assert proc.returncode == 2 and "taken after 2 steps, past step 1" in proc.stderr
