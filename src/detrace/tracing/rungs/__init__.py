@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrace.tracefile.schema import rung_includes
-from detrace.tracing.rungs import clock, metrics, module, op, semantic
+from detrace.tracing.rungs import clock, compiled, metrics, module, op, semantic
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -21,6 +21,7 @@ def install(tracer: Tracer) -> list[Undo]:
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):
         undo += semantic.install(tracer)
+        undo += compiled.install(tracer)
     if rung_includes(rung, "module"):
         undo += module.install(tracer)
     if rung_includes(rung, "op"):
