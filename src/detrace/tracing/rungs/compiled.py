@@ -50,6 +50,11 @@ REGION = "compiled_graph"
 KERNEL_PREFIX = "inductor."
 """Kernel records are named `inductor.<kernel name>`."""
 
+_active: list[CompiledRecorder] = []
+"""The recorder of the active tracer, if any. Wrappers outlive a tracer (Dynamo keeps compiled regions, Inductor
+keeps loaded output code), so they look it up at each call: a later trace in the same process records through
+them, and with no tracer they only call through."""
+
 _KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r'''(.*?)'''\)", re.M | re.S)
 _SIGNATURE = re.compile(r'extern "C"\s+void\s+kernel\(([^)]*)\)')
 
@@ -91,9 +96,7 @@ def _span(tensor: torch.Tensor) -> torch.Tensor:
 class _Kernel:
     """Stands in for one C++ kernel of an output code module (see the module docstring)."""
 
-    def __init__(self, recorder: CompiledRecorder, name: str, kernel: Callable[..., Any], params: list[str],
-                 code: str) -> None:
-        self.recorder = recorder
+    def __init__(self, name: str, kernel: Callable[..., Any], params: list[str], code: str) -> None:
         self.kernel = kernel
         self.record_name = KERNEL_PREFIX + name
         self.extra = json.dumps({"kernel": name, "aten": aten_ops(name), "code": code})
@@ -105,14 +108,15 @@ class _Kernel:
         self.mutated = [i for i, p in enumerate(params) if p.startswith("in_out_ptr")]
 
     def __call__(self, *args: Any) -> Any:
-        tracer = self.recorder.tracer
-        if not tracer.on["op"] or tracer.busy:
+        if not _active or not _active[0].tracer.on["op"] or _active[0].tracer.busy:
             return self.kernel(*args)
+        recorder = _active[0]
+        tracer = recorder.tracer
         module = tracer.scope[-1] if tracer.scope else None
         call = tracer.begin("op", tracer.phase, self.record_name, module, extra=self.extra)
         # fresh: kernels write through raw pointers, which bump no version counter.
         tracer.emit(call, "input", tracer.snapshot([args[i] for i in self.reads], fresh=True))
-        capturer = self.recorder.capturer
+        capturer = recorder.capturer
         pending = None
         if capturer is not None:
             spans = [_span(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -133,25 +137,24 @@ class _Kernel:
 class _Region:
     """Stands in for the callable a backend compiled one Dynamo graph into (see the module docstring)."""
 
-    def __init__(self, recorder: CompiledRecorder, compiled: Callable[..., Any], owner: nn.Module | None,
-                 compile_id: str) -> None:
-        self.recorder = recorder
+    def __init__(self, compiled: Callable[..., Any], owner: nn.Module | None, compile_id: str) -> None:
         self.compiled = compiled
         self.owner = weakref.ref(owner) if owner is not None else None
         self.extra = json.dumps({"compile_id": compile_id})
 
-    def module(self) -> str | None:
-        tracer = self.recorder.tracer
+    def module(self, recorder: CompiledRecorder) -> str | None:
         owner = self.owner() if self.owner is not None else None
         if owner is not None:
-            return self.recorder.name(owner)
-        return tracer.scope[-1] if tracer.scope else None
+            return recorder.name(owner)
+        scope = recorder.tracer.scope
+        return scope[-1] if scope else None
 
     def __call__(self, *args: Any) -> Any:
-        tracer = self.recorder.tracer
-        if not tracer.on["semantic"] or tracer.busy:
+        if not _active or not _active[0].tracer.on["semantic"] or _active[0].tracer.busy:
             return self.compiled(*args)
-        module = self.module()
+        recorder = _active[0]
+        tracer = recorder.tracer
+        module = self.module(recorder)
         call = tracer.begin("semantic", tracer.phase, REGION, module, extra=self.extra)
         tracer.emit(call, "input", tracer.snapshot(recorded_leaves(list(args), holes=True)))
         tracer.scope.append(module or "")
@@ -163,11 +166,10 @@ class _Region:
         tracer.emit(call, "output", tracer.snapshot(outputs, fresh=True))
         if torch.is_grad_enabled():
             for node in _backward_nodes(outputs):
-                self._hook_backward(node, module)
+                self._hook_backward(tracer, node, module)
         return out
 
-    def _hook_backward(self, node: Any, module: str | None) -> None:
-        tracer = self.recorder.tracer
+    def _hook_backward(self, tracer: Tracer, node: Any, module: str | None) -> None:
         calls: list[Any] = []
 
         def pre(grad_outputs: tuple[Any, ...]) -> None:
@@ -238,13 +240,11 @@ class CompiledRecorder:
         from torch._dynamo.output_graph import OutputGraph
 
         original = OutputGraph.call_user_compiler
-        recorder = self
 
         def call_user_compiler(graph: Any, gm: Any, example_inputs: Any) -> Any:
             compiled = original(graph, gm, example_inputs)
             owner = graph.root_tx.f_locals.get("self") if graph.root_tx is not None else None
-            return _Region(recorder, compiled, owner if isinstance(owner, nn.Module) else None,
-                           str(graph.dynamo_compile_id))
+            return _Region(compiled, owner if isinstance(owner, nn.Module) else None, str(graph.dynamo_compile_id))
 
         self.undo.append(replace(OutputGraph, "call_user_compiler", call_user_compiler))
         if self.tracer.config.rung == "op":
@@ -254,38 +254,42 @@ class CompiledRecorder:
 
             def load_by_key_path(cls: Any, *args: Any, **kwargs: Any) -> Any:
                 module = load.__func__(cls, *args, **kwargs)
-                recorder.instrument(module)
+                instrument(module)
                 return module
 
             self.undo.append(replace(PyCodeCache, "load_by_key_path", classmethod(load_by_key_path)))
-
-    def instrument(self, module: Any) -> None:
-        """Wrap the C++ kernels of one output code module (once)."""
-        if getattr(module, "_detrace_kernels", False) or not callable(getattr(module, "call", None)):
-            return
-        module._detrace_kernels = True
-        path = getattr(module, "__file__", None)
-        try:
-            source = Path(path).read_text() if path else ""
-        except OSError:
-            return
-        for match in _KERNEL.finditer(source):
-            name = match.group(1)
-            signature = _SIGNATURE.search(match.group(3))
-            kernel = module.__dict__.get(name)
-            if signature is None or kernel is None or isinstance(kernel, _Kernel):
-                continue
-            params = [p.strip().split()[-1].lstrip("*") for p in signature.group(1).split(",") if p.strip()]
-            module.__dict__[name] = _Kernel(self, name, kernel, params, str(path))
 
     def remove(self) -> None:
         for undo in reversed(self.undo):
             undo()
         self.undo.clear()
+        if self in _active:
+            _active.remove(self)
+
+
+def instrument(module: Any) -> None:
+    """Wrap the C++ kernels of one output code module (once)."""
+    if getattr(module, "_detrace_kernels", False) or not callable(getattr(module, "call", None)):
+        return
+    module._detrace_kernels = True
+    path = getattr(module, "__file__", None)
+    try:
+        source = Path(path).read_text() if path else ""
+    except OSError:
+        return
+    for match in _KERNEL.finditer(source):
+        name = match.group(1)
+        signature = _SIGNATURE.search(match.group(3))
+        kernel = module.__dict__.get(name)
+        if signature is None or kernel is None or isinstance(kernel, _Kernel):
+            continue
+        params = [p.strip().split()[-1].lstrip("*") for p in signature.group(1).split(",") if p.strip()]
+        module.__dict__[name] = _Kernel(name, kernel, params, str(path))
 
 
 def install(tracer: Tracer) -> list[Undo]:
     recorder = CompiledRecorder(tracer)
+    _active[:] = [recorder]
     undo: list[Undo] = [recorder.remove]
     if "torch._dynamo" in sys.modules:
         recorder.patch()
