@@ -56,6 +56,36 @@ class Model(nn.Module):
         return self.head(x).squeeze(-1)
 
 
+def train(*, steps: int = 3, threads: int = 2, seed: int = 0, deterministic: bool = False, compile: str = "model",
+          fullgraph: bool = False, graph_break: bool = False, rows: int = 16, tokens: int = 32768) -> str:
+    """Train and return a hash of every parameter's bits after the last step."""
+    torch.set_num_threads(threads)
+    # Set before compiling: Inductor reads it when it generates code, not when the code runs.
+    torch.use_deterministic_algorithms(deterministic)
+    torch.manual_seed(seed)
+    model = Model(rows=rows, dim=16, blocks=2, graph_break=graph_break)
+    run: nn.Module = model
+    if compile == "model":
+        run = torch.compile(model, fullgraph=fullgraph)
+    elif compile == "blocks":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, fullgraph=fullgraph)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        idx = torch.randint(0, rows, (tokens,), generator=data)
+        target = torch.randn(tokens, generator=data)
+        loss = F.mse_loss(run(idx), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.6f} (0x{struct.pack('>f', loss.item()).hex()})", flush=True)
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode() + param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
@@ -68,32 +98,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16, help="table rows; fewer rows, more colliding adds")
     p.add_argument("--tokens", type=int, default=32768, help="gathered rows per step")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    # Set before compiling: Inductor reads it when it generates code, not when the code runs.
-    torch.use_deterministic_algorithms(args.deterministic)
-    torch.manual_seed(args.seed)
-    model = Model(rows=args.rows, dim=16, blocks=2, graph_break=args.graph_break)
-    if args.compile == "model":
-        run = torch.compile(model, fullgraph=args.fullgraph)
-    else:
-        run = model
-        if args.compile == "blocks":
-            for i, block in enumerate(model.blocks):
-                model.blocks[i] = torch.compile(block, fullgraph=args.fullgraph)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(args.seed)
-    for step in range(args.steps):
-        idx = torch.randint(0, args.rows, (args.tokens,), generator=data)
-        target = torch.randn(args.tokens, generator=data)
-        loss = F.mse_loss(run(idx), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {step} loss {loss.item():.6f} (0x{struct.pack('>f', loss.item()).hex()})", flush=True)
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode() + param.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    print(f"params {digest.hexdigest()}", flush=True)
+    digest = train(steps=args.steps, threads=args.threads, seed=args.seed, deterministic=args.deterministic,
+                   compile=args.compile, fullgraph=args.fullgraph, graph_break=args.graph_break, rows=args.rows,
+                   tokens=args.tokens)
+    print(f"params {digest}", flush=True)
 
 
 if __name__ == "__main__":
