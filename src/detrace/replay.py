@@ -38,8 +38,12 @@ FIX_DETERMINISTIC = "torch.use_deterministic_algorithms(True)"
 FIX_ONE_THREAD = "torch.set_num_threads(1)"
 ADVICE_COMPILED = ("torch.use_deterministic_algorithms(True) before torch.compile (Inductor then falls back to "
                    "ATen's deterministic kernels for {ops})")
-ADVICE_EAGER = ("torch.compiler.disable the module {module} (its ops then run eagerly, where "
+ADVICE_EAGER = ("torch.compiler.disable on {module} (its ops then run eagerly, where "
                 "torch.use_deterministic_algorithms(True) applies at run time)")
+# ATen ops whose Inductor CPU/Triton lowerings accumulate with atomic adds (in the order threads get there).
+_ATOMIC_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._unsafe_index_put", "aten.scatter_add",
+                         "aten.scatter_add_", "aten.scatter_reduce", "aten.index_add", "aten.index_add_",
+                         "aten.embedding_dense_backward"})
 
 # Float formats without a sign bit (E8M0 scales): their bit patterns are ordered like unsigned integers.
 _UNSIGNED_FLOATS = (torch.float8_e8m0fnu,)
@@ -326,8 +330,11 @@ def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str 
                for t in capture.outputs]
     advice = []
     if compiled and base.nondeterministic:
-        ops = ", ".join(capture.meta.get("aten") or []) or "its ops"
-        advice = [ADVICE_COMPILED.format(ops=ops), ADVICE_EAGER.format(module=capture.meta.get("module") or "")]
+        lowered = capture.meta.get("aten") or []
+        ops = ", ".join([op for op in lowered if op in _ATOMIC_OPS] or lowered) or "its ops"
+        module = capture.meta.get("module")
+        advice = [ADVICE_COMPILED.format(ops=ops),
+                  ADVICE_EAGER.format(module=f"module {module}" if module else "the model")]
     return ReplayResult(op=capture.op, meta=dict(capture.meta), shapes=shapes, base=base,
                         arms=list(arms.values()), fixed_by=fixed_by, advice=advice)
 

@@ -6,8 +6,8 @@ changing what Dynamo traces or Inductor generates:
 
 - **Regions** (semantic rung and up). The callable Dynamo gets from its backend for each graph is wrapped
   (`OutputGraph.call_user_compiler`): its inputs are recorded before the call and its outputs after, as one call
-  named `compiled_graph`, under the module that owns the graph (the `self` of the frame Dynamo compiled; else
-  the innermost module in scope), with `extra: {"compile_id": "0/1"}`. Its backward (AOTAutograd's backward
+  named `compiled_graph`, under the module that owns the graph (the `self` of the compiled frame that calls it;
+  else the innermost module in scope), with `extra: {"compile_id": "0/1"}`. Its backward (AOTAutograd's backward
   graph, the `CompiledFunctionBackward` node of the outputs) is recorded through hooks on that node: the
   gradients w.r.t. the graph's outputs as it begins (role `grad_output`), w.r.t. its inputs as it ends
   (`grad_input`). While a region runs, its module is in scope, so op records inside it name it.
@@ -143,7 +143,9 @@ class _Region:
         self.extra = json.dumps({"compile_id": compile_id})
 
     def module(self, recorder: CompiledRecorder) -> str | None:
-        owner = self.owner() if self.owner is not None else None
+        owner = _calling_module()
+        if owner is None and self.owner is not None:
+            owner = self.owner()
         if owner is not None:
             return recorder.name(owner)
         scope = recorder.tracer.scope
@@ -189,6 +191,25 @@ class _Region:
 
         node.register_prehook(pre)
         node.register_hook(post)
+
+
+_FRAMES = 8
+"""Frames looked up for the module whose code calls a region (Dynamo's wrappers sit in between)."""
+
+
+def _calling_module() -> nn.Module | None:
+    """The module whose compiled frame calls the region now: the `self` of the nearest calling frame that has a
+    module as `self`. Dynamo reuses a graph for every instance of a module class (the blocks of a model), so the
+    module it was compiled for is not always the one running it."""
+    frame = sys._getframe(3)  # past this function, _Region.module and _Region.__call__
+    for _ in range(_FRAMES):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _pop(scope: list[str], name: str) -> None:
