@@ -33,6 +33,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -201,7 +202,7 @@ def _calling_module() -> nn.Module | None:
     """The module whose compiled frame calls the region now: the `self` of the nearest calling frame that has a
     module as `self`. Dynamo reuses a graph for every instance of a module class (the blocks of a model), so the
     module it was compiled for is not always the one running it."""
-    frame = sys._getframe(3)  # past this function, _Region.module and _Region.__call__
+    frame: FrameType | None = sys._getframe(3)  # past this function, _Region.module and _Region.__call__
     for _ in range(_FRAMES):
         if frame is None:
             break
