@@ -81,7 +81,7 @@ def test_doctor_reports_inductor_autotuning_and_cudagraphs(monkeypatch: pytest.M
 def test_audit_warns_that_inductor_reads_the_deterministic_flag_when_it_compiles(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
-    import torch._dynamo  # noqa: F401  (the program compiles)
+    import torch._dynamo  # the program compiles
 
     from detrace.recipe import audit
 

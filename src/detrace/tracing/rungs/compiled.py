@@ -100,7 +100,8 @@ class _Kernel:
     def __init__(self, name: str, kernel: Callable[..., Any], params: list[str], code: str) -> None:
         self.kernel = kernel
         self.record_name = KERNEL_PREFIX + name
-        self.extra = json.dumps({"kernel": name, "aten": aten_ops(name), "code": code})
+        self.aten = aten_ops(name)
+        self.extra = json.dumps({"kernel": name, "aten": self.aten, "code": code})
         self.code = code
         self.name = name
         # Inductor names a kernel's pointer parameters in_ptrN (read), out_ptrN (written) and in_out_ptrN.
@@ -131,7 +132,7 @@ class _Kernel:
         if pending is not None and capturer is not None:
             capturer.after(pending, [_span(args[i]) for i in self.outputs + self.mutated],
                            meta={"kernel": self.name, "code": self.code, "writes": self.outputs + self.mutated,
-                                 "aten": aten_ops(self.name)})
+                                 "aten": self.aten})
         return out
 
 
