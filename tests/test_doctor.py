@@ -64,3 +64,29 @@ def test_doctor_draws_a_table_on_a_terminal() -> None:
 def test_doctor_takes_no_arguments(capsys: pytest.CaptureFixture) -> None:
     assert detrace(["doctor", "--fix"]) == 2
     assert capsys.readouterr().err.startswith("detrace doctor: error: unrecognized arguments: --fix")
+
+
+def test_doctor_reports_inductor_autotuning_and_cudagraphs(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.delitem(sys.modules, "torch._inductor.config", raising=False)  # read from the environment
+    monkeypatch.setenv("TORCHINDUCTOR_CUDAGRAPHS", "1")
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", raising=False)
+    assert detrace(["doctor"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "risk      torch._inductor.config.triton.cudagraphs = True  (compiled regions replay as CUDA graphs" in out
+    assert "ok        torch._inductor.config.max_autotune_gemm = False  (when on, matrix multiplications" in out
+    assert "torch._inductor.config.deterministic = False" in out
+
+
+def test_audit_warns_that_inductor_reads_the_deterministic_flag_when_it_compiles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch._dynamo  # the program compiles
+
+    from detrace.recipe import audit
+
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    found = [f for f in audit() if f.name == "torch.compile"]
+    assert len(found) == 1 and found[0].status == "risk" and "before the first compiled call" in found[0].detail
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert not [f for f in audit() if f.name == "torch.compile"]

@@ -108,7 +108,9 @@ def _inductor(attribute: str, env: str) -> Callable[[], str]:
     def read() -> str:
         config = sys.modules.get("torch._inductor.config")
         if config is not None:
-            return str(bool(getattr(config, attribute)))
+            for part in attribute.split("."):
+                config = getattr(config, part)
+            return str(bool(config))
         return str(os.environ.get(env) == "1")
 
     return read
@@ -359,8 +361,41 @@ def _judge(strict: bool, *, applying: bool = False) -> list[Finding]:
     return findings
 
 
-def _risks() -> list[Finding]:
+# Inductor settings that are not switches of the recipe but decide what compiled code runs: (attribute of
+# torch._inductor.config, the environment variable it is initialised from, what it does when on).
+_INDUCTOR_SETTINGS = (
+    ("max_autotune_gemm", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
+     "matrix multiplications are chosen among candidate kernels by timing them, so two runs may run different "
+     "kernels"),
+    ("max_autotune_pointwise", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
+     "pointwise and reduction kernel configurations are chosen by timing, so a reduction's order may differ "
+     "between runs"),
+    ("triton.cudagraphs", "TORCHINDUCTOR_CUDAGRAPHS",
+     "compiled regions replay as CUDA graphs on static buffers (mode='reduce-overhead'): deterministic kernels "
+     "stay deterministic, but the tracer sees a replay as one call and no kernel inside it"),
+)
+
+
+def _inductor_findings() -> list[Finding]:
+    """Inductor's autotuning and CUDA-graph settings (ok when off, a risk when on), and the rule that its code
+    follows the deterministic-algorithms flag of the moment it is generated."""
     findings = []
+    for attribute, env, effect in _INDUCTOR_SETTINGS:
+        value = _inductor(attribute, env)()
+        findings.append(Finding(name=f"torch._inductor.config.{attribute}", value=value,
+                                status="risk" if value == "True" else "ok",
+                                detail=f"when on, {effect}" if value != "True" else effect))
+    if "torch._dynamo" in sys.modules and not torch.are_deterministic_algorithms_enabled():
+        findings.append(Finding(
+            name="torch.compile", value="in use", status="risk",
+            detail=("Inductor reads torch.use_deterministic_algorithms when it generates code: regions compiled "
+                    "while it is off keep atomic-add scatters (index_put, scatter_add, index_add backward) that "
+                    "race between threads; turn it on before the first compiled call")))
+    return findings
+
+
+def _risks() -> list[Finding]:
+    findings = _inductor_findings()
     threads = os.environ.get("OMP_NUM_THREADS", UNSET)
     if threads == UNSET:
         findings.append(

@@ -8,12 +8,19 @@ inputs (`detrace.tracefile.save_capture`) are fed to the same op overload many t
 so an in-place op never sees its own previous result. An arm is deterministic when every repeat gives the same
 bits; the *base* arm reproduces the traced run's settings, and a switch is reported in `fixed_by` when applying it
 to the base arm makes the op deterministic.
+
+A compiled kernel (captured at the op rung inside a `torch.compile`d region, meta `kernel` and `code`: see
+`detrace.tracing.rungs.compiled`) is replayed from the output code Inductor wrote, on the memory its buffers
+addressed. Its parallel code is generated for the traced run's thread count and its choice of atomic adds is
+made when Inductor generates it, so its arms are 1 thread and the run's count, with the run's deterministic
+setting; the compile-time switches that would remove the race are given as `advice`, not tried.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import re
 import time
 from collections.abc import Iterator
@@ -29,6 +36,14 @@ from detrace.tracefile import Capture, load_capture, resolve_op
 
 FIX_DETERMINISTIC = "torch.use_deterministic_algorithms(True)"
 FIX_ONE_THREAD = "torch.set_num_threads(1)"
+ADVICE_COMPILED = ("torch.use_deterministic_algorithms(True) before torch.compile (Inductor then falls back to "
+                   "ATen's deterministic kernels for {ops})")
+ADVICE_EAGER = ("torch.compiler.disable on {module} (its ops then run eagerly, where "
+                "torch.use_deterministic_algorithms(True) applies at run time)")
+# ATen ops whose Inductor CPU/Triton lowerings accumulate with atomic adds (in the order threads get there).
+_ATOMIC_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._unsafe_index_put", "aten.scatter_add",
+                         "aten.scatter_add_", "aten.scatter_reduce", "aten.index_add", "aten.index_add_",
+                         "aten.embedding_dense_backward"})
 
 # Float formats without a sign bit (E8M0 scales): their bit patterns are ordered like unsigned integers.
 _UNSIGNED_FLOATS = (torch.float8_e8m0fnu,)
@@ -104,6 +119,8 @@ class ReplayResult:
     arms: list[ArmResult] = field(default_factory=list)
     fixed_by: list[str] = field(default_factory=list)
     """Switches that, applied alone to the base setting, make the op deterministic."""
+    advice: list[str] = field(default_factory=list)
+    """For a racing compiled kernel: compile-time switches that remove the race (not tried by the replay)."""
 
     @property
     def nondeterministic(self) -> bool:
@@ -118,7 +135,8 @@ class ReplayResult:
     def to_json(self) -> dict[str, Any]:
         """`detrace.replay/1`: the summary plus the op, its origin, shapes and every arm."""
         return {"schema": "detrace.replay/1", "op": self.op, **self.summary(), "meta": self.meta,
-                "shapes": self.shapes, "base": self.base.to_json(), "arms": [a.to_json() for a in self.arms]}
+                "shapes": self.shapes, "base": self.base.to_json(), "arms": [a.to_json() for a in self.arms],
+                "advice": list(self.advice)}
 
 
 @contextlib.contextmanager
@@ -172,8 +190,26 @@ def _call(op: Any, capture: Capture, device: torch.device) -> list[torch.Tensor]
     args, kwargs = _fresh(capture.args, device), _fresh(capture.kwargs, device)
     with torch.no_grad():
         result = op(*args, **kwargs)
-    outputs = _tensors(result) or _written_args(op, args, kwargs)
+    # A compiled kernel returns nothing and writes the buffers its meta names.
+    writes = capture.meta.get("writes")
+    outputs = [args[i] for i in writes] if writes is not None else _tensors(result) or _written_args(op, args, kwargs)
     return [t.detach().to("cpu") for t in outputs]
+
+
+def _kernel(capture: Capture) -> Any:
+    """The compiled kernel a capture names, loaded from the output code module Inductor wrote for it."""
+    name, code = capture.meta["kernel"], Path(capture.meta["code"])
+    if not code.is_file():
+        raise TraceError(f"the compiled code of kernel {name} ({code}) is gone (Inductor's cache was cleared); "
+                         "capture it again")
+    spec = importlib.util.spec_from_file_location(f"detrace_replay_{code.stem}", code)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = getattr(module, name, None)
+    if kernel is None:
+        raise TraceError(f"{code} holds no kernel {name}")
+    return kernel
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -259,14 +295,21 @@ def _run_arm(op: Any, capture: Capture, device: torch.device, *, threads: int, d
 def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str | None = None) -> ReplayResult:
     """Run the kernel rung on one captured call (see the module docstring)."""
     config = config or ReplayConfig()
-    op = resolve_op(capture.op)
+    compiled = "kernel" in capture.meta
+    op = _kernel(capture) if compiled else resolve_op(capture.op)
     target = torch.device(device or capture.meta.get("device") or "cpu")
     if target.type == "cuda" and not torch.cuda.is_available():
         target = torch.device("cpu")
     run_threads = int(capture.meta.get("threads") or torch.get_num_threads())
     run_det = bool(capture.meta.get("deterministic", False))
-    threads = config.threads or tuple(sorted({1, max(2, run_threads)}))
-    settings = [(t, d) for t in threads for d in (False, True)]
+    if compiled:
+        # Sized for the run's thread count at generation (per-thread accumulators): never more threads than that;
+        # the deterministic flag acts when Inductor generates code, not when the kernel runs.
+        threads = tuple(sorted({1, run_threads} | {t for t in config.threads or () if t <= run_threads}))
+        settings = [(t, run_det) for t in threads]
+    else:
+        threads = config.threads or tuple(sorted({1, max(2, run_threads)}))
+        settings = [(t, d) for t in threads for d in (False, True)]
     base_setting = (run_threads, run_det)
     if base_setting not in settings:
         settings.insert(0, base_setting)
@@ -285,8 +328,15 @@ def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str 
               for t in _tensors([*capture.args, *capture.kwargs.values()])]
     shapes += [{"role": "out", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
                for t in capture.outputs]
+    advice = []
+    if compiled and base.nondeterministic:
+        lowered = capture.meta.get("aten") or []
+        ops = ", ".join([op for op in lowered if op in _ATOMIC_OPS] or lowered) or "its ops"
+        module = capture.meta.get("module")
+        advice = [ADVICE_COMPILED.format(ops=ops),
+                  ADVICE_EAGER.format(module=f"module {module}" if module else "the model")]
     return ReplayResult(op=capture.op, meta=dict(capture.meta), shapes=shapes, base=base,
-                        arms=list(arms.values()), fixed_by=fixed_by)
+                        arms=list(arms.values()), fixed_by=fixed_by, advice=advice)
 
 
 def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) -> Path:

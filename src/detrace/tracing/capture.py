@@ -46,7 +46,8 @@ class Capturer:
                                    (tuple(args), dict(kwargs)))
         return PendingCapture(call=call, args=copy[0], kwargs=copy[1])
 
-    def after(self, pending: PendingCapture, out: Any) -> None:
+    def after(self, pending: PendingCapture, out: Any, *, meta: dict[str, Any] | None = None) -> None:
+        """Save the call with its outputs; `meta` adds facts about the callee (a compiled kernel's name and code)."""
         tracer = self.tracer
         call = pending.call
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -54,6 +55,6 @@ class Capturer:
         path = tracer.config.out / "capture" / f"rank-{rank:05d}-seq{call.event:08d}.safetensors"
         meta = {"rank": rank, "step": call.step, "phase": call.phase, "module": call.module, "name": call.name,
                 "occurrence": call.occurrence, "seq": call.event, "threads": torch.get_num_threads(),
-                "deterministic": torch.are_deterministic_algorithms_enabled()}
+                "deterministic": torch.are_deterministic_algorithms_enabled(), **(meta or {})}
         with tracer.own():
             save_capture(path, op=call.name, args=pending.args, kwargs=pending.kwargs, outputs=outputs, meta=meta)

@@ -1,7 +1,8 @@
 """Qualified names of modules and parameters, as the user's model names them.
 
 Wrappers that add a prefix without adding meaning are looked through, so a traced DDP or compiled model
-names its modules as the bare model does: DistributedDataParallel (`module.`) and torch.compile (`_orig_mod.`).
+names its modules as the bare model does: DistributedDataParallel (`module.`) and torch.compile (`_orig_mod.`,
+at the root or below).
 FSDP2 (`fully_shard`) keeps the model's structure and needs nothing.
 """
 
@@ -22,12 +23,15 @@ def _inner(module: nn.Module) -> nn.Module | None:
 
 
 def named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(qualified name, module) for the root, the wrappers around it (all named "") and everything below."""
+    """(qualified name, module) for the root, the wrappers around it (all named "") and everything below. A
+    submodule compiled on its own (`model.layers[i] = torch.compile(layer)`) is named as the bare model names it:
+    its wrapper and the module it holds both get the wrapper's place, `layers.i`."""
     module = root
     while (inner := _inner(module)) is not None:
         yield "", module
         module = inner
-    yield from module.named_modules(remove_duplicate=False)
+    for name, found in module.named_modules(remove_duplicate=False):
+        yield ".".join(part for part in name.split(".") if part != "_orig_mod"), found
 
 
 def roots() -> list[nn.Module]:

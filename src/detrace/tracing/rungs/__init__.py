@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrace.tracefile.schema import rung_includes
-from detrace.tracing.rungs import batch, clock, metrics, module, op, semantic
+from detrace.tracing.rungs import batch, clock, compiled, metrics, module, op, semantic
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -20,7 +20,7 @@ def install(tracer: Tracer) -> list[Undo]:
     undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer)]
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):
-        undo += semantic.install(tracer) + batch.install(tracer)
+        undo += semantic.install(tracer) + batch.install(tracer) + compiled.install(tracer)
     if rung_includes(rung, "module"):
         undo += module.install(tracer)
     if rung_includes(rung, "op"):

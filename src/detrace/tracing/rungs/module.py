@@ -1,7 +1,9 @@
 """Rung 2, module: inputs/outputs of every nn.Module's forward, grad inputs/outputs of its backward.
 
 Global module forward hooks (pre and post) see every module without code changes; the backward is seen through
-hooks on the call's output and input tensors (see `_Backward`). A module
+hooks on the call's output and input tensors (see `_Backward`). Inside a region Dynamo compiles, the hooks
+do nothing (they return at once while Dynamo traces them, so the compiled graph is the untraced one); the
+region itself is recorded by `detrace.tracing.rungs.compiled`. A module
 is named by its qualified name in its model: the first module called with no module in scope is a root,
 and its `named_modules()` names it ("") and everything below (DDP and torch.compile wrappers looked through).
 Records: `module` = qualified name, `name` = class name; forward inputs/outputs (roles input/output), backward
@@ -61,6 +63,11 @@ class ModuleRung:
     # -- hooks ----------------------------------------------------------------------------------------------
 
     def forward_pre(self, module: nn.Module, args: Any) -> None:
+        # Dynamo traces global hooks into the graph it compiles; returning at once (is_compiling() is a constant
+        # to it) keeps the graph and its guards as they are untraced. Compiled regions are recorded from their
+        # graphs instead (detrace.tracing.rungs.compiled).
+        if torch.compiler.is_compiling():
+            return
         tracer = self.tracer
         name = self.name(module)
         tracer.scope.append(name)
@@ -69,6 +76,8 @@ class ModuleRung:
         tracer.emit(call, "input", tracer.snapshot(recorded_leaves(args, holes=True)))
 
     def forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         tracer = self.tracer
         if not self.forward_calls:
             return

@@ -16,6 +16,10 @@ Skipped, by rule (the rule is the documented contract, see docs/tracing.md):
 5. communication ops (namespaces c10d, _c10d_functional, c10d_functional): their outputs are not ready when the
    op returns; the semantic rung records them at completion.
 
+Compiled code: the mode stays out of Dynamo's and Inductor's way (`ignore_compile_internals`), sees the ATen
+calls a compiled region makes (extern kernels, fallbacks), and Inductor's own kernels are recorded by
+`detrace.tracing.rungs.compiled`.
+
 The mode is on the dispatch stack only in steps where the op rung records. It runs the op exactly as called and
 keeps no tensor: fingerprints are taken at once.
 """
@@ -104,6 +108,13 @@ class OpRecorder(TorchDispatchMode):
         self.infos: dict[Any, OpInfo] = {}
         self.capturer = Capturer(tracer) if tracer.config.selector is not None else None
         self.pushed = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, Dynamo refuses to compile while the mode is on the stack and runs the frame eagerly:
+        # the traced run would compute other bits than the untraced one. With it, Dynamo and Inductor compile
+        # as untraced, and the compiled code's own ATen calls still reach the mode at run time.
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -1,0 +1,150 @@
+"""Compiled programs (`torch.compile`) at every rung: no rung changes what Dynamo traces or Inductor generates
+(traced and untraced runs end with the same parameter bits), compiled regions and Inductor's kernels are records,
+and `locate` names the racing kernel inside a compiled backward.
+
+Inductor compiles are slow on 2 cores: the model is tiny and every test compiles the same few graphs, which
+Inductor's on-disk cache (shared by the processes of a session) then serves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import detrace
+from detrace.errors import TraceError
+from detrace.locate import LocateConfig, locate
+from detrace.replay import ReplayConfig, replay
+from detrace.tracefile import Capture, read_rank
+from detrace.tracing.rungs.compiled import REGION, aten_ops
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
+SMALL = {"steps": 2, "tokens": 4096}
+"""A run of the example small enough for the in-process tests (the race needs the default size)."""
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_compiled", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[ModuleType]:
+    """The example, with Dynamo's compiled code dropped before and after (each run compiles its own regions, from
+    Inductor's cache), and the global settings the example changes put back."""
+    import torch._dynamo
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch._dynamo.reset()
+    yield _example()
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def _rows(run: Path) -> list[dict]:
+    return read_rank(run, 0).table.to_pylist()
+
+
+def test_kernel_names_give_the_aten_ops_they_were_lowered_from() -> None:
+    assert aten_ops("cpp_fused_expand_index_put_new_zeros_sum_1") == [
+        "aten.expand", "aten.index_put", "aten.new_zeros", "aten.sum"]
+    assert aten_ops("cpp_fused_add_index_3") == ["aten.add", "aten.index"]
+    assert aten_ops("triton_poi_fused_scatter_add_0") == ["aten.scatter_add"]
+    assert aten_ops("cpp_fused_0") == []
+
+
+def test_replaying_a_kernel_whose_compiled_code_is_gone_says_so(tmp_path: Path) -> None:
+    capture = Capture(op="inductor.cpp_fused_index_put_0", args=[torch.zeros(4)], kwargs={}, outputs=[],
+                      meta={"kernel": "cpp_fused_index_put_0", "code": str(tmp_path / "gone.py"), "writes": [0]})
+    with pytest.raises(TraceError, match="is gone"):
+        replay(capture)
+    (tmp_path / "other.py").write_text("call = None\n")
+    capture.meta["code"] = str(tmp_path / "other.py")
+    with pytest.raises(TraceError, match="holds no kernel cpp_fused_index_put_0"):
+        replay(capture)
+
+
+@pytest.mark.slow
+def test_every_rung_records_a_compiled_model_and_keeps_its_bits(fresh_dynamo: ModuleType, tmp_path: Path) -> None:
+    example = fresh_dynamo
+    untraced = example.train(deterministic=True, **SMALL)
+    for rung in ("semantic", "module", "op"):
+        torch._dynamo.reset()
+        with detrace.trace(tmp_path / rung, rung=rung):
+            assert example.train(deterministic=True, **SMALL) == untraced, rung
+        rows = _rows(tmp_path / rung)
+        regions = {(r["phase"], r["role"]) for r in rows if r["name"] == REGION and r["step"] == 1}
+        # The whole model is one graph, owned by the root module: forward and AOTAutograd's backward.
+        assert regions == {("forward", "input"), ("forward", "output"), ("backward", "grad_output"),
+                           ("backward", "grad_input")}, rung
+        assert {r["module"] for r in rows if r["name"] == REGION} == {""}
+        kernels = [r for r in rows if r["name"].startswith("inductor.")]
+        if rung != "op":
+            assert not kernels
+            continue
+        assert {r["phase"] for r in kernels} == {"forward", "backward"}
+        assert {r["module"] for r in kernels} == {""}
+        extras = [json.loads(r["extra"]) for r in kernels]
+        assert all(e["kernel"] == r["name"].removeprefix("inductor.") for e, r in zip(extras, kernels, strict=True))
+        # Deterministic mode: the gather's backward is ATen's deterministic index_put, called by the compiled
+        # code and seen by the dispatch mode, next to Inductor's own kernels.
+        assert any(r["name"].startswith("aten.index_put") and r["phase"] == "backward" for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [{"compile": "blocks", "fullgraph": True}, {"graph_break": True}],
+                         ids=["per-block-fullgraph", "graph-breaks"])
+def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: ModuleType, tmp_path: Path,
+                                                                variant: dict) -> None:
+    example = fresh_dynamo
+    untraced = example.train(deterministic=True, **SMALL, **variant)
+    torch._dynamo.reset()
+    with detrace.trace(tmp_path / "run", rung="module"):
+        assert example.train(deterministic=True, **SMALL, **variant) == untraced
+    rows = [r for r in _rows(tmp_path / "run") if r["step"] == 1]
+    forward = {(r["module"], r["occurrence"], json.loads(r["extra"])["compile_id"]) for r in rows
+               if r["name"] == REGION and r["phase"] == "forward"}
+    backward = {(r["module"], r["occurrence"]) for r in rows if r["name"] == REGION and r["phase"] == "backward"}
+    if variant.get("compile") == "blocks":
+        # One graph per block, under the block's own name (the compile wrapper looked through).
+        assert {(m, o) for m, o, _ in forward} == {("blocks.0", 0), ("blocks.1", 0)}
+        assert backward == {("blocks.0", 0), ("blocks.1", 0)}
+        assert {r["module"] for r in rows if r["rung"] == "module"} >= {"blocks.0", "blocks.1"}
+    else:
+        # Each block's graph break splits the model's forward into several graphs, each a region of its own,
+        # with a backward of its own.
+        assert len(forward) >= 3 and len({m for m, _ in backward}) == len({m for m, *_ in forward}), (forward, backward)
+        assert len(backward) == len(forward), (forward, backward)
+
+
+@pytest.mark.slow
+def test_locate_names_the_racing_kernel_of_a_compiled_backward(tmp_path: Path) -> None:
+    result = locate(LocateConfig(command=(sys.executable, str(EXAMPLE), "--steps", "1"), out=tmp_path / "ladder",
+                                 replay=ReplayConfig(repeats=10, min_seconds=1.0)))
+    assert result.verdict == "nondeterministic", result.message
+    culprit = result.culprit
+    assert culprit is not None and culprit["phase"] == "backward" and culprit["origin"]
+    assert culprit["name"].startswith("inductor.cpp_fused_")
+    assert any(op in culprit["name"] for op in ("index_put", "scatter_add", "index_add")), culprit["name"]
+    assert culprit["module"] == ""
+    assert result.replay is not None and result.replay.nondeterministic
+    assert any(op in result.replay.meta["aten"] for op in ("aten.index_put", "aten.scatter_add", "aten.index_add"))
+    assert "torch.use_deterministic_algorithms(True) before torch.compile" in result.replay.advice[0]
+
+
+@pytest.mark.slow
+def test_locate_says_a_deterministic_compiled_program_is_deterministic(tmp_path: Path) -> None:
+    command = (sys.executable, str(EXAMPLE), "--steps", "2", "--deterministic")
+    result = locate(LocateConfig(command=command, out=tmp_path / "ladder"))
+    assert result.verdict == "deterministic", result.message
