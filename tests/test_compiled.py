@@ -34,6 +34,8 @@ def _example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("train_compiled", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Importable by name, as a script's __main__ is: Dynamo imports a function's module to read its globals.
+    sys.modules["train_compiled"] = module
     spec.loader.exec_module(module)
     return module
 

@@ -51,7 +51,8 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     local = threading.local()
 
     def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if getattr(local, "inside", False) or not tracer.on["semantic"] or torch.compiler.is_compiling():
+        # is_compiling() first: Dynamo inlines this function into compiled regions, and must not trace the rest.
+        if torch.compiler.is_compiling() or getattr(local, "inside", False) or not tracer.on["semantic"]:
             return original(module, *args, **kwargs)
         local.inside = True
         try:
