@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
 from detrace.examples import parallel
 from detrace.examples.data import SyntheticTokens, split_batch
@@ -175,4 +176,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    parallel.leave(main())
+    leave(main())
