@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import types
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
@@ -30,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from detrace import _events
+from detrace._compat import unhooked_step
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 
@@ -172,7 +173,7 @@ class TrainState:
         if control != "skip-rng":
             rng.restore(local["rng"], self.generators)
         self.step = loaded.step
-        _continue_trace_clock(loaded.step)
+        _events.restored(loaded.step)
         return loaded.step
 
     def _check_fits(self, directory: Path, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
@@ -225,8 +226,7 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
     such as an LR scheduler's) for the duration, and is removed again afterwards. Nothing in the tracer
     needs to know: no hook fires, so no clock moves.
     """
-    step = type(optimizer).step
-    unhooked = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    unhooked = unhooked_step(type(optimizer))
     if unhooked is None:  # a torch that wraps differently: leave step alone rather than guess
         yield
         return
@@ -247,12 +247,3 @@ def _checkpoint_dir() -> Path:
     if not directory:
         raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
     return Path(directory)
-
-
-def _continue_trace_clock(step: int) -> None:
-    """Let an active tracer count steps on from `step`. Only a tracer that is already imported can be
-    recording; its module is another part of detrace and may be absent from this build."""
-    tracing = sys.modules.get("detrace.tracing")
-    set_step = getattr(tracing, "set_step", None)
-    if callable(set_step):
-        set_step(step)

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from detrace import _events
 from detrace.errors import UsageError
 from detrace.tracing.config import TraceConfig
 
@@ -130,3 +131,6 @@ def metric(name: str, value: float | object) -> None:
         from detrace.tracing.rungs.metrics import record
 
         record(_tracer, name, value)  # type: ignore[arg-type]
+
+
+_events.step_restored.append(set_step)  # a TrainState restored to step n: the clock counts on from n
