@@ -160,7 +160,7 @@ class LocateResult:
         return {"deterministic": 0, "nondeterministic": 1}.get(self.verdict, 2)
 
     def to_json(self) -> dict[str, Any]:
-        """Exactly DESIGN.md's `detrace.locate/1` object."""
+        """The `detrace.locate/1` object (docs/locate.md shows one)."""
         culprit = None if self.culprit is None else {k: self.culprit[k] for k in
                                                       ("rank", "step", "phase", "module", "name", "origin")}
         return {"schema": LOCATE_SCHEMA, "verdict": self.verdict, "culprit": culprit,
