@@ -195,7 +195,7 @@ def table(rows: Sequence[tuple[Config, Cell, Cell, Cell, float]]) -> str:
     header = ("config", "run-to-run bit-identical", "exact resume", "nondeterminism detected without recipe", "time")
     body = [
         (cfg.name, *(("" if c.ok is not False else "✗ ") + c.text for c in cells), f"{secs:.0f} s")
-        for cfg, *cells, secs in rows  # type: ignore[misc]
+        for cfg, *cells, secs in rows
     ]
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |" for r in [header, *body]]

@@ -186,8 +186,8 @@ class TrainState:
         if ("data" in local) != (self.data is not None):
             raise CheckpointError(f"{directory} and this TrainState disagree on whether there is data state")
         if set(local["extra"]) != set(self.extra):
-            saved, mine = sorted(local["extra"]), sorted(self.extra)
-            raise CheckpointError(f"{directory} holds extra state {saved}, this TrainState has {mine}")
+            theirs, mine = sorted(local["extra"]), sorted(self.extra)
+            raise CheckpointError(f"{directory} holds extra state {theirs}, this TrainState has {mine}")
         saved_generators = len(local["rng"]["generators"])
         if saved_generators != len(self.generators):
             raise CheckpointError(
@@ -232,6 +232,7 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
         return
     missing = object()
     own = optimizer.__dict__.get("step", missing)
+    # mypy, ignored below: on purpose: an instance attribute shadows the class's step for the block
     optimizer.step = types.MethodType(unhooked, optimizer)  # type: ignore[method-assign]
     try:
         yield

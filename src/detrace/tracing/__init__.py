@@ -130,6 +130,7 @@ def metric(name: str, value: float | object) -> None:
     if _tracer is not None:
         from detrace.tracing.rungs.metrics import record
 
+        # mypy, ignored below: metric() takes any object; record() refuses a non-scalar with a UsageError
         record(_tracer, name, value)  # type: ignore[arg-type]
 
 

@@ -103,6 +103,7 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
 
 def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None:
     sink = sys.stdout.buffer if echo else None
+    # mypy, ignored below: Popen's pipes are io.BufferedReader, which has read1; IO[bytes] does not declare it
     while chunk := stream.read1(65536):  # type: ignore[attr-defined]
         tail.append(chunk)
         while sum(map(len, tail)) - len(tail[0]) > TAIL_BYTES:

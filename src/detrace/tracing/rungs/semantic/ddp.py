@@ -121,6 +121,17 @@ class _BucketRecorder:
         return future.then(lambda done: self._completed(entry, done))
 
 
+@dataclass(slots=True)
+class _Traced:
+    """A DDP module built while tracing."""
+
+    first_forward: RemovableHandle
+    """The forward pre-hook that gives the module the recording default comm hook, unless it has one by then."""
+    comm_hook: str | None = None
+    """The comm hook it has: None until one is registered, then "user" (wrapped), "builtin" (C++, unrecorded) or
+    "detrace" (the default reduction, registered at the first forward)."""
+
+
 def _default_hook(ddp: DDP) -> CommHook:
     def reduce(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         # The C++ default multiplies each gradient by 1/world_size while copying it into the bucket
@@ -140,28 +151,28 @@ def install(tracer: Tracer) -> list[Undo]:
     original_register = DDP.register_comm_hook
     original_builtin = getattr(DDP, DDP_BUILTIN_HOOK_REGISTRAR)
 
-    # Each DDP module built while tracing -> the comm hook it has: None until one is registered, then "user"
-    # (wrapped), "builtin" (C++, unrecorded) or "detrace" (the default reduction, registered at the first forward).
-    hooks: weakref.WeakKeyDictionary[DDP, str | None] = weakref.WeakKeyDictionary()
+    modules: weakref.WeakKeyDictionary[DDP, _Traced] = weakref.WeakKeyDictionary()
 
     def init(ddp: DDP, *args: Any, **kwargs: Any) -> None:
         original_init(ddp, *args, **kwargs)
-        hooks[ddp] = None
-        handle = ddp.register_forward_pre_hook(lambda module, args: first_forward(module, handle))
+        modules[ddp] = _Traced(first_forward=ddp.register_forward_pre_hook(first_forward))
 
-    def first_forward(ddp: DDP, handle: RemovableHandle) -> None:
-        handle.remove()
-        if hooks.get(ddp) is None:
+    def first_forward(ddp: DDP, args: Any) -> None:
+        traced = modules[ddp]
+        traced.first_forward.remove()
+        if traced.comm_hook is None:
             original_register(ddp, None, _BucketRecorder(tracer, ddp, _default_hook(ddp)).hook)
-            hooks[ddp] = "detrace"
+            traced.comm_hook = "detrace"
 
     def register_comm_hook(ddp: DDP, state: object, hook: CommHook) -> None:
         original_register(ddp, state, _BucketRecorder(tracer, ddp, hook).hook)
-        hooks[ddp] = "user"
+        if ddp in modules:
+            modules[ddp].comm_hook = "user"
 
     def register_builtin(ddp: DDP, comm_hook_type: Any) -> None:
         original_builtin(ddp, comm_hook_type)
-        hooks[ddp] = "builtin"
+        if ddp in modules:
+            modules[ddp].comm_hook = "builtin"
 
     return [replace(DDP, "__init__", init), replace(DDP, "register_comm_hook", register_comm_hook),
             replace(DDP, DDP_BUILTIN_HOOK_REGISTRAR, register_builtin)]
