@@ -272,11 +272,12 @@ def test_stop_at_must_be_a_number_and_needs_a_directory(monkeypatch: pytest.Monk
 
 
 def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import types
+    import detrace.tracing
+    from detrace import _events
 
+    assert detrace.tracing.set_step in _events.step_restored  # importing the tracer registers its clock
     clock: list[int] = []
-    monkeypatch.setitem(sys.modules, "detrace.tracing", types.SimpleNamespace(set_step=clock.append))
+    monkeypatch.setattr(_events, "step_restored", [clock.append])
     state = _state()
     state.step = 5
     state.save(tmp_path)
