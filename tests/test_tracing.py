@@ -27,7 +27,7 @@ from detrace.tracing.rungs.op import op_info
 class Net(nn.Module):
     """Small, but with what the rungs must handle: in-place ops, both checkpoint kinds, an embedding.
 
-    checkpoint is looked up at call time, as the library form needs (see detrace/tracing/rungs/semantic/recompute.py)."""
+    checkpoint is looked up at call time, as the library form needs (see tracing/rungs/semantic/recompute.py)."""
 
     def __init__(self) -> None:
         super().__init__()
