@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from detrace.examples.parallel import leave
+from detrace._exit import leave
 
 
 def params_hash(*models: nn.Module) -> str:

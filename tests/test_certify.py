@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from _synthetic import SyntheticRun, rank_table, write_run, write_table
 
 from detrace.cli import main
 from detrace.compare import certify
 from detrace.compare.certify import recorded_steps, spans
-from detrace.compare.synthetic import SyntheticRun, rank_table, write_run, write_table
 from detrace.tracefile import rank_path
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)

@@ -264,7 +264,7 @@ def test_verify_checkpoint_command_in_a_real_process(tmp_path: Path) -> None:
 def _two_ranks(rank: int, root: str, port: int) -> None:
     import torch.distributed as dist
 
-    from detrace.examples.parallel import leave
+    from detrace._exit import leave
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))

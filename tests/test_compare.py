@@ -11,11 +11,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from _synthetic import Fault, SyntheticRun, rank_table, write_run, write_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detrace.compare import align, diff, first_divergent_step, first_origin
-from detrace.compare.synthetic import Fault, SyntheticRun, rank_table, write_run, write_table
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile import ARROW_SCHEMA, footer_path, rank_path
 

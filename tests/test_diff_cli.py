@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from _synthetic import Fault, SyntheticRun, write_run
 
 from detrace.cli import main
 from detrace.compare import diff
-from detrace.compare.synthetic import Fault, SyntheticRun, write_run
 from detrace.report.terminal import render_diff
 from detrace.tracefile import ARROW_SCHEMA, rank_path
 

@@ -9,7 +9,6 @@ three times) until it differs: each retry is a new real run, not a fault.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -139,7 +138,7 @@ DDP_SCRIPT = textwrap.dedent('''
     import torch, torch.distributed as dist, torch.multiprocessing as mp
     from torch import nn
     import detrace
-    from detrace.examples.parallel import leave
+    from detrace._exit import leave
 
     class Net(nn.Module):
         def __init__(self):
@@ -175,13 +174,8 @@ DDP_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_ddp_origin_rank_and_receiver_via_the_gradient_all_reduce(tmp_path: Path) -> None:
+def test_ddp_origin_rank_and_receiver_via_the_gradient_all_reduce(tmp_path: Path,
+                                                                   free_port: Callable[[], int]) -> None:
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_SCRIPT)
 

@@ -98,7 +98,7 @@ def test_report_names_the_culprit_in_a_real_browser(single: tuple[dict[str, Any]
 DIST_SCRIPT = '''
 import torch, torch.distributed as dist
 from torch import nn
-from detrace.examples.parallel import leave
+from detrace._exit import leave
 
 torch.set_num_threads(2)
 dist.init_process_group("gloo")

@@ -18,12 +18,12 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _ranks import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from detrace import TrainState, deterministic
-    from detrace.examples.parallel import leave
+    from detrace._exit import leave
     from detrace.state import ResumableLoader, ResumableSampler
 
     class AugmentedData(torch.utils.data.Dataset):
@@ -130,9 +130,7 @@ def _main() -> int:
     if args.mode == "single":
         train(0, 1, "single", args.steps, args.out, args.save_at, 0)
         return 0
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     ranks = [
         context.Process(target=train, args=(rank, 2, args.mode, args.steps, args.out, args.save_at, port))

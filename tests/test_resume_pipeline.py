@@ -35,8 +35,8 @@ def _pipeline_ranks(rank: int, root: str, port: int) -> None:
     import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from detrace._exit import leave
     from detrace.errors import CheckpointError
-    from detrace.examples.parallel import leave
     from detrace.state import TrainState
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -7,11 +7,11 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -61,12 +61,6 @@ def script(tmp_path: Path) -> Path:
     path = tmp_path / "train.py"
     path.write_text(TRAIN)
     return path
-
-
-def free_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
 
 
 def test_python_script(tmp_path: Path, script: Path) -> None:
@@ -258,12 +252,12 @@ def _final_lines(output: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path) -> None:
-    command = ["torchrun", "--nproc-per-node", "2", "--master-port", free_port(), str(HERE / "_dist_train.py")]
+def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path, free_port: Callable[[], int]) -> None:
+    command = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(HERE / "_dist_train.py")]
     env = {**os.environ, "TRAIN_STEPS": "2"}
     untraced = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert untraced.returncode == 0, untraced.stderr[-2000:]
-    command[4] = free_port()
+    command[4] = str(free_port())
     traced = run_traced(command, tmp_path / "run", rung="semantic", quiet=True, timeout=240,
                         env={"TRAIN_STEPS": "2"})
     assert traced.returncode == 0, traced.output_tail
@@ -301,8 +295,8 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_four_ranks(tmp_path: Path) -> None:
-    command = ["torchrun", "--nproc-per-node", "4", "--master-port", free_port(), str(HERE / "_dist_train.py")]
+def test_torchrun_four_ranks(tmp_path: Path, free_port: Callable[[], int]) -> None:
+    command = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), str(HERE / "_dist_train.py")]
     result = run_traced(command, tmp_path / "run", rung="semantic", ranks="0,3", quiet=True, timeout=300,
                         env={"TRAIN_STEPS": "1"})
     assert result.returncode == 0, result.output_tail
@@ -312,8 +306,8 @@ def test_torchrun_four_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_mp_spawn_discovers_ranks(tmp_path: Path) -> None:
-    result = run_traced([PY, str(HERE / "_dist_train.py"), "spawn", free_port()], tmp_path / "run",
+def test_mp_spawn_discovers_ranks(tmp_path: Path, free_port: Callable[[], int]) -> None:
+    result = run_traced([PY, str(HERE / "_dist_train.py"), "spawn", str(free_port())], tmp_path / "run",
                         rung="semantic", quiet=True, timeout=240, env={"TRAIN_STEPS": "1"})
     assert result.returncode == 0, result.output_tail
     assert open_run(tmp_path / "run").ranks == (0, 1)
@@ -353,7 +347,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from detrace.examples.parallel import leave
+from detrace._exit import leave
 
 torch.set_num_threads(1)
 rank = int(os.environ.get("RANK", "0"))
@@ -390,14 +384,14 @@ leave(0)
 """
 
 
-def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path) -> None:
+def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path, free_port: Callable[[], int]) -> None:
     script = tmp_path / "buckets.py"
     script.write_text(DDP_BUCKETS)
     runs: dict[str, list[list[dict]]] = {}
     finals: list[list[str]] = []
     for hook in ("default", "reversed"):  # the same program, its buckets completing in two different orders
         result = run_traced([PY, str(script)], tmp_path / hook, rung="semantic", quiet=True, timeout=120,
-                            env={"PORT": free_port(), "HOOK": hook})
+                            env={"PORT": str(free_port()), "HOOK": hook})
         assert result.returncode == 0, result.output_tail
         runs[hook] = [read_rank(tmp_path / hook, rank).table.to_pylist() for rank in (0, 1)]
         finals.append(_final_lines(result.output_tail))

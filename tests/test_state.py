@@ -272,12 +272,12 @@ def test_stop_at_must_be_a_number_and_needs_a_directory(monkeypatch: pytest.Monk
 
 
 def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-    import types
+    import detrace.tracing
+    from detrace import _events
 
+    assert _events.step_restored  # importing the tracer registers its clock
     clock: list[tuple[int, str]] = []
-    tracing = types.SimpleNamespace(set_step=lambda n, *, source: clock.append((n, source)))
-    monkeypatch.setitem(sys.modules, "detrace.tracing", tracing)
+    monkeypatch.setattr(detrace.tracing, "set_step", lambda n, *, source: clock.append((n, source)))
     state = _state()
     state.step = 5
     state.save(tmp_path)

@@ -6,6 +6,7 @@ import gc
 import hashlib
 import json
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from detrace.tracing.rungs.op import op_info
 class Net(nn.Module):
     """Small, but with what the rungs must handle: in-place ops, both checkpoint kinds, an embedding.
 
-    checkpoint is looked up at call time, as the library form needs (see detrace/tracing/rungs/semantic.py)."""
+    checkpoint is looked up at call time, as the library form needs (see tracing/rungs/semantic/recompute.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -377,7 +378,7 @@ import sys
 import torch
 import torch.distributed as dist
 import detrace
-from detrace.examples.parallel import leave
+from detrace._exit import leave
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
@@ -400,16 +401,14 @@ leave(0)
 """
 
 
-def test_functional_collectives_through_the_overload_are_recorded_once(tmp_path: Path) -> None:
-    import socket
+def test_functional_collectives_through_the_overload_are_recorded_once(tmp_path: Path,
+                                                                      free_port: Callable[[], int]) -> None:
     import subprocess
     import sys
 
     script = tmp_path / "functional.py"
     script.write_text(FUNCTIONAL)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path)], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from detrace.cli.validate import main
 from detrace.examples import validate
-from detrace.examples.validate import CONFIGS, FAST, Cell, Config, main, table
+from detrace.examples.validate import CONFIGS, FAST, Cell, Config, table
 
 SINGLE = Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=2)
 DDP = Config(name="ddp x2, one thread", nproc=2, args=("--parallel", "ddp"), threads=1)

@@ -60,12 +60,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from detrace._compat import disable_torch_function_subclass, is_functorch_wrapped, mark_dynamic, quiet_dispatch_modes
 from detrace.errors import FingerprintError, UsageError
-
-try:
-    from torch.utils._python_dispatch import _disable_current_modes
-except ImportError:  # pragma: no cover - private API moved; then an active dispatch mode sees our ops
-    _disable_current_modes = contextlib.nullcontext  # type: ignore[assignment]
 
 __all__ = [
     "BACKENDS",
@@ -274,13 +270,12 @@ def _plain(t: Any) -> torch.Tensor:
         )
     if t.is_nested:
         raise FingerprintError("cannot fingerprint a nested tensor: fingerprint its components")
-    with contextlib.suppress(AttributeError, RuntimeError):
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            raise FingerprintError(
-                "cannot fingerprint a tensor inside vmap/grad transforms: it has no single logical value"
-            )
+    if is_functorch_wrapped(t):
+        raise FingerprintError(
+            "cannot fingerprint a tensor inside vmap/grad transforms: it has no single logical value"
+        )
     if kind is not torch.Tensor:
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             t = t.detach()
     elif t.requires_grad:
         t = t.detach()
@@ -413,8 +408,8 @@ class _CompiledKernels:
             return None
         try:
             fn = self._fn(kind)
-            torch._dynamo.mark_dynamic(words, 0)
-            torch._dynamo.mark_dynamic(rowkeys, 0)
+            mark_dynamic(words, 0)
+            mark_dynamic(rowkeys, 0)
             out = fn(words, rowkeys, colkeys).reshape(-1)
             key = (device_type, kind, words.shape[1])
             if key not in self._checked:
@@ -841,8 +836,7 @@ class _Planner:
 @contextlib.contextmanager
 def _quiet_modes() -> Iterator[None]:
     """Fingerprinting observes tensors: no autograd, and no active dispatch mode may see or fake our ops."""
-    modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
-    with torch.no_grad(), modes:
+    with torch.no_grad(), quiet_dispatch_modes():
         yield
 
 

@@ -1,7 +1,8 @@
 """The error hierarchy of detrace. Every error the CLI can report maps to one exit code.
 
-Exit codes follow the contract in DESIGN.md: 1 means "the answer is no" (diverged, nondeterministic,
-corrupted), 2 means "no answer could be given" (bad input, incomparable, unreadable).
+Every command answers a question, and its exit code says how: 0 means "yes" (identical, deterministic, intact),
+1 means "the answer is no" (diverged, nondeterministic, corrupted), 2 means "no answer could be given" (bad input,
+incomparable, unreadable). A command that runs the user's program (`detrace run`) exits with the program's code.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ class DetraceError(Exception):
 
 class UsageError(DetraceError):
     """Bad command-line arguments or API arguments (malformed SPEC, unknown rung, missing CMD)."""
-
-
-class NotImplementedYet(DetraceError):
-    """A subcommand of the contract that this build does not provide yet."""
 
 
 class TraceError(DetraceError):

@@ -229,7 +229,7 @@ class LocateResult:
                 "checkpoint_every": self.checkpoint_every, "resume": self.resume, "per_run": per_run}
 
     def to_json(self) -> dict[str, Any]:
-        """DESIGN.md's `detrace.locate/1` object, with the ladder's cost."""
+        """The `detrace.locate/1` object (docs/locate.md shows one), with the ladder's cost."""
         culprit = None if self.culprit is None else {k: self.culprit[k] for k in
                                                       ("rank", "step", "phase", "module", "name", "origin")}
         return {"schema": LOCATE_SCHEMA, "verdict": self.verdict, "culprit": culprit,

@@ -120,7 +120,7 @@ def _inductor_deterministic(strict: bool) -> None:
     os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     config = sys.modules.get("torch._inductor.config")
     if config is not None:
-        config.deterministic = True
+        config.deterministic = True  # type: ignore[attr-defined]  # an Inductor config module; mypy sees a ModuleType
 
 
 def _deterministic_algorithms() -> str:
@@ -130,6 +130,7 @@ def _deterministic_algorithms() -> str:
 
 
 def _set_fill_uninitialized_memory(strict: bool) -> None:
+    # mypy, ignored below: torch.utils.deterministic's module class has this property; its stubs lack it
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
 
 
@@ -164,6 +165,7 @@ SWITCHES: tuple[_Switch, ...] = (
     _Switch(
         name="torch.utils.deterministic.fill_uninitialized_memory",
         prevents="uninitialised memory (torch.empty) leaking run-dependent garbage into results",
+        # mypy, ignored below: as above (a property of the module class)
         read=lambda: str(bool(torch.utils.deterministic.fill_uninitialized_memory)),  # type: ignore[attr-defined]
         default="True",
         accept=_always("True"),

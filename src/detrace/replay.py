@@ -127,7 +127,7 @@ class ReplayResult:
         return self.base.nondeterministic
 
     def summary(self) -> dict[str, Any]:
-        """The `replay` object of DESIGN.md's `detrace.locate/1`."""
+        """The `replay` object of the `detrace.locate/1` JSON (docs/locate.md)."""
         return {"nondeterministic": self.nondeterministic, "repeats": self.base.repeats,
                 "differing_elements": self.base.differing_elements, "max_ulp": self.base.max_ulp,
                 "fixed_by": list(self.fixed_by)}

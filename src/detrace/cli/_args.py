@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from detrace.errors import UsageError
 
@@ -11,8 +11,8 @@ from detrace.errors import UsageError
 class ArgumentParser(argparse.ArgumentParser):
     """An argparse parser whose errors become `UsageError` (one sentence, exit 2, no traceback)."""
 
-    def __init__(self, command: str, description: str, **kwargs: object) -> None:
-        super().__init__(prog=f"detrace {command}", description=description, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, command: str, description: str, **kwargs: Any) -> None:
+        super().__init__(prog=f"detrace {command}", description=description, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see 'detrace {self.prog.split()[-1]} --help')")

@@ -173,6 +173,7 @@ def _row(batch: pa.RecordBatch | pa.Table, i: int) -> dict[str, Any]:
 
 def _divergence(rank: int, row: dict[str, Any], *, kind: str, origin: bool, detail: dict[str, Any]) -> Divergence:
     return Divergence(rank=rank, step=row["step"], seq=row["seq"], rung=row["rung"], phase=row["phase"],
+                      # mypy, ignored below: every caller passes a Kind literal
                       kind=kind, name=row["name"], module=row["module"], role=row["role"], origin=origin,  # type: ignore[arg-type]
                       occurrence=row["occurrence"], index=row["index"], event=row["event"],
                       collectives=row["collectives"], detail=detail)
@@ -254,12 +255,13 @@ class RankAligner:
                 differ = differ[1:]
             if self._walking and differ.size:
                 self._walk(sa, sb, differ)
+        # mypy, ignored below: _walking is only true once _d1 is set
         if self._walking and int(sa.column("step")[-1].as_py()) > self._d1[0]["step"]:  # type: ignore[index]
             self._walking = False  # no enclosing call of D1's step made the difference
 
     def _walk(self, sa: pa.RecordBatch, sb: pa.RecordBatch, differ: np.ndarray) -> None:
         """Look for the innermost call that began before D1, had equal inputs and a differing output."""
-        d1 = self._d1[0]  # type: ignore[index]
+        d1 = self._d1[0]  # type: ignore[index]  # _walk runs only while _walking, so _d1 is set
         rows = sa.take(pa.array(differ))
         events = rows.column("event").to_numpy()
         before = (events < d1["seq"]) & (rows.column("step").to_numpy() == d1["step"])

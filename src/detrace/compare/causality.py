@@ -48,6 +48,7 @@ class _Senders:
             return True
         if any(m not in self.outcomes for m in members.expand() if m != rank):
             return True
+        # mypy, ignored below: link.group is set here: without it `members` is None and we returned above
         for seq, sender in self.earliest.get(link.group, []):  # type: ignore[arg-type]
             if sender != rank:
                 return link.group_seq is None or seq <= link.group_seq
@@ -72,10 +73,13 @@ def resolve(outcomes: list[RankOutcome]) -> tuple[list[RankResult], list[int], D
             if outcome.link is not None:  # every member's inputs matched: the collective made the difference
                 detail = {**first.detail, "inputs_matched_on_all_ranks": True}
                 first = dataclasses.replace(first, origin=True, detail=detail)
+        # mypy, ignored below: cause is one of the Cause literals assigned above
         results.append(RankResult(rank=outcome.rank, first=first, cause=cause, via=via, records=outcome.records,  # type: ignore[arg-type]
                                   numeric=outcome.numeric, structural=outcome.structural,
                                   unverified=outcome.unverified))
+    # mypy, ignored below: an origin always has a first divergence
     origins = sorted((r for r in results if r.cause == "origin"), key=lambda r: r.first.order)  # type: ignore[union-attr]
     pool = origins or [r for r in results if r.first is not None]
+    # mypy, ignored below: pool holds only ranks with a first divergence
     first = min((r.first for r in pool), key=lambda d: d.order, default=None)  # type: ignore[union-attr]
     return results, [r.rank for r in origins], first

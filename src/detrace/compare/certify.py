@@ -57,6 +57,7 @@ def spans(values: list[int]) -> str:
     parts: list[str] = []
     start = prev = None
     for value in [*sorted(values), None]:
+        # mypy, ignored below: prev is set whenever start is
         if start is not None and (value is None or value != prev + 1):  # type: ignore[operator]
             parts.append(str(start) if start == prev else f"{start}-{prev}")
             start = None

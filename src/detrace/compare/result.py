@@ -1,4 +1,4 @@
-"""The typed result of a diff and its JSON form, schema "detrace.diff/1" (DESIGN.md, Interfaces).
+"""The typed result of a diff and its JSON form, schema "detrace.diff/1" (an example is in docs/diff.md).
 
 The JSON carries exactly the keys of the schema. The Python objects carry a little more that the JSON does not
 (the occurrence counter and index of the divergent record, its collective counter, a `detail` dict and per-rank

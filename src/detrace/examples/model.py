@@ -310,12 +310,14 @@ class _AuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, aux: torch.Tensor, coef: float):
         ctx.save_for_backward(aux)
-        ctx.coef = coef  # type: ignore[attr-defined]
+        ctx.coef = coef  # type: ignore[attr-defined]  # FunctionCtx carries custom attributes; the stubs declare none
         return x
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor):
+        # mypy, ignored below: saved_tensors exists at run time; FunctionCtx's stubs lack it
         (aux,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        # mypy, ignored below: coef was set in forward; FunctionCtx's stubs lack it
         return grad, torch.full_like(aux, ctx.coef), None  # type: ignore[attr-defined]
 
 

@@ -29,12 +29,9 @@ included, with or without torchrun); every rank reads the whole global batch and
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import sys
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -140,22 +137,6 @@ def teardown(layout: Layout, *, completed: bool) -> None:
         if completed:
             dist.barrier()  # no rank tears its groups down while a peer still waits on its last collective
         dist.destroy_process_group()
-
-
-def leave(code: int) -> NoReturn:
-    """End a process whose run is over: run the exit handlers, flush, and exit without finalizing Python.
-
-    Why: destroy_process_group does not stop gloo's worker threads while a module, a DeviceMesh or DTensor's
-    sharding cache still holds the group. A worker that drops the last reference to a tensor after the
-    interpreter began to finalize needs the GIL; Python ends that thread with pthread_exit, which unwinds
-    through a noexcept destructor and aborts a run that succeeded ("terminate called without an active
-    exception", SIGABRT). Exiting with os._exit after the exit handlers (a tracer's last write among them)
-    leaves no finalization to race with.
-    """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # ----------------------------------------------------------------------------------------------------------

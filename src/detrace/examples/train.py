@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
 from detrace.examples import parallel
 from detrace.examples.data import SyntheticTokens, split_batch
@@ -142,7 +143,9 @@ def train(cfg: TrainConfig) -> None:
     completed = False
     try:
         preset = PRESETS[cfg.preset]
+        # mypy, ignored below: PRESETS values are typed object; batch_size is an int
         batch_size = cfg.batch_size or int(preset["batch_size"])  # type: ignore[call-overload]
+        # mypy, ignored below: PRESETS values are typed object; seq_len is an int
         seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
         model_cfg = cfg.model_config()
         pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len,
@@ -204,4 +207,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    parallel.leave(main())
+    leave(main())

@@ -102,7 +102,7 @@ def divergence_map(run_a: Path, run_b: Path) -> dict[int, dict[int, tuple[int, i
         differ = Counter(step for step, same in zip(table["step"].to_pylist(), equal.tolist(), strict=True)
                          if not same)
         # records of one run without a partner (a changed call sequence, a truncated run) differ too
-        unmatched = Counter()
+        unmatched: Counter[int] = Counter()
         for run in (run_a, run_b):
             unmatched += Counter(read_rank(run, rank).table["step"].to_pylist()) - matched
         counts = {step: (differ[step] + unmatched[step], matched[step] + unmatched[step])

@@ -11,13 +11,13 @@ The captured state is a tree of tensors and JSON values for `detrace.state.tree`
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from detrace._compat import dtensor_rng_states
 from detrace.errors import CheckpointError
 
 
@@ -40,7 +40,7 @@ def capture(generators: Sequence[torch.Generator] = ()) -> dict[str, Any]:
     # A process that never initialised CUDA never drew from it, so its (seeded) CUDA state needs no saving.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    tracker_states = _dtensor_tracker_states()
+    tracker_states = dtensor_rng_states()
     if tracker_states:
         state["dtensor"] = {name: tensor.clone() for name, tensor in tracker_states.items()}
     return state
@@ -76,21 +76,8 @@ def restore(state: dict[str, Any], generators: Sequence[torch.Generator] = ()) -
             )
         torch.cuda.set_rng_state_all(cuda_states)
     if "dtensor" in state:
-        tracker_states = _dtensor_tracker_states()
+        tracker_states = dtensor_rng_states()
         if tracker_states is None or set(tracker_states) != set(state["dtensor"]):
             raise CheckpointError("the checkpoint holds DTensor RNG tracker states this process has no tracker for")
         for name, tensor in state["dtensor"].items():
             tracker_states[name].copy_(tensor)
-
-
-def _dtensor_tracker_states() -> dict[str, torch.Tensor] | None:
-    """The named states of the DTensor (tensor-parallel) RNG tracker, when it keeps its own.
-
-    Recent torch trackers keep no state of their own: they offset the device generator, which `cuda` above
-    captures. Older ones hold `rng_states`, a dict of name -> state tensor. Looked up only if DTensor's
-    random module is already imported, so that a run without DTensor pays nothing.
-    """
-    module = sys.modules.get("torch.distributed.tensor._random")
-    tracker = getattr(module, "_rng_tracker", None)
-    states = getattr(tracker, "rng_states", None)
-    return states if isinstance(states, dict) and states else None

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from detrace import _events
+from detrace._compat import unhooked_step
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 
@@ -158,7 +160,7 @@ class TrainState:
         return local
 
     def _load(self, path: Path, *, control: str | None) -> int:
-        with _trace_clock_kept():
+        with _events.restoring():
             return self._restore(path, control=control)
 
     def _restore(self, path: Path, *, control: str | None) -> int:
@@ -183,7 +185,7 @@ class TrainState:
         if control != "skip-rng":
             rng.restore(local["rng"], self.generators)
         self.step = loaded.step
-        _continue_trace_clock(loaded.step)
+        _events.restored(loaded.step)
         return loaded.step
 
     def _check_fits(self, directory: Path, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
@@ -196,8 +198,8 @@ class TrainState:
         if ("data" in local) != (self.data is not None):
             raise CheckpointError(f"{directory} and this TrainState disagree on whether there is data state")
         if set(local["extra"]) != set(self.extra):
-            saved, mine = sorted(local["extra"]), sorted(self.extra)
-            raise CheckpointError(f"{directory} holds extra state {saved}, this TrainState has {mine}")
+            theirs, mine = sorted(local["extra"]), sorted(self.extra)
+            raise CheckpointError(f"{directory} holds extra state {theirs}, this TrainState has {mine}")
         saved_generators = len(local["rng"]["generators"])
         if saved_generators != len(self.generators):
             raise CheckpointError(
@@ -236,13 +238,13 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
     such as an LR scheduler's) for the duration, and is removed again afterwards. Nothing in the tracer
     needs to know: no hook fires, so no clock moves.
     """
-    step = type(optimizer).step
-    unhooked = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    unhooked = unhooked_step(type(optimizer))
     if unhooked is None:  # a torch that wraps differently: leave step alone rather than guess
         yield
         return
     missing = object()
     own = optimizer.__dict__.get("step", missing)
+    # mypy, ignored below: on purpose: an instance attribute shadows the class's step for the block
     optimizer.step = types.MethodType(unhooked, optimizer)  # type: ignore[method-assign]
     try:
         yield
@@ -272,30 +274,3 @@ def _checkpoint_dir() -> Path:
     if not directory:
         raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
     return Path(directory)
-
-
-@contextlib.contextmanager
-def _trace_clock_kept() -> Iterator[None]:
-    """While TrainState restores, an active tracer does not take the restored optimizer's step count for the
-    step (its detection with no edit): TrainState gives the step itself once everything is restored, so what the
-    restore records after the optimizer (the model's load) stays with the set-up, in no training step."""
-    tracing = sys.modules.get("detrace.tracing")
-    active = getattr(tracing, "active", None)
-    tracer = active() if callable(active) else None
-    if tracer is None or not hasattr(tracer, "detecting"):
-        yield
-        return
-    tracer.detecting = False
-    try:
-        yield
-    finally:
-        tracer.detecting = True
-
-
-def _continue_trace_clock(step: int) -> None:
-    """Let an active tracer count steps on from `step`. Only a tracer that is already imported can be
-    recording; its module is another part of detrace and may be absent from this build."""
-    tracing = sys.modules.get("detrace.tracing")
-    set_step = getattr(tracing, "set_step", None)
-    if callable(set_step):
-        set_step(step, source="train_state")

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from detrace import _events
 from detrace.errors import UsageError
 from detrace.tracing.config import TraceConfig
 
@@ -143,4 +144,15 @@ def metric(name: str, value: float | object) -> None:
     if _tracer is not None:
         from detrace.tracing.rungs.metrics import record
 
+        # mypy, ignored below: metric() takes any object; record() refuses a non-scalar with a UsageError
         record(_tracer, name, value)  # type: ignore[arg-type]
+
+
+def _restore_running(running: bool) -> None:
+    if _tracer is not None:
+        _tracer.detecting = not running
+
+
+# A TrainState restored to step n: the clock counts on from n, and the restore itself detects no step.
+_events.step_restored.append(lambda n: set_step(n, source="train_state"))
+_events.restore_running.append(_restore_running)

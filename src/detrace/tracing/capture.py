@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from detrace._compat import pytree
 from detrace.tracefile.capture import save_capture
 from detrace.tracing.session import Call, Tracer
 

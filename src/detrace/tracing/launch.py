@@ -6,7 +6,7 @@ and the inject directory on PYTHONPATH, streams its output while keeping the las
 run.json from the ranks' headers when CMD ends. It never raises for a nonzero exit: that is `returncode`.
 
 CMD's whole process tree is killed (SIGKILL) on a timeout, on an exception in the launcher (Ctrl-C), and when
-the launcher itself dies, even by SIGKILL: a watchdog process does it then (see `_WATCHDOG`).
+the launcher itself dies, even by SIGKILL: a watchdog process does it then (see `detrace.tracing.watchdog`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from detrace.tracefile.layout import RUN_HEADER, run_header_path
 from detrace.tracefile.reader import iter_batches
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
+from detrace.tracing import watchdog
 from detrace.tracing.config import ENV_VAR, TraceConfig
 
 TAIL_BYTES = 4096
@@ -102,6 +103,7 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
 
 def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None:
     sink = sys.stdout.buffer if echo else None
+    # mypy, ignored below: Popen's pipes are io.BufferedReader, which has read1; IO[bytes] does not declare it
     while chunk := stream.read1(65536):  # type: ignore[attr-defined]
         tail.append(chunk)
         while sum(map(len, tail)) - len(tail[0]) > TAIL_BYTES:
@@ -111,73 +113,11 @@ def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None
             sink.flush()
 
 
-# The watchdog: a small process of its own (own session, so a Ctrl-C at the terminal does not end it) that reads
-# its stdin, a pipe whose only write end the launcher holds. A byte means CMD ended: it exits. End of file
-# without a byte means the launcher died (SIGKILL, SIGTERM, a crash: the kernel closes its pipe) or is killing
-# CMD: it kills CMD's whole tree with SIGKILL. CMD's process group is not enough: torchrun starts each worker in
-# a session of its own, and a SIGKILLed torchrun leaves them running (they get no death signal). So the tree is
-# found by parent pid in /proc while it is intact, each process stopped first so that none can fork unseen, then
-# all are killed, then CMD's process group (for anything already orphaned in it). A death signal (prctl
-# PR_SET_PDEATHSIG) on CMD would kill CMD first and leave its orphaned workers no longer traceable to it.
-# -I -S: no site, so the tracer's sitecustomize (on CMD's PYTHONPATH) is not loaded; CMD's identity is its
-# start time, so a pid reused after CMD ended is never touched.
-_WATCHDOG = r"""
-import os, signal, sys
-
-def stat(pid):
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-def children():
-    tree = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return tree
-    for name in names:
-        fields = stat(int(name)) if name.isdigit() else None
-        if fields:
-            tree.setdefault(int(fields[1]), []).append(int(name))
-    return tree
-
-def send(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
-
-def start_time(pid):
-    fields = stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None
-
-cmd = int(sys.argv[1])
-proc = os.path.isdir("/proc")  # without it (not Linux): CMD's process group only
-born = start_time(cmd)
-if sys.stdin.buffer.read(1) or proc and (born is None or start_time(cmd) != born):
-    sys.exit(0)
-stopped, todo = set(), [cmd] if proc else []
-while todo:
-    for pid in todo:
-        send(pid, signal.SIGSTOP)
-        stopped.add(pid)
-    tree = children()
-    todo = [child for pid in stopped for child in tree.get(pid, ()) if child not in stopped]
-for pid in stopped:
-    send(pid, signal.SIGKILL)
-try:
-    os.killpg(cmd, signal.SIGKILL)
-except OSError:
-    pass
-"""
-
-
 def _start_watchdog(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
-    """The watchdog of CMD's tree (see _WATCHDOG); None where it cannot be started (CMD then runs unwatched)."""
+    """The watchdog of CMD's tree (see detrace/tracing/watchdog.py, run isolated by its path: no site, no package
+    import); None where it cannot be started (CMD then runs unwatched)."""
     try:
-        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(proc.pid)], stdin=subprocess.PIPE,
+        return subprocess.Popen([sys.executable, "-I", "-S", watchdog.__file__, str(proc.pid)], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:
         return None

@@ -35,8 +35,8 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from torch.utils import _pytree as pytree
 
+from detrace._compat import disable_dispatch, pytree
 from detrace.errors import DetraceError
 from detrace.tracefile.layout import rank_path, run_header_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, RUNGS
@@ -465,7 +465,7 @@ class Tracer:
 
     def _defer(self, items: list[tuple[torch.Tensor, Snapshot]]) -> None:
         """Copy the bits of small tensors for the next batch (a plain copy, unseen by dispatch modes)."""
-        with torch._C._DisableTorchDispatch():
+        with disable_dispatch():
             copies = [(tensor.detach().clone(memory_format=torch.contiguous_format), snap) for tensor, snap in items]
         with self._lock:
             self._pending += copies

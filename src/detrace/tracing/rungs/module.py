@@ -52,7 +52,7 @@ class ModuleRung:
             # Not known yet: a module added after its root was scanned, or a new root.
             self.roots = [ref for ref in self.roots if ref() is not None]
             for ref in self.roots:
-                self._scan(ref())  # type: ignore[arg-type]
+                self._scan(ref())  # type: ignore[arg-type]  # alive: the dead refs were dropped on the line above
             name = self.names.get(module)
             if name is None:
                 self._scan(module)

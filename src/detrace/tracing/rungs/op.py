@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
+from detrace._compat import OpOverload, TorchDispatchMode, current_dispatch_mode, pop_mode, push_mode
 from detrace.tracing.capture import Capturer
 from detrace.tracing.session import Tracer
 
@@ -64,7 +64,7 @@ class OpInfo:
     """The op returns tensors that alias no input."""
 
 
-def op_info(func: torch._ops.OpOverload) -> OpInfo:
+def op_info(func: OpOverload) -> OpInfo:
     schema = func._schema
     name = f"{func.namespace}.{func._opname}.{func._overloadname}"
     views = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
@@ -149,16 +149,16 @@ class OpRecorder(TorchDispatchMode):
         """On the dispatch stack in steps where the rung records (pushed/popped by the thread that ends steps)."""
         on = self.tracer.on["op"]
         if on and not self.pushed:
-            _push_mode(self)
+            push_mode(self)
             self.pushed = True
-        elif not on and self.pushed and _get_current_dispatch_mode() is self:
+        elif not on and self.pushed and current_dispatch_mode() is self:
             # A mode the program pushed above ours keeps ours underneath; it then passes calls through.
-            _pop_mode()
+            pop_mode()
             self.pushed = False
 
     def remove(self) -> None:
-        if self.pushed and _get_current_dispatch_mode() is self:
-            _pop_mode()
+        if self.pushed and current_dispatch_mode() is self:
+            pop_mode()
             self.pushed = False
 
 

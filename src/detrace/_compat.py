@@ -1,0 +1,220 @@
+"""Every private PyTorch API detrace relies on, in one place.
+
+Each entry says why detrace needs it and what public API would replace it. tests/test_compat.py pins each one's
+behaviour at the tested torch version, so a torch release that moves or changes one fails that test, by name,
+rather than a user's run. Nothing else in detrace reaches into torch's private modules or attributes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+# torch._ops.OpOverload: the type of an ATen op overload (`aten.add.Tensor`), which the op rung names and describes
+# from its schema. Public replacement: torch.library's OpOverload type, if it is ever exported.
+from torch._ops import OpOverload
+from torch.utils import _python_dispatch
+
+# torch.utils._pytree: flattening nested containers into tensor leaves in torch's own order (the order the records
+# and captured calls use). Public replacement: none yet (a public torch.utils.pytree, were it added).
+from torch.utils import _pytree as pytree
+
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+"""The base class of the op rung's recorder (and of FakeTensorMode): it sees every ATen call below autograd.
+Importable only from torch.utils._python_dispatch. Replace with: its public home, if it gets one."""
+
+__all__ = [
+    "DDP_BUILTIN_HOOK_REGISTRAR",
+    "OpOverload",
+    "TorchDispatchMode",
+    "current_dispatch_mode",
+    "current_graph_task_id",
+    "default_group",
+    "disable_dispatch",
+    "disable_torch_function_subclass",
+    "dtensor_rng_states",
+    "functional_collectives",
+    "is_functorch_wrapped",
+    "mark_dynamic",
+    "pop_mode",
+    "push_mode",
+    "pytree",
+    "queue_backward_callback",
+    "quiet_dispatch_modes",
+    "replace_call",
+    "resolve_group",
+    "run_exit_handlers",
+    "unhooked_step",
+]
+
+
+def push_mode(mode: Any) -> None:
+    """Put a dispatch mode on top of the mode stack, outside any `with` block.
+
+    Why: the op rung goes on and off the stack between steps, and a step ends in an optimizer hook, not at the end
+    of a block. Replace with: none public (`with mode:` only)."""
+    _python_dispatch._push_mode(mode)
+
+
+def pop_mode() -> Any:
+    """Take the top dispatch mode off the stack (the counterpart of `push_mode`)."""
+    return _python_dispatch._pop_mode()
+
+
+def current_dispatch_mode() -> Any:
+    """The dispatch mode on top of the stack, or None: the op rung pops itself only when it is still on top (a mode
+    the program pushed later keeps it underneath). Replace with: none public."""
+    return _python_dispatch._get_current_dispatch_mode()
+
+
+def default_group() -> Any:
+    """The default process group (the one `group=None` means).
+
+    Why: collective records name their group by its global ranks, and `group=None` has to be resolved to the real
+    group object first. Replace with: `dist.group.WORLD` once it is guaranteed to be the group object itself."""
+    return torch.distributed.distributed_c10d._get_default_group()
+
+
+def resolve_group(name: str) -> Any:
+    """The process group a functional collective names by string (its `group_name` argument).
+
+    Why: functional collectives take the group's registered name, and records use its ranks. Replace with: a public
+    name -> group lookup in torch.distributed (none exists)."""
+    # torch annotates the name as GroupName, a NewType of str; functional collectives pass it as a plain str.
+    return torch.distributed.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
+
+
+def functional_collectives() -> Any:
+    """The op namespace of functional collectives, `torch.ops._c10d_functional`, its ops registered.
+
+    Why: DTensor, expert parallelism's all_to_all_single_autograd and compiled code run their collectives through
+    these ops, never through `torch.distributed.all_reduce` and friends, so the semantic rung records them here.
+    Replace with: a public namespace for them (torch.distributed._functional_collectives is private too)."""
+    import torch.distributed._functional_collectives  # importing it registers the ops
+
+    return torch.ops._c10d_functional
+
+
+def replace_call(obj: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Make calls of `obj` (an op overload) go through `wrap(run)`, `run` being its own call; returns the undo.
+
+    Why: compiled code calls functional collectives through their OpOverload object (`....all_reduce.default`),
+    and code compares overloads by identity and keys tables by them, so the object must stay in place: only its
+    class can change (OpOverload is a Python class whose instances allow `__class__` assignment). Replace with: a
+    torch.library hook around an existing op's every call, if torch ever offers one."""
+    cls = type(obj)
+    call = wrap(functools.partial(cls.__call__, obj))
+    obj.__class__ = type(cls.__name__, (cls,), {
+        "__call__": lambda self, /, *args, **kwargs: call(*args, **kwargs), "__module__": cls.__module__})
+
+    def undo() -> None:
+        obj.__class__ = cls
+
+    return undo
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the current backward ends (called from within a backward).
+
+    Why: DDP's buckets complete in any order and are recorded together once the backward is over, after the
+    reducer's own final callback. DDP itself uses this. Replace with: a public end-of-backward hook
+    (torch.autograd.graph has none for the whole graph task)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward (autograd graph task) running on this thread; -1 outside a backward.
+
+    Why: a DDP bucket hook must know which backward it belongs to, to record the previous one's buckets when a
+    backward failed before its end. Replace with: nothing public; torch.autograd.graph exposes no task id."""
+    return torch._C._current_graph_task_id()
+
+
+DDP_BUILTIN_HOOK_REGISTRAR = "_register_builtin_comm_hook"
+"""DistributedDataParallel's method registering a built-in C++ comm hook. Why: detrace wraps it to learn that a
+bucket reduction runs in C++ and cannot be recorded (instead of replacing the user's hook). Replace with: a public
+way to ask a DDP module which comm hook it has."""
+
+
+def disable_dispatch() -> AbstractContextManager[Any]:
+    """Run plain tensor ops below every Python dispatch mode and subclass (a raw copy).
+
+    Why: the tracer copies small tensors' bits for later hashing; the op rung's own mode (or a program's) must not
+    record or alter those copies. Replace with: none public (`torch.utils._python_dispatch` is private too)."""
+    return torch._C._DisableTorchDispatch()
+
+
+def quiet_dispatch_modes() -> AbstractContextManager[Any]:
+    """Take the active Python dispatch modes off the stack for the block (nothing when there are none).
+
+    Why: fingerprinting observes tensors; a FakeTensorMode or the op rung must not see or fake its ops. Checking the
+    stack's length first keeps the common case (no mode) free. Replace with: none public. On a torch without it,
+    nothing is taken off (an active dispatch mode then sees our ops)."""
+    disable = getattr(_python_dispatch, "_disable_current_modes", None)
+    return disable() if disable is not None and torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a functorch (vmap/grad) wrapper, which has no single logical value to fingerprint.
+
+    Why: a clear refusal instead of a fingerprint of one batch element. Replace with: torch.func's own check, if
+    exported. False on a torch without it."""
+    with contextlib.suppress(AttributeError, RuntimeError):
+        return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+    return False
+
+
+def disable_torch_function_subclass() -> AbstractContextManager[Any]:
+    """Treat tensor subclasses as plain tensors in the block (no `__torch_function__`).
+
+    Why: detaching a subclass tensor to fingerprint it must not run the subclass's Python code. Documented in
+    "Extending torch" but under `torch._C`. Replace with: its public alias, if one appears."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell torch.compile that `tensor`'s size at `dim` varies, so one compiled fingerprint kernel serves all sizes.
+
+    Why: without it each new tensor size recompiles the hash kernel. Replace with: `torch.compiler`'s public
+    spelling of it, once there is one."""
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+def unhooked_step(optimizer_cls: type) -> Callable[..., Any] | None:
+    """The `step` of an optimizer class without the global and per-optimizer step hooks; None if torch wraps it
+    differently.
+
+    Why: torch.distributed.checkpoint initialises a fresh optimizer's state by calling `step()`, which is no
+    training step and must not move the tracer's step clock. Torch wraps every optimizer class's step once in
+    the function that runs the hooks, marked `hooked`, the original kept in `__wrapped__`. Replace with: a public
+    way to step without hooks (none)."""
+    step = getattr(optimizer_cls, "step", None)
+    return getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+
+
+def dtensor_rng_states() -> dict[str, torch.Tensor] | None:
+    """The named states of the DTensor (tensor-parallel) RNG tracker, when it keeps its own.
+
+    Why: a checkpoint must restore every random stream. Recent torch trackers keep no state of their own: they
+    offset the device generator. Older ones hold `rng_states`, a dict of name -> state tensor. Looked up only if
+    DTensor's random module is already imported, so that a run without DTensor pays nothing. Replace with: a
+    public DTensor RNG state API."""
+    module = sys.modules.get("torch.distributed.tensor._random")
+    tracker = getattr(module, "_rng_tracker", None)
+    states = getattr(tracker, "rng_states", None)
+    return states if isinstance(states, dict) and states else None
+
+
+def run_exit_handlers() -> None:
+    """Run the `atexit` handlers now (each once: they are unregistered as they run).
+
+    Why: a distributed process may have to end with os._exit (see detrace._exit), which skips them; a tracer's
+    last write is one. Replace with: nothing public in the standard library."""
+    atexit._run_exitfuncs()

@@ -1,0 +1,38 @@
+"""Events one part of detrace announces and another, optional part listens to, so that neither imports the other.
+
+The checkpoint side (detrace.state) must work without the tracer, and the tracer must not load the checkpoint code:
+the announcer calls the listeners registered here, and a part that is never imported never registers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+step_restored: list[Callable[[int], None]] = []
+"""Called with `n` when a training state was restored from a checkpoint taken after step n-1 (TrainState.load):
+a recording tracer counts steps on from n (detrace.tracing registers `set_step` when imported)."""
+
+
+def restored(step: int) -> None:
+    """Announce that training resumes at `step`."""
+    for listener in step_restored:
+        listener(step)
+
+
+restore_running: list[Callable[[bool], None]] = []
+"""Called with True when a training state starts to be restored and with False when it is done: while it runs, a
+tracer does not take the restored optimizer's step count for the step (TrainState gives the step itself, once
+everything is restored, so what the restore records stays with the set-up, in no training step)."""
+
+
+@contextlib.contextmanager
+def restoring() -> Iterator[None]:
+    """Announce a restore around the block."""
+    for listener in restore_running:
+        listener(True)
+    try:
+        yield
+    finally:
+        for listener in restore_running:
+            listener(False)

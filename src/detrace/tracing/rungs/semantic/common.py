@@ -1,0 +1,55 @@
+"""What the semantic recorders share: the process group's name, the re-entry guard, and closing a recorded call."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+
+from detrace._compat import default_group
+from detrace.tracing.session import Call, Snapshot, Tracer
+
+_groups: dict[int, str] = {}
+
+
+def group_name(group: Any) -> str:
+    """The global ranks of a process group, e.g. "0,1" (the default group when None)."""
+    pg = group if group is not None else default_group()
+    name = _groups.get(id(pg))
+    if name is None:
+        name = _groups[id(pg)] = ",".join(map(str, dist.get_process_group_ranks(pg)))
+    return name
+
+
+class _Reentry(threading.local):
+    """How many recorded collectives (or DDP buckets) are running on this thread. The calls one makes (a helper
+    that calls another collective, a dispatch mode that calls the op's overload again, the DDP hook's own
+    all-reduce) are part of it and are not recorded again."""
+
+    depth = 0
+
+    def active(self) -> bool:
+        """Whether a recorded call is running on this thread: the call being made is nested in it."""
+        return self.depth > 0
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """Run the body as a recorded call: calls made within it are nested."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+reentry = _Reentry()
+
+
+def finish(tracer: Tracer, call: Call, inputs: list[Snapshot | None], outputs: list[Snapshot | None]) -> None:
+    """Record a collective's inputs and outputs, and count it as completed."""
+    tracer.emit(call, "input", inputs)
+    tracer.emit(call, "output", outputs)
+    tracer.collective_completed()

@@ -1,0 +1,217 @@
+"""detrace._compat: each private torch API detrace relies on still does what detrace needs, at this torch.
+
+A torch release that moves or changes one fails its test here, by name, instead of a user's run."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from detrace import _compat
+
+CHECKED_TORCH = ("2.13",)
+"""The torch releases (major.minor) every entry of detrace._compat was checked against."""
+
+
+def test_torch_release_was_checked() -> None:
+    release = ".".join(torch.__version__.split(".")[:2])
+    assert release in CHECKED_TORCH, (
+        f"torch {torch.__version__}: detrace._compat was checked against {CHECKED_TORCH} only; run this file, check "
+        f"each entry against the new release, then add {release!r} to CHECKED_TORCH")
+
+
+class _Seen(_compat.TorchDispatchMode):
+    """Records the names of the ops it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_push_and_pop_a_mode_without_a_with_block() -> None:
+    mode = _Seen()
+    _compat.push_mode(mode)
+    try:
+        assert _compat.current_dispatch_mode() is mode
+        torch.ones(2).neg()
+    finally:
+        _compat.pop_mode()
+    assert _compat.current_dispatch_mode() is None
+    torch.ones(2).abs()
+    assert "neg" in mode.ops and "abs" not in mode.ops
+
+
+def test_disable_dispatch_hides_ops_from_modes() -> None:
+    with _Seen() as mode:
+        with _compat.disable_dispatch():
+            torch.ones(2).neg()
+        torch.ones(2).abs()
+    assert "neg" not in mode.ops and "abs" in mode.ops
+
+
+def test_quiet_dispatch_modes_hides_ops_from_active_modes() -> None:
+    with _Seen() as mode:
+        with _compat.quiet_dispatch_modes():
+            torch.ones(2).neg()
+        torch.ones(2).abs()
+    assert "neg" not in mode.ops and "abs" in mode.ops
+    with _compat.quiet_dispatch_modes():  # no mode on the stack: nothing to take off
+        assert torch.ones(2).neg().sum().item() == -2
+
+
+def test_op_overload_type() -> None:
+    assert isinstance(torch.ops.aten.neg.default, _compat.OpOverload)
+    assert torch.ops.aten.neg.default._schema.name == "aten::neg"
+
+
+def test_replace_call_keeps_the_overload_object_in_place() -> None:
+    overload = torch.ops.aten.neg.default
+    calls: list[int] = []
+
+    def wrap(run: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return run(*args, **kwargs)
+
+        return call
+
+    undo = _compat.replace_call(overload, wrap)
+    try:
+        assert torch.ops.aten.neg.default is overload and isinstance(overload, _compat.OpOverload)
+        assert overload(torch.ones(2)).tolist() == [-1.0, -1.0] and calls == [1]
+    finally:
+        undo()
+    assert type(overload) is _compat.OpOverload
+    overload(torch.ones(2))
+    assert calls == [1]
+
+
+def test_functional_collectives_namespace() -> None:
+    ops = _compat.functional_collectives()
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                 "wait_tensor"):
+        assert isinstance(getattr(ops, name).default, _compat.OpOverload), name
+    assert [a.name for a in ops.all_reduce.default._schema.arguments] == ["input", "reduce_op", "group_name"]
+
+
+def test_backward_task_id_and_end_of_backward_callback() -> None:
+    seen: dict[str, Any] = {"ended": False}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            seen["task"] = _compat.current_graph_task_id()
+            _compat.queue_backward_callback(lambda: seen.update(ended=True, in_task=_compat.current_graph_task_id()))
+            assert not seen["ended"]
+            return grad
+
+    assert _compat.current_graph_task_id() == -1
+    x = torch.ones(2, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    assert seen["task"] >= 0 and seen["ended"] and seen["in_task"] == seen["task"]
+
+
+def test_ddp_builtin_hook_registrar() -> None:
+    registrar = getattr(DDP, _compat.DDP_BUILTIN_HOOK_REGISTRAR)
+    assert callable(registrar)
+    assert list(inspect.signature(registrar).parameters) == ["self", "comm_hook_type"]
+
+
+def test_process_groups(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = _compat.default_group()
+        assert isinstance(group, dist.ProcessGroup) and dist.get_process_group_ranks(group) == [0]
+        assert _compat.resolve_group(group.group_name) is group
+    finally:
+        dist.destroy_process_group()
+
+
+def test_is_functorch_wrapped() -> None:
+    inside: list[bool] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        inside.append(_compat.is_functorch_wrapped(t))
+        return t
+
+    torch.func.vmap(probe)(torch.ones(3, 2))
+    assert inside == [True] and not _compat.is_functorch_wrapped(torch.ones(2))
+
+
+def test_disable_torch_function_subclass() -> None:
+    calls: list[str] = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            calls.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(2).as_subclass(Sub)
+    with _compat.disable_torch_function_subclass():
+        detached = t.detach()
+    assert calls == [] and type(detached) is torch.Tensor
+    t.detach()
+    assert calls == ["detach"]
+
+
+def test_mark_dynamic() -> None:
+    t = torch.ones(4, 2)
+    _compat.mark_dynamic(t, 0)
+    assert 0 in t._dynamo_dynamic_indices
+
+
+def test_unhooked_step_runs_no_step_hooks() -> None:
+    fired: list[str] = []
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    handles = [register_optimizer_step_pre_hook(lambda *a: fired.append("global")),
+               optimizer.register_step_pre_hook(lambda *a: fired.append("own"))]
+    try:
+        unhooked = _compat.unhooked_step(torch.optim.SGD)
+        assert unhooked is not None
+        unhooked(optimizer)
+        assert fired == [] and param.tolist() == [0.5, 0.5]
+        optimizer.step()
+        assert fired == ["global", "own"]
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert _compat.unhooked_step(type("Plain", (), {"step": lambda self: None})) is None
+
+
+def test_dtensor_rng_tracker() -> None:
+    import torch.distributed.tensor._random as dtensor_random
+
+    assert hasattr(dtensor_random, "_rng_tracker")
+    # This torch's tracker keeps no named states of its own (it offsets the device generator).
+    assert _compat.dtensor_rng_states() is None
+
+
+def test_run_exit_handlers_then_leave() -> None:
+    program = "import atexit; from detrace._exit import leave; atexit.register(print, 'handler ran'); leave(3)"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3 and result.stdout == "handler ran\n", result.stderr[-2000:]
+
+
+def test_pytree_leaves_in_torch_order() -> None:
+    a, b, c = torch.ones(1), torch.zeros(1), torch.ones(2)
+    leaves = _compat.pytree.tree_leaves({"y": [a, (b, 3)], "x": c})
+    assert [id(t) for t in leaves if isinstance(t, torch.Tensor)] == [id(a), id(b), id(c)]
