@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 
 def _worker(args: argparse.Namespace) -> None:
+    from detrace._exit import leave
     from detrace.examples import parallel
     from detrace.examples.model import PRESETS
     from detrace.replica_guard import Guard
@@ -78,7 +79,7 @@ def _worker(args: argparse.Namespace) -> None:
         print(f"guard check alone: {1000 * statistics.median(checks):.2f} ms "
               f"({100 * statistics.median(checks) / statistics.fmean(plain):.2f}% of the step)", flush=True)
     parallel.teardown(layout, completed=True)
-    parallel.leave(0)
+    leave(0)
 
 
 def main() -> int:

@@ -172,7 +172,7 @@ class Guard:
         if self.mode == "stop":
             print(f"detrace guard: stopping with exit code {GUARD_EXIT_CODE} before another checkpoint is written",
                   file=sys.stderr, flush=True)
-            from detrace.examples.parallel import leave
+            from detrace._exit import leave
 
             leave(GUARD_EXIT_CODE)
 

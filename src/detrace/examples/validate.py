@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from detrace.errors import DetraceError
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
