@@ -12,7 +12,7 @@ from detrace.cli import main
 from detrace.compare import certify
 from detrace.compare.certify import recorded_steps, spans
 from detrace.compare.synthetic import SyntheticRun, rank_table, write_run, write_table
-from detrace.tracefile import rank_path
+from detrace.tracefile import footer_path, rank_path
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 
@@ -78,10 +78,13 @@ def test_collective_completing_after_its_window_ended(run: Path) -> None:
 
 def test_torn_tail_and_footer_mismatch(run: Path) -> None:
     path = rank_path(run, 0)
+    footer_path(run, 0).unlink()  # killed: no footer, a torn tail (a cut closed file is corruption: test_integrity)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     violations = certify(run).violations
     assert "rank 0: the trace ends in a torn batch (the process died while writing)" in violations
-    assert any(v.startswith("rank 0: the footer counts") for v in violations)
+    footer = json.loads(footer_path(run, 1).read_text())
+    footer_path(run, 1).write_text(json.dumps({**footer, "records": 5}))
+    assert any(v.startswith("rank 1: the footer counts 5 records, the file holds") for v in certify(run).violations)
 
 
 def test_parallel_workers_agree(tmp_path: Path) -> None:

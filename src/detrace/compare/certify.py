@@ -4,7 +4,9 @@
 - every expected step is present on every expected rank;
 - sequence numbers are dense from 0 (no record lost or duplicated);
 - no collective or send/recv is left incomplete at the end of a window: an input record without its output
-  (the window closed between issue and completion, or the rank died inside the call).
+  (the window closed between issue and completion, or the rank died inside the call);
+- every record batch matches its checksum and the chain sealed in the footer (no corrupted byte), and a closed
+  rank file still ends in the Arrow file footer that Arrow's file readers need.
 Ranks are checked in parallel, each streamed batch by batch.
 """
 
@@ -21,7 +23,7 @@ import pyarrow.compute as pc
 from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
 from detrace.tracefile import iter_batches, open_run, rank_path
-from detrace.tracefile.reader import read_footer
+from detrace.tracefile.reader import CorruptTrace, read_footer
 from detrace.windows import parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
@@ -50,6 +52,8 @@ class _RankFacts:
     records: int
     steps: frozenset[int]
     violations: list[str]
+    corrupt: bool = False
+    """The rank file is corrupted: what follows the corrupted batch is unknown, so nothing is said about it."""
 
 
 def spans(values: list[int]) -> str:
@@ -72,6 +76,16 @@ def _open_call(row: dict[str, Any]) -> str:
     return f"{row['name']}#{row['group_seq']}{group}{peer} (seq {row['event']}, step {row['step']})"
 
 
+def _arrow_file_intact(path: Path) -> bool:
+    """Whether a closed rank file still ends in its Arrow IPC file footer (what file readers need)."""
+    try:
+        with pa.OSFile(str(path), "rb") as handle:
+            pa.ipc.open_file(handle)
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return True
+
+
 def check_rank(task: tuple[str, int]) -> _RankFacts:
     """Stream one rank file and check its own invariants (pool entry point)."""
     run_dir, rank = task
@@ -83,31 +97,38 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
     seq_faults = 0
     records = 0
     open_calls: dict[int, dict[str, Any]] = {}  # event -> its input record, until its output arrives
-    for batch in stream:
-        if not batch.num_rows:
-            continue
-        seqs = batch.column("seq").to_numpy()
-        batch_steps = batch.column("step").to_numpy()
-        previous = np.concatenate(([expected_seq - 1], seqs[:-1]))
-        bad = np.flatnonzero(seqs != previous + 1)
-        if bad.size:
-            if not seq_faults:
-                i = int(bad[0])
-                violations.append(f"rank {rank}: seq is not dense: expected {previous[i] + 1}, found {seqs[i]} "
-                                  f"at step {batch_steps[i]}")
-            seq_faults += int(bad.size)
-        expected_seq = int(seqs[-1]) + 1
-        records += batch.num_rows
-        steps.update(np.unique(batch_steps).tolist())
-        calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
-        for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
-            if row["role"] in INPUT_ROLES:
-                open_calls.setdefault(row["event"], row)
+    corrupt = False
+    try:
+        for batch in stream:
+            if not batch.num_rows:
                 continue
-            opened = open_calls.pop(row["event"], None)
-            if opened is not None and any(s not in steps for s in range(opened["step"], row["step"])):
-                violations.append(f"rank {rank}: {_open_call(opened)} completed only at step {row['step']}, "
-                                  f"after its step window ended")
+            seqs = batch.column("seq").to_numpy()
+            batch_steps = batch.column("step").to_numpy()
+            previous = np.concatenate(([expected_seq - 1], seqs[:-1]))
+            bad = np.flatnonzero(seqs != previous + 1)
+            if bad.size:
+                if not seq_faults:
+                    i = int(bad[0])
+                    violations.append(f"rank {rank}: seq is not dense: expected {previous[i] + 1}, "
+                                      f"found {seqs[i]} at step {batch_steps[i]}")
+                seq_faults += int(bad.size)
+            expected_seq = int(seqs[-1]) + 1
+            records += batch.num_rows
+            steps.update(np.unique(batch_steps).tolist())
+            calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
+            for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
+                if row["role"] in INPUT_ROLES:
+                    open_calls.setdefault(row["event"], row)
+                    continue
+                opened = open_calls.pop(row["event"], None)
+                if opened is not None and any(s not in steps for s in range(opened["step"], row["step"])):
+                    violations.append(f"rank {rank}: {_open_call(opened)} completed only at step {row['step']}, "
+                                      f"after its step window ended")
+    except CorruptTrace as err:
+        violations.append(f"rank {rank}: {err}")
+        corrupt = True
+    if corrupt:  # what follows the corrupted batch is unknown: counting it would only add noise
+        return _RankFacts(rank, records, frozenset(steps), violations, corrupt=True)
     violations += [f"rank {rank}: {_open_call(row)} has its input but no output" for row in open_calls.values()]
     if seq_faults > 1:
         violations.append(f"rank {rank}: the seq order breaks {seq_faults} times in all")
@@ -117,6 +138,10 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
     elif footer.get("records") is not None and footer["records"] != records:
         violations.append(f"rank {rank}: the footer counts {footer['records']} records, the file holds {records}")
+    elif not _arrow_file_intact(stream.path):
+        violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
+                          "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
+                          "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
     return _RankFacts(rank, records, frozenset(steps), violations)
 
 
@@ -146,7 +171,7 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     violations = [f"rank {r}: no trace file" for r in ranks if r not in info.ranks]
     for fact in facts:
         missing = [s for s in steps if s not in fact.steps]
-        if missing:
+        if missing and not fact.corrupt:
             violations.append(f"rank {fact.rank}: {len(missing)} expected steps missing ({spans(missing)})")
         violations += fact.violations
     return CertifyResult(run=str(run), ranks=ranks, steps=steps, records=sum(f.records for f in facts),
