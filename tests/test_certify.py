@@ -10,7 +10,7 @@ import pytest
 
 from detrace.cli import main
 from detrace.compare import certify
-from detrace.compare.certify import recorded_steps, spans
+from detrace.compare.certify import recorded_steps
 from detrace.compare.synthetic import SyntheticRun, rank_table, write_run, write_table
 from detrace.tracefile import footer_path, rank_path
 
@@ -112,6 +112,10 @@ def test_default_steps_are_the_recorded_windows(run: Path) -> None:
     assert certify(run).violations[0] == "rank 0: 2 expected steps missing (4-5)"
 
 
-def test_spans() -> None:
-    assert spans([7, 1, 2, 3, 5]) == "1-3,5,7"
-    assert spans([]) == ""
+def test_huge_expected_steps_cost_nothing(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """F1: the SPEC's ranges are never materialized (this took > 9 GB before)."""
+    result = certify(run, expected_steps="0-99999999999999999999", expected_ranks="0-1")
+    assert result.violations == [f"rank {r}: 99999999999999999996 expected steps missing (4-99999999999999999999)"
+                                 for r in (0, 1)]
+    assert main(["certify", str(run), "--expected-ranks", "0-30000000"]) == 1
+    assert "29999999 expected ranks have no trace file (2-30000000)" in capsys.readouterr().out

@@ -12,6 +12,7 @@ Ranks are checked in parallel, each streamed batch by batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
 from detrace.tracefile import iter_batches, open_run, rank_path
 from detrace.tracefile.reader import CorruptTrace, read_footer
-from detrace.windows import parse_window
+from detrace.windows import Members, describe_runs, parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
 
@@ -34,10 +35,10 @@ class CertifyResult:
     """What certify checked and every violation it found (one sentence each)."""
 
     run: str
-    ranks: list[int]
+    ranks: Sequence[int]
     """The expected ranks."""
-    steps: list[int]
-    """The expected steps."""
+    steps: Sequence[int]
+    """The expected steps (a window's members: never materialized, however large the SPEC's ranges)."""
     records: int
     violations: list[str] = field(default_factory=list)
 
@@ -54,20 +55,6 @@ class _RankFacts:
     violations: list[str]
     corrupt: bool = False
     """The rank file is corrupted: what follows the corrupted batch is unknown, so nothing is said about it."""
-
-
-def spans(values: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3,7" (in the SPEC grammar)."""
-    parts: list[str] = []
-    start = prev = None
-    for value in [*sorted(values), None]:
-        if start is not None and (value is None or value != prev + 1):  # type: ignore[operator]
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if value is not None and start is None:
-            start = value
-        prev = value
-    return ",".join(parts)
 
 
 def _open_call(row: dict[str, Any]) -> str:
@@ -161,18 +148,22 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     info = open_run(run)
     rank_window = parse_window(expected_ranks or str(info.header.get("ranks", "all")))
     step_window = parse_window(expected_steps or recorded_steps(info.header))
-    ranks = rank_window.expand(info.world_size) if not rank_window.bounded else rank_window.expand()
-    present = [r for r in ranks if r in info.ranks]
+    ranks = Members(rank_window, None if rank_window.bounded else info.world_size)
+    present = [r for r in info.ranks if r in ranks]
     if workers is None:
         workers = default_workers(len(present), sum(rank_path(run, r).stat().st_size for r in present))
     facts = map_ranks(check_rank, [(str(run), r) for r in present], workers=workers)
     last = max((max(f.steps) for f in facts if f.steps), default=-1)
-    steps = step_window.expand() if step_window.bounded else step_window.expand(last + 1)
-    violations = [f"rank {r}: no trace file" for r in ranks if r not in info.ranks]
+    steps = Members(step_window, None if step_window.bounded else last + 1)
+    absent, runs = rank_window.missing(info.ranks, ranks.upto)
+    if absent <= 8 and absent == sum(hi - lo + 1 for lo, hi in runs):  # a few: one sentence each
+        violations = [f"rank {r}: no trace file" for lo, hi in runs for r in range(lo, hi + 1)]
+    else:
+        violations = [f"{absent} expected ranks have no trace file ({describe_runs(absent, runs)})"]
     for fact in facts:
-        missing = [s for s in steps if s not in fact.steps]
+        missing, runs = step_window.missing(fact.steps, steps.upto)
         if missing and not fact.corrupt:
-            violations.append(f"rank {fact.rank}: {len(missing)} expected steps missing ({spans(missing)})")
+            violations.append(f"rank {fact.rank}: {missing} expected steps missing ({describe_runs(missing, runs)})")
         violations += fact.violations
     return CertifyResult(run=str(run), ranks=ranks, steps=steps, records=sum(f.records for f in facts),
                          violations=violations)
