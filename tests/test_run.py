@@ -412,3 +412,17 @@ def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path) -> None:
             sequences.append([(r["step"], r["name"], r["occurrence"], r["role"], r["extra"], r["collectives"],
                                r["digest"]) for r in buckets])
         assert sequences[0] == sequences[1]
+
+
+def test_an_uncapturable_argument_never_breaks_the_program(tmp_path: Path) -> None:
+    """F8: a torch.Generator cannot be captured; the program still runs to its end and the run says why."""
+    code = ("import torch; g = torch.Generator().manual_seed(1); x = torch.randn(3, generator=g); "
+            "print('went on', tuple(x.shape))")
+    result = run_traced([PY, "-c", code], tmp_path / "run", rung="op", capture="name=aten.randn.generator",
+                        quiet=True, timeout=120)
+    assert result.returncode == 0 and "went on (3,)" in result.output_tail
+    assert "cannot capture aten.randn.generator" in result.output_tail
+    (note,) = (tmp_path / "run" / "capture").glob("*.impossible.json")
+    recorded = json.loads(note.read_text())
+    assert recorded["op"] == "aten.randn.generator" and "Generator" in recorded["reason"]
+    assert not list((tmp_path / "run" / "capture").glob("*.safetensors"))
