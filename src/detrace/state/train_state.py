@@ -105,6 +105,8 @@ class TrainState:
         if control is not None and control not in CONTROLS:
             known = ", ".join(CONTROLS)
             raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+        if _stop_at() is not None:  # a bad DETRACE_STOP_AT is refused now, not after the first step has run
+            _checkpoint_dir()
         if resume != "1":
             return 0
         return self._load(_checkpoint_dir(), control=control)
@@ -113,14 +115,7 @@ class TrainState:
         """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
         return True so that the loop stops."""
         self.step = step
-        stop_at = os.environ.get(ENV_STOP_AT)
-        if not stop_at:
-            return False
-        try:
-            stop = int(stop_at)
-        except ValueError:
-            raise UsageError(f"{ENV_STOP_AT} must be a step number, not {stop_at!r}") from None
-        if step != stop:
+        if step != _stop_at():
             return False
         self.save(_checkpoint_dir())
         return True
@@ -240,6 +235,16 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
             del optimizer.__dict__["step"]
         else:
             optimizer.__dict__["step"] = own
+
+
+def _stop_at() -> int | None:
+    """DETRACE_STOP_AT as a step number (None when unset)."""
+    text = os.environ.get(ENV_STOP_AT)
+    if not text:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"{ENV_STOP_AT} must be a step number of at least 1, not {text!r}")
+    return int(text)
 
 
 def _checkpoint_dir() -> Path:
