@@ -206,7 +206,7 @@ def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
     dg.cpu_kernel.row_sums(np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), np.zeros(8, np.uint64), 1,
-                           wait=None)  # loaded (a fresh process waits at most a second, then runs eager)
+                           wait=None)  # loaded (a fresh process waits at most a second, then uses NumPy)
     loaded, calls = dg.cpu_kernel.fn, []
 
     def counting(*args):

@@ -9,7 +9,7 @@ releases the GIL), so no threading layer of numba's own is started in the traced
 
 Loading starts in a background thread when `detrace.digest` is imported (importing numba alone takes about a
 second). The first call that needs the kernel waits for it at most `FIRST_WAIT` seconds, then falls back to
-the eager kernel until it is ready: no traced step ever waits longer for a compile (the first compile on a
+NumPy until it is ready: no traced step ever waits longer for a compile (the first compile on a
 machine takes a few seconds more).
 """
 
