@@ -183,9 +183,9 @@ class RankFooter:
     def from_json(cls, raw: object, source: str) -> RankFooter:
         """Validate a parsed footer; raises TraceError naming `source` and the field."""
         fields = _Fields(raw, source)
-        chain = fields.get("chain", str, "8 hexadecimal digits")
-        if len(chain) != 8 or any(c not in "0123456789abcdef" for c in chain):
-            raise fields._fail("chain", "8 hexadecimal digits")
+        chain = fields.get("chain", str, "16 hexadecimal digits")
+        if len(chain) != 16 or any(c not in "0123456789abcdef" for c in chain):
+            raise fields._fail("chain", "16 hexadecimal digits")
         fields.get("complete", bool, "true or false", default=None)
         for key in ("step", "pid", "collectives"):
             fields.count(key, default=None)
