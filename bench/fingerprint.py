@@ -2,13 +2,15 @@
 
 Usage: python bench/fingerprint.py [--repeats N] [--no-startup]
 
-For float32 and bfloat16 tensors of 64 and 256 MiB it times detrace.fingerprint (compiled kernels),
-torch.hash_tensor (an XOR fold that upcasts each element to 64 bits) and torch.sum (about one read of memory),
-interleaved round by round so that load on the machine hits all three alike, and reports the median of the
-per-round ratios. It first measures the one-time start-up cost of the compiled kernels in fresh processes
-(cold: an empty Inductor cache; warm: the cache the cold run filled). The last lines are the figures, one
-per line, e.g. ``fingerprint/hash_tensor float32 64MiB: 1.83x``. Runtime: one to two minutes, most of
-it the two fresh processes that measure start-up (one compiles from scratch).
+Everything runs on the default path (`DETRACE_FINGERPRINT_BACKEND=auto`: numba's kernel on the CPU).
+First, fresh processes: each imports detrace and hashes a float32 64 MiB tensor five times, interleaved with
+torch.hash_tensor of it; the fresh figure is the ratio of the first calls (what a program gets from its first
+fingerprint on), the five-call ratio, and the longest single call (a pause inside a traced step). Cold: an
+empty numba cache (the first run on a machine compiles); warm: the cache the cold run filled. Then the steady
+figures: for float32 and bfloat16 tensors of 64 and 256 MiB, detrace.fingerprint, torch.hash_tensor (an XOR
+fold that upcasts each element to 64 bits) and torch.sum (about one read of memory), interleaved round by
+round so that load on the machine hits all three alike, the median of the per-round ratios. The last lines
+are the figures, one per line, e.g. ``fingerprint/hash_tensor float32 64MiB: 1.83x``.
 """
 
 from __future__ import annotations
@@ -21,31 +23,37 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 SIZES_MIB = (64, 256)
 DTYPES = (torch.float32, torch.bfloat16)
 
-_STARTUP_PROBE = """
+_FRESH_PROBE = """
 import time, torch
+t = time.perf_counter()
 from detrace.digest import fingerprint
+imported = time.perf_counter() - t
 x = torch.randn(16 * 2**20)
-t = time.perf_counter(); fingerprint(x); first = time.perf_counter() - t
-t = time.perf_counter(); fingerprint(x); steady = time.perf_counter() - t
-print(first - steady)
+rows = []
+for _ in range(5):
+    t = time.perf_counter(); fingerprint(x); f = time.perf_counter() - t
+    t = time.perf_counter(); torch.hash_tensor(x); h = time.perf_counter() - t
+    rows.append((f, h))
+print(imported, *(v for row in rows for v in row))
 """
 
 
-def startup_cost() -> tuple[float, float]:
-    """Seconds the first compiled fingerprint costs in a fresh process: (cold cache, warm cache)."""
-    with tempfile.TemporaryDirectory(prefix="detrace-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "DETRACE_FINGERPRINT_BACKEND": "compiled"}
-        runs = []
-        for _ in range(2):
-            done = subprocess.run([sys.executable, "-c", _STARTUP_PROBE], env=env, capture_output=True, text=True,
-                                  check=True)
-            runs.append(float(done.stdout.strip().splitlines()[-1]))
-    return runs[0], runs[1]
+def fresh_process(cache: str | None) -> tuple[float, float, float, float]:
+    """A fresh process on the default path hashing fp32 64 MiB five times, interleaved with hash_tensor:
+    (import seconds, first-call ratio hash_tensor/fingerprint, ratio over the five calls, longest call)."""
+    env = {**os.environ, "DETRACE_FINGERPRINT_BACKEND": "auto"}
+    if cache is not None:
+        env["NUMBA_CACHE_DIR"] = cache
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROBE], env=env, capture_output=True, text=True, check=True)
+    imported, *values = map(float, done.stdout.split())
+    prints, hashes = values[0::2], values[1::2]
+    return imported, hashes[0] / prints[0], sum(hashes) / sum(prints), max(prints)
 
 
 def synchronize(device: torch.device) -> None:
@@ -137,14 +145,21 @@ def main() -> int:
     if not hasattr(torch, "hash_tensor"):
         print("torch.hash_tensor needs torch>=2.8", file=sys.stderr)
         return 2
-    os.environ["DETRACE_FINGERPRINT_BACKEND"] = "compiled"
+    os.environ["DETRACE_FINGERPRINT_BACKEND"] = "auto"
     print(f"detrace fingerprint bench: torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
-          f"compiled kernels, median of {args.repeats} interleaved rounds")
-    if not args.no_startup:
-        cold, warm = startup_cost()
-        print(f"one-time start-up of the compiled kernels (first call in a fresh process, beyond a steady call): "
-              f"cold cache {cold:.1f} s, warm cache {warm:.1f} s")
+          f"default (auto) path, median of {args.repeats} interleaved rounds")
     figures: list[str] = []
+    if not args.no_startup:
+        with tempfile.TemporaryDirectory(prefix="detrace-numba-") as cache:
+            for label in ("cold", "warm"):
+                imported, first, five, longest = fresh_process(cache)
+                print(f"fresh process, {label} numba cache: import {imported:.2f} s, longest call {longest:.2f} s")
+                figures.append(f"fresh {label} fingerprint/hash_tensor float32 64MiB: first call {first:.2f}x, "
+                               f"five calls {five:.2f}x")
+    from detrace.digest_cpu import kernel
+
+    kernel.start()
+    kernel.row_sums(np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), np.zeros(8, np.uint64), 1, wait=None)
     measure(torch.device("cpu"), args.repeats, figures)
     print(per_core())
     print(small_tensors())

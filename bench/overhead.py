@@ -5,19 +5,25 @@ small transformer-style training step (dim 256, 8 layers, 16 experts, batch 16 x
 4 layers, batch 8 x 32 tokens) is the stress case, where thousands of sub-millisecond ops make the tracer's
 fixed cost per record show.
 
-All variants run in one process, interleaved (untraced, metrics, semantic, module, op, op outside its window,
-then again), so that machine noise hits them alike; each ratio is the median over repeats of
-(median traced step time / median untraced step time of the same repeat). "outside window" traces at the op
-rung with `steps="0"`, measured on later steps: the cost of rungs that are switched off.
+All variants run in one process, interleaved at step granularity: each round times one step of every variant,
+in a fresh random order, so that machine noise (which drifts over seconds) hits them alike. A round's ratio is
+(traced step time / untraced step time of the same round); each figure is the geometric mean of the rounds'
+ratios with its 95% confidence interval (Student's t on the log ratios), and the spread of the untraced step
+itself is printed too, so a reader can see whether the machine could resolve a few percent. Each variant's
+timed step is the second of a trace of its own: the first, untimed, pays what a trace costs once (the rank
+file, the hooks). "outside window" traces at the op rung with `steps="0"` and times step 1: the cost of rungs
+that are switched off.
 
-The last lines are the figures, one per line: `overhead RUNG: 1.004x`.
+The last lines are the figures, one per line: `overhead small op: 1.936x [1.90, 1.97]`.
 
-    python bench/overhead.py [--preset small] [--repeats 5] [--steps 3] [--warmup 1] [--threads 1]
+    python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import tempfile
 import time
@@ -58,25 +64,38 @@ def tracing(variant: str, out: Path) -> AbstractContextManager[object]:
     return detrace.trace(out, rung=variant)
 
 
-def time_steps(step: Callable[[], None], variant: str, out: Path, warmup: int, steps: int) -> float:
-    """Median seconds per step over `steps` steps after `warmup` (the window variant's step 0 is a warmup)."""
-    times = []
+def time_step(step: Callable[[], None], variant: str, out: Path) -> float:
+    """Seconds of the second step of `variant`: the first, untimed, takes what a trace costs once (opening its
+    rank file, installing hooks), and for the window variant it is step 0, inside its window."""
     with tracing(variant, out):
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            step()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        step()
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+
+# Student's t, two-sided 95%, by degrees of freedom (the normal 1.96 beyond 30)
+_T95 = (12.71, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the ratios and its 95% confidence interval."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.nan, math.nan
+    half = (_T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and repeat")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=20, help="timed steps per variant (one per round)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-round order of the variants")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
@@ -84,21 +103,29 @@ def main() -> None:
     assert isinstance(config, ModelConfig)
     batch, seq = int(preset["batch_size"]), int(preset["seq_len"])  # type: ignore[call-overload]
     step = make_step(config, batch, seq)
-    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS[1:]}
+    order = random.Random(args.seed)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            medians = {}
-            for variant in VARIANTS:
-                out = Path(tmp) / f"{repeat}-{variant.replace(' ', '-')}"
-                medians[variant] = time_steps(step, variant, out, args.warmup, args.steps)
-            for variant in VARIANTS[1:]:
-                ratios[variant].append(medians[variant] / medians["untraced"])
-            print(f"repeat {repeat}: untraced {medians['untraced'] * 1e3:.1f} ms/step; "
-                  + ", ".join(f"{v} {medians[v] * 1e3:.1f}" for v in VARIANTS[1:]), flush=True)
+        for round_ in range(args.warmup + args.rounds):
+            variants = list(VARIANTS)
+            order.shuffle(variants)
+            sample = {v: time_step(step, v, Path(tmp) / f"{round_}-{v.replace(' ', '-')}") for v in variants}
+            if round_ >= args.warmup:
+                for variant, seconds in sample.items():
+                    times[variant].append(seconds)
+                print(f"round {round_ - args.warmup}: " + ", ".join(f"{v} {sample[v] * 1e3:.1f} ms"
+                                                                    for v in VARIANTS), flush=True)
+    untraced = times["untraced"]
+    spread = statistics.stdev(untraced) / statistics.fmean(untraced) if len(untraced) > 1 else math.nan
     print(f"model: preset {args.preset}, HybridLM {config.pattern} dim {config.dim}, batch {batch}, seq {seq}, "
-          f"threads {args.threads}, {args.repeats} repeats x {args.steps} steps")
+          f"threads {args.threads}, {args.rounds} rounds")
+    print(f"untraced step: median {statistics.median(untraced) * 1e3:.1f} ms, min {min(untraced) * 1e3:.1f}, "
+          f"max {max(untraced) * 1e3:.1f}, relative standard deviation {spread:.1%}")
     for variant in VARIANTS[1:]:
-        print(f"overhead {args.preset} {variant}: {statistics.median(ratios[variant]):.3f}x")
+        ratios = [t / u for t, u in zip(times[variant], untraced, strict=True)]
+        mean, low, high = interval(ratios)
+        print(f"overhead {args.preset} {variant}: {mean:.3f}x [{low:.3f}, {high:.3f}] "
+              f"(rounds from {min(ratios):.3f} to {max(ratios):.3f})")
 
 
 if __name__ == "__main__":

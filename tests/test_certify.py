@@ -11,8 +11,8 @@ from _synthetic import SyntheticRun, rank_table, write_run, write_table
 
 from detrace.cli import main
 from detrace.compare import certify
-from detrace.compare.certify import recorded_steps, spans
-from detrace.tracefile import rank_path
+from detrace.compare.certify import recorded_steps
+from detrace.tracefile import footer_path, rank_path
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 
@@ -78,10 +78,13 @@ def test_collective_completing_after_its_window_ended(run: Path) -> None:
 
 def test_torn_tail_and_footer_mismatch(run: Path) -> None:
     path = rank_path(run, 0)
+    footer_path(run, 0).unlink()  # killed: no footer, a torn tail (a cut closed file is corruption: test_integrity)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     violations = certify(run).violations
     assert "rank 0: the trace ends in a torn batch (the process died while writing)" in violations
-    assert any(v.startswith("rank 0: the footer counts") for v in violations)
+    footer = json.loads(footer_path(run, 1).read_text())
+    footer_path(run, 1).write_text(json.dumps({**footer, "records": 5}))
+    assert any(v.startswith("rank 1: the footer counts 5 records, the file holds") for v in certify(run).violations)
 
 
 def test_parallel_workers_agree(tmp_path: Path) -> None:
@@ -109,6 +112,10 @@ def test_default_steps_are_the_recorded_windows(run: Path) -> None:
     assert certify(run).violations[0] == "rank 0: 2 expected steps missing (4-5)"
 
 
-def test_spans() -> None:
-    assert spans([7, 1, 2, 3, 5]) == "1-3,5,7"
-    assert spans([]) == ""
+def test_huge_expected_steps_cost_nothing(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """F1: the SPEC's ranges are never materialized (this took > 9 GB before)."""
+    result = certify(run, expected_steps="0-99999999999999999999", expected_ranks="0-1")
+    assert result.violations == [f"rank {r}: 99999999999999999996 expected steps missing (4-99999999999999999999)"
+                                 for r in (0, 1)]
+    assert main(["certify", str(run), "--expected-ranks", "0-30000000"]) == 1
+    assert "29999999 expected ranks have no trace file (2-30000000)" in capsys.readouterr().out

@@ -329,3 +329,52 @@ def test_a_checkpoint_with_other_parts_is_refused_before_anything_is_loaded(
     with pytest.raises(CheckpointError, match=message):
         other.load(tmp_path)
     assert all(map(torch.equal, before, other.model.parameters()))
+
+
+@pytest.mark.parametrize(("where", "message"), [
+    ("file", "is a file, not a directory"),
+    ("under", "cannot be created: {blocker} is a file"),
+    ("unwritable", "cannot be created: Operation not permitted"),
+])
+def test_an_unusable_checkpoint_directory_is_one_sentence(tmp_path: Path, where: str, message: str) -> None:
+    """F5: DETRACE_CKPT_DIR naming a file, a path under a file, or a place that cannot be written."""
+    blocker = tmp_path / "plain"
+    blocker.write_text("not a directory")
+    # /sys refuses every mkdir, even root's (the tests may run as root, to whom chmod forbids nothing)
+    root = {"file": blocker, "under": blocker / "ckpt", "unwritable": Path("/sys/detrace-ckpt")}[where]
+    with pytest.raises(CheckpointError) as caught:
+        make_state().save(root)
+    assert str(caught.value) == f"checkpoint directory {root} " + message.format(blocker=blocker)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("tensors", None, "field 'tensors' must be an object"),
+    ("step", "one", "field 'step' must be a non-negative integer"),
+    ("world_size", "x", "field 'world_size' must be a positive integer"),
+    ("files", [1], "field 'files' must be an object"),
+    ("tensors", {"model.0.weight": [{"offsets": "x"}]}, "the chunks of tensor 'model.0.weight' must be"),
+])
+def test_a_manifest_of_wrong_types_is_refused_by_verify_and_load_alike(
+        tmp_path: Path, field: str, value: object, words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """F6: verify refuses what load refuses, in one sentence (it was an AttributeError, or passed verify)."""
+    state = make_state()
+    version = state.save(tmp_path / "ckpt")
+    manifest = version / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), field: value}))
+    assert detrace(["verify-checkpoint", str(version)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"detrace verify-checkpoint: error: {manifest} is malformed: {words}" + err.split(words)[1]
+    assert err.count("\n") == 1
+    with pytest.raises(CheckpointError, match="is malformed"):
+        make_state().load(tmp_path / "ckpt")
+
+
+def test_the_docs_state_what_the_distcp_files_hold(tmp_path: Path) -> None:
+    """m7: "pickle-free" was not exact: each .distcp holds torch.save records (with a small data.pkl) that are
+    read only with the restricted unpickler. The docs now say exactly that, and it is what the files hold."""
+    version = make_state().save(tmp_path / "ckpt")
+    (shard,) = version.glob("*.distcp")
+    assert b"data.pkl" in shard.read_bytes() and b"PK\x03\x04" in shard.read_bytes()  # torch.save zip records
+    docs = (Path(__file__).parents[1] / "docs" / "resume.md").read_text()
+    assert "each `.distcp` file holds `torch.save` records" in docs and "restricted unpickler" in docs
+    assert "nothing is written or read with pickle" not in docs

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +50,28 @@ def test_python_dash_m_and_version() -> None:
     done = subprocess.run([sys.executable, "-m", "detrace", "--version"], capture_output=True, text=True, check=False)
     assert done.returncode == 0
     assert done.stdout.startswith("detrace ")
+
+
+def _into_closed_pipe(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m detrace ARGV` with stdout a pipe whose reader has already gone (as `| head -c 1` ends)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "detrace", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    finally:
+        os.close(write)
+
+
+def test_a_closed_pipe_stops_quietly_and_keeps_the_verdict(tmp_path: Path) -> None:
+    """F2: `detrace diff A A2 --json | head -c 1` and `detrace --help | head -1`."""
+    from _synthetic import SyntheticRun, write_run
+
+    run = SyntheticRun(ranks=1, steps=2, ops=2)
+    write_run(tmp_path / "a", run)
+    write_run(tmp_path / "a2", run)
+    for argv, code in ((["diff", str(tmp_path / "a"), str(tmp_path / "a2"), "--json"], 0),
+                       (["diff", str(tmp_path / "a"), str(tmp_path / "a2")], 0), (["--help"], 0),
+                       (["certify", str(tmp_path / "a")], 0), (["diff", "--help"], 0)):
+        done = _into_closed_pipe(*argv)
+        assert (done.returncode, done.stderr) == (code, ""), argv

@@ -118,3 +118,18 @@ def test_bad_input_is_one_sentence(steady: dict[str, Path], extra: list[str], me
 def test_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), str(tmp_path / "z")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_an_incomparable_candidate_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """m3: a 2-rank candidate against 1-rank baselines was called "real" (exit 1) while saying "not comparable"."""
+    from _synthetic import SyntheticRun, write_run
+
+    write_run(tmp_path / "a", SyntheticRun(ranks=1, steps=3, ops=2))
+    write_run(tmp_path / "b", SyntheticRun(ranks=1, steps=3, ops=2))
+    write_run(tmp_path / "c", SyntheticRun(ranks=2, steps=3, ops=2))
+    for argv in ([], ["--json"]):
+        assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert f"{tmp_path / 'c'} cannot be compared with {tmp_path / 'a'}" in captured.err
+        assert "world size 1" in captured.err

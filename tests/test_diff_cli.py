@@ -107,7 +107,7 @@ def test_other_schema_version_exits_2_naming_it(runs: tuple[Path, Path, Path], t
     with pa.ipc.new_file(str(rank_path(old, 0)), schema) as writer:
         writer.write_table(schema.empty_table())
     assert main(["diff", str(a), str(old)]) == 2
-    assert "has trace schema 'detrace.trace/0'" in one_error_line(capsys.readouterr().err)
+    assert "in trace format detrace.trace/0" in one_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "file", "garbage"])

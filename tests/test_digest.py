@@ -52,7 +52,7 @@ def hash_tensor(t: torch.Tensor) -> int:
     return torch.hash_tensor(t).view(torch.int64).item() & ((1 << 64) - 1)
 
 
-@pytest.fixture(params=["eager", "auto"])
+@pytest.fixture(params=["eager", "auto", "numba"])
 def backend(request, monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, request.param)
     return request.param
@@ -186,12 +186,36 @@ def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
         fingerprint(t)
     monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
     monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)  # auto now wants compiled kernels
+    monkeypatch.setattr(dg.cpu_kernel, "failed", "numba is not installed")  # else auto never compiles on CPU
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fp = fingerprint(t)
     assert fp == reference_fingerprint(t)
     assert any("compiled fingerprint kernels are unavailable" in str(w.message) for w in caught)
+
+
+def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
+    """Item 8: the default path hashes with numba's cached kernel, never compiles (4-50 s pauses before)."""
+    def no_compile(*args, **kwargs):
+        raise AssertionError("auto compiled a kernel on the CPU")
+
+    monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
+    monkeypatch.setattr(torch, "compile", no_compile)
+    monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
+    dg.cpu_kernel.row_sums(np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), np.zeros(8, np.uint64), 1,
+                           wait=None)  # loaded (a fresh process waits at most a second, then uses NumPy)
+    loaded, calls = dg.cpu_kernel.fn, []
+
+    def counting(*args):
+        calls.append(args[4:])  # the rows each call hashes
+        return loaded(*args)
+
+    monkeypatch.setattr(dg.cpu_kernel, "fn", counting)
+    assert fingerprint(t) == reference_fingerprint(t)
+    assert calls  # the numba kernel did the work
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):

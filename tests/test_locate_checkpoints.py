@@ -52,10 +52,9 @@ def test_checkpoint_every_keeps_every_version_and_resume_from_picks_one(
     assert len([p for p in ckpt.iterdir() if p.name.startswith("step-")]) == 3
 
 
-@pytest.mark.parametrize(("value", "message"), [("0", "DETRACE_CKPT_EVERY must be a positive number of steps"),
-                                                ("often", "DETRACE_CKPT_EVERY must be a step number, not 'often'"),
-                                                ("-2", "DETRACE_CKPT_EVERY must be a step number, not '-2'")])
-def test_checkpoint_every_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, message: str) -> None:
+@pytest.mark.parametrize("value", ["0", "often", "-2"])
+def test_checkpoint_every_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    message = f"DETRACE_CKPT_EVERY must be a step number of at least 1, not '{value}'"
     monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
     monkeypatch.setenv("DETRACE_CKPT_EVERY", value)
     with pytest.raises(UsageError, match=message):

@@ -406,3 +406,55 @@ def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path, free_port: Call
             sequences.append([(r["step"], r["name"], r["occurrence"], r["role"], r["extra"], r["collectives"],
                                r["digest"]) for r in buckets])
         assert sequences[0] == sequences[1]
+
+
+def test_an_uncapturable_argument_never_breaks_the_program(tmp_path: Path) -> None:
+    """F8: a torch.Generator cannot be captured; the program still runs to its end and the run says why."""
+    code = ("import torch; g = torch.Generator().manual_seed(1); x = torch.randn(3, generator=g); "
+            "print('went on', tuple(x.shape))")
+    result = run_traced([PY, "-c", code], tmp_path / "run", rung="op", capture="name=aten.randn.generator",
+                        quiet=True, timeout=120)
+    assert result.returncode == 0 and "went on (3,)" in result.output_tail
+    assert "cannot capture aten.randn.generator" in result.output_tail
+    (note,) = (tmp_path / "run" / "capture").glob("*.impossible.json")
+    recorded = json.loads(note.read_text())
+    assert recorded["op"] == "aten.randn.generator" and "Generator" in recorded["reason"]
+    assert not list((tmp_path / "run" / "capture").glob("*.safetensors"))
+
+
+def test_a_failed_start_leaves_the_directory_usable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """m1: `detrace run --out r -- /nonexistent/cmd` left run.json saying "running", and r was then refused."""
+    out = tmp_path / "r"
+    assert cli(["run", "--out", str(out), "--", str(tmp_path / "nonexistent")]) == 2
+    assert "command not found" in capsys.readouterr().err
+    assert not (out / "run.json").exists()
+    assert cli(["run", "--out", str(out), "--", PY, "-c", "pass"]) == 0
+
+
+_STEP0 = """
+import os, sys, time, torch
+x = torch.zeros(4)
+for _ in range(4500):  # ~9,000 op records, all in step 0 (no optimizer step ever ends it)
+    x = x + 1
+with open(sys.argv[1], "w") as handle:
+    handle.write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_in_step_0_of_one_process_keeps_its_flushed_batches(tmp_path: Path) -> None:
+    """F4: the flush every 4096 records holds from the first record; m4: CMD's SIGKILL is exit code 137."""
+    script, ready = tmp_path / "step0.py", tmp_path / "pid"
+    script.write_text(_STEP0)
+    launcher = subprocess.Popen([PY, "-m", "detrace", "run", "--rung", "op", "--out", str(tmp_path / "run"), "--",
+                                 PY, str(script), str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not ready.exists() or not ready.read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline, "the traced script did not get ready"
+        time.sleep(0.2)
+    os.kill(int(ready.read_text()), signal.SIGKILL)
+    assert launcher.wait(timeout=120) == 137
+    trace = read_rank(tmp_path / "run", 0)
+    assert trace.table.num_rows >= 9000 - 4096 and not trace.complete  # all but what came after the last flush
+    assert set(trace.table.column("step").to_pylist()) == {0}

@@ -264,11 +264,25 @@ def test_environment_contract_errors(monkeypatch: pytest.MonkeyPatch, variables:
 def test_stop_at_must_be_a_number_and_needs_a_directory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DETRACE_CKPT_DIR", raising=False)
     monkeypatch.setenv("DETRACE_STOP_AT", "ten")
-    with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number, not 'ten'"):
+    with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number of at least 1, not 'ten'"):
         _state().end_of_step(1)
     monkeypatch.setenv("DETRACE_STOP_AT", "1")
     with pytest.raises(UsageError, match="DETRACE_CKPT_DIR must name the checkpoint directory"):
         _state().end_of_step(1)
+
+
+@pytest.mark.parametrize("value", ["ten", "0", "-3", "2.5"])
+def test_stop_at_is_validated_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, value: str) -> None:
+    """m5: a bad DETRACE_STOP_AT was refused only after step 1 had run; the start refuses it now."""
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.delenv("DETRACE_RESUME", raising=False)
+    monkeypatch.setenv("DETRACE_STOP_AT", value)
+    with pytest.raises(UsageError, match=f"DETRACE_STOP_AT must be a step number of at least 1, not '{value}'"):
+        _state().resume_if_requested()
+    monkeypatch.setenv("DETRACE_STOP_AT", "4")
+    monkeypatch.delenv("DETRACE_CKPT_DIR")
+    with pytest.raises(UsageError, match="DETRACE_CKPT_DIR must name the checkpoint directory"):
+        _state().resume_if_requested()
 
 
 def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,3 +172,30 @@ def test_bad_captures(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot capture"):
         save_capture(tmp_path / "x.safetensors", op="aten.add.Tensor", args=[object()], kwargs={}, outputs=[],
                      meta={})
+
+
+@pytest.mark.parametrize(("which", "content", "words"), [
+    ("run.json", [1], "holds a JSON list, not an object"),
+    ("run.json", {"world_size": "x"}, "field 'world_size' must be an integer of at least 1, not \"x\""),
+    ("run.json", {"windows": {"steps": 3}}, "field 'steps' must be a SPEC or an object of SPECs per rung"),
+    ("run.json", {"ranks": "1-"}, "field 'ranks': malformed SPEC"),
+    ("footer", [1], "holds a JSON list, not an object"),
+    ("footer", {"records": "many"}, "field 'records' must be an integer of at least 0"),
+    ("footer", {"groups": "0,1"}, "field 'groups' must be a list of strings"),
+])
+def test_metadata_of_wrong_types_is_one_sentence_everywhere(tmp_path: Path, which: str, content: object,
+                                                            words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """F7: run.json and the footer are validated in one place; diff, certify and report say so in one sentence."""
+    from detrace.cli import main
+
+    write(tmp_path / "run", 0, 8)
+    write(tmp_path / "run", 1, 8)
+    path = tmp_path / "run" / "run.json" if which == "run.json" else footer_path(tmp_path / "run", 1)
+    if isinstance(content, dict) and which == "footer":
+        content = {**json.loads(path.read_text()), **content}
+    path.write_text(json.dumps(content))
+    for argv in (["diff", str(tmp_path / "run"), str(tmp_path / "run")], ["certify", str(tmp_path / "run")],
+                 ["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err and words in err, (argv, err)

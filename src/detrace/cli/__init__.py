@@ -7,8 +7,10 @@ no traceback reaches the user for anything they can fix.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 from detrace.errors import DetraceError
 
@@ -65,6 +67,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _PipeGuard:
+    """stdout that goes quiet once its reader has gone (`detrace diff A B --json | head -c 1`): the Unix convention
+    is to stop writing without a word, and the command still ends with its verdict's exit code."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._discard()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._discard()
+
+    def _discard(self) -> None:
+        # What is still buffered, and everything after, goes to /dev/null: flushing it at exit cannot fail.
+        self._gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    sys.stdout = _PipeGuard(sys.stdout)  # type: ignore[assignment]
+    try:
+        code = main()
+    finally:
+        sys.stdout.flush()  # here, guarded: not at interpreter exit, where a closed pipe would print a traceback
+    sys.exit(code)

@@ -14,6 +14,9 @@ The verdict is "real" when the candidate is beyond the noise at most of the step
 Two baselines give one sample of the spread per step, so a single step beyond it proves little; a majority of
 steps is much harder for noise alone to reach. The trace says where the change first shows: the first
 divergence of CANDIDATE from BASE_A, against the first divergence between the baselines.
+
+Exit codes: 0 identical or noise, 1 real, 2 when a run cannot be compared with BASE_A record by record (other
+world size, rung or windows): metrics of such runs say nothing about the change.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from detrace.cli._args import ArgumentParser
-from detrace.compare import DiffResult, diff
-from detrace.errors import TraceError, UsageError
+from detrace.compare import diff
+from detrace.errors import IncomparableError, TraceError, UsageError
 from detrace.report.html import metric_rank, metric_series
 from detrace.tracefile import open_run
 
@@ -77,17 +80,9 @@ def compare_metric(name: str, a: dict[int, float], b: dict[int, float], c: dict[
                             first_beyond=beyond[0]["step"] if beyond else None)
 
 
-def _first(result: DiffResult) -> dict[str, Any] | None:
-    if result.verdict == "incomparable":
-        return {"incomparable": result.reason}
-    return result.first.to_json() if result.first else None
-
-
 def _describe(first: dict[str, Any] | None) -> str:
     if first is None:
         return "identical"
-    if "incomparable" in first:
-        return f"not comparable ({first['incomparable']})"
     return (f"step {first['step']}, rank {first['rank']}: {first['phase']} {first['name']}"
             + (f" in {first['module']}" if first.get("module") else ""))
 
@@ -120,11 +115,15 @@ def main(argv: list[str]) -> int:
     names = sorted(series[0].keys() & series[1].keys() & series[2].keys())
     if not names:
         raise TraceError(f"the three runs share no metric on rank {rank}")
+    diffs = {"baselines": (args.base_b, diff(args.base_a, args.base_b)),
+             "candidate": (args.candidate, diff(args.base_a, args.candidate))}
+    for other, result in diffs.values():  # metrics of runs that cannot be compared record by record mean nothing
+        if result.verdict == "incomparable":
+            raise IncomparableError(f"{other} cannot be compared with {args.base_a}: {result.reason}")
+    trace = {what: result.first.to_json() if result.first else None for what, (_, result) in diffs.items()}
     metrics = [compare_metric(n, *(s[n] for s in series), args.factor) for n in names]
     verdicts = {m.verdict for m in metrics}
     verdict = "real" if "real" in verdicts else "noise" if "noise" in verdicts else "identical"
-    trace = {"baselines": _first(diff(args.base_a, args.base_b)),
-             "candidate": _first(diff(args.base_a, args.candidate))}
     payload = {"schema": SCHEMA, "verdict": verdict, "rank": rank, "factor": args.factor,
                "metrics": [m.to_json() for m in metrics], "trace": trace}
     if args.json:

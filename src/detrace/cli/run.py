@@ -3,7 +3,7 @@
     detrace run [--out DIR] [--rung metrics|semantic|module|op] [--steps SPEC] [--ranks SPEC] [--max-numel N]
                 [--force] [--capture SELECTOR] [--timeout SECONDS] [--guard N[:warn]] -- CMD...
 
-Exits with CMD's exit code.
+Exits with CMD's exit code; 128+N when CMD was killed by signal N (the shell's convention: SIGKILL -> 137).
 """
 
 from __future__ import annotations
@@ -57,4 +57,4 @@ def main(argv: list[str]) -> int:
                         max_numel=args.max_numel, capture=args.capture, force=args.force, timeout=args.timeout,
                         env=env)
     print(f"detrace run: {describe(result)}", file=sys.stderr)
-    return result.returncode
+    return 128 - result.returncode if result.returncode < 0 else result.returncode

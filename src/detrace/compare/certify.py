@@ -4,12 +4,15 @@
 - every expected step is present on every expected rank;
 - sequence numbers are dense from 0 (no record lost or duplicated);
 - no collective or send/recv is left incomplete at the end of a window: an input record without its output
-  (the window closed between issue and completion, or the rank died inside the call).
+  (the window closed between issue and completion, or the rank died inside the call);
+- every record batch matches its checksum and the chain sealed in the footer (no corrupted byte), and a closed
+  rank file still ends in the Arrow file footer that Arrow's file readers need.
 Ranks are checked in parallel, each streamed batch by batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,8 @@ import pyarrow.compute as pc
 from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
 from detrace.tracefile import iter_batches, open_run, rank_path
-from detrace.tracefile.reader import read_footer
-from detrace.windows import parse_window
+from detrace.tracefile.reader import CorruptTrace, read_footer
+from detrace.windows import Members, describe_runs, parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
 
@@ -32,10 +35,10 @@ class CertifyResult:
     """What certify checked and every violation it found (one sentence each)."""
 
     run: str
-    ranks: list[int]
+    ranks: Sequence[int]
     """The expected ranks."""
-    steps: list[int]
-    """The expected steps."""
+    steps: Sequence[int]
+    """The expected steps (a window's members: never materialized, however large the SPEC's ranges)."""
     records: int
     violations: list[str] = field(default_factory=list)
 
@@ -50,27 +53,24 @@ class _RankFacts:
     records: int
     steps: frozenset[int]
     violations: list[str]
-
-
-def spans(values: list[int]) -> str:
-    """[1, 2, 3, 7] -> "1-3,7" (in the SPEC grammar)."""
-    parts: list[str] = []
-    start = prev = None
-    for value in [*sorted(values), None]:
-        # mypy, ignored below: prev is set whenever start is
-        if start is not None and (value is None or value != prev + 1):  # type: ignore[operator]
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-            start = None
-        if value is not None and start is None:
-            start = value
-        prev = value
-    return ",".join(parts)
+    corrupt: bool = False
+    """The rank file is corrupted: what follows the corrupted batch is unknown, so nothing is said about it."""
 
 
 def _open_call(row: dict[str, Any]) -> str:
     group = f" group {row['group']}" if row["group"] else ""
     peer = f" peer {row['peer']}" if row["peer"] is not None else ""
     return f"{row['name']}#{row['group_seq']}{group}{peer} (seq {row['event']}, step {row['step']})"
+
+
+def _arrow_file_intact(path: Path) -> bool:
+    """Whether a closed rank file still ends in its Arrow IPC file footer (what file readers need)."""
+    try:
+        with pa.OSFile(str(path), "rb") as handle:
+            pa.ipc.open_file(handle)
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return True
 
 
 def check_rank(task: tuple[str, int]) -> _RankFacts:
@@ -84,31 +84,38 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
     seq_faults = 0
     records = 0
     open_calls: dict[int, dict[str, Any]] = {}  # event -> its input record, until its output arrives
-    for batch in stream:
-        if not batch.num_rows:
-            continue
-        seqs = batch.column("seq").to_numpy()
-        batch_steps = batch.column("step").to_numpy()
-        previous = np.concatenate(([expected_seq - 1], seqs[:-1]))
-        bad = np.flatnonzero(seqs != previous + 1)
-        if bad.size:
-            if not seq_faults:
-                i = int(bad[0])
-                violations.append(f"rank {rank}: seq is not dense: expected {previous[i] + 1}, found {seqs[i]} "
-                                  f"at step {batch_steps[i]}")
-            seq_faults += int(bad.size)
-        expected_seq = int(seqs[-1]) + 1
-        records += batch.num_rows
-        steps.update(np.unique(batch_steps).tolist())
-        calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
-        for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
-            if row["role"] in INPUT_ROLES:
-                open_calls.setdefault(row["event"], row)
+    corrupt = False
+    try:
+        for batch in stream:
+            if not batch.num_rows:
                 continue
-            opened = open_calls.pop(row["event"], None)
-            if opened is not None and any(s not in steps for s in range(opened["step"], row["step"])):
-                violations.append(f"rank {rank}: {_open_call(opened)} completed only at step {row['step']}, "
-                                  f"after its step window ended")
+            seqs = batch.column("seq").to_numpy()
+            batch_steps = batch.column("step").to_numpy()
+            previous = np.concatenate(([expected_seq - 1], seqs[:-1]))
+            bad = np.flatnonzero(seqs != previous + 1)
+            if bad.size:
+                if not seq_faults:
+                    i = int(bad[0])
+                    violations.append(f"rank {rank}: seq is not dense: expected {previous[i] + 1}, "
+                                      f"found {seqs[i]} at step {batch_steps[i]}")
+                seq_faults += int(bad.size)
+            expected_seq = int(seqs[-1]) + 1
+            records += batch.num_rows
+            steps.update(np.unique(batch_steps).tolist())
+            calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
+            for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
+                if row["role"] in INPUT_ROLES:
+                    open_calls.setdefault(row["event"], row)
+                    continue
+                opened = open_calls.pop(row["event"], None)
+                if opened is not None and any(s not in steps for s in range(opened["step"], row["step"])):
+                    violations.append(f"rank {rank}: {_open_call(opened)} completed only at step {row['step']}, "
+                                      f"after its step window ended")
+    except CorruptTrace as err:
+        violations.append(f"rank {rank}: {err}")
+        corrupt = True
+    if corrupt:  # what follows the corrupted batch is unknown: counting it would only add noise
+        return _RankFacts(rank, records, frozenset(steps), violations, corrupt=True)
     violations += [f"rank {rank}: {_open_call(row)} has its input but no output" for row in open_calls.values()]
     if seq_faults > 1:
         violations.append(f"rank {rank}: the seq order breaks {seq_faults} times in all")
@@ -118,6 +125,10 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
     elif footer.get("records") is not None and footer["records"] != records:
         violations.append(f"rank {rank}: the footer counts {footer['records']} records, the file holds {records}")
+    elif not _arrow_file_intact(stream.path):
+        violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
+                          "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
+                          "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
     return _RankFacts(rank, records, frozenset(steps), violations)
 
 
@@ -137,18 +148,22 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     info = open_run(run)
     rank_window = parse_window(expected_ranks or str(info.header.get("ranks", "all")))
     step_window = parse_window(expected_steps or recorded_steps(info.header))
-    ranks = rank_window.expand(info.world_size) if not rank_window.bounded else rank_window.expand()
-    present = [r for r in ranks if r in info.ranks]
+    ranks = Members(rank_window, None if rank_window.bounded else info.world_size)
+    present = [r for r in info.ranks if r in ranks]
     if workers is None:
         workers = default_workers(len(present), sum(rank_path(run, r).stat().st_size for r in present))
     facts = map_ranks(check_rank, [(str(run), r) for r in present], workers=workers)
     last = max((max(f.steps) for f in facts if f.steps), default=-1)
-    steps = step_window.expand() if step_window.bounded else step_window.expand(last + 1)
-    violations = [f"rank {r}: no trace file" for r in ranks if r not in info.ranks]
+    steps = Members(step_window, None if step_window.bounded else last + 1)
+    absent, runs = rank_window.missing(info.ranks, ranks.upto)
+    if absent <= 8 and absent == sum(hi - lo + 1 for lo, hi in runs):  # a few: one sentence each
+        violations = [f"rank {r}: no trace file" for lo, hi in runs for r in range(lo, hi + 1)]
+    else:
+        violations = [f"{absent} expected ranks have no trace file ({describe_runs(absent, runs)})"]
     for fact in facts:
-        missing = [s for s in steps if s not in fact.steps]
-        if missing:
-            violations.append(f"rank {fact.rank}: {len(missing)} expected steps missing ({spans(missing)})")
+        missing, runs = step_window.missing(fact.steps, steps.upto)
+        if missing and not fact.corrupt:
+            violations.append(f"rank {fact.rank}: {missing} expected steps missing ({describe_runs(missing, runs)})")
         violations += fact.violations
     return CertifyResult(run=str(run), ranks=ranks, steps=steps, records=sum(f.records for f in facts),
                          violations=violations)

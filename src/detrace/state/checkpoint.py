@@ -79,7 +79,7 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
     rank, world = dist.rank_and_world()
-    root.mkdir(parents=True, exist_ok=True)
+    dist.together(lambda: _prepare_root(root))
     if rank == 0:
         _remove_stale(root)
     dist.barrier()  # no rank picks a name while rank 0 may still be removing stale directories
@@ -247,6 +247,21 @@ def _commit(root: Path, tmp: Path, name: str, *, step: int, world: int, keep: in
     os.replace(pointer, root / LATEST_FILE)
     _fsync_dir(root)
     _remove_old(root, current=name, keep=keep)
+
+
+def _prepare_root(root: Path) -> None:
+    """Create the checkpoint root, or say in one sentence why it cannot be one (before any rank writes)."""
+    blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == root:
+        raise CheckpointError(f"checkpoint directory {root} is a file, not a directory")
+    if blocker is not None:
+        raise CheckpointError(f"checkpoint directory {root} cannot be created: {blocker} is a file")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CheckpointError(f"checkpoint directory {root} cannot be created: {err.strerror or err}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint directory {root} is not writable")
 
 
 def _free_name(root: Path, step: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,58 @@ def read(directory: Path) -> dict[str, Any]:
         )
     if schema != SCHEMA:
         raise CheckpointError(f"{directory / MANIFEST_FILE} is not a detrace checkpoint manifest ({SCHEMA})")
-    return manifest
+    return Manifest.from_json(manifest, directory / MANIFEST_FILE).raw
+
+
+def _is_int(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """A checkpoint's manifest, validated against its schema: what verify and load both rely on."""
+
+    step: int
+    """Completed optimizer steps at save time."""
+    world_size: int
+    """Ranks that saved it."""
+    files: dict[str, str]
+    """JSON file name -> SHA-256."""
+    tensors: dict[str, list[dict[str, Any]]]
+    """Tensor name -> its chunks: offsets, digest, dtype, shape, numel."""
+    raw: dict[str, Any] = field(repr=False)
+    """The document as read (validated)."""
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], source: Path) -> Manifest:
+        """Validate a parsed manifest; raises CheckpointError naming `source` and the field."""
+
+        def fail(what: str, wanted: str) -> CheckpointError:
+            return CheckpointError(f"{source} is malformed: {what} must be {wanted}")
+
+        if not _is_int(raw.get("step")):
+            raise fail("field 'step'", "a non-negative integer")
+        if not _is_int(raw.get("world_size"), 1):
+            raise fail("field 'world_size'", "a positive integer")
+        files = raw.get("files")
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise fail("field 'files'", "an object mapping file names to SHA-256 digests")
+        tensors = raw.get("tensors")
+        if not isinstance(tensors, dict):
+            raise fail("field 'tensors'", "an object mapping tensor names to lists of chunks")
+        for name, entries in tensors.items():
+            if not isinstance(entries, list) or not all(_chunk_entry(e) for e in entries):
+                raise fail(f"the chunks of tensor {name!r}", "objects with offsets, digest, dtype, shape and numel")
+        return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors, raw=raw)
+
+
+def _chunk_entry(entry: object) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    dims = [entry.get("offsets"), entry.get("shape")]
+    return (all(isinstance(d, list) and all(_is_int(v) for v in d) for d in dims)
+            and isinstance(entry.get("digest"), str) and isinstance(entry.get("dtype"), str)
+            and _is_int(entry.get("numel")))
 
 
 def verify(directory: Path, *, collective: bool) -> dict[str, Any]:

@@ -144,7 +144,8 @@ def stored_chunks(directory: Path) -> list[StoredChunk]:
 
 
 def load_chunk(directory: Path, chunk: StoredChunk) -> torch.Tensor:
-    """The tensor stored as `chunk`, read straight from its file (`weights_only`, never pickle)."""
+    """The tensor stored as `chunk`, read straight from its file: a `torch.save` record, read only with torch's
+    restricted unpickler (`weights_only=True`), never the general one."""
     path = directory / chunk.file
     if Path(chunk.file).name != chunk.file:
         raise CheckpointError(f"{directory / METADATA_FILE} points outside the checkpoint ({chunk.file!r})")

@@ -112,6 +112,9 @@ class TrainState:
         if control is not None and control not in CONTROLS:
             known = ", ".join(CONTROLS)
             raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+        # A bad DETRACE_STOP_AT or DETRACE_CKPT_EVERY is refused now, not after the first step has run.
+        if _step_variable(ENV_STOP_AT) is not None or _step_variable(ENV_CKPT_EVERY) is not None:
+            _checkpoint_dir()
         source = os.environ.get(ENV_RESUME_FROM)
         if source:
             return self._load(Path(source), control=control)
@@ -125,8 +128,6 @@ class TrainState:
         self.step = step
         stop = _step_variable(ENV_STOP_AT)
         every = _step_variable(ENV_CKPT_EVERY)
-        if every == 0:
-            raise UsageError(f"{ENV_CKPT_EVERY} must be a positive number of steps, not 0")
         periodic = every is not None and step % every == 0
         if step == stop or periodic:
             # Periodic checkpoints keep every version: a later run may resume from any of them (detrace
@@ -256,17 +257,13 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
 
 
 def _step_variable(name: str) -> int | None:
-    """A step count from the environment variable `name`, or None when it is unset or empty."""
-    value = os.environ.get(name)
-    if not value:
+    """A step count of at least 1 from the environment variable `name`, or None when it is unset or empty."""
+    text = os.environ.get(name)
+    if not text:
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise UsageError(f"{name} must be a step number, not {value!r}") from None
-    if number < 0:
-        raise UsageError(f"{name} must be a step number, not {value!r}")
-    return number
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
+    return int(text)
 
 
 def _checkpoint_dir() -> Path:

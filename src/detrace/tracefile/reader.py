@@ -1,12 +1,17 @@
-"""Reading traces back, tolerating the torn tail of a rank that was killed mid-write.
+"""Reading traces back, tolerating the torn tail of a rank that was killed mid-write, refusing corruption.
 
 A rank file that was closed cleanly is a standard Arrow IPC file. A rank killed mid-run has no file footer and
 may end in a half-written batch: we read the file as an IPC stream after its 8-byte magic, keep every complete
 batch, and report the torn tail (which rank, last complete step) instead of raising.
+
+Every batch is checked against its seal (tracefile.integrity) before anyone sees it. A batch that fails, or a
+closed rank whose file no longer matches its footer, raises CorruptTrace naming the file, the batch and its
+records: no analysis ever runs on corrupted records, so none can blame an op for a flipped bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -17,16 +22,32 @@ from typing import Any
 import pyarrow as pa
 
 from detrace.errors import TraceError
+from detrace.tracefile.integrity import chain_start, chain_text, verify
 from detrace.tracefile.layout import footer_path, rank_path, run_header_path
-from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION
+from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
+from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
 from detrace.windows import parse_window
 
 _MAGIC = b"ARROW1\x00\x00"
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 
 
+class CorruptTrace(TraceError):
+    """A rank file whose bytes no longer match the checksums written with them."""
+
+
+def load_footer(path: Path) -> RankFooter | None:
+    """The validated footer at `path`, or None when the rank never closed its trace."""
+    try:
+        raw = load_json(path, "rank footer")
+    except FileNotFoundError:
+        return None
+    return RankFooter.from_json(raw, f"rank footer {path}")
+
+
 class BatchStream:
-    """Iterates the complete record batches of one rank file; `torn` and `detail` are set once exhausted."""
+    """Iterates the complete, verified record batches of one rank file; `torn` and `detail` are set once
+    exhausted. Raises CorruptTrace, when it reaches it, for a batch whose seal does not hold."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -48,30 +69,60 @@ class BatchStream:
         except (pa.ArrowInvalid, OSError):
             self._file.close()
             raise TraceError(f"{self.path} is truncated before its schema: no record survived") from None
-        metadata = self._reader.schema.metadata or {}
-        version = metadata.get(b"detrace.schema", b"").decode()
-        if version != SCHEMA_VERSION:
-            raise TraceError(f"{self.path} has trace schema {version or 'none'!r}; this detrace reads {SCHEMA_VERSION}")
-        if not self._reader.schema.remove_metadata().equals(ARROW_SCHEMA):
-            raise TraceError(f"{self.path} has columns that differ from schema {SCHEMA_VERSION}")
-        self.header: dict[str, Any] = json.loads(metadata.get(b"detrace.header", b"{}"))
+        try:
+            metadata = self._reader.schema.metadata or {}
+            version = metadata.get(b"detrace.schema", b"").decode(errors="replace")
+            if version != SCHEMA_VERSION:
+                raise TraceError(format_refusal(self.path, version or None))
+            if not self._reader.schema.remove_metadata().equals(ARROW_SCHEMA):
+                raise TraceError(f"{self.path} has columns that differ from schema {SCHEMA_VERSION}")
+            text = metadata.get(b"detrace.header", b"")
+            try:
+                raw = json.loads(text)
+            except ValueError:
+                raise CorruptTrace(f"{self.path} is corrupted: its header is not JSON") from None
+            self.header: dict[str, Any] = RunHeader.from_json(raw, f"the header of {self.path}").raw
+            self.footer = load_footer(self.path.with_suffix(".json"))
+        except BaseException:
+            self._file.close()
+            raise
+        self._chain = chain_start(text)
 
     def close(self) -> None:
         """Release the file (iterating to the end also does)."""
         self._file.close()
 
+    def _corrupt(self, index: int, first: int, rows: int | None, reason: str) -> CorruptTrace:
+        self._file.close()
+        records = f"records {first}-{first + rows - 1}" if rows else f"records from {first} on"
+        return CorruptTrace(f"{self.path.name} in {self.path.parent} is corrupted in batch {index} ({records}): "
+                            f"{reason}; detrace does not compare, locate or report a corrupted trace")
+
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        index = position = 0
         while True:
             try:
-                batch = self._reader.read_next_batch()
+                batch, metadata = self._reader.read_next_batch_with_custom_metadata()
             except StopIteration:
                 break
             except (pa.ArrowInvalid, OSError) as err:
+                if self.footer is not None:  # a rank that closed cleanly has no torn tail
+                    raise self._corrupt(index, position, None, f"it cannot be decoded ({err})") from None
                 self.torn = True
                 self.detail = f"torn tail: {err}"
                 break
+            try:
+                self._chain = verify(batch, metadata, index, self._chain)
+            except ValueError as reason:
+                raise self._corrupt(index, position, batch.num_rows, str(reason)) from None
+            index += 1
+            position += batch.num_rows
             yield batch
         self._file.close()
+        footer = self.footer
+        if footer is not None and (footer.batches, footer.chain) != (index, chain_text(self._chain)):
+            raise self._corrupt(index, position, None, f"its footer seals {footer.batches} batches, the file "
+                                "holds these only up to here (batches were cut or replaced)")
 
 
 def iter_batches(path: str | Path) -> BatchStream:
@@ -111,13 +162,9 @@ class RankTrace:
 
 
 def read_footer(run_dir: str | Path, rank: int) -> dict[str, Any] | None:
-    path = footer_path(run_dir, rank)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise TraceError(f"rank footer {path} is unreadable: {err}") from None
+    """The validated footer of one rank as an object, or None when the rank never closed its trace."""
+    footer = load_footer(footer_path(run_dir, rank))
+    return None if footer is None else footer.raw
 
 
 def read_rank(run_dir: str | Path, rank: int) -> RankTrace:
@@ -126,7 +173,8 @@ def read_rank(run_dir: str | Path, rank: int) -> RankTrace:
     stream = BatchStream(path)
     batches = list(stream)
     table = pa.Table.from_batches(batches, schema=stream._reader.schema)
-    return RankTrace(rank=rank, path=path, header=stream.header, footer=read_footer(run_dir, rank),
+    footer = stream.footer
+    return RankTrace(rank=rank, path=path, header=stream.header, footer=None if footer is None else footer.raw,
                      table=table, torn=stream.torn, detail=stream.detail)
 
 
@@ -172,11 +220,11 @@ def open_run(path: str | Path) -> RunInfo:
     rank_headers = {rank: _read_header(rank_path(run_dir, rank)) for rank in ranks}
     header: dict[str, Any] = dict(rank_headers[ranks[0]])
     header_file = run_header_path(run_dir)
-    if header_file.exists():
-        try:
-            header.update(json.loads(header_file.read_text()))
-        except (OSError, ValueError) as err:
-            raise TraceError(f"run header {header_file} is unreadable: {err}") from None
-    world_size = int(header.get("world_size") or max(ranks) + 1)
+    with contextlib.suppress(FileNotFoundError):
+        header.update(RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}").raw)
+    world_size = header.get("world_size") or max(ranks) + 1
+    if world_size <= max(ranks):
+        raise TraceError(f"{run_dir} is inconsistent: its header says world size {world_size}, but rank "
+                         f"{max(ranks)} wrote a trace")
     return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size,
                    rank_headers=rank_headers)

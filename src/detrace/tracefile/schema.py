@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "detrace.trace/1"
+SCHEMA_VERSION = "detrace.trace/2"
+"""Version 2 seals every record batch with a checksum and a running chain (tracefile.integrity); version 1 had
+none, so its traces cannot be trusted bit for bit and are refused."""
+_FORMAT = "detrace.trace/"
 
 # Ordered: each rung includes the ones before it.
 RUNGS = ("metrics", "semantic", "module", "op")
@@ -67,6 +70,19 @@ EXTRA_KEYS = {
 
 ARROW_SCHEMA = pa.schema([pa.field(name, typ, nullable=nullable) for name, typ, nullable, _ in FIELDS])
 COLUMN_NAMES = tuple(name for name, *_ in FIELDS)
+
+
+def format_refusal(source: object, version: object) -> str:
+    """The sentence refusing a file of another trace format version than SCHEMA_VERSION."""
+    number = version[len(_FORMAT):] if isinstance(version, str) and version.startswith(_FORMAT) else ""
+    ours = int(SCHEMA_VERSION[len(_FORMAT):])
+    if number.isdigit() and int(number) < ours:
+        return (f"{source} was written by an older detrace in trace format {version}, which has no batch "
+                f"checksums; this detrace reads only {SCHEMA_VERSION}: record the run again")
+    if number.isdigit():
+        return (f"{source} was written by a newer detrace in trace format {version}; this detrace reads only "
+                f"{SCHEMA_VERSION}: upgrade detrace to read it")
+    return f"{source} is not a detrace trace: its format is {version!r}, not {SCHEMA_VERSION}"
 
 
 def rung_includes(rung: str, other: str) -> bool:

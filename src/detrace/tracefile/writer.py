@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from detrace.errors import TraceError
+from detrace.tracefile.integrity import chain_start, chain_text, seal
 from detrace.tracefile.layout import footer_path, rank_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, SCHEMA_VERSION
 
@@ -62,7 +63,8 @@ class RankWriter:
         if self.path.exists() and not force:
             raise TraceError(f"{self.path} already holds a trace; choose another directory or pass --force")
         footer_path(self.run_dir, rank).unlink(missing_ok=True)
-        metadata = {"detrace.schema": SCHEMA_VERSION, "detrace.header": json.dumps(header, sort_keys=True)}
+        header_text = json.dumps(header, sort_keys=True)
+        metadata = {"detrace.schema": SCHEMA_VERSION, "detrace.header": header_text}
         try:
             self._file = open(self.path, "wb")  # noqa: SIM115 - kept open for the life of the writer
         except OSError as err:
@@ -72,6 +74,8 @@ class RankWriter:
         self._checked_schema: pa.Schema | None = None
         self._last_flush = time.monotonic()
         self.records = 0
+        self.batches = 0
+        self._chain = chain_start(header_text.encode())
         self.last_step = -1
         self.closed = False
 
@@ -92,8 +96,7 @@ class RankWriter:
         self.flush()
         if batch.num_rows == 0:
             return
-        self._writer.write(batch)
-        self._file.flush()
+        self._write(batch)
         self.records += batch.num_rows
         self.last_step = int(batch.column("step")[-1].as_py())
 
@@ -105,7 +108,13 @@ class RankWriter:
         rows, self._rows = self._rows, []
         columns = [pa.array([row.get(name) for row in rows], type=ARROW_SCHEMA.field(name).type)
                    for name in COLUMN_NAMES]
-        self._writer.write_batch(pa.record_batch(columns, schema=ARROW_SCHEMA))
+        self._write(pa.record_batch(columns, schema=ARROW_SCHEMA))
+
+    def _write(self, batch: pa.RecordBatch | pa.Table) -> None:
+        for part in batch.to_batches() if isinstance(batch, pa.Table) else [batch]:
+            metadata, self._chain = seal(part, self.batches, self._chain)
+            self._writer.write_batch(part, custom_metadata=metadata)
+            self.batches += 1
         self._file.flush()
 
     def close(self, footer: dict[str, Any] | None = None) -> None:
@@ -117,5 +126,6 @@ class RankWriter:
         self._writer.close()
         self._file.close()
         payload = {"schema": SCHEMA_VERSION, "rank": self.rank, "records": self.records,
-                   "last_step": self.last_step, "complete": True, **(footer or {})}
+                   "last_step": self.last_step, "complete": True, **(footer or {}),
+                   "batches": self.batches, "chain": chain_text(self._chain)}
         write_json_atomic(footer_path(self.run_dir, self.rank), payload)

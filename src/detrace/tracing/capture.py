@@ -3,10 +3,16 @@
 Inputs are copied before the call (an in-place op overwrites them), outputs after; the file is written with
 `detrace.tracefile.save_capture` to `<run>/capture/rank-RRRRR-seqNNNNNNNN.safetensors`. Each process saves at
 most one capture: the first call that matches the selector.
+
+The tracer never breaks the traced program: a call that cannot be captured (an argument of a type the capture
+format cannot hold, such as a torch.Generator, or a disk that refuses the file) is recorded as impossible in
+`<run>/capture/rank-RRRRR-seqNNNNNNNN.impossible.json`, with the reason, and the program goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +20,7 @@ import torch
 
 from detrace._compat import pytree
 from detrace.tracefile.capture import save_capture
+from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing.session import Call, Tracer
 
 
@@ -56,5 +63,15 @@ class Capturer:
         meta = {"rank": rank, "step": call.step, "phase": call.phase, "module": call.module, "name": call.name,
                 "occurrence": call.occurrence, "seq": call.event, "threads": torch.get_num_threads(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(), **(meta or {})}
-        with tracer.own():
-            save_capture(path, op=call.name, args=pending.args, kwargs=pending.kwargs, outputs=outputs, meta=meta)
+        try:
+            with tracer.own():
+                save_capture(path, op=call.name, args=pending.args, kwargs=pending.kwargs, outputs=outputs,
+                             meta=meta)
+        except Exception as err:  # whatever the capture hits, the traced program must go on
+            reason = str(err) or type(err).__name__
+            print(f"detrace: cannot capture {call.name} (seq {call.event}): {reason}; the program goes on",
+                  file=sys.stderr)
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(path.with_name(f"{path.stem}.impossible.json"),
+                                  {"op": call.name, "reason": reason, "meta": meta})

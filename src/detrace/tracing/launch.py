@@ -180,11 +180,13 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     try:
         proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    except FileNotFoundError:
-        raise CommandFailed(f"command not found: {command[0]}") from None
-    except PermissionError:
-        raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
     except OSError as err:
+        # Nothing ran, so nothing was traced: the header that said "running" goes, and the directory stays usable.
+        header_path.unlink(missing_ok=True)
+        if isinstance(err, FileNotFoundError):
+            raise CommandFailed(f"command not found: {command[0]}") from None
+        if isinstance(err, PermissionError):
+            raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
         raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
     watchdog = _start_watchdog(proc)
     tail: collections.deque[bytes] = collections.deque()

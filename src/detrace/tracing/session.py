@@ -173,6 +173,17 @@ def local_data(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
 
 
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _alone() -> bool:
+    """Nothing marks this process as a rank that will join a process group later: no launcher's variables, and
+    not a multiprocessing child (torch.multiprocessing.spawn hands its children their ranks as arguments)."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None and not any(v in os.environ for v in _RANK_VARIABLES)
+
+
 class Tracer:
     """The recording state of one process."""
 
@@ -341,7 +352,9 @@ class Tracer:
 
     def _discover_rank(self, *, step_ended: bool) -> int | None:
         """The rank, once known. Once a step has ended (or at exit), a process that has not joined a process
-        group and has no RANK is a single-process run: rank 0."""
+        group and has no RANK is a single-process run: rank 0. So is one that nothing marks as a future rank
+        (`_alone`), from its first flush on: the flush every FLUSH_RECORDS records or FLUSH_SECONDS holds from
+        the first record, and a single process killed in step 0 keeps its complete batches."""
         if self.rank is not None:
             return self.rank
         import torch.distributed as dist
@@ -349,7 +362,7 @@ class Tracer:
         if dist.is_available() and dist.is_initialized():
             self._set_rank(dist.get_rank())
             self.world_size = dist.get_world_size()
-        elif step_ended:
+        elif step_ended or _alone():
             self._set_rank(0)
             self.world_size = 1
         return self.rank
@@ -550,6 +563,7 @@ class Tracer:
                 return
             self.resolve()
             records, self._records = self._records, []
+            self._flush_at = FLUSH_RECORDS
             try:
                 writer = self._writer or self._open()
                 writer.add_batch(self._batch(records))

@@ -1,0 +1,206 @@
+"""The JSON metadata of a trace, each validated against its schema in one place: the run header (`run.json`,
+and the header every rank file carries) and the rank footer (`rank-RRRRR.json`).
+
+Every reader goes through `RunHeader.from_json` / `RankFooter.from_json`: a file of the wrong shape (a list
+instead of an object, `world_size: "x"`) is refused with one sentence naming the file and the field, instead of
+failing later wherever the value happens to be used. Keys this version does not know are kept, not refused, so
+tools that add facts stay readable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from detrace.errors import TraceError, UsageError
+from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
+from detrace.windows import parse_window
+
+_MISSING = object()
+
+
+class _Fields:
+    """Typed access to one JSON object's fields, each failure one sentence naming the file and the field."""
+
+    def __init__(self, raw: object, source: str) -> None:
+        if not isinstance(raw, dict):
+            raise TraceError(f"{source} is malformed: it holds a JSON {type(raw).__name__}, not an object")
+        self.raw: dict[str, Any] = raw
+        self.source = source
+
+    def _fail(self, key: str, wanted: str) -> TraceError:
+        return TraceError(f"{self.source} is malformed: field {key!r} must be {wanted}, not "
+                          f"{json.dumps(self.raw.get(key))[:60]}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], wanted: str, *, default: Any = _MISSING) -> Any:
+        value = self.raw.get(key, _MISSING)
+        if value is _MISSING or (value is None and default is None):
+            if default is _MISSING:
+                raise TraceError(f"{self.source} is malformed: field {key!r} is missing")
+            return default
+        # bool is an int to Python, never to a schema
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _tuple(kind)):
+            raise self._fail(key, wanted)
+        return value
+
+    def count(self, key: str, *, default: Any = _MISSING, least: int = 0) -> Any:
+        value = self.get(key, int, f"an integer of at least {least}", default=default)
+        if value is not None and value is not default and value < least:
+            raise self._fail(key, f"an integer of at least {least}")
+        return value
+
+    def strings(self, key: str, *, default: Any = _MISSING) -> Any:
+        value = self.get(key, list, "a list of strings", default=default)
+        if value is not None and value is not default and not all(isinstance(v, str) for v in value):
+            raise self._fail(key, "a list of strings")
+        return value
+
+    def spec(self, key: str) -> str | None:
+        value = self.get(key, str, "a SPEC", default=None)
+        if value is not None:
+            try:
+                parse_window(value)
+            except UsageError as err:
+                raise TraceError(f"{self.source} is malformed: field {key!r}: {err}") from None
+        return value
+
+    def schema(self, *, default: Any = _MISSING) -> Any:
+        version = self.get("schema", str, "a string", default=default)
+        if version is not default and version != SCHEMA_VERSION:
+            raise TraceError(format_refusal(self.source, version))
+        return version
+
+
+def _tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Windows:
+    """The windows a run was recorded with."""
+
+    steps: str | dict[str, str] | None
+    """One step SPEC, or one per rung."""
+    ranks: str | None
+    """The rank SPEC."""
+    max_numel: int | None
+    """--max-numel."""
+    capture: str | None
+    """--capture."""
+
+    @classmethod
+    def from_json(cls, raw: object, source: str) -> Windows:
+        fields = _Fields(raw, f"{source} (field 'windows')")
+        steps = fields.get("steps", (str, dict), "a SPEC or an object of SPECs per rung", default=None)
+        if isinstance(steps, dict):
+            if not all(k in RUNGS and isinstance(v, str) for k, v in steps.items()):
+                raise fields._fail("steps", f"an object mapping rungs ({', '.join(RUNGS)}) to SPECs")
+            per_rung = _Fields(steps, f"{fields.source} (field 'steps')")
+            for rung in steps:
+                per_rung.spec(rung)
+        elif steps is not None:
+            fields.spec("steps")
+        return cls(steps=steps, ranks=fields.spec("ranks"),
+                   max_numel=fields.count("max_numel", default=None),
+                   capture=fields.get("capture", str, "a string", default=None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunHeader:
+    """A run header: `run.json` or the header of one rank file (which adds `rank` and `pid`)."""
+
+    schema: str | None
+    """The trace format, SCHEMA_VERSION (rank headers may leave it to the file's schema metadata)."""
+    command: list[str]
+    """The traced command."""
+    world_size: int | None
+    """Ranks in the run, when known."""
+    rung: str | None
+    """The deepest rung recorded."""
+    windows: Windows | None
+    """The windows the run was recorded with."""
+    ranks: str | None
+    """The rank SPEC."""
+    traced_ranks: list[int]
+    """run.json: the ranks that wrote a trace."""
+    status: str | None
+    """run.json: running | finished | timeout | failed to start."""
+    returncode: int | None
+    """run.json: CMD's exit status."""
+    rank: int | None
+    """Rank headers: the rank."""
+    raw: dict[str, Any] = field(repr=False)
+    """The object as read (validated), for the keys above and any others."""
+
+    @classmethod
+    def from_json(cls, raw: object, source: str) -> RunHeader:
+        """Validate a parsed header; raises TraceError naming `source` and the field."""
+        fields = _Fields(raw, source)
+        rung = fields.get("rung", str, "a rung name", default=None)
+        if rung is not None and rung not in RUNGS:
+            raise fields._fail("rung", f"one of {', '.join(RUNGS)}")
+        traced = fields.get("traced_ranks", list, "a list of ranks", default=[])
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in traced):
+            raise fields._fail("traced_ranks", "a list of ranks")
+        for key in ("versions", "determinism"):
+            fields.get(key, dict, "an object", default=None)
+        fields.get("elapsed", (int, float), "a number of seconds", default=None)
+        fields.count("pid", default=None)
+        windows = fields.get("windows", dict, "an object", default=None)
+        return cls(schema=fields.schema(default=None), command=fields.strings("command", default=[]),
+                   world_size=fields.count("world_size", default=None, least=1), rung=rung,
+                   windows=None if windows is None else Windows.from_json(windows, source),
+                   ranks=fields.spec("ranks"), traced_ranks=traced,
+                   status=fields.get("status", str, "a string", default=None),
+                   returncode=fields.get("returncode", int, "an integer", default=None),
+                   rank=fields.count("rank", default=None), raw=fields.raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFooter:
+    """The footer a rank writes when it closes cleanly."""
+
+    schema: str
+    """The trace format, SCHEMA_VERSION."""
+    rank: int
+    """The rank."""
+    records: int
+    """Records written."""
+    batches: int
+    """Record batches written."""
+    chain: str
+    """The integrity chain after the last batch (tracefile.integrity)."""
+    last_step: int
+    """The step of the last record (-1 when none)."""
+    groups: list[str] | None
+    """The process groups the rank used: its parallel layout."""
+    raw: dict[str, Any] = field(repr=False)
+    """The object as read (validated)."""
+
+    @classmethod
+    def from_json(cls, raw: object, source: str) -> RankFooter:
+        """Validate a parsed footer; raises TraceError naming `source` and the field."""
+        fields = _Fields(raw, source)
+        chain = fields.get("chain", str, "16 hexadecimal digits")
+        if len(chain) != 16 or any(c not in "0123456789abcdef" for c in chain):
+            raise fields._fail("chain", "16 hexadecimal digits")
+        fields.get("complete", bool, "true or false", default=None)
+        for key in ("step", "pid", "collectives"):
+            fields.count(key, default=None)
+        fields.count("world_size", default=None, least=1)
+        return cls(schema=fields.schema(), rank=fields.count("rank"), records=fields.count("records"),
+                   batches=fields.count("batches"), chain=chain, last_step=fields.count("last_step", least=-1),
+                   groups=fields.strings("groups", default=None), raw=fields.raw)
+
+
+def load_json(path: Path, what: str) -> object:
+    """Parse a metadata file, one sentence when it cannot be read; FileNotFoundError passes through."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as err:
+        raise TraceError(f"{what} {path} is unreadable: {err}") from None
+

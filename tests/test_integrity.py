@@ -1,0 +1,142 @@
+"""Trace integrity: every record batch is sealed by a checksum and a chain, so a flipped bit, random bytes or a
+cut batch are reported as corruption by certify and refused by diff and report, never blamed on an op."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import struct
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from _synthetic import SyntheticRun, write_run
+
+from detrace.cli import main
+from detrace.compare import certify
+from detrace.tracefile import footer_path, rank_path, read_rank
+from detrace.tracefile.schema import ARROW_SCHEMA
+
+RUN = SyntheticRun(ranks=2, steps=4, ops=4, batch_records=16)  # 84 records per rank in 6 batches
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> tuple[Path, Path]:
+    write_run(tmp_path / "a", RUN)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    return tmp_path / "a", tmp_path / "b"
+
+
+def flip_digest_bit(run: Path, rank: int, record: int) -> None:
+    """Flip the lowest bit of one record's digest, in place in the file (an injected fault)."""
+    digest = read_rank(run, rank).table.column("digest")[record].as_py()
+    path = rank_path(run, rank)
+    data = bytearray(path.read_bytes())
+    where = data.find(struct.pack("<Q", digest))
+    assert where > 0 and data.find(struct.pack("<Q", digest), where + 1) < 0
+    data[where] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    return captured.err
+
+
+def test_a_flipped_digest_bit_is_corruption_not_a_divergence(runs: tuple[Path, Path],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    assert main(["diff", str(a), str(b)]) == 0
+    capsys.readouterr()
+    flip_digest_bit(b, 1, 40)  # record 40 lies in batch 2 (records 32-47)
+    violations = certify(b).violations
+    assert violations == [f"rank 1: rank-00001.arrow in {b} is corrupted in batch 2 (records 32-47): its bytes do "
+                          "not match its checksum; detrace does not compare, locate or report a corrupted trace"]
+    assert main(["certify", str(b)]) == 1
+    capsys.readouterr()
+    err = refusal(capsys, "diff", str(a), str(b))
+    assert "rank-00001.arrow" in err and "batch 2 (records 32-47)" in err and "aten." not in err
+    err = refusal(capsys, "diff", str(a), str(b), "--json")
+    assert "corrupted in batch 2" in err
+    err = refusal(capsys, "report", str(b), "-o", str(b.parent / "r.html"))
+    assert "corrupted in batch 2" in err and not (b.parent / "r.html").exists()
+
+
+def test_random_bytes_are_corruption(runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    path = rank_path(b, 0)
+    data = bytearray(path.read_bytes())
+    rng = random.Random(7)
+    start = len(data) // 2
+    data[start:start + 64] = bytes(rng.randrange(256) for _ in range(64))
+    path.write_bytes(bytes(data))
+    (violation,) = certify(b).violations
+    assert violation.startswith(f"rank 0: rank-00000.arrow in {b} is corrupted in batch ")
+    err = refusal(capsys, "diff", str(a), str(b))
+    assert "rank-00000.arrow" in err and "corrupted in batch" in err and "input[" not in err
+
+
+def test_a_closed_file_cut_at_a_batch_boundary_is_corruption(runs: tuple[Path, Path]) -> None:
+    _, b = runs
+    path = rank_path(b, 0)
+    data = path.read_bytes()
+    sink = pa.BufferOutputStream()  # the same file without its last batch, rewritten with valid seals
+    reader = pa.ipc.open_stream(pa.BufferReader(data[8:]))
+    sealed = []
+    while True:
+        try:
+            sealed.append(reader.read_next_batch_with_custom_metadata())
+        except StopIteration:
+            break
+    with pa.ipc.new_file(sink, reader.schema) as writer:
+        for batch, metadata in sealed[:-1]:
+            writer.write_batch(batch, custom_metadata=metadata)
+    path.write_bytes(sink.getvalue().to_pybytes())
+    violations = certify(b).violations
+    assert violations == [f"rank 0: rank-00000.arrow in {b} is corrupted in batch 5 (records from 80 on): its "
+                          "footer seals 6 batches, the file holds these only up to here (batches were cut or "
+                          "replaced); detrace does not compare, locate or report a corrupted trace"]
+
+
+def test_a_torn_tail_of_a_killed_rank_is_not_corruption(runs: tuple[Path, Path]) -> None:
+    _, b = runs
+    footer_path(b, 0).unlink()  # the rank never closed: killed
+    path = rank_path(b, 0)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    violations = certify(b).violations
+    assert "rank 0: the trace ends in a torn batch (the process died while writing)" in violations
+    assert "rank 0: no footer: the rank never closed its trace" in violations
+    assert not any("corrupted" in v for v in violations)
+
+
+@pytest.mark.parametrize("cut", [1, 37, 100])
+def test_a_lost_arrow_file_footer_names_the_readers_that_still_work(runs: tuple[Path, Path], cut: int,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    path = rank_path(b, 1)
+    path.write_bytes(path.read_bytes()[:-cut])
+    assert certify(b).violations == [
+        "rank 1: rank-00001.arrow lost the end of its Arrow file footer: detrace and pyarrow.ipc.open_stream "
+        "(after the file's 8-byte magic) still read every record, but pyarrow.ipc.open_file, pandas.read_feather, "
+        "Polars and DuckDB cannot open it"]
+    assert main(["diff", str(a), str(b)]) == 0  # every record is still there, sealed
+    with pa.OSFile(str(path), "rb") as handle:  # the claim about open_stream holds
+        handle.read(8)
+        assert pa.ipc.open_stream(handle).read_all().num_rows == RUN.records_per_rank
+
+
+@pytest.mark.parametrize(("version", "words"), [("detrace.trace/1", "older detrace"),
+                                                 ("detrace.trace/3", "newer detrace")])
+def test_other_format_versions_are_refused_in_one_sentence(tmp_path: Path, version: str, words: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "old"
+    run.mkdir()
+    metadata = {"detrace.schema": version, "detrace.header": json.dumps({"world_size": 1})}
+    with pa.ipc.new_file(str(rank_path(run, 0)), ARROW_SCHEMA.with_metadata(metadata)):
+        pass
+    for argv in (["certify", str(run)], ["diff", str(run), str(run)], ["report", str(run)]):
+        err = refusal(capsys, *argv)
+        assert f"in trace format {version}" in err and words in err and "detrace.trace/2" in err
