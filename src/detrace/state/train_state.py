@@ -92,37 +92,29 @@ class TrainState:
         """
         return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep)
 
-    def load(self, path: str | os.PathLike[str]) -> int:
-        """Verify the checkpoint at `path` against its manifest, restore everything, return the step."""
-        return self._load(Path(path), control=None)
+    def load(self, path: str | os.PathLike[str], *, control: str | None = None) -> int:
+        """Verify the checkpoint at `path` against its manifest, restore everything, return the step.
+
+        `control` names a negative control (see CONTROLS): a deliberately wrong restore that leaves one part out.
+        """
+        if control is not None and control not in CONTROLS:
+            raise UsageError(f"{control!r} is not a known negative control ({', '.join(CONTROLS)})")
+        return self._load(Path(path), control=control)
 
     def resume_if_requested(self) -> int:
         """Load from DETRACE_CKPT_DIR when DETRACE_RESUME=1; the step to continue from (0 otherwise)."""
-        resume = os.environ.get(ENV_RESUME, "")
-        if resume not in ("", "0", "1"):
-            raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
-        control = os.environ.get(ENV_RESUME_CONTROL) or None
-        if control is not None and control not in CONTROLS:
-            known = ", ".join(CONTROLS)
-            raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
-        if resume != "1":
+        resume, control = resume_requested()
+        if not resume:
             return 0
-        return self._load(_checkpoint_dir(), control=control)
+        return self._load(checkpoint_dir(), control=control)
 
     def end_of_step(self, step: int) -> bool:
         """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
         return True so that the loop stops."""
         self.step = step
-        stop_at = os.environ.get(ENV_STOP_AT)
-        if not stop_at:
+        if step != stop_requested():
             return False
-        try:
-            stop = int(stop_at)
-        except ValueError:
-            raise UsageError(f"{ENV_STOP_AT} must be a step number, not {stop_at!r}") from None
-        if step != stop:
-            return False
-        self.save(_checkpoint_dir())
+        self.save(checkpoint_dir())
         return True
 
     def _shared(self) -> dict[str, Any]:
@@ -242,7 +234,32 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
             optimizer.__dict__["step"] = own
 
 
-def _checkpoint_dir() -> Path:
+def resume_requested() -> tuple[bool, str | None]:
+    """The contract's resume request: (DETRACE_RESUME=1, the DETRACE_RESUME_CONTROL negative control or None).
+    Malformed values are UsageErrors naming the variable."""
+    resume = os.environ.get(ENV_RESUME, "")
+    if resume not in ("", "0", "1"):
+        raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
+    control = os.environ.get(ENV_RESUME_CONTROL) or None
+    if control is not None and control not in CONTROLS:
+        known = ", ".join(CONTROLS)
+        raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+    return resume == "1", control
+
+
+def stop_requested() -> int | None:
+    """The contract's DETRACE_STOP_AT: the step after which to save and stop, or None."""
+    stop_at = os.environ.get(ENV_STOP_AT)
+    if not stop_at:
+        return None
+    try:
+        return int(stop_at)
+    except ValueError:
+        raise UsageError(f"{ENV_STOP_AT} must be a step number, not {stop_at!r}") from None
+
+
+def checkpoint_dir() -> Path:
+    """The contract's DETRACE_CKPT_DIR (required when stopping or resuming)."""
     directory = os.environ.get(ENV_CKPT_DIR)
     if not directory:
         raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
