@@ -52,6 +52,28 @@ class PlainContract(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
+def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str) -> Trainer:
+    """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract."""
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-2, logging_steps=1, save_strategy="no", dataloader_num_workers=workers, report_to="none",
+        disable_tqdm=True, seed=0, use_cpu=True,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2))
+    if plain:
+        callback: TrainerCallback = PlainContract()
+        if os.environ.get("DETRACE_STOP_AT"):
+            args.output_dir = os.environ["DETRACE_CKPT_DIR"]
+        if os.environ.get("DETRACE_RESUME") == "1":
+            args.resume_from_checkpoint = get_last_checkpoint(os.environ["DETRACE_CKPT_DIR"])
+    else:
+        from detrace.integrations.hf import DetraceCallback
+
+        callback = DetraceCallback(deterministic=True)  # the one line
+    return Trainer(model=model, args=args, train_dataset=NoisyTokens(24), callbacks=[callback])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -63,29 +85,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(
-            output_dir=options.output_dir or scratch, max_steps=options.steps, per_device_train_batch_size=4,
-            gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
-            dataloader_num_workers=options.workers, report_to="none", disable_tqdm=True, seed=0, use_cpu=True,
-        )
-        config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2)
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(config)  # dropout 0.1 everywhere (the config's default)
-        if options.plain:
-            callback: TrainerCallback = PlainContract()
-            if os.environ.get("DETRACE_STOP_AT"):
-                args.output_dir = os.environ["DETRACE_CKPT_DIR"]
-            if os.environ.get("DETRACE_RESUME") == "1":
-                args.resume_from_checkpoint = get_last_checkpoint(os.environ["DETRACE_CKPT_DIR"])
-        else:
-            from detrace.integrations.hf import DetraceCallback
+        trainer = make_trainer(steps=options.steps, workers=options.workers, plain=options.plain,
+                               output_dir=options.output_dir or scratch)
+        # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 
-            callback = DetraceCallback(deterministic=True)
-        trainer = Trainer(model=model, args=args, train_dataset=NoisyTokens(24), callbacks=[callback])
-        # HF's idiom: the script passes args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
-        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-
-    params = detrace.fingerprint_many(list(model.state_dict().values()))
+    params = detrace.fingerprint_many(list(trainer.model.state_dict().values()))
     digest = "".join(f"{p.digest:016x}" for p in params)
     print(f"final parameters: {digest[:32]}")
     if options.report:

@@ -66,7 +66,8 @@ class DetraceCallback(TrainerCallback):
         if self._stop_at is not None:
             args.output_dir = str(checkpoint_dir())
         if self._resume:
-            last = get_last_checkpoint(str(checkpoint_dir()))
+            root = checkpoint_dir()
+            last = get_last_checkpoint(str(root)) if root.is_dir() else None
             if last is None:
                 raise CheckpointError(f"DETRACE_RESUME=1, but {checkpoint_dir()} holds no HF checkpoint-N")
             args.resume_from_checkpoint = last
@@ -137,9 +138,11 @@ class DetraceCallback(TrainerCallback):
             candidates.insert(0, Path(args.resume_from_checkpoint) / STATE_DIR)
         directory = next((path for path in candidates if path.exists()), None)
         if directory is None:
+            places = " or ".join(str(path) for path in candidates)
             raise CheckpointError(
-                f"the Trainer resumed at step {state.global_step}, but {candidates[0]} holds no detrace state: "
-                "was the checkpoint written with DetraceCallback?"
+                f"the Trainer resumed at step {state.global_step}, but there is no detrace state in {places}: "
+                "was the checkpoint written with DetraceCallback (and, when it is not in output_dir, named in "
+                "args.resume_from_checkpoint)?"
             )
         if self._control == "skip-rng":
             self._fresh_rng = rng.capture()
