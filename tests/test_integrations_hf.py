@@ -144,7 +144,7 @@ def test_resume_needs_detrace_state_and_the_checkpoint(tmp_path: Path, monkeypat
     monkeypatch.setenv("DETRACE_STOP_AT", "1")
     _trainer(tmp_path, plain=True).train()
     monkeypatch.delenv("DETRACE_STOP_AT")
-    with pytest.raises(CheckpointError, match="no detrace state in .*: was the checkpoint written with DetraceCallback"):
+    with pytest.raises(CheckpointError, match=r"no detrace state in .*: was the checkpoint written with Detrace"):
         _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"))
     # DETRACE_RESUME=1 names the checkpoint in args.resume_from_checkpoint; a script must hand it to train().
     monkeypatch.setenv("DETRACE_RESUME", "1")
