@@ -34,6 +34,9 @@ class SampleKeys(Sampler[tuple[int, int]]):
         self.seed = seed
         self.epoch = 0
         """Set by the integration at each epoch start, from the framework's own epoch count."""
+        self.skip = 0
+        """Samples of the epoch that the next iteration leaves out (a framework that does not skip the batches
+        already trained when it resumes mid-epoch); back to 0 once used."""
         # A plain RandomSampler without a generator draws its order from the global torch RNG when an epoch
         # starts: a run resumed mid-epoch would draw it from another state than the run that never stopped.
         self._pin_order = (
@@ -44,10 +47,13 @@ class SampleKeys(Sampler[tuple[int, int]]):
         epoch = self.epoch
         if self._pin_order:
             self.sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
-        for index in self.sampler:
-            yield index, sample_seed(self.seed, epoch, index)
+        skip, self.skip = self.skip, 0
+        for position, index in enumerate(self.sampler):
+            if position >= skip:
+                yield index, sample_seed(self.seed, epoch, index)
 
     def __len__(self) -> int:
+        """The whole epoch's length, also while skipping: the framework counts the skipped batches itself."""
         return len(self.sampler)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int) -> None:
