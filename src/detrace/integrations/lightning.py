@@ -37,7 +37,7 @@ import torch
 from detrace import tracing
 from detrace.errors import CheckpointError, UsageError
 from detrace.integrations._data import SampleKeys, seed_samples
-from detrace.state import TrainState
+from detrace.state import TrainState, rng
 from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
 
 # Beside Lightning's `<name>.ckpt`, detrace's verified state lives in `<name>.ckpt.detrace/`.
@@ -66,6 +66,7 @@ class DetraceCallback(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._state: TrainState | None = None
         self._keys: SampleKeys | None = None
+        self._rng_before_data: dict[str, Any] | None = None
 
     @property
     def ckpt_path(self) -> str | None:
@@ -94,7 +95,16 @@ class DetraceCallback(pl.Callback):
         if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rng_before_data = rng.capture()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning started the epoch's DataLoader iterator before this hook, and its first batch may have drawn
+        # from the main RNG (a RandomSampler's order, the augmentation with no workers): that iterator is
+        # replaced below, and its draws are undone here.
+        if self._rng_before_data is not None:
+            rng.restore(self._rng_before_data)
+            self._rng_before_data = None
         loader = trainer.train_dataloader
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise UsageError("detrace's Lightning integration needs one torch DataLoader for training, "
@@ -119,8 +129,8 @@ class DetraceCallback(pl.Callback):
         elif self._resume:
             raise UsageError("DETRACE_RESUME=1, but the Trainer did not resume: pass the checkpoint on, as in "
                              "trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
-        # Lightning started the epoch's DataLoader iterator before this hook: start it again, so that its
-        # batches come through the seeded sampler from the position just restored.
+        # Start the epoch's DataLoader iterator again, so that its batches come through the seeded sampler from
+        # the position just restored.
         iter(trainer.fit_loop._data_fetcher)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
