@@ -79,11 +79,9 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
 
 def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--json", "--",
+    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--",
                  sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
-    result = json.loads(capsys.readouterr().out)
-    assert code == 1, result
-    assert result["resume"]["first"]["step"] == AT  # the first resumed step already differs
+    assert code == 1, capsys.readouterr().out
     arms = _arms(report)
     assert len(arms["continuous"]) == 1 and arms["resumed"].isdisjoint(arms["continuous"])
 
