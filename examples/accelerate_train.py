@@ -61,7 +61,8 @@ def main() -> None:
     state = detrace.TrainState(model=accelerator.unwrap_model(model), optimizer=optimizer.optimizer,
                                scheduler=scheduler.scheduler, data=loader)
 
-    if resume_requested()[0]:
+    resume, control = resume_requested()
+    if resume and control is None:  # a negative control must not get the RNG states back through accelerate
         accelerator.load_state(str(checkpoint_dir() / "accelerate"))
     step = state.resume_if_requested()  # after load_state: verified, and the RNGs restored last
     stop = step >= options.steps

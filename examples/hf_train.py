@@ -48,7 +48,7 @@ class PlainContract(TrainerCallback):
     """HF alone: at DETRACE_STOP_AT, save a checkpoint and stop (HF's own checkpoint and resume)."""
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if state.global_step == int(os.environ.get("DETRACE_STOP_AT", "0")):
+        if state.global_step == int(os.environ.get("DETRACE_STOP_AT", "-1")):
             control.should_save = control.should_training_stop = True
 
 

@@ -65,7 +65,7 @@ class PlainContract(L.Callback):
         return str(sorted(Path(os.environ["DETRACE_CKPT_DIR"]).glob("*.ckpt"))[-1])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-        if trainer.global_step == int(os.environ.get("DETRACE_STOP_AT", "0")):
+        if trainer.global_step == int(os.environ.get("DETRACE_STOP_AT", "-1")):
             trainer.save_checkpoint(Path(os.environ["DETRACE_CKPT_DIR"]) / f"step-{trainer.global_step}.ckpt")
             trainer.should_stop = True
 
