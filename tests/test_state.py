@@ -243,6 +243,10 @@ def test_environment_contract_stops_saves_and_resumes(tmp_path: Path, monkeypatc
     monkeypatch.setenv("DETRACE_RESUME_CONTROL", "skip-data")
     skipped = _state()
     assert skipped.resume_if_requested() == 2 and skipped.data.position == 0
+    # The same controls through load(), as the framework integrations use them; an unknown one is refused.
+    assert _state().load(tmp_path, control="skip-data") == 2
+    with pytest.raises(UsageError, match="'skip-all' is not a known negative control"):
+        _state().load(tmp_path, control="skip-all")
 
 
 @pytest.mark.parametrize(

@@ -98,41 +98,40 @@ class TrainState:
         """
         return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep)
 
-    def load(self, path: str | os.PathLike[str]) -> int:
-        """Verify the checkpoint at `path` against its manifest, restore everything, return the step."""
-        return self._load(Path(path), control=None)
+    def load(self, path: str | os.PathLike[str], *, control: str | None = None) -> int:
+        """Verify the checkpoint at `path` against its manifest, restore everything, return the step.
+
+        `control` names a negative control (see CONTROLS): a deliberately wrong restore that leaves one part out.
+        """
+        if control is not None and control not in CONTROLS:
+            raise UsageError(f"{control!r} is not a known negative control ({', '.join(CONTROLS)})")
+        return self._load(Path(path), control=control)
 
     def resume_if_requested(self) -> int:
         """Load from DETRACE_RESUME_FROM when it is set, else from DETRACE_CKPT_DIR when DETRACE_RESUME=1;
         the step to continue from (0 otherwise)."""
-        resume = os.environ.get(ENV_RESUME, "")
-        if resume not in ("", "0", "1"):
-            raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
-        control = os.environ.get(ENV_RESUME_CONTROL) or None
-        if control is not None and control not in CONTROLS:
-            known = ", ".join(CONTROLS)
-            raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+        resume, control = resume_requested()
         # A bad DETRACE_STOP_AT or DETRACE_CKPT_EVERY is refused now, not after the first step has run.
-        if _step_variable(ENV_STOP_AT) is not None or _step_variable(ENV_CKPT_EVERY) is not None:
-            _checkpoint_dir()
+        if stop_requested() is not None or _step_variable(ENV_CKPT_EVERY) is not None:
+            checkpoint_dir()
         source = os.environ.get(ENV_RESUME_FROM)
         if source:
             return self._load(Path(source), control=control)
-        if resume != "1":
+        if not resume:
             return 0
-        return self._load(_checkpoint_dir(), control=control)
+        return self._load(checkpoint_dir(), control=control)
 
     def end_of_step(self, step: int) -> bool:
         """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
         return True so that the loop stops. After every DETRACE_CKPT_EVERY-th step, save and go on."""
         self.step = step
-        stop = _step_variable(ENV_STOP_AT)
+        stop = stop_requested()
         every = _step_variable(ENV_CKPT_EVERY)
         periodic = every is not None and step % every == 0
         if step == stop or periodic:
             # Periodic checkpoints keep every version: a later run may resume from any of them (detrace
             # locate resumes its narrow rungs from the last one before a divergence).
-            self.save(_checkpoint_dir(), keep=sys.maxsize if every is not None else 1)
+            self.save(checkpoint_dir(), keep=sys.maxsize if every is not None else 1)
         return step == stop
 
     def _shared(self) -> dict[str, Any]:
@@ -266,7 +265,26 @@ def _step_variable(name: str) -> int | None:
     return int(text)
 
 
-def _checkpoint_dir() -> Path:
+def resume_requested() -> tuple[bool, str | None]:
+    """The contract's resume request: (DETRACE_RESUME=1, the DETRACE_RESUME_CONTROL negative control or None).
+    Malformed values are UsageErrors naming the variable."""
+    resume = os.environ.get(ENV_RESUME, "")
+    if resume not in ("", "0", "1"):
+        raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
+    control = os.environ.get(ENV_RESUME_CONTROL) or None
+    if control is not None and control not in CONTROLS:
+        known = ", ".join(CONTROLS)
+        raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+    return resume == "1", control
+
+
+def stop_requested() -> int | None:
+    """The contract's DETRACE_STOP_AT: the step after which to save and stop, or None."""
+    return _step_variable(ENV_STOP_AT)
+
+
+def checkpoint_dir() -> Path:
+    """The contract's DETRACE_CKPT_DIR (required when stopping or resuming)."""
     directory = os.environ.get(ENV_CKPT_DIR)
     if not directory:
         raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")

@@ -1,0 +1,104 @@
+"""A tiny transformers Trainer run with dropout and a random augmentation in the dataset, made exactly
+resumable by one line: `callbacks=[DetraceCallback()]`.
+
+    python examples/hf_train.py --steps 6 --workers 2
+    detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --workers 2   # exact
+    detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --plain       # HF alone: changed
+
+--plain leaves the callback out and resumes with HF's own `resume_from_checkpoint`, following the same
+stop/resume contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) with a three-line callback of its
+own, so that the two can be compared. --report FILE appends one JSON line per run: the contract variables
+it ran under and the fingerprint of the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+import detrace
+
+VOCAB, LENGTH = 64, 8
+
+
+class NoisyTokens(torch.utils.data.Dataset):
+    """Fixed token sequences; each read replaces a random 25% of the tokens (drawn from torch's global RNG)."""
+
+    def __init__(self, samples: int) -> None:
+        self.tokens = torch.randint(0, VOCAB, (samples, LENGTH), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[index].clone()
+        noise = torch.rand(LENGTH) < 0.25
+        tokens[noise] = torch.randint(0, VOCAB, (int(noise.sum()),))
+        return {"input_ids": tokens, "labels": tokens}
+
+
+class PlainContract(TrainerCallback):
+    """HF alone: at DETRACE_STOP_AT, save a checkpoint and stop (HF's own checkpoint and resume)."""
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == int(os.environ.get("DETRACE_STOP_AT", "-1")):
+            control.should_save = control.should_training_stop = True
+
+
+def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str) -> Trainer:
+    """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract."""
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-2, logging_steps=1, save_strategy="no", dataloader_num_workers=workers, report_to="none",
+        disable_tqdm=True, seed=0, use_cpu=True,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2))
+    if plain:
+        callback: TrainerCallback = PlainContract()
+        if os.environ.get("DETRACE_STOP_AT"):
+            args.output_dir = os.environ["DETRACE_CKPT_DIR"]
+        if os.environ.get("DETRACE_RESUME") == "1":
+            args.resume_from_checkpoint = get_last_checkpoint(os.environ["DETRACE_CKPT_DIR"])
+    else:
+        from detrace.integrations.hf import DetraceCallback
+
+        callback = DetraceCallback(deterministic=True)  # the one line
+    return Trainer(model=model, args=args, train_dataset=NoisyTokens(24), callbacks=[callback])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--plain", action="store_true", help="without DetraceCallback: HF's own resume")
+    parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
+    parser.add_argument("--output-dir", help="HF's output directory (default: a temporary one)")
+    options = parser.parse_args()
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = make_trainer(steps=options.steps, workers=options.workers, plain=options.plain,
+                               output_dir=options.output_dir or scratch)
+        # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+
+    params = detrace.fingerprint_many(list(trainer.model.state_dict().values()))
+    digest = "".join(f"{p.digest:016x}" for p in params)
+    print(f"final parameters: {digest[:32]}")
+    if options.report:
+        contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME",
+                                                              "DETRACE_RESUME_CONTROL")}
+        with options.report.open("a") as stream:
+            stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""A tiny Lightning run with dropout and a random augmentation in the dataset, made exactly resumable by
+`DetraceCallback` (and handing its `ckpt_path` to `fit`).
+
+    python examples/lightning_train.py --steps 6 --workers 2
+    detrace check-resume --at 2 -- python examples/lightning_train.py --steps 6 --workers 2   # exact
+    detrace check-resume --at 2 -- python examples/lightning_train.py --steps 6 --plain       # Lightning alone
+
+--plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
+contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
+--report FILE appends one JSON line per run: the contract variables and the final parameters' fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+import detrace
+
+
+class NoisyPoints(torch.utils.data.Dataset):
+    """Fixed points; each read adds Gaussian noise drawn from torch's global RNG."""
+
+    def __init__(self, samples: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(samples, 8, generator=generator)
+        self.y = torch.randn(samples, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + 0.1 * torch.randn(8), self.y[index]
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+
+
+class PlainContract(L.Callback):
+    """Lightning alone: at DETRACE_STOP_AT, save a checkpoint into DETRACE_CKPT_DIR and stop."""
+
+    @property
+    def ckpt_path(self) -> str | None:
+        if os.environ.get("DETRACE_RESUME") != "1":
+            return None
+        return str(sorted(Path(os.environ["DETRACE_CKPT_DIR"]).glob("*.ckpt"))[-1])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if trainer.global_step == int(os.environ.get("DETRACE_STOP_AT", "-1")):
+            trainer.save_checkpoint(Path(os.environ["DETRACE_CKPT_DIR"]) / f"step-{trainer.global_step}.ckpt")
+            trainer.should_stop = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--plain", action="store_true", help="without DetraceCallback: Lightning's own resume")
+    parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
+    options = parser.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    model = Regressor()
+    if options.plain:
+        callback: PlainContract | L.Callback = PlainContract()
+    else:
+        from detrace.integrations.lightning import DetraceCallback
+
+        callback = DetraceCallback(deterministic=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=options.steps, accumulate_grad_batches=2, callbacks=[callback],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=options.workers)
+    trainer.fit(model, loader, ckpt_path=callback.ckpt_path)  # type: ignore[union-attr]
+
+    params = detrace.fingerprint_many(list(model.state_dict().values()))
+    digest = "".join(f"{p.digest:016x}" for p in params)
+    print(f"final parameters: {digest[:32]}")
+    if options.report:
+        contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME",
+                                                              "DETRACE_RESUME_CONTROL")}
+        with options.report.open("a") as stream:
+            stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Exact resume and tracing for transformers' `Trainer`: `Trainer(..., callbacks=[DetraceCallback()])`.
+
+What HF restores by itself from `checkpoint-N`: the model, optimizer, LR scheduler, grad scaler, the global
+RNG states and the data position (it skips the batches already trained in the epoch). What it misses, and
+this callback adds:
+
+- dataset-side randomness: a sample's augmentation comes from the RNG of whichever DataLoader worker loads
+  it (another worker, at another point of its stream, after a mid-epoch resume) or, with no workers, from
+  the main RNG before HF has restored it. Each sample is loaded under its own seed instead
+  (`detrace.integrations._data`), so its randomness no longer depends on workers or on the resume;
+- the order of an epoch when accelerate's seedable sampler is turned off (pinned to `seed + epoch`);
+- verification: a detrace checkpoint (`TrainState`) beside HF's files in `checkpoint-N/detrace/`, with the
+  fingerprint manifest of every tensor, is verified on resume and restored over what HF loaded; a flipped bit
+  is refused by tensor name;
+- the stop/resume contract of `detrace check-resume` (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME,
+  DETRACE_RESUME_CONTROL), the global step and HF's logged metrics for the tracer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from detrace import tracing
+from detrace.errors import CheckpointError, UsageError
+from detrace.integrations._data import SampleKeys, seed_samples
+from detrace.state import TrainState, rng
+from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
+
+# The directory, inside HF's checkpoint-N, that holds detrace's verified state.
+STATE_DIR = "detrace"
+# HF's logged metrics, fed to the tracer under these names (the metrics rung records its own "loss").
+LOGGED = {"loss": "hf/loss", "grad_norm": "hf/grad_norm", "learning_rate": "hf/learning_rate"}
+
+_STEP_SOURCE = {"source": "hf"} if "source" in inspect.signature(tracing.set_step).parameters else {}
+
+
+class DetraceCallback(TrainerCallback):
+    """Bit-exact resume from any `checkpoint-N`, a verified checkpoint, and the tracer's steps and metrics.
+
+    Args:
+        deterministic: apply `detrace.deterministic(args.seed)` when training starts.
+        strict: passed to `detrace.deterministic` (an op without a deterministic implementation raises).
+    """
+
+    def __init__(self, *, deterministic: bool = False, strict: bool = True) -> None:
+        self.deterministic = deterministic
+        self.strict = strict
+        self._state: TrainState | None = None
+        self._keys: SampleKeys | None = None
+        self._stop_at: int | None = None
+        self._resume = False
+        self._control: str | None = None
+        self._fresh_rng: dict[str, Any] | None = None
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Read the stop/resume contract: a stopping run checkpoints into DETRACE_CKPT_DIR; a resuming one
+        names its last checkpoint in `args.resume_from_checkpoint`, which the script hands to `train()`."""
+        self._resume, self._control = resume_requested()
+        self._stop_at = stop_requested()
+        if self._stop_at is not None:
+            args.output_dir = str(checkpoint_dir())
+        if self._resume:
+            root = checkpoint_dir()
+            last = get_last_checkpoint(str(root)) if root.is_dir() else None
+            if last is None:
+                raise CheckpointError(f"DETRACE_RESUME=1, but {checkpoint_dir()} holds no HF checkpoint-N")
+            args.resume_from_checkpoint = last
+        if self._control == "skip-data":
+            args.ignore_data_skip = True  # the negative control: start the resumed epoch from its first batch
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
+                       model: Any = None, optimizer: Any = None, lr_scheduler: Any = None,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if self.deterministic:
+            import detrace
+
+            detrace.deterministic(args.seed, strict=self.strict)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        self._keys = seed_samples(train_dataloader, seed=seed, framework="transformers Trainer")
+        self._state = TrainState(
+            model=model,
+            optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate's AcceleratedOptimizer wraps it
+            scheduler=lr_scheduler,
+            scaler=getattr(optimizer, "scaler", None),
+            extra={"trainer": _position(state)},
+        )
+        if state.global_step > 0:
+            self._load(args, state)
+        elif self._resume:
+            raise UsageError(
+                "DETRACE_RESUME=1, but the Trainer started from step 0: pass the checkpoint on, as in "
+                "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)"
+            )
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if self._keys is not None:
+            # HF's epoch counter: `state.epoch` is a whole number exactly at an epoch's end.
+            self._keys.epoch = int(state.epoch or 0)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        if self._fresh_rng is not None:
+            # The skip-rng control: HF restored its own RNG file meanwhile; undo that too.
+            rng.restore(self._fresh_rng)
+            self._fresh_rng = None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        tracing.set_step(state.global_step, **_STEP_SOURCE)
+        if state.global_step == self._stop_at:
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        _record(logs or {})
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        if self._state is None:
+            return
+        self._state.extra["trainer"] = _position(state)
+        self._state.step = state.global_step
+        self._state.save(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR)
+
+    def _load(self, args: TrainingArguments, state: TrainerState) -> None:
+        """HF resumed from a checkpoint: verify detrace's state beside it and restore it over HF's."""
+        assert self._state is not None
+        candidates = [Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR]
+        if args.resume_from_checkpoint:
+            candidates.insert(0, Path(args.resume_from_checkpoint) / STATE_DIR)
+        directory = next((path for path in candidates if path.exists()), None)
+        if directory is None:
+            places = " or ".join(str(path) for path in candidates)
+            raise CheckpointError(
+                f"the Trainer resumed at step {state.global_step}, but there is no detrace state in {places}: "
+                "was the checkpoint written with DetraceCallback (and, when it is not in output_dir, named in "
+                "args.resume_from_checkpoint)?"
+            )
+        if self._control == "skip-rng":
+            self._fresh_rng = rng.capture()
+        self._state.load(directory, control=self._control)
+        saved = self._state.extra["trainer"]
+        if saved != _position(state):
+            raise CheckpointError(
+                f"{directory} was saved at global step {saved['global_step']}, and HF resumed at {state.global_step}"
+            )
+        # The continuous run recorded HF's logs of step N right after that step; so does the resumed run.
+        last = state.log_history[-1] if state.log_history else {}
+        if last.get("step") == state.global_step:
+            _record(last)
+
+
+def _position(state: TrainerState) -> dict[str, Any]:
+    return {"global_step": state.global_step}
+
+
+def _record(logs: dict[str, Any]) -> None:
+    for name, traced in LOGGED.items():
+        if isinstance(logs.get(name), (int, float)):
+            tracing.metric(traced, logs[name])

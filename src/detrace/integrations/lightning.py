@@ -1,0 +1,210 @@
+"""Exact resume and tracing for Lightning's `Trainer`: `Trainer(..., callbacks=[callback])` and
+`trainer.fit(model, data, ckpt_path=callback.ckpt_path)`.
+
+What Lightning restores by itself from a `.ckpt`: the model, optimizers, LR schedulers, precision plugin
+(grad scaler) and its loops' progress (epoch, global step, batches done). What it misses, and this callback
+adds:
+
+- every RNG (Python, NumPy, torch CPU and CUDA): Lightning saves none, so dropout after a resume draws from
+  the fresh process's state;
+- the data position inside an epoch: a DataLoader without `state_dict` restarts the epoch from its first
+  batch (Lightning warns); the callback skips the batches already trained;
+- dataset-side randomness and the epoch's order: each sample is loaded under its own seed and a shuffling
+  sampler's order is pinned to `seed + epoch` (`detrace.integrations._data`);
+- verification: a detrace checkpoint (`TrainState`) beside each `.ckpt`, in `<file>.ckpt.detrace/`, with the
+  fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
+- the stop/resume contract of `detrace check-resume`, the global step and the step's logged metrics for the
+  tracer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.io import CheckpointIO
+except ImportError:  # the standalone package
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+    from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[no-redef]
+
+import torch
+
+from detrace import tracing
+from detrace.errors import CheckpointError, UsageError
+from detrace.integrations._data import SampleKeys, seed_samples
+from detrace.state import TrainState, rng
+from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
+
+# Beside Lightning's `<name>.ckpt`, detrace's verified state lives in `<name>.ckpt.detrace/`.
+STATE_SUFFIX = ".detrace"
+
+_STEP_SOURCE = {"source": "lightning"} if "source" in inspect.signature(tracing.set_step).parameters else {}
+
+
+class DetraceCallback(pl.Callback):
+    """Bit-exact resume from a Lightning checkpoint, a verified checkpoint, and the tracer's steps and metrics.
+
+    Args:
+        deterministic: apply `detrace.deterministic(seed)` when fitting starts.
+        seed: the seed of `deterministic` and of the samples' randomness; by default the one
+            `lightning.seed_everything` set (PL_GLOBAL_SEED), else 0.
+        strict: passed to `detrace.deterministic`.
+    """
+
+    def __init__(self, *, deterministic: bool = False, seed: int | None = None, strict: bool = True) -> None:
+        self.deterministic = deterministic
+        self.seed = seed
+        self.strict = strict
+        self._resume, self._control = resume_requested()
+        self._stop_at = stop_requested()
+        self._resumed_from: Path | None = None
+        self._trainer: pl.Trainer | None = None
+        self._state: TrainState | None = None
+        self._keys: SampleKeys | None = None
+        self._rng_before_data: dict[str, Any] | None = None
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint to resume from under the stop/resume contract (DETRACE_RESUME=1), else None: pass it
+        to `trainer.fit(..., ckpt_path=callback.ckpt_path)`."""
+        if not self._resume:
+            return None
+        root = checkpoint_dir()
+        saved = sorted(root.glob("step-*.ckpt")) if root.is_dir() else []
+        if not saved:
+            raise CheckpointError(f"DETRACE_RESUME=1, but {root} holds no Lightning checkpoint (step-*.ckpt)")
+        return str(saved[-1])
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.world_size > 1:
+            raise UsageError("detrace's Lightning integration runs in one process (Lightning saves checkpoints on "
+                             "rank 0 only, and detrace's checkpoint is written by every rank)")
+        if self.deterministic:
+            import detrace
+
+            detrace.deterministic(self._seed(), strict=self.strict)
+        self._trainer = trainer
+        # Lightning reads and writes every checkpoint through this plugin: the place to learn the paths.
+        if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
+            trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rng_before_data = rng.capture()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning started the epoch's DataLoader iterator before this hook, and its first batch may have drawn
+        # from the main RNG (a RandomSampler's order, the augmentation with no workers): that iterator is
+        # replaced below, and its draws are undone here.
+        if self._rng_before_data is not None:
+            rng.restore(self._rng_before_data)
+            self._rng_before_data = None
+        loader = trainer.train_dataloader
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise UsageError("detrace's Lightning integration needs one torch DataLoader for training, "
+                             f"not {type(loader).__name__}")
+        self._keys = seed_samples(loader, seed=self._seed(), framework="Lightning Trainer")
+        self._keys.epoch = trainer.current_epoch
+        if loader.generator is None:
+            # Starting an epoch's workers would otherwise draw their base seed from the global torch RNG.
+            loader.generator = torch.Generator().manual_seed(self._seed())
+        if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
+            raise UsageError("detrace's Lightning integration supports one optimizer and at most one LR scheduler")
+        schedulers = trainer.lr_scheduler_configs
+        self._state = TrainState(
+            model=pl_module,
+            optimizer=trainer.optimizers[0],
+            scheduler=schedulers[0].scheduler if schedulers else None,
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            extra={"loop": _position(trainer)},
+        )
+        if self._resumed_from is not None:
+            self._load(trainer, loader)
+        elif self._resume:
+            raise UsageError("DETRACE_RESUME=1, but the Trainer did not resume: pass the checkpoint on, as in "
+                             "trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
+        # Start the epoch's DataLoader iterator again, so that its batches come through the seeded sampler from
+        # the position just restored.
+        iter(trainer.fit_loop._data_fetcher)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._keys is not None:
+            self._keys.epoch = trainer.current_epoch
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # Inside the optimizer step (Lightning runs the training step in its closure): the step's own records.
+        for name, value in trainer.callback_metrics.items():
+            if not name.endswith("_epoch") and isinstance(value, torch.Tensor) and value.numel() == 1:
+                tracing.metric(f"lightning/{name}", value)
+        tracing.metric("lightning/lr", float(optimizer.param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        tracing.set_step(trainer.global_step, **_STEP_SOURCE)
+        if trainer.global_step == self._stop_at:
+            trainer.save_checkpoint(checkpoint_dir() / f"step-{trainer.global_step:08d}.ckpt")
+            trainer.should_stop = True
+
+    def _seed(self) -> int:
+        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
+
+    def _save(self, path: Path) -> None:
+        if self._state is None or self._trainer is None:  # before training started there is nothing to add
+            return
+        self._state.extra["loop"] = _position(self._trainer)
+        self._state.step = self._trainer.global_step
+        self._state.save(Path(f"{path}{STATE_SUFFIX}"))
+
+    def _load(self, trainer: pl.Trainer, loader: torch.utils.data.DataLoader) -> None:
+        """Lightning resumed from `self._resumed_from`: verify detrace's state beside it, restore it over
+        Lightning's, and skip the batches of the current epoch that were already trained."""
+        assert self._state is not None and self._keys is not None and self._resumed_from is not None
+        directory = Path(f"{self._resumed_from}{STATE_SUFFIX}")
+        if not directory.exists():
+            raise CheckpointError(f"Lightning resumed from {self._resumed_from}, but there is no detrace state in "
+                                  f"{directory}: was the checkpoint written with DetraceCallback?")
+        self._state.load(directory, control=self._control)
+        if self._state.extra["loop"] != _position(trainer):
+            raise CheckpointError(f"{directory} was saved at {self._state.extra['loop']}, and Lightning resumed at "
+                                  f"{_position(trainer)}")
+        # Batches handed to the training step in this epoch (a checkpoint at on_train_batch_end counts its batch
+        # as processed, not yet as completed).
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if self._control != "skip-data" and done < trainer.num_training_batches:  # else the epoch is over
+            self._keys.skip = done * (loader.batch_size or 1)
+
+
+class _BesideCheckpoints(CheckpointIO):
+    """Lightning's checkpoint I/O, with detrace's state written beside each checkpoint and the path of the
+    checkpoint being resumed noted for the callback."""
+
+    def __init__(self, inner: CheckpointIO, callback: DetraceCallback) -> None:
+        self.inner = inner
+        self.callback = callback
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self.callback._save(Path(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        self.callback._resumed_from = Path(path)
+        return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+        shutil.rmtree(f"{path}{STATE_SUFFIX}", ignore_errors=True)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def _position(trainer: pl.Trainer) -> dict[str, int]:
+    # Not the epoch: Lightning counts a checkpoint taken after an epoch's last batch in the next epoch on resume.
+    return {"global_step": trainer.global_step}

@@ -1,0 +1,167 @@
+"""DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
+the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers, HF alone
+caught changing the run, a flipped bit refused by tensor name, the tracer fed, and the contract's errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint import flip_one_bit
+
+import detrace
+from detrace.cli import main
+from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
+from detrace.tracefile import read_rank
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parents[1] / "examples" / "hf_train.py"
+AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
+_spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+hf_train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_train)
+
+
+def _arms(report: Path) -> dict[str, set[str]]:
+    """The final parameters of each kind of run in a --report file, by the contract variables it ran under."""
+    arms: dict[str, set[str]] = {"continuous": set(), "stopped": set(), "resumed": set(), "control": set()}
+    for line in report.read_text().splitlines():
+        run = json.loads(line)
+        kind = ("control" if run["DETRACE_RESUME_CONTROL"] else "resumed" if run["DETRACE_RESUME"] == "1"
+                else "stopped" if run["DETRACE_STOP_AT"] else "continuous")
+        arms[kind].add(run["params"])
+    return arms
+
+
+def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
+    """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
+    out = tmp_path_factory.mktemp("hf") / "check"
+    report = out.parent / "report.jsonl"
+    code = main(["check-resume", "--at", str(AT), "--out", str(out), "--", sys.executable, str(SCRIPT),
+                 "--workers", "2", "--report", str(report)])
+    return code, out, _arms(report)
+
+
+def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    code, _, arms = checked
+    assert code == 0
+    assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"]
+    assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])  # the negative control diverged
+
+
+def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]
+                                              ) -> None:
+    # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
+    # 2, the run ends with the bits of the continuous 2-worker run.
+    report = tmp_path / "report.jsonl"
+    run = _script("--workers", "0", "--report", str(report),
+                  env={"DETRACE_CKPT_DIR": str(checked[1] / "checkpoint"), "DETRACE_RESUME": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _arms(report)["resumed"] == checked[2]["continuous"]
+
+
+def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report.jsonl"
+    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--",
+                 sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
+    assert code == 1, capsys.readouterr().out
+    arms = _arms(report)
+    assert len(arms["continuous"]) == 1 and arms["resumed"].isdisjoint(arms["continuous"])
+
+
+def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:
+    torch.set_num_threads(1)
+    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"))
+
+
+def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
+                                                    checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(checked[1] / "checkpoint" / f"checkpoint-{AT}", checkpoint)
+    trainer = _trainer(tmp_path)
+    weight = trainer.model.transformer.h[0].mlp.c_fc.weight
+    from safetensors.torch import load_file
+
+    saved = load_file(checkpoint / "model.safetensors")["transformer.h.0.mlp.c_fc.weight"]
+    flip_one_bit(next((checkpoint / "detrace").glob("step-*")), saved)
+    before = weight.detach().clone()
+    with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.transformer\.h\.0\.mlp\.c_fc\.weight' does not "
+                                                  "match its fingerprint"):
+        trainer.args.resume_from_checkpoint = str(checkpoint)  # HF's idiom, which tells the callback where
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    # HF had loaded its own copy of the weights; detrace's state was refused before it touched anything.
+    assert torch.equal(weight.detach(), saved) and not torch.equal(weight.detach(), before)
+
+
+def test_the_tracer_gets_global_steps_and_hf_metrics(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, steps=3)
+    with detrace.trace(tmp_path / "trace"):
+        trainer.train()
+    records = read_rank(tmp_path / "trace", 0).table.to_pylist()
+    logged = {(entry["step"], name): entry[name] for entry in trainer.state.log_history
+              for name in ("loss", "grad_norm", "learning_rate") if name in entry}
+    traced = {(r["step"], r["name"].removeprefix("hf/")): r["value"] for r in records if r["name"].startswith("hf/")}
+    # HF logs step N's metrics after its optimizer step: they are recorded at the start of global step N.
+    assert traced == logged and {step for step, _ in traced} == {1, 2, 3}
+
+
+def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    with pytest.raises(CheckpointError, match="holds no HF checkpoint-N"):
+        _trainer(tmp_path)
+    monkeypatch.setenv("DETRACE_RESUME", "yes")
+    with pytest.raises(UsageError, match="DETRACE_RESUME must be 1 or 0"):
+        _trainer(tmp_path)
+    monkeypatch.delenv("DETRACE_RESUME")
+    monkeypatch.setenv("DETRACE_STOP_AT", "ten")
+    with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number"):
+        _trainer(tmp_path)
+
+
+def test_resume_needs_detrace_state_and_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint HF wrote alone has no detrace state: resuming it with the callback is refused.
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("DETRACE_STOP_AT", "1")
+    _trainer(tmp_path, plain=True).train()
+    monkeypatch.delenv("DETRACE_STOP_AT")
+    with pytest.raises(CheckpointError, match=r"no detrace state in .*: was the checkpoint written with Detrace"):
+        _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-1"))
+    # DETRACE_RESUME=1 names the checkpoint in args.resume_from_checkpoint; a script must hand it to train().
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    with pytest.raises(UsageError, match=r"pass the checkpoint on, as in trainer\.train\(resume_from_checkpoint="):
+        _trainer(tmp_path).train()
+
+
+def test_an_iterable_dataset_is_refused(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    from detrace.integrations.hf import DetraceCallback
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            while True:
+                tokens = torch.randint(0, hf_train.VOCAB, (hf_train.LENGTH,))
+                yield {"input_ids": tokens, "labels": tokens}
+
+    trainer = _trainer(tmp_path)
+    streaming = Trainer(model=trainer.model, args=trainer.args, train_dataset=Stream(),
+                        callbacks=[DetraceCallback()])
+    with pytest.raises(UsageError, match="an IterableDataset has no sample index"):
+        streaming.train()

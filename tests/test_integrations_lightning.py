@@ -1,0 +1,97 @@
+"""DetraceCallback on a real Lightning Trainer (an MLP with dropout, a random augmentation in the dataset,
+gradient accumulation, an LR scheduler): exact resume proven by `detrace check-resume` with 2 DataLoader
+workers, the same without workers, Lightning alone caught changing the run, a flipped bit refused by tensor
+name, and the contract's errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_checkpoint import flip_one_bit
+from test_integrations_hf import _arms
+
+from detrace.cli import main
+from detrace.state.storage import load_chunk, stored_chunks
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parents[1] / "examples" / "lightning_train.py"
+AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
+
+
+def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
+    """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
+    out = tmp_path_factory.mktemp("lightning") / "check"
+    report = out.parent / "report.jsonl"
+    code = main(["check-resume", "--at", str(AT), "--out", str(out), "--", sys.executable, str(SCRIPT),
+                 "--workers", "2", "--report", str(report)])
+    return code, out, _arms(report)
+
+
+def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    code, _, arms = checked
+    assert code == 0
+    assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"]
+    assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])  # the negative control diverged
+
+
+def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]
+                                              ) -> None:
+    # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
+    # 2, the run ends with the bits of the continuous 2-worker run.
+    report = tmp_path / "report.jsonl"
+    run = _script("--workers", "0", "--report", str(report),
+                  env={"DETRACE_CKPT_DIR": str(checked[1] / "checkpoint"), "DETRACE_RESUME": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _arms(report)["resumed"] == checked[2]["continuous"]
+
+
+def test_lightning_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report.jsonl"
+    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--", sys.executable,
+                 str(SCRIPT), "--plain", "--report", str(report)])
+    assert code == 1, capsys.readouterr().out
+    arms = _arms(report)
+    assert len(arms["continuous"]) == 1 and arms["resumed"].isdisjoint(arms["continuous"])
+
+
+def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
+                                                    checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checked[1] / "checkpoint", ckpt)
+    version = next((ckpt / f"step-{AT:08d}.ckpt.detrace").glob("step-*"))
+    chunk = next(chunk for chunk in stored_chunks(version) if chunk.fqn == "model.net.0.weight")
+    flip_one_bit(version, load_chunk(version, chunk))
+    run = _script(env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"})
+    assert run.returncode != 0
+    assert "tensor 'model.net.0.weight' does not match its fingerprint in the manifest" in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DETRACE_RESUME": "1"}, "holds no Lightning checkpoint"),
+        ({"DETRACE_RESUME": "yes"}, "DETRACE_RESUME must be 1 or 0"),
+        ({"DETRACE_STOP_AT": "ten"}, "DETRACE_STOP_AT must be a step number"),
+        ({"DETRACE_RESUME": "1", "DETRACE_RESUME_CONTROL": "skip-everything"}, "not a known negative control"),
+    ],
+)
+def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    from detrace.errors import DetraceError
+    from detrace.integrations.lightning import DetraceCallback
+
+    for name, value in {"DETRACE_CKPT_DIR": str(tmp_path), **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DetraceError, match=message):
+        DetraceCallback().ckpt_path  # noqa: B018 (the property reads the contract)
