@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -53,7 +54,7 @@ class _Kernel:
     """The compiled kernel, loaded (or compiled and cached) once, in a background thread."""
 
     def __init__(self) -> None:
-        self.fn = None
+        self.fn: Callable[..., None] | None = None
         self.failed: str | None = None if importlib.util.find_spec("numba") else "numba is not installed"
         self._thread: tuple[int, threading.Thread] | None = None
         self._waited = False

@@ -72,7 +72,7 @@ def _key_hash(key: str) -> int:
     """A signed 64-bit identity of a tensor key, for the one-time exchange of identities."""
     from detrace.digest import fingerprint
 
-    data = torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8) if key else torch.zeros(0, torch.uint8)
+    data = torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8) if key else torch.zeros(0, dtype=torch.uint8)
     return struct.unpack("<q", struct.pack("<Q", fingerprint(data).digest))[0]
 
 

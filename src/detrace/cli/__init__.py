@@ -103,7 +103,7 @@ class _PipeGuard:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.stdout = _PipeGuard(sys.stdout)  # type: ignore[assignment]
+    sys.stdout = _PipeGuard(sys.stdout)
     try:
         code = main()
     finally:

@@ -392,7 +392,7 @@ class ParallelModel:
             logged = torch.stack([lm.detach(), mtp.detach(), aux.to(lm.device)]) / M
             return (lm + cfg.mtp_loss_coef * mtp) / M, logged
 
-        _, sums = self.invariant.backward(loss_of)  # type: ignore[misc]
+        _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:

@@ -128,12 +128,12 @@ class DetraceCallback(TrainerCallback):
             return
         self._state.extra["trainer"] = _position(state)
         self._state.step = state.global_step
-        self._state.save(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR)
+        self._state.save(Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR)
 
     def _load(self, args: TrainingArguments, state: TrainerState) -> None:
         """HF resumed from a checkpoint: verify detrace's state beside it and restore it over HF's."""
         assert self._state is not None
-        candidates = [Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR]
+        candidates = [Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR]
         if args.resume_from_checkpoint:
             candidates.insert(0, Path(args.resume_from_checkpoint) / STATE_DIR)
         directory = next((path for path in candidates if path.exists()), None)

@@ -30,7 +30,9 @@ try:
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError:  # the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
-    from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[no-redef]
+
+    # mypy, ignored: the standalone package's CheckpointIO is another class with the same API
+    from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[assignment]
 
 import torch
 
@@ -131,7 +133,9 @@ class DetraceCallback(pl.Callback):
                              "trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
         # Start the epoch's DataLoader iterator again, so that its batches come through the seeded sampler from
         # the position just restored.
-        iter(trainer.fit_loop._data_fetcher)
+        fetcher = trainer.fit_loop._data_fetcher
+        assert fetcher is not None  # the fit loop made it before on_train_start
+        iter(fetcher)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._keys is not None:
@@ -175,7 +179,8 @@ class DetraceCallback(pl.Callback):
                                   f"{_position(trainer)}")
         # Batches handed to the training step in this epoch (a checkpoint at on_train_batch_end counts its batch
         # as processed, not yet as completed).
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # mypy, ignored below: `current` is annotated as the base tracker; at run time it is a _ProcessedTracker
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         if self._control != "skip-data" and done < trainer.num_training_batches:  # else the epoch is over
             self._keys.skip = done * (loader.batch_size or 1)
 
