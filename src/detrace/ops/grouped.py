@@ -51,12 +51,14 @@ def _dgrad(grad: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch
 
 
 def _wgrad(grad: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    out = grad.new_zeros(len(counts), grad.shape[1], x.shape[1])
+    out = grad.new_empty(len(counts), grad.shape[1], x.shape[1])
     offsets = _offsets(counts)
     for e in range(len(counts)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             torch.mm(grad[lo:hi].t(), x[lo:hi], out=out[e])
+        else:
+            out[e].zero_()
     return out
 
 
