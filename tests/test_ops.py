@@ -165,7 +165,7 @@ def test_grouped_mm_errors() -> None:
         grouped_mm(x, w[0], [5])
 
 
-def _torch_deterministic(fn):  # noqa: ANN001, ANN202
+def _torch_deterministic(fn):
     torch.use_deterministic_algorithms(True)
     try:
         return fn()
@@ -231,7 +231,7 @@ def test_routing_sends_torchs_own_calls_to_detrace_and_gives_them_back() -> None
     calls = []
     original = ops_routing.index.accumulate_rows_
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting(*args, **kwargs):
         calls.append(args[1].numel())
         return original(*args, **kwargs)
 

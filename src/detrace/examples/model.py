@@ -381,7 +381,9 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, tokens, out)
         return self._aux(y, probs, counts).view(B, T, D)
 
-    def _fixed(self, x: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _fixed(
+        self, x: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         """The "fixed" dispatch: detrace.ops' private slot per (token, choice) and fixed-order sums, in forward
         and backward; the experts as grouped GEMMs."""
         from detrace.ops import combine, permute, route

@@ -40,7 +40,6 @@ def accumulate_rows_(dest: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     acc_dtype = torch.promote_types(dest.dtype, torch.float32)
     # Longest segments first, so that the segments still adding at pass j are a prefix of the accumulator.
     by_length = counts.argsort(descending=True, stable=True)
-    lengths = counts.index_select(0, by_length)
     position = torch.empty_like(by_length).scatter_(0, by_length, torch.arange(by_length.numel(), device=dest.device))
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(index.numel(), device=dest.device) - starts.repeat_interleave(counts)
@@ -102,7 +101,8 @@ def index_add(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.T
                       backend=backend)
 
 
-def _element_positions(shape: tuple[int, ...], indices: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+def _element_positions(shape: tuple[int, ...], indices: list[torch.Tensor | None],
+                       device: torch.device) -> torch.Tensor:
     """Row-major flat position in a tensor of `shape` of every element `t[indices]` selects: advanced
     indexing applied to per-dimension coordinate grids (expanded, so nothing of `shape`'s size is made)."""
     strides = [1] * len(shape)

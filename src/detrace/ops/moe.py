@@ -20,6 +20,7 @@ the PyTorch code; elsewhere they are PyTorch ops.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,11 +68,9 @@ def _use_triton(t: torch.Tensor, backend: Backend) -> bool:
         return False
     if backend == "triton":
         return True
-    if t.device.type != "cuda":
-        return False
-    from detrace.ops import _triton
-
-    return _triton.available()
+    # Triton kernels on CUDA tensors of the dtypes they take, where triton is installed (it comes with torch)
+    return (t.device.type == "cuda" and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("triton") is not None)
 
 
 def fixed_sum(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,11 +36,13 @@ def _index_put_impl_(self: torch.Tensor, indices: list[torch.Tensor | None], val
     return index.index_put_(self, indices, values, accumulate)
 
 
-def _index_add(self: torch.Tensor, dim: int, idx: torch.Tensor, source: torch.Tensor, *, alpha: Any = 1) -> torch.Tensor:
+def _index_add(self: torch.Tensor, dim: int, idx: torch.Tensor, source: torch.Tensor, *,
+               alpha: Any = 1) -> torch.Tensor:
     return index.index_add(self, dim, idx, source, alpha=alpha)
 
 
-def _index_add_(self: torch.Tensor, dim: int, idx: torch.Tensor, source: torch.Tensor, *, alpha: Any = 1) -> torch.Tensor:
+def _index_add_(self: torch.Tensor, dim: int, idx: torch.Tensor, source: torch.Tensor, *,
+                alpha: Any = 1) -> torch.Tensor:
     return index.index_add_(self, dim, idx, source, alpha=alpha)
 
 
