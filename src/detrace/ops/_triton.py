@@ -118,10 +118,13 @@ def _wgrad_kernel(g, x, partial, part_start, part_end, n_out, n_in,
     acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
     for t0 in range(lo, hi, BLOCK_T):  # this partial slot's tokens, in order
         tt = t0 + rt
-        a = tl.load(g + tt[None, :] * sgm + ro[:, None] * sgo, mask=(tt[None, :] < hi) & (ro[:, None] < n_out), other=0.0)
-        b = tl.load(x + tt[:, None] * sxm + ri[None, :] * sxi, mask=(tt[:, None] < hi) & (ri[None, :] < n_in), other=0.0)
+        a = tl.load(g + tt[None, :] * sgm + ro[:, None] * sgo, mask=(tt[None, :] < hi) & (ro[:, None] < n_out),
+                    other=0.0)
+        b = tl.load(x + tt[:, None] * sxm + ri[None, :] * sxi, mask=(tt[:, None] < hi) & (ri[None, :] < n_in),
+                    other=0.0)
         acc = tl.dot(a, b, acc, input_precision="ieee")
-    tl.store(partial + p * spp + ro[:, None] * spo + ri[None, :] * spi, acc, mask=(ro[:, None] < n_out) & (ri[None, :] < n_in))
+    tl.store(partial + p * spp + ro[:, None] * spo + ri[None, :] * spi, acc,
+             mask=(ro[:, None] < n_out) & (ri[None, :] < n_in))
 
 
 def _check(t: torch.Tensor) -> None:
