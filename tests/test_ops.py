@@ -252,3 +252,41 @@ def test_routing_sends_torchs_own_calls_to_detrace_and_gives_them_back() -> None
     assert ops_routing.routed() == []
     torch.zeros(4).index_add_(0, torch.tensor([1]), torch.ones(1))
     assert len(calls) == 4  # torch's own kernel again
+
+
+_ROUTED_PROBE = """
+import sys
+import torch
+import detrace
+from detrace.cli import main
+settings = detrace.deterministic(0, kernels="detrace")
+print("routed:", ", ".join(settings.routed))
+print("setting:", settings.settings["detrace.kernels"])
+# the backward of a gather with repeated indices still runs (on CPU through torch's deterministic loop)
+x = torch.randn(8, 3, requires_grad=True)
+x[torch.tensor([1, 1, 2])].sum().backward()
+print("grad:", x.grad[1].tolist())
+sys.exit(main(["doctor"]))
+"""
+
+
+def test_deterministic_with_detrace_kernels_routes_and_doctor_lists_it() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO")}
+    done = subprocess.run([sys.executable, "-c", _ROUTED_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "routed: _index_put_impl_ on cuda, index_add on cuda, scatter_add on cuda" in lines
+    assert "setting: detrace" in lines and "grad: [2.0, 2.0, 2.0]" in lines
+    assert any(line.startswith("ok        detrace.ops aten::index_add on cuda = routed") for line in lines)
+    assert any(line.startswith("ok        detrace.ops on cpu = torch  (nothing is routed on cpu") for line in lines)
+
+
+def test_deterministic_refuses_an_unknown_kernels_choice() -> None:
+    from detrace import deterministic
+
+    with pytest.raises(UsageError, match="kernels must be one of torch, detrace"):
+        deterministic(0, kernels="fast")
