@@ -28,6 +28,11 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "cpu": (),
 }
 
+# device type -> why nothing is routed there (for `detrace doctor`)
+WHY_NOT: dict[str, str] = {
+    "cpu": "torch's deterministic CPU accumulation (one serial loop) is faster on few cores than a sort",
+}
+
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
