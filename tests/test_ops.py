@@ -290,3 +290,19 @@ def test_deterministic_refuses_an_unknown_kernels_choice() -> None:
 
     with pytest.raises(UsageError, match="kernels must be one of torch, detrace"):
         deterministic(0, kernels="fast")
+
+
+def test_gpu_check_skips_every_section_cleanly_without_cuda() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: bench/gpu_check.py would run for minutes")
+    script = Path(__file__).parents[1] / "bench" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [f"skipped {name}: no CUDA device" for name in
+                     ("fingerprints", "throughput", "kernels", "overhead", "compiled")] + [
+        "GPU figures: not measured (no CUDA device here)"]

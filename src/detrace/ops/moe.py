@@ -79,8 +79,9 @@ def fixed_sum(slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch
     acc_dtype = torch.promote_types(slots.dtype, torch.float32)
     k = slots.shape[1]
     if weights is None:
-        acc = slots[:, 0].to(acc_dtype, copy=True)
-        for j in range(1, k):
+        # the first addition makes the accumulator (no copy of the first term)
+        acc = slots[:, 0].to(acc_dtype) + slots[:, 1] if k > 1 else slots[:, 0].to(acc_dtype, copy=True)
+        for j in range(2, k):
             acc += slots[:, j]
     else:
         w = weights.to(acc_dtype)
