@@ -197,6 +197,12 @@ def test_index_accumulation_is_bit_equal_to_torchs_deterministic_cpu_loop() -> N
     assert torch.equal(scatter_add(base, 0, scatter_index, values), base.scatter_add(0, scatter_index, values))
 
 
+def test_integer_accumulation_is_exact() -> None:
+    big = torch.full((3,), 2**40, dtype=torch.int64)
+    got = index_put_(big.clone(), [torch.tensor([0, 0, 2])], torch.tensor([1, 2, 3]), True)
+    assert got.tolist() == [2**40 + 3, 2**40, 2**40 + 3]
+
+
 def test_index_put_without_accumulate_lets_the_last_writer_win() -> None:
     base = torch.zeros(6)
     got = index_put_(base.clone(), [torch.tensor([1, 4, 1, 1])], torch.tensor([1.0, 2.0, 3.0, 4.0]))

@@ -30,14 +30,15 @@ def accumulate_rows_(dest: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     order = index.argsort(stable=True)
     sorted_index = index.index_select(0, order)
     targets, counts = torch.unique_consecutive(sorted_index, return_counts=True)
-    if _use_triton(dest, backend):
+    if _use_triton(dest, backend) and dest.is_floating_point():
         from detrace.ops import _triton
 
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=dest.device)
         torch.cumsum(counts, 0, out=offsets[1:])
         _triton.segment_sum_(dest, targets, offsets, order, src, alpha)
         return dest
-    acc_dtype = torch.promote_types(dest.dtype, torch.float32)
+    # floats add in float32 (or wider); integers add exactly in their own type
+    acc_dtype = torch.promote_types(dest.dtype, torch.float32) if dest.is_floating_point() else dest.dtype
     # Longest segments first, so that the segments still adding at pass j are a prefix of the accumulator.
     by_length = counts.argsort(descending=True, stable=True)
     position = torch.empty_like(by_length).scatter_(0, by_length, torch.arange(by_length.numel(), device=dest.device))
