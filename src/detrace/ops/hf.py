@@ -9,6 +9,8 @@ float rounding: the sum of a token's k outputs runs in another order).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from detrace.errors import UsageError
@@ -18,10 +20,10 @@ from detrace.ops.moe import combine, permute, route
 NAME = "detrace"
 
 
-def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts forward of transformers' interface: hidden [N, D], top_k_index and top_k_weights [N, k]
-    -> [N, D]."""
+    -> [N, D]. `self` is the experts module of a transformers model (duck-typed: its class varies by model)."""
     if getattr(self, "_is_expert_parallel", False):
         raise UsageError('the "detrace" experts implementation does not run expert-parallel models')
     routing = route(top_k_index, self.num_experts)
