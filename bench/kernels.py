@@ -16,7 +16,7 @@ steps:
 
 The last lines are the figures, one per line, e.g. `step small fixed/index: 0.97x [0.95..0.99]`.
 
-    python bench/kernels.py [--rounds 5] [--threads 2] [--skip-small] [--skip-hf]
+    python bench/kernels.py [--rounds 5] [--threads 2] [--skip-ops] [--skip-small] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -170,12 +170,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens N of the op benchmarks")
+    parser.add_argument("--skip-ops", action="store_true", help="leave out the op benchmarks")
     parser.add_argument("--skip-small", action="store_true", help="leave out the small-preset training step")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF Mixtral training step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     figures = []
-    for op, variants in op_variants(args.tokens, 4, 256, 16).items():
+    for op, variants in ({} if args.skip_ops else op_variants(args.tokens, 4, 256, 16)).items():
         times = interleaved(variants, args.rounds, calls=5)
         figures += [ratio_line(f"op {op}", times, name, "racing") for name in ("torch-det", "detrace")]
         print(figures[-1], flush=True)
