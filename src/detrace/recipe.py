@@ -63,6 +63,8 @@ class DeterminismSettings:
     """The snapshot of `settings()` right after the recipe was applied."""
     notices: tuple[str, ...] = ()
     """Warnings of non-strict mode: settings that came too late to take effect."""
+    routed: tuple[str, ...] = ()
+    """With `kernels="detrace"`: the torch ops routed to detrace.ops' kernels, as `op on device` strings."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,16 +281,25 @@ _applied: dict[str, str] = {}
 _seeded: dict[str, str] = {}
 
 
-def deterministic(seed: int, *, strict: bool = True) -> DeterminismSettings:
+KERNELS = ("torch", "detrace")
+
+
+def deterministic(seed: int, *, strict: bool = True, kernels: str = "torch") -> DeterminismSettings:
     """Set and validate every switch that decides determinism, and seed every RNG.
 
     Nothing is changed unless every switch can be applied: a conflicting setting raises DeterminismError
     naming it; an environment variable that CUDA or NCCL has already read raises in strict mode and warns
     otherwise. In strict mode an op without a deterministic implementation raises when it runs; otherwise
     it warns.
+
+    `kernels="detrace"` also routes the index-accumulation ops (`index_put` with accumulate, `index_add`,
+    `scatter_add`) to detrace.ops' deterministic kernels on the devices where those beat torch's own
+    deterministic implementation (`detrace.ops.routing.ROUTES`); torch's switch stays on for every other op.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise UsageError(f"the seed must be an integer from 0 to 2**32-1, not {seed!r}")
+    if kernels not in KERNELS:
+        raise UsageError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     findings = _judge(strict, applying=True)
     conflicts = [finding for finding in findings if finding.status == "conflict"]
     if conflicts:
@@ -309,8 +320,13 @@ def deterministic(seed: int, *, strict: bool = True) -> DeterminismSettings:
     random.seed(seed)  # Python's global RNG (random.shuffle, random.random in user code)
     np.random.seed(seed)  # NumPy's global RandomState (augmentation code that uses np.random)
     torch.manual_seed(seed)  # torch's CPU generator and, lazily, every CUDA device's (no CUDA init here)
-    _seeded.update({"detrace.seed": str(seed), "detrace.strict": str(strict)})
-    return DeterminismSettings(seed=seed, strict=strict, settings=settings(), notices=notices)
+    routed: tuple[str, ...] = ()
+    if kernels == "detrace":
+        from detrace.ops import routing
+
+        routed = tuple(routing.install())
+    _seeded.update({"detrace.seed": str(seed), "detrace.strict": str(strict), "detrace.kernels": kernels})
+    return DeterminismSettings(seed=seed, strict=strict, settings=settings(), notices=notices, routed=routed)
 
 
 def settings() -> dict[str, str]:
@@ -320,6 +336,7 @@ def settings() -> dict[str, str]:
         {
             "detrace.seed": _seeded.get("detrace.seed", UNSET),
             "detrace.strict": _seeded.get("detrace.strict", UNSET),
+            "detrace.kernels": _seeded.get("detrace.kernels", UNSET),
             "torch.version": torch.__version__,
             "torch.num_threads": str(torch.get_num_threads()),
             "torch.num_interop_threads": str(torch.get_num_interop_threads()),
@@ -334,7 +351,31 @@ def settings() -> dict[str, str]:
 def audit() -> list[Finding]:
     """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
     strict = _seeded.get("detrace.strict", "True") == "True"
-    return [*_judge(strict), *_risks()]
+    return [*_judge(strict), *_kernel_routes(), *_risks()]
+
+
+def _kernel_routes() -> list[Finding]:
+    """One line per op that `kernels="detrace"` routes (ok once routed in this process), and one per device
+    where nothing is routed and why."""
+    from detrace.ops import routing
+
+    routed = routing.routed()
+    findings = []
+    for device, ops in routing.ROUTES.items():
+        if not ops:
+            findings.append(Finding(name=f"detrace.ops on {device}", value="torch", status="ok",
+                                    detail=f"nothing is routed on {device}: {routing.WHY_NOT[device]}"))
+        for op in ops:
+            here = f"{op} on {device}" in routed
+            detail = (
+                "routed to detrace.ops' sort-once segmented reduction (no atomics, fixed order)"
+                if here
+                else "detrace.deterministic(seed, kernels='detrace') routes it to detrace.ops' sort-once "
+                "segmented reduction, meant to beat torch's deterministic sort path (bench/gpu_check.py measures)"
+            )
+            findings.append(Finding(name=f"detrace.ops aten::{op} on {device}", value="routed" if here else "torch",
+                                    status="ok" if here else "pending", detail=detail))
+    return findings
 
 
 def _judge(strict: bool, *, applying: bool = False) -> list[Finding]:

@@ -23,7 +23,8 @@ Options that change *how* the same math is computed (and so which kernels run):
              gather is `aten.index_put` with accumulate=True over repeated indices (each token goes to top_k
              experts), whose CPU kernel splits the work across threads: with 2+ threads its bits change
              from run to run unless `torch.use_deterministic_algorithms(True)`.
-    "fixed": gather and combine as dense one-hot matmuls, whose reduction order is fixed by the shapes.
+    "fixed": `detrace.ops`: a private slot per (token, choice) and a sum in choice order, in forward and
+             backward (`permute`, `combine`), and the experts as grouped GEMMs (`grouped_mm`).
 
 Module names are stable across every parallel layout (layers live in a ModuleDict keyed by index, so a
 pipeline stage that drops layers keeps the others' names): `layers.1.moe` is the same module everywhere.
@@ -94,7 +95,7 @@ class ModelConfig:
     """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
     dispatch: str = "index"
     """MoE token dispatch/combine: "index" (advanced indexing, nondeterministic backward on CPU with 2+
-    threads) or "fixed" (one-hot matmuls, fixed reduction order)."""
+    threads) or "fixed" (detrace.ops' fixed-order permute/combine and grouped GEMMs)."""
     rope_theta: float = 10000.0
     """Base of the rotary position frequencies."""
     max_seq_len: int = 256
@@ -282,9 +283,10 @@ class Experts(nn.Module):
     """`n` SwiGLU experts stored as stacked weights [n, out, in], so expert parallelism can split dim 0
     (it makes them DTensors sharded on dim 0: this module then holds and runs only its local experts)."""
 
-    def __init__(self, n: int, dim: int, hidden: int, quant: str) -> None:
+    def __init__(self, n: int, dim: int, hidden: int, quant: str, *, grouped: bool = False) -> None:
         super().__init__()
         self.quant = quant
+        self.grouped = grouped  # run as three `detrace.ops.grouped_mm` (the "fixed" dispatch)
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
@@ -294,6 +296,15 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D]."""
         w1, w3, w2 = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
+        if self.grouped:
+            from detrace.ops import grouped_mm
+
+            if self.quant != "none":  # both operands quantized along `in`, as qmatmul does
+                x, w1, w3, w2 = (_FakeQuantize.apply(t, self.quant) for t in (x, w1, w3, w2))
+            h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+            if self.quant != "none":
+                h = _FakeQuantize.apply(h, self.quant)
+            return grouped_mm(h, w2, counts)
         outs = []
         for e, xe in enumerate(x.split(counts)):  # a fixed loop over experts: no cross-expert reduction
             h = F.silu(qmatmul(xe, w1[e], self.quant)) * qmatmul(xe, w3[e], self.quant)
@@ -336,7 +347,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.ffn_hidden, cfg.quant)
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.ffn_hidden, cfg.quant, grouped=cfg.dispatch == "fixed")
         self.exchange: ExpertExchange | None = None
         # Sum of this layer's aux losses since the last `pop_aux_loss()` (microbatches add up). For logging
         # only: the gradient goes through `_AuxLoss`.
@@ -355,31 +366,49 @@ class MoE(nn.Module):
         weights, experts = probs.topk(k, dim=-1)  # [N, k] each
         weights = weights / weights.sum(-1, keepdim=True)
 
+        if self.cfg.dispatch == "fixed":
+            return self._fixed(x, probs, weights, experts).view(B, T, D)
         # Sort the N*k (token, expert) pairs by expert; a stable sort keeps token order within an expert.
         order = experts.flatten().argsort(stable=True)  # [N*k]
         tokens = order // k  # [N*k] source token of each sorted row; every token appears k times
         counts = torch.bincount(experts.flatten(), minlength=E)  # [E]
 
-        if self.cfg.dispatch == "index":
-            routed = x[tokens]  # [N*k, D]  backward: aten.index_put(accumulate=True), order-dependent
-        else:
-            onehot = F.one_hot(tokens, B * T).to(x.dtype)  # [N*k, N]
-            routed = onehot @ x  # [N*k, D]  backward: a matmul, fixed reduction order
+        routed = x[tokens]  # [N*k, D]  backward: aten.index_put(accumulate=True), order-dependent
         if self.exchange is None:
             out = self.experts(routed, counts.tolist())
         else:
             out = self.exchange(routed, counts, self.experts)
         out = out * weights.flatten()[order].unsqueeze(-1)  # [N*k, D]
         # combine: each token sums its k weighted expert outputs, [N*k, D] -> [N, D]
-        y = torch.zeros_like(x).index_add_(0, tokens, out) if self.cfg.dispatch == "index" else onehot.t() @ out
+        y = torch.zeros_like(x).index_add_(0, tokens, out)
+        return self._aux(y, probs, counts).view(B, T, D)
 
+    def _fixed(
+        self, x: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The "fixed" dispatch: detrace.ops' private slot per (token, choice) and fixed-order sums, in forward
+        and backward; the experts as grouped GEMMs."""
+        from detrace.ops import combine, permute, route
+
+        routing = route(experts, self.cfg.n_experts)  # stable sort by expert: token order within an expert
+        routed = permute(x, routing)  # [N*k, D]  backward: each token's k rows summed in choice order
+        if self.exchange is None:
+            out = self.experts(routed, routing.counts.tolist())
+        else:
+            out = self.exchange(routed, routing.counts, self.experts)
+        y = combine(out, routing, weights)  # [N, D]  each token's k weighted rows summed in choice order
+        return self._aux(y, probs, routing.counts)
+
+    def _aux(self, y: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`y` carrying the load-balancing loss's gradient (and the loss added to the logged total)."""
+        E, k = self.cfg.n_experts, self.cfg.top_k
         # Switch load balancing: E * sum_e (fraction of routed copies to e) * (mean router probability of e)
-        aux = E * (counts.to(probs.dtype) / (B * T * k) * probs.mean(0)).sum()
+        aux = E * (counts.to(probs.dtype) / (probs.shape[0] * k) * probs.mean(0)).sum()
         if not _recomputing:
             self.aux_total = self.aux_total + aux.detach()
         if torch.is_grad_enabled():
             y = _AuxLoss.apply(y, aux, self.cfg.aux_loss_coef)
-        return y.view(B, T, D)
+        return y
 
     def pop_aux_loss(self) -> torch.Tensor:
         """This layer's aux loss summed over the forwards since the last call, and reset it."""

@@ -1,0 +1,106 @@
+"""Grouped GEMM over expert-sorted rows, with a deterministic forward, input gradient and weight gradient.
+
+`grouped_mm(x, weight, counts)`: x [R, in] holds counts[e] consecutive rows for expert e; weight [E, out, in]
+(the layout of `nn.Linear`, stacked); the result is [R, out], rows of expert e times weight[e].T.
+
+- forward and input gradient (dgrad): each output row belongs to one expert's GEMM; no row has two writers.
+- weight gradient (wgrad): weight.grad[e] = grad[rows of e].T @ x[rows of e], a reduction over the expert's
+  tokens. The PyTorch path makes it one GEMM per expert (the BLAS reduces inside one call). The Triton path
+  cuts the token axis into `wgrad_splits(R, E)` private partial slots, a number that depends only on the
+  shapes (never on the device's SM count or on timing), and adds the partials in split order.
+
+Experts with no rows get a zero weight gradient and produce no rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from detrace.errors import UsageError
+from detrace.ops.moe import Backend, _use_triton
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return offsets
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """out[rows of e] = x[rows of e] @ weight[e].T, one GEMM per expert."""
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    offsets = _offsets(counts)
+    for e in range(len(counts)):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            torch.mm(x[lo:hi], weight[e].t(), out=out[lo:hi])
+    return out
+
+
+def _dgrad(grad: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = grad.new_empty(grad.shape[0], weight.shape[2])
+    offsets = _offsets(counts)
+    for e in range(len(counts)):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            torch.mm(grad[lo:hi], weight[e], out=out[lo:hi])
+    return out
+
+
+def _wgrad(grad: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = grad.new_empty(len(counts), grad.shape[1], x.shape[1])
+    offsets = _offsets(counts)
+    for e in range(len(counts)):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            torch.mm(grad[lo:hi].t(), x[lo:hi], out=out[e])
+        else:
+            out[e].zero_()
+    return out
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int], backend: Backend) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts, ctx.triton = counts, _use_triton(x, backend)
+        if ctx.triton:
+            from detrace.ops import _triton
+
+            return _triton.grouped_mm(x, weight, counts)
+        return _forward(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.triton:
+            from detrace.ops import _triton
+
+            if ctx.needs_input_grad[0]:
+                grad_x = _triton.grouped_mm(grad, weight.transpose(1, 2), ctx.counts)
+            if ctx.needs_input_grad[1]:
+                grad_w = _triton.grouped_wgrad(grad, x, ctx.counts)
+        else:
+            if ctx.needs_input_grad[0]:
+                grad_x = _dgrad(grad, weight, ctx.counts)
+            if ctx.needs_input_grad[1]:
+                grad_w = _wgrad(grad, x, ctx.counts)
+        return grad_x, grad_w, None, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, *,
+               backend: Backend = "auto") -> torch.Tensor:
+    """x [R, in] (counts[e] rows per expert, in expert order) times weight[e].T ([E, out, in]) -> [R, out]."""
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
+        raise UsageError(f"grouped_mm needs x [R, in] and weight [E, out, in], not {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise UsageError(f"counts {counts} must give a non-negative row count for each of the {weight.shape[0]} "
+                         f"experts, {x.shape[0]} rows in all")
+    return _GroupedMM.apply(x, weight, counts, backend)
