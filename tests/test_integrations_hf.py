@@ -165,3 +165,11 @@ def test_an_iterable_dataset_is_refused(tmp_path: Path) -> None:
                         callbacks=[DetraceCallback()])
     with pytest.raises(UsageError, match="an IterableDataset has no sample index"):
         streaming.train()
+
+
+def test_importing_the_integration_registers_the_detrace_experts() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    import detrace.integrations.hf  # noqa: F401  (the import registers them)
+
+    assert "detrace" in ExpertsInterface().valid_keys()

@@ -14,10 +14,14 @@ this callback adds:
   is refused by tensor name;
 - the stop/resume contract of `detrace check-resume` (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME,
   DETRACE_RESUME_CONTROL), the global step and HF's logged metrics for the tracer.
+
+Importing this module also registers detrace's fixed-order MoE experts in transformers' `ExpertsInterface` as
+"detrace" (`config._experts_implementation = "detrace"`; see docs/kernels.md), where transformers has it (5 and up).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from pathlib import Path
 from typing import Any
@@ -28,10 +32,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from detrace import tracing
 from detrace.errors import CheckpointError, UsageError
 from detrace.integrations._data import SampleKeys, seed_samples
+from detrace.ops import hf as experts
 from detrace.state import TrainState, rng
 from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
 
 # The directory, inside HF's checkpoint-N, that holds detrace's verified state.
+if importlib.util.find_spec("transformers.integrations.moe") is not None:
+    experts.register()
+
 STATE_DIR = "detrace"
 # HF's logged metrics, fed to the tracer under these names (the metrics rung records its own "loss").
 LOGGED = {"loss": "hf/loss", "grad_norm": "hf/grad_norm", "learning_rate": "hf/learning_rate"}

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton
+import triton.language as tl
 
 BLOCK_K = 32  # reduction step of the grouped GEMM: part of its summation order
 BLOCK_T = 32  # token step of the weight gradient: part of its summation order
