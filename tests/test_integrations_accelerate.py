@@ -25,4 +25,4 @@ def test_check_resume_proves_the_accelerate_loop_exact(tmp_path: Path) -> None:
     assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"]
     assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])
     # accelerate's own files are there too, beside detrace's verified checkpoint.
-    assert (tmp_path / "check" / "checkpoint" / "accelerate" / "model.safetensors").is_file()
+    assert (tmp_path / "check" / "at-2" / "checkpoint" / "accelerate" / "model.safetensors").is_file()

@@ -71,7 +71,7 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
     # 2, the run ends with the bits of the continuous 2-worker run.
     report = tmp_path / "report.jsonl"
     run = _script("--workers", "0", "--report", str(report),
-                  env={"DETRACE_CKPT_DIR": str(checked[1] / "checkpoint"), "DETRACE_RESUME": "1"})
+                  env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert _arms(report)["resumed"] == checked[2]["continuous"]
 
@@ -93,7 +93,7 @@ def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
                                                     checked: tuple[int, Path, dict[str, set[str]]]) -> None:
     checkpoint = tmp_path / "checkpoint-2"
-    shutil.copytree(checked[1] / "checkpoint" / f"checkpoint-{AT}", checkpoint)
+    shutil.copytree(checked[1] / f"at-{AT}" / "checkpoint" / f"checkpoint-{AT}", checkpoint)
     trainer = _trainer(tmp_path)
     weight = trainer.model.transformer.h[0].mlp.c_fc.weight
     from safetensors.torch import load_file

@@ -52,7 +52,7 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
     # 2, the run ends with the bits of the continuous 2-worker run.
     report = tmp_path / "report.jsonl"
     run = _script("--workers", "0", "--report", str(report),
-                  env={"DETRACE_CKPT_DIR": str(checked[1] / "checkpoint"), "DETRACE_RESUME": "1"})
+                  env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert _arms(report)["resumed"] == checked[2]["continuous"]
 
@@ -69,7 +69,7 @@ def test_lightning_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureF
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
                                                     checked: tuple[int, Path, dict[str, set[str]]]) -> None:
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(checked[1] / "checkpoint", ckpt)
+    shutil.copytree(checked[1] / f"at-{AT}" / "checkpoint", ckpt)
     version = next((ckpt / f"step-{AT:08d}.ckpt.detrace").glob("step-*"))
     chunk = next(chunk for chunk in stored_chunks(version) if chunk.fqn == "model.net.0.weight")
     flip_one_bit(version, load_chunk(version, chunk))
