@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_integrations_hf import _arms
+from _integrations import arms as sorted_arms
 
 from detrace.cli import main
 
@@ -21,7 +21,7 @@ def test_check_resume_proves_the_accelerate_loop_exact(tmp_path: Path) -> None:
     code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "check"), "--", sys.executable, str(SCRIPT),
                  "--workers", "2", "--report", str(report)])
     assert code == 0
-    arms = _arms(report)
+    arms = sorted_arms(report)
     assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"]
     assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])
     # accelerate's own files are there too, beside detrace's verified checkpoint.

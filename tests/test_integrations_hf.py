@@ -5,16 +5,14 @@ caught changing the run, a flipped bit refused by tensor name, the tracer fed, a
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _integrations import arms, check_resume, run_example
 from test_checkpoint import flip_one_bit
 
 import detrace
@@ -32,30 +30,10 @@ hf_train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hf_train)
 
 
-def _arms(report: Path) -> dict[str, set[str]]:
-    """The final parameters of each kind of run in a --report file, by the contract variables it ran under."""
-    arms: dict[str, set[str]] = {"continuous": set(), "stopped": set(), "resumed": set(), "control": set()}
-    for line in report.read_text().splitlines():
-        run = json.loads(line)
-        kind = ("control" if run["DETRACE_RESUME_CONTROL"] else "resumed" if run["DETRACE_RESUME"] == "1"
-                else "stopped" if run["DETRACE_STOP_AT"] else "continuous")
-        arms[kind].add(run["params"])
-    return arms
-
-
-def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
     """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
-    out = tmp_path_factory.mktemp("hf") / "check"
-    report = out.parent / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(out), "--", sys.executable, str(SCRIPT),
-                 "--workers", "2", "--report", str(report)])
-    return code, out, _arms(report)
+    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT)
 
 
 def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
@@ -70,10 +48,10 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
     # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
     # 2, the run ends with the bits of the continuous 2-worker run.
     report = tmp_path / "report.jsonl"
-    run = _script("--workers", "0", "--report", str(report),
+    run = run_example(SCRIPT, "--workers", "0", "--report", str(report),
                   env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert _arms(report)["resumed"] == checked[2]["continuous"]
+    assert arms(report)["resumed"] == checked[2]["continuous"]
 
 
 def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,8 +59,8 @@ def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[
     code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--",
                  sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
     assert code == 1, capsys.readouterr().out
-    arms = _arms(report)
-    assert len(arms["continuous"]) == 1 and arms["resumed"].isdisjoint(arms["continuous"])
+    found = arms(report)
+    assert len(found["continuous"]) == 1 and found["resumed"].isdisjoint(found["continuous"])
 
 
 def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:

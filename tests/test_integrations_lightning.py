@@ -5,15 +5,13 @@ name, and the contract's errors."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _integrations import arms, check_resume, run_example
 from test_checkpoint import flip_one_bit
-from test_integrations_hf import _arms
 
 from detrace.cli import main
 from detrace.state.storage import load_chunk, stored_chunks
@@ -24,19 +22,10 @@ SCRIPT = Path(__file__).parents[1] / "examples" / "lightning_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
 
 
-def _script(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
     """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
-    out = tmp_path_factory.mktemp("lightning") / "check"
-    report = out.parent / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(out), "--", sys.executable, str(SCRIPT),
-                 "--workers", "2", "--report", str(report)])
-    return code, out, _arms(report)
+    return check_resume(SCRIPT, tmp_path_factory.mktemp("lightning") / "check", at=AT)
 
 
 def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
@@ -51,10 +40,10 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
     # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
     # 2, the run ends with the bits of the continuous 2-worker run.
     report = tmp_path / "report.jsonl"
-    run = _script("--workers", "0", "--report", str(report),
+    run = run_example(SCRIPT, "--workers", "0", "--report", str(report),
                   env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert _arms(report)["resumed"] == checked[2]["continuous"]
+    assert arms(report)["resumed"] == checked[2]["continuous"]
 
 
 def test_lightning_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,8 +51,8 @@ def test_lightning_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureF
     code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--", sys.executable,
                  str(SCRIPT), "--plain", "--report", str(report)])
     assert code == 1, capsys.readouterr().out
-    arms = _arms(report)
-    assert len(arms["continuous"]) == 1 and arms["resumed"].isdisjoint(arms["continuous"])
+    found = arms(report)
+    assert len(found["continuous"]) == 1 and found["resumed"].isdisjoint(found["continuous"])
 
 
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
@@ -73,7 +62,7 @@ def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
     version = next((ckpt / f"step-{AT:08d}.ckpt.detrace").glob("step-*"))
     chunk = next(chunk for chunk in stored_chunks(version) if chunk.fqn == "model.net.0.weight")
     flip_one_bit(version, load_chunk(version, chunk))
-    run = _script(env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"})
+    run = run_example(SCRIPT, env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"})
     assert run.returncode != 0
     assert "tensor 'model.net.0.weight' does not match its fingerprint in the manifest" in run.stderr
 
