@@ -1,11 +1,48 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the process-wide state every test gets back as it found it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from _ranks import free_port as _free_port
+
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when `triton.jit` decorates a function, its own library's included: set before
+    # anything (Inductor in the compiled tests, detrace.ops) imports triton, or the Triton tests depend on order.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning")
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored() -> Iterator[None]:
+    """detrace.deterministic(), the fault injector and the replica guard change process-wide state on purpose;
+    a test that calls them in-process must not hand that state to the tests after it. Restores torch's
+    determinism flags, its thread count, Inductor's determinism options and the environment."""
+    environ = dict(os.environ)
+    flags = (
+        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), torch.get_num_threads(),
+    )
+    inductor = sys.modules.get("torch._inductor.config")
+    options = {option: getattr(inductor, option) for option in _INDUCTOR_OPTIONS} if inductor else {}
+    yield
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.utils.deterministic.fill_uninitialized_memory = flags[2]  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3], flags[4]
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags[5], flags[6]
+    torch.set_float32_matmul_precision(flags[7])
+    torch.set_num_threads(flags[8])
+    for option, value in options.items():
+        setattr(inductor, option, value)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(name="free_port")

@@ -10,7 +10,7 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -27,36 +27,17 @@ ENV = (
 
 
 @pytest.fixture(autouse=True)
-def pristine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts from torch's defaults and an environment without the recipe's variables, and leaves
-    both as it found them (the recipe changes process-wide state)."""
+def pristine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from torch's defaults and an environment without the recipe's variables (conftest's
+    autouse fixture puts the process-wide state back afterwards)."""
     for name in ENV:
-        monkeypatch.setenv(name, "")  # records the original value, restored after the test
-        monkeypatch.delenv(name)
-    # Inductor's config module is not monkeypatch-friendly: save and restore its options by hand.
+        monkeypatch.delenv(name, raising=False)
     inductor = sys.modules.get("torch._inductor.config")
-    options = ("deterministic", "max_autotune", "coordinate_descent_tuning")
-    saved_options = {option: getattr(inductor, option) for option in options} if inductor else {}
-    for option in saved_options:
+    for option in ("deterministic", "max_autotune", "coordinate_descent_tuning") if inductor else ():
         setattr(inductor, option, False)
     monkeypatch.setattr(recipe, "_applied", {})
     monkeypatch.setattr(recipe, "_seeded", {})
-    flags = (
-        torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.utils.deterministic.fill_uninitialized_memory, torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
-        torch.get_float32_matmul_precision(), torch.get_num_threads(),
-    )
     torch.use_deterministic_algorithms(False)
-    yield
-    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-    torch.utils.deterministic.fill_uninitialized_memory = flags[2]
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[3], flags[4]
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags[5], flags[6]
-    torch.set_float32_matmul_precision(flags[7])
-    torch.set_num_threads(flags[8])
-    for option, value in saved_options.items():
-        setattr(inductor, option, value)
 
 
 def test_recipe_sets_every_switch_and_seeds_every_rng() -> None:
