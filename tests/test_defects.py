@@ -77,6 +77,7 @@ def test_injected_fault_strikes_once_at_its_step(tensor: str) -> None:
     clean = _train(nn.Linear(4, 3), 3)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
+    bystander = nn.Sequential(nn.Linear(4, 4))  # another live root module: `output` is the outermost *call*'s
     injector = FaultInjector(FaultSpec(step=1, rank=0, tensor=tensor, bit=22))
     injector.install()
     try:
@@ -84,7 +85,7 @@ def test_injected_fault_strikes_once_at_its_step(tensor: str) -> None:
     finally:
         injector.remove()
     assert torch.equal(faulty[0], clean[0]) and not torch.equal(faulty[1], clean[1])
-    assert injector.struck == [1]
+    assert injector.struck == [1] and bystander[0].weight.grad is None
 
 
 def test_repeat_fault_follows_its_device(monkeypatch: pytest.MonkeyPatch) -> None:

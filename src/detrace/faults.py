@@ -8,7 +8,8 @@ replica guard, `detrace recheck`, `detrace locate`); it never runs in a real job
 - `tensor=NAME`: a parameter's qualified name (`layers.0.attn.qkv.weight`, DDP's and torch.compile's prefixes
   looked through) flips the parameter as optimizer step S begins, so the update of step S starts from the flipped
   value; `NAME.grad` flips its gradient at the same moment; `MODULE.output` flips the first tensor that module's
-  forward returns in step S (`output` alone: the outermost module's).
+  forward returns in step S (`output` alone: that of the first outermost module call of step S, a forward not
+  nested in another module's forward).
 - `bit=B` is the bit of the element's pattern (0 = least significant) and `index=I` the flat element
   (default 0): one element, one bit.
 - Without `repeat`, the fault is transient: it strikes once, on rank R, at step S, in the first execution of that
@@ -168,6 +169,8 @@ class FaultInjector:
         self._undo: list[Callable[[], None]] = []
         self._module: weakref.ref[nn.Module] | None = None
         """The activation's module, found once (a scan of every live module)."""
+        self._depth = 0
+        """Module forwards running now (`output` alone: a forward that ends at depth 0 is an outermost call)."""
 
     @property
     def activation(self) -> str | None:
@@ -180,7 +183,12 @@ class FaultInjector:
     def install(self) -> None:
         self._undo = [register_optimizer_step_pre_hook(self._pre).remove,
                       register_optimizer_step_post_hook(self._post).remove]
-        if self.activation is not None:  # a global forward hook only when an activation is the target
+        if self.activation == "":
+            # "the outermost module" is a call, not a module: a process holds many root modules (a model, its
+            # loss, an EMA copy, the modules of earlier models not yet collected), so count nesting instead
+            self._undo += [nn.modules.module.register_module_forward_pre_hook(self._enter).remove,
+                           nn.modules.module.register_module_forward_hook(self._leave, always_call=True).remove]
+        elif self.activation is not None:  # a global forward hook only when an activation is the target
             self._undo.append(nn.modules.module.register_module_forward_hook(self._forward).remove)
 
     def remove(self) -> None:
@@ -213,14 +221,27 @@ class FaultInjector:
         self.completed += 1
         self.upcoming = (self.step if self.step is not None else 0) + 1
 
-    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _forward_step(self) -> int:
         # A forward runs before its step's optimizer step: its step is the one after the last optimizer step
         # (before the first optimizer step of this process, the offset it was resumed at).
-        step = self.upcoming if self.upcoming is not None else int(os.environ.get(ENV_STEP_OFFSET, "0") or 0)
+        return self.upcoming if self.upcoming is not None else int(os.environ.get(ENV_STEP_OFFSET, "0") or 0)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        step = self._forward_step()
+        if (self._depth == 0 and isinstance(output, torch.Tensor) and step not in self.struck
+                and self._strikes(step)):
+            self._flip(output, step)  # once per step, also with `repeat`: the step's first outermost call
+
+    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        step = self._forward_step()
         if not isinstance(output, torch.Tensor) or not self._strikes(step):
             return
         if self._module is None or self._module() is None:
-            found = named_tensors()[1].get(self.activation or "")
+            found = named_tensors()[1].get(self.spec.tensor.rpartition(".")[0])
             self._module = weakref.ref(found) if found is not None else None
         if self._module is not None and self._module() is module:
             self._flip(output, step)
