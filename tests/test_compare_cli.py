@@ -11,7 +11,7 @@ from test_locate import write_script
 
 from detrace import diff
 from detrace.cli import main
-from detrace.cli.compare import compare_metric
+from detrace.noise import compare_metric
 from detrace.tracing.launch import run_traced
 
 

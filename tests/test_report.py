@@ -12,8 +12,10 @@ from test_locate import write_script
 from test_locate_e2e import dump_dom
 
 from detrace.cli import main
+from detrace.compare.metrics import metric_rank, metric_series
+from detrace.compare.pairs import divergence_map
 from detrace.locate import LADDER_FILE, LADDER_SCHEMA
-from detrace.report.html import divergence_map, line_chart, metric_rank, metric_series, spread_map, write_report
+from detrace.report.html import line_chart, spread_map, write_report
 from detrace.tracefile import RankWriter
 from detrace.tracing.launch import run_traced
 

@@ -40,12 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
-from detrace.compare.classify import IDENTITY, INPUT_ROLES, OUTPUT_ROLES, content_mask, label
+from detrace.compare.pairs import first_origin_call, ranks_spec, same_over
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
 from detrace.state.manifest import MANIFEST_FILE
@@ -259,10 +255,6 @@ class Progress:
         """A rung reached its conclusion (`stage.note`)."""
 
 
-def _ranks_spec(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in sorted(set(ranks)))
-
-
 def _where(d: dict[str, Any]) -> str:
     return (f"step {d['step']}, rank {d['rank']}: {d['phase']} {d['name']}"
             + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
@@ -421,7 +413,7 @@ class Ladder:
         for rank in (int(r) for r in stage.ranks.split(",")):
             found = first_origin_call(a, b, rank)
             if found is not None:
-                return found
+                return _found(found)
         return None
 
     # -- the rungs -----------------------------------------------------------------------------------------
@@ -471,7 +463,7 @@ class Ladder:
         step = first_divergent_step(first_pair)
         step = first.step if step is None else step
         origin_ranks = first_pair.origin_ranks or [first.rank]
-        window = {"steps": str(step), "ranks": _ranks_spec(origin_ranks)}
+        window = {"steps": str(step), "ranks": ranks_spec(origin_ranks)}
         broad.note = f"the runs part at {_where(broad.found)}; origin rank(s) {window['ranks']}"
         self.progress.rung(broad)
         result.culprit = broad.found
@@ -587,79 +579,6 @@ class Ladder:
             if replayed.nondeterministic else "deterministic in isolation"))
         self.progress.rung(stage)
         return replayed
-
-
-def aligned_records(run_a: str | Path, run_b: str | Path, rank: int, *,
-                    steps: tuple[int, int] | None = None) -> tuple[pa.Table, np.ndarray, int, int]:
-    """One rank's records of two runs matched by identity (the A side of each pair, in A's order), whether each
-    pair carries the same bits (`detrace.compare.classify.content_mask`), and how many records of A and of B
-    found no partner. Positional alignment and resynchronisation are the diff's business; this is the
-    order-free view that per-step counts and the search for an origin call need. `steps` (first, last) keeps
-    only the records of those steps.
-    """
-    ta, tb = read_rank(run_a, rank).table, read_rank(run_b, rank).table
-    if steps is not None:
-        ta, tb = (t.filter(pc.and_(pc.greater_equal(t["step"], steps[0]), pc.less_equal(t["step"], steps[1])))
-                  for t in (ta, tb))
-
-    def keys(table: pa.Table, position: str) -> pa.Table:
-        columns = {name: table[name] for name in IDENTITY}
-        # a join never matches null with null: records outside any module get ""
-        columns["module"] = pc.fill_null(table["module"], "")
-        columns[position] = pa.array(np.arange(table.num_rows, dtype=np.int64))
-        return pa.table(columns)
-
-    joined = keys(ta, "_a").join(keys(tb, "_b"), keys=list(IDENTITY), join_type="inner").sort_by("_a")
-    a = ta.take(joined["_a"]).combine_chunks()
-    b = tb.take(joined["_b"]).combine_chunks()
-    if a.num_rows == 0:
-        return a, np.zeros(0, dtype=bool), ta.num_rows, tb.num_rows
-    equal = content_mask(a.to_batches()[0], b.to_batches()[0])
-    return a, equal, ta.num_rows - a.num_rows, tb.num_rows - b.num_rows
-
-
-def first_origin_call(run_a: str | Path, run_b: str | Path, rank: int) -> dict[str, Any] | None:
-    """The first op call, in A's execution order, whose input records all match and an output record differs.
-
-    The diff names the first *record* that differs and walks back from it; when that record is an input whose
-    difference went nowhere (the uninitialised memory an in-place fill such as `uniform_` overwrites: inputs
-    differ, outputs equal), it finds no origin. This search skips such absorbed differences.
-    """
-    table, equal, _, _ = aligned_records(run_a, run_b, rank)
-    if not table.num_rows:
-        return None
-    rows = table.select(["seq", "event", "rung", "role"]).to_pylist()
-    inputs_differ: set[int] = set()
-    for row, same in zip(rows, equal.tolist(), strict=True):
-        if not same and row["role"] in INPUT_ROLES:
-            inputs_differ.add(row["event"])
-    for i, (row, same) in enumerate(zip(rows, equal.tolist(), strict=True)):
-        if (not same and row["rung"] == "op" and row["role"] in OUTPUT_ROLES
-                and row["event"] not in inputs_differ):
-            found = table.slice(i, 1).to_pylist()[0]
-            keep = ("rank", "step", "seq", "rung", "phase", "name", "module", "role", "occurrence", "index", "event")
-            return {**{k: found.get(k) for k in keep}, "rank": rank, "kind": "numeric", "origin": True,
-                    "detail": {}}
-    return None
-
-
-def same_over(run_a: str | Path, run_b: str | Path, first: int, last: int) -> str | None:
-    """Whether two runs recorded the same records with the same bits in steps `first`..`last`, whatever each
-    recorded outside them (one may have started there, resumed from a checkpoint). None when they did; else
-    where they first differ, in one phrase."""
-    ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
-    if sorted(ranks_a) != sorted(ranks_b):
-        return f"ranks {_ranks_spec(list(ranks_a))} against ranks {_ranks_spec(list(ranks_b))}"
-    compared = 0
-    for rank in sorted(ranks_a):
-        table, equal, only_a, only_b = aligned_records(run_a, run_b, rank, steps=(first, last))
-        if not equal.all():
-            row = table.slice(int(np.argmin(equal)), 1).to_pylist()[0]
-            return f"rank {rank}, step {row['step']}: {label(row)} differs"
-        if only_a or only_b:
-            return f"rank {rank}: {only_a} records of run A and {only_b} of the resumed run have no partner"
-        compared += table.num_rows
-    return None if compared else f"no records in steps {first}-{last}"
 
 
 def _checkpoints(root: Path) -> dict[int, Path]:

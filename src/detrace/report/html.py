@@ -18,13 +18,12 @@ from __future__ import annotations
 import html
 import math
 import struct
-from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
-
+from detrace.compare.metrics import metric_rank, metric_series
+from detrace.compare.pairs import divergence_map
 from detrace.errors import TraceError
 from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import run_header_path
@@ -62,53 +61,6 @@ def _bits(value: float) -> str:
 
 
 # -- data from the traces ----------------------------------------------------------------------------------------
-
-
-def metric_series(run_dir: str | Path, rank: int) -> dict[str, dict[int, float]]:
-    """Exact metric values of one rank: name -> step -> value."""
-    table = read_rank(run_dir, rank).table
-    table = table.filter(pc.equal(table["role"], "metric")).select(["step", "name", "value"])
-    series: dict[str, dict[int, float]] = defaultdict(dict)
-    for row in table.to_pylist():
-        if row["value"] is not None:
-            series[row["name"]][row["step"]] = row["value"]
-    return dict(series)
-
-
-def metric_rank(run_dir: str | Path) -> int | None:
-    """The lowest rank that recorded metrics (ranks outside the recorded window have no file)."""
-    for rank in open_run(run_dir).ranks:
-        if metric_series(run_dir, rank):
-            return rank
-    return None
-
-
-def divergence_map(run_a: Path, run_b: Path) -> dict[int, dict[int, tuple[int, int]]]:
-    """rank -> step -> (records that differ, records compared), records matched by identity.
-
-    A record differs when its bits differ or when only one run has it. The counts show how a divergence spreads;
-    which record came *first* (and whether it is an origin) is `detrace.diff`'s answer.
-    """
-    from detrace.locate import aligned_records
-
-    ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
-    spread: dict[int, dict[int, tuple[int, int]]] = {}
-    for rank in sorted(set(ranks_a) | set(ranks_b)):
-        if rank not in ranks_a or rank not in ranks_b:
-            spread[rank] = {}
-            continue
-        table, equal, _, _ = aligned_records(run_a, run_b, rank)
-        matched = Counter(table["step"].to_pylist())
-        differ = Counter(step for step, same in zip(table["step"].to_pylist(), equal.tolist(), strict=True)
-                         if not same)
-        # records of one run without a partner (a changed call sequence, a truncated run) differ too
-        unmatched: Counter[int] = Counter()
-        for run in (run_a, run_b):
-            unmatched += Counter(read_rank(run, rank).table["step"].to_pylist()) - matched
-        counts = {step: (differ[step] + unmatched[step], matched[step] + unmatched[step])
-                  for step in matched.keys() | unmatched.keys()}
-        spread[rank] = counts
-    return spread
 
 
 # -- SVG pieces ------------------------------------------------------------------------------------------------
