@@ -17,14 +17,13 @@ ResumeVerdict = Literal["exact", "resume-changed-the-run", "nondeterministic", "
 """`detrace check-resume`: whether stopping and resuming reproduces the uninterrupted run."""
 NoiseVerdict = Literal["identical", "noise", "real"]
 """`detrace compare`: a candidate run against two baselines."""
+RecheckVerdict = Literal["clean", "transient", "persistent", "software-nondeterminism"]
+"""`detrace recheck`: a step re-executed on the same devices and on others (a fault follows the device)."""
 
 DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
 LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
 RESUME: Final[dict[ResumeVerdict, int]] = {"exact": 0, "resume-changed-the-run": 1, "nondeterministic": 3,
                                            "inconclusive": 4}
 NOISE: Final[dict[NoiseVerdict, int]] = {"identical": 0, "noise": 0, "real": 1}
-
-
-def yes_no(ok: bool) -> int:
-    """A command whose answer is yes or no (check, certify, replay, check-topology, doctor): 0 yes, 1 no."""
-    return 0 if ok else 1
+RECHECK: Final[dict[RecheckVerdict, int]] = {"clean": 0, "transient": 1, "persistent": 1,
+                                             "software-nondeterminism": 1}

@@ -1,126 +1,39 @@
-"""The ladder driver: from "two runs of CMD differ" to "this op, this step, this rank", without touching CMD.
-
-`locate` runs CMD under the zero-edit tracer (`detrace.tracing.launch.run_traced`) a bounded number of times,
-each run narrower than the last, and compares pairs of runs with `detrace.diff`:
-
-    rung 1  semantic (metrics + collectives + optimizer), every step, every rank    2 runs
-            identical: "deterministic over N steps"; else the earliest divergent step and the origin ranks
-    rung 2  module, only that step, only those ranks                                  2 runs
-    rung 3  op, only that step, only those ranks: the first op with equal inputs
-            and different outputs (the culprit)                                       2 runs
-    rung 4  capture of the culprit's call (that op only, that step, that rank),
-            then `detrace.replay` on it: is the op itself nondeterministic, and what fixes it    1 run
-
-That is 7 runs. A narrow run records every rung in steps 0..S. Nondeterminism is random, so a narrower pair
-may part earlier than S (caught in detail all the same; the stage moves to that step), not part by S (run once
-more, recording every step), or, at the op rung, show no origin op (run once more). A first pair that is
-identical gets a third run, and each narrow rung retries at most once, so the ladder costs at most 12 runs;
-a rung that still does not settle
-makes the verdict "inconclusive", with what the broader rungs established. Every run starts from the same
-state (a fresh process of the same command, environment and working directory), and every run directory is
-kept under `out`.
-
-The checkpointed ladder, for a CMD that follows the resume contract (`detrace.TrainState`, docs/resume.md): the
-broad runs save a checkpoint every K steps (DETRACE_CKPT_EVERY); one run resumed from a checkpoint of run A must
-reproduce A's trace over the next window (the proof); then every narrower run resumes from A's latest checkpoint
-at or before the divergent step and stops right after it (DETRACE_RESUME_FROM, DETRACE_STOP_AT), so it executes
-at most K + 1 steps wherever the divergence lies. A proof that fails makes the narrow runs full runs again; a
-CMD that writes no checkpoint gets today's full runs.
-"""
+"""The ladder's driver: runs CMD rung by rung, each pair narrower than the last (the package docstring tells the
+ladder); `Ladder.run` hands back the `detrace.ladder.LocateResult`."""
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import json
 import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
 from detrace.compare.pairs import first_origin_call, ranks_spec, same_over
-from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.replay import ReplayConfig, ReplayResult, list_captures, replay_file
+from detrace.errors import CommandFailed, TraceError
+from detrace.ladder import (
+    CallRecord,
+    Cost,
+    Finding,
+    LocateResult,
+    ResumeUse,
+    RunCost,
+    Rung,
+    Stage,
+)
+from detrace.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
+from detrace.replay import ReplayResult, replay_file
 from detrace.state.manifest import MANIFEST_FILE
-from detrace.tracefile import open_run, read_rank, write_json_atomic
+from detrace.tracefile import open_run, read_rank
+from detrace.tracefile.layout import capture_paths
 from detrace.tracing.launch import run_traced
+from detrace.verdicts import LocateVerdict
 
-LOCATE_SCHEMA = "detrace.locate/1"
-LADDER_SCHEMA = "detrace.ladder/1"
-LOCATE_FILE = "locate.json"
-"""The `detrace.locate/1` object, as `detrace locate --json` prints it."""
-LADDER_FILE = "ladder.json"
-"""Everything the rungs established (stages, diffs, the culprit's records, every replay arm): the report's input."""
-REPORT_FILE = "report.html"
 REFERENCE_RUN = "1-semantic-a"
 """Run A of the broad rung: the narrow runs resume from its checkpoints, and the resume proof is held against it."""
 CHECKPOINTS = "checkpoints"
 """Subdirectory of `out` where the broad run A keeps its checkpoints (and other runs their scratch saves)."""
-
-BASE_RUNS = 7
-"""Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
-MAX_RUNS = 14
-"""Runs at most: a third broad run when the first pair is identical, the resume proof of a checkpointed ladder
-(twice when the first resumed run differs), and each narrow pair once more."""
-
-DEFAULT_STEPS = 8
-"""Steps of the embedded default workload: its race strikes at a random step (on an idle machine, in roughly one
-step in five), so eight steps make a pair that never parts unlikely; a step costs a fraction of a second."""
-DEFAULT_BATCH = 32
-"""Sequences per step of the embedded default (the preset has 8): 32 x 32 tokens routed to 4 experts each make
-the MoE backward's accumulating index_put (4096 rows into 1024) long enough for its two threads to overlap, so
-the race recurs in the ladder's narrower reruns."""
-
-
-DEFAULT_CHECKPOINT_EVERY = 8
-"""K when locate chooses: a narrow run resumed from a checkpoint executes at most K + 1 steps (six of them in a
-ladder whose pairs reproduce the divergence), and the broad runs each write one checkpoint per K steps (run A's
-are all kept, in OUT/checkpoints: a long run of a large model wants a larger `--checkpoint-every`)."""
-
-
-def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
-    """The embedded default: the reference workload with its nondeterministic `index` MoE dispatch on 2 threads."""
-    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--steps", str(steps),
-            "--threads", "2", "--dispatch", "index", "--batch-size", str(DEFAULT_BATCH)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LocateConfig:
-    """One `detrace locate` invocation."""
-
-    command: tuple[str, ...]
-    """CMD, exactly as `detrace run` would start it (a script, `python -m ...`, `torchrun ...`)."""
-    out: Path
-    """Directory that receives every run directory, locate.json, ladder.json and report.html."""
-    timeout: float | None = 900.0
-    """Seconds one run of CMD may take before it counts as hung; None waits forever."""
-    retries: int = 1
-    """Extra attempts of a narrow pair whose runs happen not to differ (nondeterminism is random)."""
-    max_numel: int | None = None
-    """Skip fingerprinting tensors above this many elements at the module and op rungs (shape still recorded)."""
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    """How the kernel rung replays the culprit."""
-    env: dict[str, str] | None = None
-    """Extra environment for CMD (the same for every run, so every arm starts from the same state)."""
-    checkpoint_every: int | None = None
-    """K: the broad runs of a CMD that follows the resume contract save a checkpoint every K steps, and the
-    narrow runs resume from the last one before the divergence. None: `DEFAULT_CHECKPOINT_EVERY`."""
-    checkpoints: bool = True
-    """False: ask CMD for no checkpoint, so every run is a full run (the ladder before checkpoints)."""
-
-    def __post_init__(self) -> None:
-        if not self.command:
-            raise UsageError("locate needs a command to run")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise UsageError(f"--checkpoint-every must be a positive number of steps, not {self.checkpoint_every}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise UsageError(f"--timeout must be a positive number of seconds, not {self.timeout}")
-        if not 0 <= self.retries <= 1:
-            raise UsageError("locate retries a narrow pair at most once (retries must be 0 or 1)")
-
 
 class RunFailed(CommandFailed):
     """CMD crashed or hung during one run of the ladder; carries the end of its output."""
@@ -131,11 +44,10 @@ class RunFailed(CommandFailed):
 
 
 @dataclass(kw_only=True)
-class Stage:
-    """One rung of the ladder as it ran."""
+class _Stage:
+    """One rung of the ladder while it runs (`Stage` is its record)."""
 
-    rung: str
-    """semantic | resume (the proof that resuming is exact) | module | op | kernel."""
+    rung: Rung
     steps: str
     """The steps this rung records in detail."""
     ranks: str
@@ -143,8 +55,8 @@ class Stage:
     """Run directories, in the order they ran (pairs: a, b; a retried pair: c, d)."""
     diff: dict[str, Any] | None = None
     """The `detrace.diff/1` object of this rung's last pair (kernel rung: none)."""
-    found: dict[str, Any] | None = None
-    """The divergence this rung settled on: the diff's `first` object plus occurrence, index, event, detail."""
+    found: Finding | None = None
+    """The divergence this rung settled on."""
     note: str = ""
     """What the rung established, in one sentence."""
     wide: bool = False
@@ -154,92 +66,38 @@ class Stage:
     resume_from: str | None = None
     """The checkpoint version its runs resume from (DETRACE_RESUME_FROM); None: they start at step 0."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"rung": self.rung, "steps": self.steps, "ranks": self.ranks, "runs": self.runs,
-                "diff": self.diff, "found": self.found, "note": self.note, "start": self.start}
+    def record(self) -> Stage:
+        return Stage(rung=self.rung, steps=self.steps, ranks=self.ranks, runs=tuple(self.runs), diff=self.diff,
+                     found=self.found, note=self.note, start=self.start)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RunCost:
-    """What one run of CMD cost."""
+class _Spent(NamedTuple):
+    """One run of CMD as it ran (`RunCost` is its record, once the broad rung's step count is known)."""
 
     run: str
-    """Its directory name under `out`."""
     rung: str
     start: int
-    """The global step it started at (0, or the checkpoint it resumed from)."""
     stop: int | None
     """DETRACE_STOP_AT: it stopped once this many steps had completed; None: it ran to its end."""
     seconds: float
-    """Wall time of the process."""
 
-    def to_json(self, total: int) -> dict[str, Any]:
+    def record(self, total: int) -> RunCost:
         """With `total`, the steps a full run executes (the broad rung's count)."""
         end = total if self.stop is None else min(self.stop, total)
-        return {"run": self.run, "rung": self.rung, "start": self.start, "steps": max(0, end - self.start),
-                "seconds": round(self.seconds, 3)}
+        return RunCost(run=self.run, rung=self.rung, start=self.start, steps=max(0, end - self.start),
+                       seconds=self.seconds)
 
 
 @dataclass(kw_only=True)
-class LocateResult:
-    """What the ladder found."""
+class _Answer:
+    """What `Ladder._ladder` settles, before it becomes a `LocateResult`."""
 
-    verdict: str
-    """deterministic | nondeterministic | inconclusive."""
-    message: str
-    """The one-sentence answer."""
-    command: list[str]
-    out: Path
+    verdict: LocateVerdict = "inconclusive"
+    message: str = ""
     steps: int = 0
-    """Steps the broad rung recorded."""
-    culprit: dict[str, Any] | None = None
-    """The narrowest divergence found (a `Stage.found`); its rank, step, phase, module, name, origin go to JSON."""
-    culprit_records: list[dict[str, Any]] = field(default_factory=list)
-    """The culprit call's records in both op-rung runs: role, index, shape, dtype, equal."""
+    culprit: Finding | None = None
+    culprit_records: list[CallRecord] = field(default_factory=list)
     replay: ReplayResult | None = None
-    stages: list[Stage] = field(default_factory=list)
-    report: str = ""
-    costs: list[RunCost] = field(default_factory=list)
-    """Every run of CMD, in the order they ran."""
-    notes: list[str] = field(default_factory=list)
-    """What the summary adds: a CMD without the resume contract, or a resume that was not exact."""
-    checkpoint_every: int | None = None
-    """K of the checkpointed ladder; None when CMD wrote no checkpoint (it does not follow the contract)."""
-    resume: str = "no-contract"
-    """no-contract (CMD wrote no checkpoint: every run is a full run) | unused (no narrow run needed a
-    checkpoint) | exact (proven: narrow runs resumed) | inexact (the proof failed: narrow runs are full runs)."""
-
-    @property
-    def runs(self) -> list[str]:
-        return [run for stage in self.stages for run in stage.runs]
-
-    @property
-    def exit_code(self) -> int:
-        return {"deterministic": 0, "nondeterministic": 1}.get(self.verdict, 2)
-
-    def cost(self) -> dict[str, Any]:
-        """What the ladder cost: runs, steps executed per run and where each started, and the resume used."""
-        per_run = [c.to_json(self.steps) for c in self.costs]
-        return {"runs": len(per_run), "steps": sum(r["steps"] for r in per_run),
-                "seconds": round(sum(c.seconds for c in self.costs), 3),
-                "checkpoint_every": self.checkpoint_every, "resume": self.resume, "per_run": per_run}
-
-    def to_json(self) -> dict[str, Any]:
-        """The `detrace.locate/1` object (docs/locate.md shows one), with the ladder's cost."""
-        culprit = None if self.culprit is None else {k: self.culprit[k] for k in
-                                                      ("rank", "step", "phase", "module", "name", "origin")}
-        return {"schema": LOCATE_SCHEMA, "verdict": self.verdict, "culprit": culprit,
-                "replay": None if self.replay is None else self.replay.summary(),
-                "runs": self.runs, "report": self.report, "cost": self.cost()}
-
-    def ladder_json(self) -> dict[str, Any]:
-        """`detrace.ladder/1`: everything `detrace report` draws."""
-        return {"schema": LADDER_SCHEMA, "verdict": self.verdict, "message": self.message,
-                "command": self.command, "steps": self.steps, "culprit": self.culprit,
-                "culprit_records": self.culprit_records,
-                "replay": None if self.replay is None else self.replay.to_json(),
-                "stages": [s.to_json() for s in self.stages], "runs": self.runs, "report": self.report,
-                "notes": self.notes, "cost": self.cost()}
 
 
 class Progress:
@@ -255,17 +113,6 @@ class Progress:
         """A rung reached its conclusion (`stage.note`)."""
 
 
-def _where(d: dict[str, Any]) -> str:
-    return (f"step {d['step']}, rank {d['rank']}: {d['phase']} {d['name']}"
-            + (f" in {d['module']}" if d["module"] else "") + f" ({d['role']})")
-
-
-def _found(d: Divergence) -> dict[str, Any]:
-    """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and shapes."""
-    return {**d.to_json(), "occurrence": d.occurrence, "index": d.index, "event": d.event,
-            "detail": json.loads(json.dumps(d.detail, default=str))}
-
-
 class Ladder:
     """Runs the rungs in order; see the module docstring."""
 
@@ -273,18 +120,18 @@ class Ladder:
         self.config = config
         self.progress = progress or Progress()
         self.planned = BASE_RUNS
-        self.stages: list[Stage] = []
-        self.costs: list[RunCost] = []
+        self.stages: list[_Stage] = []
+        self.spent: list[_Spent] = []
         self.every = config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
         self.checkpoints: dict[int, Path] = {}
         """Run A's checkpoints: completed steps -> version directory. Empty: CMD ignores the contract."""
-        self.resume = "no-contract"
+        self.resume: ResumeUse = "no-contract"
         self.completed: list[str] = []
         """The rungs at which CMD ran to completion so far (a later failure is then the rung's doing)."""
 
     # -- running CMD ---------------------------------------------------------------------------------------
 
-    def _window(self, stage: Stage) -> str:
+    def _window(self, stage: _Stage) -> str:
         """The tracer's step window for one run of a stage: every rung records every step from the stage's start
         (0, or the checkpoint it resumes from) up to its step S.
 
@@ -298,14 +145,14 @@ class Ladder:
             return "all"
         return f"{stage.start}-{stop - 1 if stage.wide and stop is not None else stage.steps}"
 
-    def _stop(self, stage: Stage) -> int | None:
+    def _stop(self, stage: _Stage) -> int | None:
         """DETRACE_STOP_AT for a narrow stage's runs: right after step S (a wide retry: after the window of K
         steps from the stage's start, or S if later); None: full runs (no contract, or resuming was inexact)."""
         if self.resume in ("no-contract", "inexact") or stage.steps == "all":
             return None
         return max(stage.start + self.every, int(stage.steps)) + 1 if stage.wide else int(stage.steps) + 1
 
-    def _place(self, stage: Stage) -> None:
+    def _place(self, stage: _Stage) -> None:
         """Start the stage's runs from run A's latest checkpoint at or before its step, once resuming is proven."""
         stage.start, stage.resume_from = 0, None
         if self.resume == "exact":
@@ -325,7 +172,7 @@ class Ladder:
             env["DETRACE_RESUME_FROM"] = resume_from
         return env
 
-    def _run(self, stage: Stage, name: str, *, rung: str, capture: str | None = None, window: str | None = None,
+    def _run(self, stage: _Stage, name: str, *, rung: str, capture: str | None = None, window: str | None = None,
              contract: dict[str, str] | None = None) -> Path:
         """One run of CMD. `contract`: the resume contract's variables (None: a narrow run as the stage says)."""
         out = self.config.out / name
@@ -349,8 +196,8 @@ class Ladder:
                                 env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
             raise RunFailed(f"run {name} of the ladder failed, at {what}: {err}") from None
-        self.costs.append(RunCost(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
-                                  seconds=result.elapsed))
+        self.spent.append(_Spent(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
+                                 seconds=result.elapsed))
         if result.returncode != 0:
             if self.completed:
                 cause = (f"CMD ran to completion at the {self.completed[0]} rung, so detrace's "
@@ -367,7 +214,7 @@ class Ladder:
         self.progress.run_finished(name, result.elapsed)
         return out
 
-    def _pair(self, stage: Stage, rung: str, first: str, second: str) -> DiffResult:
+    def _pair(self, stage: _Stage, rung: str, first: str, second: str) -> DiffResult:
         prefix = f"{len(self.stages)}-{rung}"
         a = self._run(stage, f"{prefix}-{first}", rung=rung)
         b = self._run(stage, f"{prefix}-{second}", rung=rung)
@@ -377,7 +224,7 @@ class Ladder:
         stage.diff = result.to_json()
         return result
 
-    def _narrow(self, stage: Stage, rung: str) -> dict[str, Any] | None:
+    def _narrow(self, stage: _Stage, rung: Rung) -> Finding | None:
         """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence there.
 
         A narrow run records its rung in every step up to S: a pair that happens to part before S
@@ -399,50 +246,54 @@ class Ladder:
             if parted is not None:
                 stage.steps = str(parted)  # where this pair parted (earlier than S, or later in a wide retry)
             if rung != "op":
-                stage.found = _found(result.first)
+                stage.found = Finding.of(result.first)
                 break
-            origin = first_origin(result)
-            stage.found = _found(origin) if origin else self._origin_call(stage) or _found(result.first)
-            if stage.found["origin"]:
+            origin = first_origin(result) or self._origin_call(stage) or result.first
+            stage.found = Finding.of(origin)
+            if stage.found.origin:
                 break
         return stage.found
 
-    def _origin_call(self, stage: Stage) -> dict[str, Any] | None:
+    def _origin_call(self, stage: _Stage) -> Divergence | None:
         """The first origin op call on the window's ranks when the diff's first differing record was absorbed."""
         a, b = stage.runs[-2:]
         for rank in (int(r) for r in stage.ranks.split(",")):
             found = first_origin_call(a, b, rank)
             if found is not None:
-                return _found(found)
+                return found
         return None
 
     # -- the rungs -----------------------------------------------------------------------------------------
 
-    def run(self) -> LocateResult:
-        result = self._ladder()
+    def run(self, *, report: str = "") -> LocateResult:
+        """Run the ladder; `report` is where the HTML report will be (the result names it)."""
+        answer = self._ladder()
+        notes = []
         narrowed = any(stage.rung in ("module", "op", "kernel") for stage in self.stages)
         if narrowed and self.resume == "no-contract":
-            result.notes.append("CMD wrote no checkpoint, so every narrow run re-ran it from step 0: on long runs, "
-                                "the resume contract (detrace.TrainState, docs/resume.md) lets locate resume them "
-                                "from a checkpoint next to the divergence")
+            notes.append("CMD wrote no checkpoint, so every narrow run re-ran it from step 0: on long runs, "
+                         "the resume contract (detrace.TrainState, docs/resume.md) lets locate resume them "
+                         "from a checkpoint next to the divergence")
         elif narrowed and self.resume == "inexact":
-            result.notes.append(next(s.note for s in self.stages if s.rung == "resume"))
-        return result
+            notes.append(next(s.note for s in self.stages if s.rung == "resume"))
+        cost = Cost(per_run=tuple(spent.record(answer.steps) for spent in self.spent),
+                    seconds=sum(spent.seconds for spent in self.spent),
+                    checkpoint_every=self.every if self.checkpoints else None, resume=self.resume)
+        return LocateResult(verdict=answer.verdict, message=answer.message, command=tuple(self.config.command),
+                            out=self.config.out, steps=answer.steps, culprit=answer.culprit,
+                            culprit_records=tuple(answer.culprit_records), replay=answer.replay,
+                            stages=tuple(stage.record() for stage in self.stages), report=report,
+                            notes=tuple(notes), cost=cost)
 
-    def _ladder(self) -> LocateResult:
-        cfg = self.config
-        result = LocateResult(verdict="inconclusive", message="", command=list(cfg.command), out=cfg.out)
-        result.stages = self.stages
-        result.costs = self.costs
-
-        broad = Stage(rung="semantic", steps="all", ranks="all")
+    def _ladder(self) -> _Answer:
+        result = _Answer()
+        broad = _Stage(rung="semantic", steps="all", ranks="all")
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = _recorded_steps(Path(broad.runs[0]))
         self.checkpoints = _checkpoints(self.config.out / CHECKPOINTS / REFERENCE_RUN)
         if self.checkpoints:
-            self.resume = result.resume = "unused"
-            result.checkpoint_every = self.every
+            self.resume = "unused"
         if first_pair.verdict == "identical" or first_pair.first is None:
             # A race that strikes at random steps can spare one pair: a third run, compared with the first,
             # before the verdict is "deterministic".
@@ -454,40 +305,40 @@ class Ladder:
             broad.diff = first_pair.to_json()
         if first_pair.verdict == "identical" or first_pair.first is None:
             broad.note = f"the three runs are bit-identical over {result.steps} steps"
-            self.progress.rung(broad)
+            self.progress.rung(broad.record())
             result.verdict = "deterministic"
             result.message = f"every recorded bit of three runs is identical over {result.steps} steps"
             return result
         first = first_pair.first
-        broad.found = _found(first)
+        broad.found = Finding.of(first)
         step = first_divergent_step(first_pair)
         step = first.step if step is None else step
         origin_ranks = first_pair.origin_ranks or [first.rank]
         window = {"steps": str(step), "ranks": ranks_spec(origin_ranks)}
-        broad.note = f"the runs part at {_where(broad.found)}; origin rank(s) {window['ranks']}"
-        self.progress.rung(broad)
+        broad.note = f"the runs part at {broad.found.where()}; origin rank(s) {window['ranks']}"
+        self.progress.rung(broad.record())
         result.culprit = broad.found
         self._prove_resume(step)
-        result.resume = self.resume
 
-        for rung in ("module", "op"):
-            stage = Stage(rung=rung, steps=window["steps"], ranks=window["ranks"])
+        rungs: tuple[Rung, ...] = ("module", "op")
+        for rung in rungs:
+            stage = _Stage(rung=rung, steps=window["steps"], ranks=window["ranks"])
             self._place(stage)
             self.stages.append(stage)
             found = self._narrow(stage, rung)
             if found is None:
                 stage.note = (f"{len(stage.runs)} runs at the {rung} rung (recording steps 0-{stage.steps}, then every "
                               f"step) on rank(s) {window['ranks']} did not differ: the nondeterminism did not recur")
-            elif rung == "op" and not found["origin"]:
-                stage.note = (f"the first op that differs ({_where(found)}) already had differing inputs, and no "
+            elif rung == "op" and not found.origin:
+                stage.note = (f"the first op that differs ({found.where()}) already had differing inputs, and no "
                               "op of that step had equal inputs and a differing output")
             else:
-                stage.note = f"first {'origin' if found['origin'] else 'divergence'} at {_where(found)}"
-                self.progress.rung(stage)
+                stage.note = f"first {'origin' if found.origin else 'divergence'} at {found.where()}"
+                self.progress.rung(stage.record())
                 result.culprit = found
                 window["steps"] = stage.steps  # the op rung records the step the module rung confirmed
                 continue
-            self.progress.rung(stage)
+            self.progress.rung(stage.record())
             result.message = (f"two runs part at step {step} on rank(s) {window['ranks']}, but the {rung}-rung "
                               f"reruns could not pin it down: {stage.note}")
             return result
@@ -497,8 +348,8 @@ class Ladder:
         assert culprit is not None
         result.culprit_records = _call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
         result.verdict = "nondeterministic"
-        result.message = (f"culprit: {culprit['name']}" + (f" in {culprit['module']}" if culprit["module"] else "")
-                          + f", {culprit['phase']} of step {culprit['step']} on rank {culprit['rank']}")
+        result.message = (f"culprit: {culprit.name}" + (f" in {culprit.module}" if culprit.module else "")
+                          + f", {culprit.phase} of step {culprit.step} on rank {culprit.rank}")
         result.replay = self._kernel(culprit)
         if result.replay is not None:
             fix = ", ".join(result.replay.fixed_by) or "no switch tried"
@@ -522,8 +373,8 @@ class Ladder:
         if not proof_from:
             return  # the divergence is too close to the first checkpoint to prove anything before it
         last = min(proof_from + self.every, step - 1)
-        stage = Stage(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
-                      resume_from=str(self.checkpoints[proof_from]))
+        stage = _Stage(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
+                       resume_from=str(self.checkpoints[proof_from]))
         self.stages.append(stage)
         reference = self.config.out / REFERENCE_RUN
         resumed: list[Path] = []
@@ -556,28 +407,28 @@ class Ladder:
             self.resume = "inexact"
             stage.note = (f"{where} did not reproduce run A over steps {stage.steps} ({difference}): the resume is "
                           "not exact, so every narrow run is a full run")
-        self.progress.rung(stage)
+        self.progress.rung(stage.record())
 
-    def _kernel(self, culprit: dict[str, Any]) -> ReplayResult | None:
-        stage = Stage(rung="kernel", steps=str(culprit["step"]), ranks=str(culprit["rank"]))
+    def _kernel(self, culprit: Finding) -> ReplayResult | None:
+        stage = _Stage(rung="kernel", steps=str(culprit.step), ranks=str(culprit.rank))
         self._place(stage)
         self.stages.append(stage)
         # No rank= key: the run's rank window already limits it to that rank, and a single process learns its
         # rank only at the end of its first step. module= is always given ("" for none) to pin the occurrence.
-        selector = (f"step={culprit['step']},phase={culprit['phase']},name={culprit['name']},"
-                    f"occurrence={culprit['occurrence']},module={culprit['module'] or ''}")
+        selector = (f"step={culprit.step},phase={culprit.phase},name={culprit.name},"
+                    f"occurrence={culprit.occurrence},module={culprit.module or ''}")
         run = self._run(stage, f"{len(self.stages)}-capture", rung="op", capture=selector)
-        captures = [p for p in list_captures(run) if p.name.startswith(f"rank-{culprit['rank']:05d}-")]
+        captures = [path for rank, _, path in capture_paths(run) if rank == culprit.rank]
         if not captures:
-            stage.note = f"the capture run recorded no call matching {selector} on rank {culprit['rank']}"
-            self.progress.rung(stage)
+            stage.note = f"the capture run recorded no call matching {selector} on rank {culprit.rank}"
+            self.progress.rung(stage.record())
             return None
         replayed = replay_file(captures[0], self.config.replay)
         stage.note = (f"replayed {replayed.base.repeats} times: " + (
             f"nondeterministic, up to {replayed.base.differing_elements} elements differ by up to "
             f"{replayed.base.max_ulp} ULP; fixed by {', '.join(replayed.fixed_by) or 'no switch tried'}"
             if replayed.nondeterministic else "deterministic in isolation"))
-        self.progress.rung(stage)
+        self.progress.rung(stage.record())
         return replayed
 
 
@@ -603,11 +454,11 @@ def _recorded_steps(run_dir: Path) -> int:
     return 1 + max(read_rank(run_dir, rank).last_step for rank in info.ranks)
 
 
-def _call_records(run_a: str, run_b: str, culprit: dict[str, Any]) -> list[dict[str, Any]]:
+def _call_records(run_a: str, run_b: str, culprit: Finding) -> list[CallRecord]:
     """The culprit call's records in both runs, side by side: which inputs matched and which outputs did not."""
     def call(run: str) -> dict[tuple[str, int], dict[str, Any]]:
-        rows = read_rank(run, culprit["rank"]).table.to_pylist()
-        event = next((r["event"] for r in rows if r["seq"] == culprit["seq"]), None)
+        rows = read_rank(run, culprit.rank).table.to_pylist()
+        event = next((r["event"] for r in rows if r["seq"] == culprit.seq), None)
         return {(r["role"], r["index"]): r for r in rows if event is not None and r["event"] == event}
 
     a, b = call(run_a), call(run_b)
@@ -616,64 +467,8 @@ def _call_records(run_a: str, run_b: str, culprit: dict[str, Any]) -> list[dict[
         ra, rb = a.get(key), b.get(key)
         row = ra or rb
         assert row is not None
-        records.append({"role": key[0], "index": key[1], "shape": row["shape"], "dtype": row["dtype"],
-                        "numel": row["numel"], "equal": ra is not None and rb is not None
-                        and ra["digest"] == rb["digest"] and ra["shape"] == rb["shape"]})
+        records.append(CallRecord(role=key[0], index=key[1], shape=row["shape"], dtype=row["dtype"],
+                                  numel=row["numel"], equal=ra is not None and rb is not None
+                                  and ra["digest"] == rb["digest"] and ra["shape"] == rb["shape"]))
     order = {"input": 0, "mutated": 1, "output": 2}
-    return sorted(records, key=lambda r: (order.get(r["role"], 3), r["role"], r["index"]))
-
-
-def default_out(base: Path | None = None) -> Path:
-    """A fresh `detrace-locate-<timestamp>` directory name under `base` (the working directory by default)."""
-    base = base or Path.cwd()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = base / f"detrace-locate-{stamp}"
-    n = 1
-    while out.exists():
-        n += 1
-        out = base / f"detrace-locate-{stamp}-{n}"
-    return out
-
-
-def prepare_out(out: Path, *, force: bool) -> None:
-    """Create the output directory; refuse to mix a new ladder into an old one unless `force`."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UsageError(f"--out {out} is not empty; choose another directory or pass --force")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"cannot create --out {out}: {err.strerror}") from None
-
-
-def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False) -> LocateResult:
-    """Drive the ladder on `config.command`; write locate.json, ladder.json and report.html into `config.out`.
-
-    Raises `RunFailed` (a `CommandFailed`) when CMD crashes or hangs in any run, `TraceError` when its traces
-    cannot be compared. Runs already made stay in `config.out`.
-    """
-    from detrace.report.html import write_report
-
-    config = dataclasses.replace(config, out=config.out.resolve())
-    prepare_out(config.out, force=force)
-    result = Ladder(config, progress).run()
-    result.report = str(config.out / REPORT_FILE)
-    write_json_atomic(config.out / LADDER_FILE, result.ladder_json())
-    write_report(config.out, Path(result.report))
-    write_json_atomic(config.out / LOCATE_FILE, result.to_json())
-    return result
-
-
-def load_ladder(out: str | Path) -> dict[str, Any]:
-    """Read a locate directory's ladder.json."""
-    path = Path(out) / LADDER_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TraceError(f"{out} is not a locate directory (no {LADDER_FILE})") from None
-    except (OSError, ValueError) as err:
-        raise TraceError(f"{path} is unreadable: {err}") from None
-    if data.get("schema") != LADDER_SCHEMA:
-        raise TraceError(f"{path} has schema {data.get('schema')!r}; this detrace reads {LADDER_SCHEMA}")
-    return data
+    return sorted(records, key=lambda r: (order.get(r.role, 3), r.role, r.index))
