@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from detrace.errors import TraceError, UsageError
-from detrace.tracefile import Capture, load_capture, resolve_op
+from detrace.tracefile.capture import Capture, load_capture, resolve_op  # not the lazy package names: typed
 from detrace.tracefile.layout import CAPTURE_DIR, capture_paths
 from detrace.tracefile.metadata import Fields
 
