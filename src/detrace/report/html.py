@@ -10,7 +10,9 @@ For a locate directory (`detrace locate --out DIR`) it draws, from the runs the 
 - the kernel rung's replay of the culprit, arm by arm.
 
 For a plain run directory it draws the run's metric curves and what each rank recorded.
-Every number on the page comes from the trace files and ladder.json; nothing is estimated.
+Every number on the page comes from the trace files and ladder.json; nothing is estimated. The page functions
+(`render_locate`, `render_run`) take typed data: the ladder record (`detrace.ladder`), the metric `Curves` and the
+spread map (`detrace.compare`); `write_report` is the one place that reads them from disk.
 """
 
 from __future__ import annotations
