@@ -78,9 +78,9 @@ def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | Non
     - A path that exists and is not a directory is refused.
     - `holds="trace"` (one run: `detrace run`): a directory that already holds a trace is refused; `force`
       removes that trace, and only it (the user's other files stay). Other files never stop a run.
-    - `holds="runs"` (many runs and their results: locate, check, check-resume, recheck): a directory that is
-      not empty is refused, so that two results never mix; `force` writes into it all the same (each run's own
-      directory still obeys the trace rule).
+    - `holds="runs"` (many runs and their results: locate, check, check-resume, check-topology, recheck): a
+      directory that is not empty is refused, so that two results never mix; `force` writes into it all the
+      same (each run's own directory still obeys the trace rule).
 
     `force` None: the command offers no --force, and the refusal does not suggest it. `name` is how the user
     named the directory ("--out", "output directory"). Refusals of a trace are `TraceError`, the rest
