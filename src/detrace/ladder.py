@@ -38,11 +38,15 @@ class Finding:
     """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and detail."""
 
     rank: int
+    """The rank the record belongs to."""
     step: int
+    """Training step of the record."""
     seq: int
     """Sequence number in run A's rank trace."""
     rung: str
+    """The rung that recorded it: metrics | semantic | module | op."""
     phase: str
+    """forward | backward | optimizer | collective | p2p | recompute | data | other."""
     kind: str
     """numeric | structural | missing."""
     name: str
@@ -50,6 +54,7 @@ class Finding:
     module: str | None
     """Innermost nn.Module qualified name in scope, if any."""
     role: str
+    """Role of the record in its call: output, input, grad_input, param, metric..."""
     origin: bool
     """The call's inputs were equal and its output differs: this call made the difference."""
     occurrence: int
@@ -103,8 +108,11 @@ class CallRecord:
     index: int
     """Position among the call's tensors of that role."""
     shape: list[int] | None
+    """The tensor's shape (None: not a tensor)."""
     dtype: str | None
+    """Its dtype, as torch names it without the prefix ("float32")."""
     numel: int | None
+    """Its number of elements."""
     equal: bool
     """Both runs recorded it with the same shape and digest."""
 
@@ -128,6 +136,7 @@ class Stage:
     """One rung of the ladder as it ran."""
 
     rung: Rung
+    """Which rung (see `Rung`)."""
     steps: str
     """The steps this rung recorded in detail: "all", or the step S it narrowed to."""
     ranks: str
@@ -190,11 +199,13 @@ class Cost:
     """What the ladder cost: every run of CMD in the order they ran, and the checkpoints it used."""
 
     per_run: tuple[RunCost, ...]
+    """Every run of CMD, in the order they ran."""
     seconds: float
     """Wall time of all runs together."""
     checkpoint_every: int | None
     """K of the checkpointed ladder; None when CMD wrote no checkpoint (it does not follow the contract)."""
     resume: ResumeUse
+    """How the ladder used checkpoints (see `ResumeUse`)."""
 
     @property
     def steps(self) -> int:
@@ -221,6 +232,7 @@ class LocateResult:
     """What the ladder found: ladder.json (`to_json`), and the locate.json answer (`summary`)."""
 
     verdict: LocateVerdict
+    """deterministic | nondeterministic (a culprit was found) | inconclusive (a rung could not settle)."""
     message: str
     """The one-sentence answer."""
     command: tuple[str, ...]
@@ -236,11 +248,13 @@ class LocateResult:
     replay: ReplayResult | None
     """The kernel rung's replay of the culprit."""
     stages: tuple[Stage, ...]
+    """Every rung as it ran, in order."""
     report: str
     """The HTML report's path ("" before it is written)."""
     notes: tuple[str, ...]
     """What the summary adds: a CMD without the resume contract, or a resume that was not exact."""
     cost: Cost
+    """What the ladder cost."""
 
     @property
     def runs(self) -> list[str]:

@@ -44,9 +44,11 @@ class MetricComparison:
     """One metric of the candidate against the baselines."""
 
     name: str
+    """The metric's name."""
     steps: list[dict[str, Any]]
     """Per step: step, a, b, candidate, noise, effect, differs, beyond."""
     verdict: NoiseVerdict
+    """real (beyond the noise at most of the steps where a run differs) | noise | identical (to BASE_A)."""
     first_beyond: int | None
     """The first step where the candidate is beyond the noise."""
 
@@ -63,7 +65,9 @@ class NoiseResult:
     rank: int
     """The rank whose metrics were compared."""
     factor: float
+    """How many times the baselines' spread an effect had to exceed."""
     metrics: list[MetricComparison]
+    """One per metric the three runs share, by name."""
     baselines: Divergence | None
     """Where the two baselines' traces first differ (None: identical)."""
     candidate: Divergence | None
