@@ -27,9 +27,9 @@ at or before the divergent step and stops right after it (DETRACE_RESUME_FROM, D
 at most K + 1 steps wherever the divergence lies. A proof that fails makes the narrow runs full runs again; a
 CMD that writes no checkpoint gets today's full runs.
 
-Modules: `config` (LocateConfig, the run budget, the embedded default command), `driver` (the rungs, run by run);
-the result is a `detrace.ladder.LocateResult`, written as ladder.json and locate.json and drawn by
-`detrace.report.html`.
+Modules: `config` (LocateConfig, the run budget, the embedded default command), `driver` (the rungs, run by run),
+`evidence` (what the driver reads back from its runs). The result is a `detrace.ladder.LocateResult`, written as
+ladder.json and locate.json and drawn by `detrace.report.html`.
 """
 
 from __future__ import annotations

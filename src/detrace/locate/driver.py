@@ -3,7 +3,6 @@ ladder); `Ladder.run` hands back the `detrace.ladder.LocateResult`."""
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +22,8 @@ from detrace.ladder import (
     Stage,
 )
 from detrace.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
+from detrace.locate.evidence import call_records, recorded_steps, saved_checkpoints
 from detrace.replay import ReplayResult, replay_file
-from detrace.state.manifest import MANIFEST_FILE
-from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import capture_paths
 from detrace.tracing.launch import run_traced
 from detrace.verdicts import LocateVerdict
@@ -290,8 +288,8 @@ class Ladder:
         broad = _Stage(rung="semantic", steps="all", ranks="all")
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
-        result.steps = _recorded_steps(Path(broad.runs[0]))
-        self.checkpoints = _checkpoints(self.config.out / CHECKPOINTS / REFERENCE_RUN)
+        result.steps = recorded_steps(Path(broad.runs[0]))
+        self.checkpoints = saved_checkpoints(self.config.out / CHECKPOINTS / REFERENCE_RUN)
         if self.checkpoints:
             self.resume = "unused"
         if first_pair.verdict == "identical" or first_pair.first is None:
@@ -346,7 +344,7 @@ class Ladder:
         op_stage = self.stages[-1]
         culprit = op_stage.found
         assert culprit is not None
-        result.culprit_records = _call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
+        result.culprit_records = call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
         result.verdict = "nondeterministic"
         result.message = (f"culprit: {culprit.name}" + (f" in {culprit.module}" if culprit.module else "")
                           + f", {culprit.phase} of step {culprit.step} on rank {culprit.rank}")
@@ -430,45 +428,3 @@ class Ladder:
             if replayed.nondeterministic else "deterministic in isolation"))
         self.progress.rung(stage.record())
         return replayed
-
-
-def _checkpoints(root: Path) -> dict[int, Path]:
-    """The checkpoint versions a run saved under `root` (docs/resume.md's layout): completed steps -> directory.
-    Only complete versions count (their manifest is written last); none when CMD ignored the contract."""
-    found: dict[int, Path] = {}
-    if root.is_dir():
-        for version in root.iterdir():
-            match = re.fullmatch(r"step-(\d+)", version.name)
-            if match and (version / MANIFEST_FILE).is_file():
-                found[int(match.group(1))] = version
-    return found
-
-
-def _recorded_steps(run_dir: Path) -> int:
-    """Steps covered by a run: one more than the last step any rank recorded."""
-    try:
-        info = open_run(run_dir)
-    except TraceError as err:
-        raise TraceError(f"CMD ran but left no trace in {run_dir} ({err}); is it a Python program that "
-                         "trains with torch?") from None
-    return 1 + max(read_rank(run_dir, rank).last_step for rank in info.ranks)
-
-
-def _call_records(run_a: str, run_b: str, culprit: Finding) -> list[CallRecord]:
-    """The culprit call's records in both runs, side by side: which inputs matched and which outputs did not."""
-    def call(run: str) -> dict[tuple[str, int], dict[str, Any]]:
-        rows = read_rank(run, culprit.rank).table.to_pylist()
-        event = next((r["event"] for r in rows if r["seq"] == culprit.seq), None)
-        return {(r["role"], r["index"]): r for r in rows if event is not None and r["event"] == event}
-
-    a, b = call(run_a), call(run_b)
-    records = []
-    for key in a.keys() | b.keys():
-        ra, rb = a.get(key), b.get(key)
-        row = ra or rb
-        assert row is not None
-        records.append(CallRecord(role=key[0], index=key[1], shape=row["shape"], dtype=row["dtype"],
-                                  numel=row["numel"], equal=ra is not None and rb is not None
-                                  and ra["digest"] == rb["digest"] and ra["shape"] == rb["shape"]))
-    order = {"input": 0, "mutated": 1, "output": 2}
-    return sorted(records, key=lambda r: (order.get(r.role, 3), r.role, r.index))
