@@ -163,6 +163,18 @@ def test_ladder_records_write_back_the_same_json(runs: tuple[Path, Path], tmp_pa
     assert list(record.summary()) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
 
 
+def test_a_ladder_from_before_notes_and_costs_still_reads(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    ladder = _ladder(runs)  # same schema: notes, cost and stage starts came later
+    for key in ("notes", "cost"):
+        ladder.pop(key)
+    for stage in ladder["stages"]:
+        stage.pop("start")
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    record = load_ladder(tmp_path)
+    assert record.cost is None and record.notes == () and [s.start for s in record.stages] == [0, 0]
+    assert "Narrowing path" in write_report(tmp_path).read_text()
+
+
 @pytest.mark.parametrize(
     "spoil,message",
     [

@@ -253,8 +253,8 @@ class LocateResult:
     """The HTML report's path ("" before it is written)."""
     notes: tuple[str, ...]
     """What the summary adds: a CMD without the resume contract, or a resume that was not exact."""
-    cost: Cost
-    """What the ladder cost."""
+    cost: Cost | None
+    """What the ladder cost (None: read from a ladder.json written before the ladder counted it)."""
 
     @property
     def runs(self) -> list[str]:
@@ -269,7 +269,7 @@ class LocateResult:
         return {"schema": LOCATE_SCHEMA, "verdict": self.verdict,
                 "culprit": None if self.culprit is None else self.culprit.culprit_json(),
                 "replay": None if self.replay is None else self.replay.summary(),
-                "runs": self.runs, "report": self.report, "cost": self.cost.to_json()}
+                "runs": self.runs, "report": self.report, "cost": None if self.cost is None else self.cost.to_json()}
 
     def to_json(self) -> dict[str, Any]:
         """`detrace.ladder/1`: everything `detrace report` draws."""
@@ -279,16 +279,18 @@ class LocateResult:
                 "culprit_records": [r.to_json() for r in self.culprit_records],
                 "replay": None if self.replay is None else self.replay.to_json(),
                 "stages": [s.to_json() for s in self.stages], "runs": self.runs, "report": self.report,
-                "notes": list(self.notes), "cost": self.cost.to_json()}
+                "notes": list(self.notes), "cost": None if self.cost is None else self.cost.to_json()}
 
     @classmethod
     def from_json(cls, raw: object, source: str, *, out: Path) -> LocateResult:
-        """A ladder.json object read back; `out` is the directory it was read from."""
+        """A ladder.json object read back; `out` is the directory it was read from. Files written before the
+        ladder kept notes, costs and stage starts (same schema) read as none, none and 0."""
         f = Fields(raw, source)
         if f.get("schema", str, "a string") != LADDER_SCHEMA:
             raise TraceError(f"{source} has schema {f.raw['schema']!r}; this detrace reads {LADDER_SCHEMA}")
         culprit = f.get("culprit", dict, "an object", default=None)
         replay = f.get("replay", dict, "an object", default=None)
+        cost = f.get("cost", dict, "an object", default=None)
         return cls(verdict=f.choice("verdict", get_args(LocateVerdict)), message=f.get("message", str, "a string"),
                    command=tuple(f.strings("command")), out=out, steps=f.count("steps"),
                    culprit=None if culprit is None else Finding.from_json(culprit, f"{source} (field 'culprit')"),
@@ -297,8 +299,8 @@ class LocateResult:
                    replay=None if replay is None else ReplayResult.from_json(replay, f"{source} (field 'replay')"),
                    stages=tuple(Stage.from_json(s, f"{source} (stages[{i}])")
                                 for i, s in enumerate(f.get("stages", list, "a list of stages"))),
-                   report=f.get("report", str, "a string"), notes=tuple(f.strings("notes")),
-                   cost=Cost.from_json(f.get("cost", dict, "an object"), f"{source} (field 'cost')"))
+                   report=f.get("report", str, "a string"), notes=tuple(f.strings("notes", default=[])),
+                   cost=None if cost is None else Cost.from_json(cost, f"{source} (field 'cost')"))
 
 
 def load_ladder(out: str | Path) -> LocateResult:

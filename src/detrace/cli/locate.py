@@ -79,14 +79,15 @@ def render(result: LocateResult, console: Console) -> None:
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
     cost = result.cost
-    per_run = {run.run: run for run in cost.per_run}
+    per_run = {run.run: run for run in cost.per_run} if cost else {}
     for run in result.runs:
         spent = per_run.get(Path(run).name)
         where = f"  (from step {spent.start}, {spent.steps} steps)" if spent else ""
         console.print(f"           {run}{where}", highlight=False)
-    every = f", a checkpoint every {cost.checkpoint_every} steps" if cost.checkpoint_every else ""
-    console.print(f"  cost     {cost.steps} steps executed in {len(cost.per_run)} runs, {cost.seconds:.1f} s"
-                  f"{every} (resume: {cost.resume})", highlight=False)
+    if cost:
+        every = f", a checkpoint every {cost.checkpoint_every} steps" if cost.checkpoint_every else ""
+        console.print(f"  cost     {cost.steps} steps executed in {len(cost.per_run)} runs, {cost.seconds:.1f} s"
+                      f"{every} (resume: {cost.resume})", highlight=False)
     for note in result.notes:
         console.print(f"  note     {note}", highlight=False)
     console.print(f"  report   {result.report}", highlight=False)
