@@ -11,7 +11,7 @@ from test_locate import write_script
 
 from detrace import diff
 from detrace.cli import main
-from detrace.cli.compare import compare_metric
+from detrace.noise import compare_metric, noise_test
 from detrace.tracing.launch import run_traced
 
 
@@ -69,6 +69,11 @@ def test_any_change_is_real_against_identical_baselines(steady: dict[str, Path],
     assert all(row["noise"] == 0 for row in loss["steps"])
     first = payload["trace"]["candidate"]
     assert first["step"] == 0 and first["phase"] == "optimizer"  # the change shows first in the updated params
+    # the library answer is the same object, typed
+    result = noise_test(steady["a"], steady["b"], steady["lr"])
+    assert result.verdict == "real" and result.exit_code == 1 and result.baselines is None
+    assert result.candidate is not None and result.candidate.phase == "optimizer"
+    assert result.to_json() == payload
 
 
 def test_racing_baselines_measure_the_noise(racing: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

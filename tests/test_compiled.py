@@ -136,10 +136,10 @@ def test_locate_names_the_racing_kernel_of_a_compiled_backward(tmp_path: Path) -
                                  replay=ReplayConfig(repeats=10, min_seconds=1.0)))
     assert result.verdict == "nondeterministic", result.message
     culprit = result.culprit
-    assert culprit is not None and culprit["phase"] == "backward" and culprit["origin"]
-    assert culprit["name"].startswith("inductor.cpp_fused_")
-    assert any(op in culprit["name"] for op in ("index_put", "scatter_add", "index_add")), culprit["name"]
-    assert culprit["module"] == ""
+    assert culprit is not None and culprit.phase == "backward" and culprit.origin
+    assert culprit.name.startswith("inductor.cpp_fused_")
+    assert any(op in culprit.name for op in ("index_put", "scatter_add", "index_add")), culprit.name
+    assert culprit.module == ""
     assert result.replay is not None and result.replay.nondeterministic
     assert any(op in result.replay.meta["aten"] for op in ("aten.index_put", "aten.scatter_add", "aten.index_add"))
     assert "torch.use_deterministic_algorithms(True) before torch.compile" in result.replay.advice[0]

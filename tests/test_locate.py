@@ -15,16 +15,8 @@ import pytest
 
 from detrace.cli import main
 from detrace.errors import TraceError, UsageError
-from detrace.locate import (
-    BASE_RUNS,
-    LADDER_FILE,
-    LOCATE_FILE,
-    MAX_RUNS,
-    LocateConfig,
-    default_command,
-    default_out,
-    load_ladder,
-)
+from detrace.ladder import LADDER_FILE, LOCATE_FILE, load_ladder
+from detrace.locate import BASE_RUNS, MAX_RUNS, LocateConfig, default_command, default_out
 
 # A small training loop that gathers rows with repeated indices (backward: an accumulating index_put whose two
 # threads race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap,
@@ -206,7 +198,7 @@ def test_deterministic_command_exits_0_with_the_verdict(
     assert Path(payload["report"]).exists()
     assert json.loads((out / LOCATE_FILE).read_text()) == payload
     ladder = load_ladder(out)
-    assert "over 2 steps" in ladder["stages"][0]["note"]
+    assert "over 2 steps" in ladder.stages[0].note
     assert "rung 1 (metrics + semantic) the three runs are bit-identical over 2 steps" in " ".join(
         done.stderr.split())
 
@@ -234,5 +226,5 @@ def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:
     assert [Path(r).name for r in payload["runs"]] == ["1-semantic-a", "1-semantic-b", "2-module-a", "2-module-b",
                                                        "2-module-c", "2-module-d"]
     ladder = load_ladder(out)
-    assert "did not recur" in ladder["message"]
+    assert "did not recur" in ladder.message
     assert (out / LADDER_FILE).exists() and Path(payload["report"]).exists()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from test_locate import locate_cli, write_script
 
-from detrace.locate import load_ladder
+from detrace.ladder import load_ladder
 from detrace.replay import FIX_DETERMINISTIC
 
 pytestmark = pytest.mark.slow
@@ -74,8 +74,8 @@ def test_single_process_culprit_is_the_racing_index_put(single: tuple[dict[str, 
     assert all(Path(run).is_dir() and Path(run).parent == out for run in payload["runs"])
     # each narrower rung recorded only the divergent step
     ladder = load_ladder(out)
-    assert {s["steps"] for s in ladder["stages"][1:]} == {str(culprit["step"])}
-    records = {(r["role"], r["index"]): r["equal"] for r in ladder["culprit_records"]}
+    assert {s.steps for s in ladder.stages[1:]} == {str(culprit["step"])}
+    records = {(r.role, r.index): r.equal for r in ladder.culprit_records}
     assert records[("output", 0)] is False and all(eq for (role, _), eq in records.items() if role == "input")
 
 
@@ -152,8 +152,8 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
     culprit = payload["culprit"]
     assert culprit["rank"] == 1 and culprit["name"].startswith("aten.index_put") and culprit["origin"] is True
     ladder = load_ladder(out)
-    assert ladder["stages"][0]["diff"]["origin_ranks"] == [1]
-    assert {s["ranks"] for s in ladder["stages"][1:]} == {"1"}  # narrower rungs traced the origin rank only
+    assert (ladder.stages[0].diff or {})["origin_ranks"] == [1]
+    assert {s.ranks for s in ladder.stages[1:]} == {"1"}  # narrower rungs traced the origin rank only
     assert FIX_DETERMINISTIC in payload["replay"]["fixed_by"]
 
 

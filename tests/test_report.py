@@ -6,14 +6,17 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_locate import write_script
 from test_locate_e2e import dump_dom
 
 from detrace.cli import main
-from detrace.locate import LADDER_FILE, LADDER_SCHEMA
-from detrace.report.html import divergence_map, line_chart, metric_rank, metric_series, spread_map, write_report
+from detrace.compare.metrics import metric_rank, metric_series
+from detrace.compare.pairs import divergence_map
+from detrace.ladder import LADDER_FILE, LADDER_SCHEMA, load_ladder
+from detrace.report.html import line_chart, spread_map, write_report
 from detrace.tracefile import RankWriter
 from detrace.tracing.launch import run_traced
 
@@ -81,13 +84,17 @@ def test_map_counts_differing_and_unmatched_records(tmp_path: Path) -> None:
     assert divergence_map(tmp_path / "a", tmp_path / "b") == {0: {0: (0, 1), 1: (2, 2)}}
 
 
-def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], tmp_path: Path) -> None:
-    # a ladder.json as `detrace locate` writes it, over the two real runs, with text that must be escaped
+def _ladder(runs: tuple[Path, Path]) -> dict[str, Any]:
+    """A ladder.json as `detrace locate` writes it, over the two real runs, with text that must be escaped."""
     culprit = {"rank": 0, "step": 1, "seq": 5, "rung": "op", "phase": "backward", "kind": "numeric",
                "name": "aten.index_put.default", "module": "blocks.<b>", "role": "output", "origin": True,
                "occurrence": 0, "index": 0, "event": 3, "detail": {}}
-    stage = {"diff": None, "found": None, "note": "the runs part"}
-    ladder = {"schema": LADDER_SCHEMA, "verdict": "nondeterministic", "message": "culprit: <script>x</script>",
+    stage = {"diff": None, "found": None, "note": "the runs part", "start": 0}
+    arm = {"threads": 2, "deterministic": False, "repeats": 20, "distinct": 5, "differing_elements": 7,
+           "max_ulp": 3, "matches_capture": False, "error": None}
+    cost = {"runs": 2, "steps": 6, "seconds": 1.5, "checkpoint_every": None, "resume": "no-contract",
+            "per_run": [{"run": r.name, "rung": "semantic", "start": 0, "steps": 3, "seconds": 0.75} for r in runs]}
+    return {"schema": LADDER_SCHEMA, "verdict": "nondeterministic", "message": "culprit: <script>x</script>",
               "command": ["python", "t.py"], "steps": 3, "culprit": culprit,
               "culprit_records": [{"role": "input", "index": 0, "shape": [8, 4], "dtype": "float32", "numel": 32,
                                    "equal": True},
@@ -96,12 +103,14 @@ def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], 
               "replay": {"schema": "detrace.replay/1", "op": "aten.index_put.default", "nondeterministic": True,
                          "repeats": 20, "differing_elements": 7, "max_ulp": 3,
                          "fixed_by": ["torch.use_deterministic_algorithms(True)"], "meta": {}, "shapes": [],
-                         "base": {"threads": 2, "deterministic": False},
-                         "arms": [{"threads": 2, "deterministic": False, "repeats": 20, "distinct": 5,
-                                   "differing_elements": 7, "max_ulp": 3, "matches_capture": False, "error": None}]},
-              "stages": [{**stage, "rung": "semantic", "steps": "all", "ranks": "all", "runs": [str(r) for r in runs]},
-                         {**stage, "rung": "op", "steps": "1", "ranks": "0", "runs": [], "found": culprit}],
-              "runs": [str(r) for r in runs], "report": ""}
+                         "base": arm, "arms": [arm], "advice": []},
+              "stages": [{"rung": "semantic", "steps": "all", "ranks": "all", "runs": [str(r) for r in runs], **stage},
+                         {"rung": "op", "steps": "1", "ranks": "0", "runs": [], **stage, "found": culprit}],
+              "runs": [str(r) for r in runs], "report": "", "notes": [], "cost": cost}
+
+
+def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    ladder = _ladder(runs)
     (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
     page = write_report(tmp_path)
     html = page.read_text()
@@ -141,3 +150,49 @@ def test_unreadable_ladder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (tmp_path / LADDER_FILE).write_text(json.dumps({"schema": "other/9"}))
     assert main(["report", str(tmp_path)]) == 2
     assert "has schema 'other/9'" in capsys.readouterr().err
+
+
+def test_ladder_records_write_back_the_same_json(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    ladder = _ladder(runs)
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    record = load_ladder(tmp_path)
+    assert record.culprit is not None and record.culprit.module == "blocks.<b>"
+    assert record.stages[1].found == record.culprit
+    assert record.exit_code == 1 and record.cost.steps == 6
+    assert json.dumps(record.to_json()) == json.dumps(ladder)  # the same bytes, key order included
+    assert list(record.summary()) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
+
+
+def test_a_ladder_from_before_notes_and_costs_still_reads(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    ladder = _ladder(runs)  # same schema: notes, cost and stage starts came later
+    for key in ("notes", "cost"):
+        ladder.pop(key)
+    for stage in ladder["stages"]:
+        stage.pop("start")
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    record = load_ladder(tmp_path)
+    assert record.cost is None and record.notes == () and [s.start for s in record.stages] == [0, 0]
+    assert "Narrowing path" in write_report(tmp_path).read_text()
+
+
+@pytest.mark.parametrize(
+    "spoil,message",
+    [
+        (lambda d: d.update(verdict="maybe"), "field 'verdict' must be one of deterministic, nondeterministic"),
+        (lambda d: d["stages"][1].pop("steps"), "(stages[1]) is malformed: field 'steps' is missing"),
+        (lambda d: d["culprit"].update(origin="yes"), "(field 'culprit') is malformed: field 'origin' must be true"),
+        (lambda d: d["culprit_records"][0].update(shape="8x4"), "field 'shape' must be a list of sizes"),
+        (lambda d: d["cost"].update(resume="maybe"), "(field 'cost') is malformed: field 'resume' must be one of"),
+        (lambda d: d["replay"].update(arms=[{**d["replay"]["base"], "distinct": "5"}]),
+         "(arms[0]) is malformed: field 'distinct' must be an integer"),
+        (lambda d: d.update(stages={}), "field 'stages' must be a list of stages"),
+    ],
+)
+def test_malformed_ladder_is_one_sentence(runs: tuple[Path, Path], tmp_path: Path, spoil,  # type: ignore[no-untyped-def]
+                                          message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    ladder = _ladder(runs)
+    spoil(ladder)
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(tmp_path / LADDER_FILE) in err and "Traceback" not in err and err.count("\n") == 1

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
 import torch
 
-from detrace.errors import TraceError
+from detrace.errors import TraceError, UsageError
 from detrace.tracefile import (
     ARROW_SCHEMA,
     RankWriter,
@@ -22,6 +23,7 @@ from detrace.tracefile import (
     resolve_op,
     save_capture,
 )
+from detrace.tracefile.layout import capture_path, capture_paths, prepare_out, rank_trace_paths, trace_files
 
 
 def row(seq: int, step: int, **over: object) -> dict[str, object]:
@@ -199,3 +201,42 @@ def test_metadata_of_wrong_types_is_one_sentence_everywhere(tmp_path: Path, whic
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(path) in err and words in err, (argv, err)
+
+
+def test_layout_names_rank_files_and_captures(tmp_path: Path) -> None:
+    write(tmp_path, 1, 2)
+    write(tmp_path, 0, 2)
+    (tmp_path / "rank-7.arrow").write_bytes(b"")  # not a rank file of ours: five digits
+    assert rank_trace_paths(tmp_path) == {0: rank_path(tmp_path, 0), 1: rank_path(tmp_path, 1)}
+    assert rank_trace_paths(tmp_path / "missing") == {}
+    for rank, seq in ((1, 3), (0, 12), (0, 4)):
+        capture_path(tmp_path, rank, seq).parent.mkdir(exist_ok=True)
+        capture_path(tmp_path, rank, seq).write_bytes(b"")
+    assert [(r, s) for r, s, _ in capture_paths(tmp_path)] == [(0, 4), (0, 12), (1, 3)]
+    assert capture_path(tmp_path, 0, 4).name == "rank-00000-seq00000004.safetensors"
+
+
+def test_one_rule_for_output_directories(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write(run, 0, 2)
+    (run / "notes.txt").write_text("mine")
+    # one trace: other files never stop a run; a trace does, and --force removes the trace only
+    assert prepare_out(tmp_path / "fresh", holds="trace") == tmp_path / "fresh"
+    with pytest.raises(TraceError, match="already holds a trace; choose another directory or pass --force"):
+        prepare_out(run, holds="trace", force=False)
+    assert sorted(p.name for p in trace_files(run)) == ["rank-00000.arrow", "rank-00000.json"]
+    prepare_out(run, holds="trace", force=True)
+    assert [p.name for p in run.iterdir()] == ["notes.txt"]
+    # many runs: a directory that is not empty is refused, unless forced; without --force, none is suggested
+    with pytest.raises(UsageError, match=r"^--out .* is not empty; choose another directory or pass --force$"):
+        prepare_out(run, holds="runs", force=False, name="--out")
+    with pytest.raises(UsageError, match=r"is not empty; choose another directory$"):
+        prepare_out(run, holds="runs")
+    prepare_out(run, holds="runs", force=True)
+    # a file in the way, for either kind
+    kinds: tuple[Literal["trace", "runs"], ...] = ("trace", "runs")
+    for holds in kinds:
+        with pytest.raises(UsageError, match=r"output directory .* exists and is not a directory"):
+            prepare_out(run / "notes.txt", holds=holds)
+        with pytest.raises(UsageError, match="cannot write to output directory"):
+            prepare_out(run / "notes.txt" / "below", holds=holds)

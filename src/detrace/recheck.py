@@ -8,11 +8,11 @@ twice from the checkpoint before it, each in a fresh process of RUN's command:
 - on other devices (each rank's device shifted past the ones the run used): a rank whose result comes back on
   its own device but not on another carries a fault of that device.
 
-Verdicts (`Verdict`): `clean` (both re-executions reproduce every rank), `transient` (the same devices do not
-reproduce some ranks, and the two re-executions agree with each other), `persistent` (the same devices reproduce
-everything, other devices do not reproduce some ranks: the fault follows the device), `software-nondeterminism`
-(the re-executions disagree with each other, or the same devices reproduce no rank at all: the program itself is
-not deterministic; `detrace locate` finds why).
+Verdicts (`detrace.verdicts.RecheckVerdict`): `clean` (both re-executions reproduce every rank), `transient` (the
+same devices do not reproduce some ranks, and the two re-executions agree with each other), `persistent` (the same
+devices reproduce everything, other devices do not reproduce some ranks: the fault follows the device),
+`software-nondeterminism` (the re-executions disagree with each other, or the same devices reproduce no rank at
+all: the program itself is not deterministic; `detrace locate` finds why).
 
 The command must follow the resume contract of `detrace.TrainState`. The checkpoint is `--checkpoint DIR` (a
 checkpoint root or version of the run, taken at or before step K), or, by default, one made by running the
@@ -25,7 +25,6 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,10 +32,9 @@ import pyarrow.compute as pc
 from detrace.errors import CommandFailed, UsageError
 from detrace.faults import ENV_DEVICE_SHIFT, ENV_REEXEC
 from detrace.tracefile import open_run, read_rank
+from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import run_traced
-
-Verdict = Literal["clean", "transient", "persistent", "software-nondeterminism"]
-EXIT_CODES: dict[Verdict, int] = {"clean": 0, "transient": 1, "persistent": 1, "software-nondeterminism": 1}
+from detrace.verdicts import RecheckVerdict
 
 Results = dict[int, dict[tuple[str, str, int, int], int | None]]
 """rank -> (parameter name, role, index, occurrence) -> digest, for one step's optimizer records."""
@@ -48,7 +46,7 @@ class RecheckResult:
 
     step: int
     """The global step re-executed."""
-    verdict: Verdict
+    verdict: RecheckVerdict
     ranks: tuple[int, ...]
     """transient: the ranks not reproduced; persistent: the ranks whose result follows their device."""
     same_device: dict[int, bool]
@@ -90,7 +88,7 @@ def step_results(run_dir: Path, step: int) -> Results:
     return results
 
 
-def judge(original: Results, same: Results, other: Results) -> tuple[Verdict, tuple[int, ...]]:
+def judge(original: Results, same: Results, other: Results) -> tuple[RecheckVerdict, tuple[int, ...]]:
     """The verdict from the run's results and the two re-executions' (see the module docstring)."""
     ranks = sorted(original)
     same_ok = [r for r in ranks if same.get(r) == original[r]]
@@ -130,9 +128,7 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
     if not any(original.values()):
         raise UsageError(f"{run_dir} holds no optimizer records at step {step}; record the run with "
                          "'detrace run --rung semantic' over that step")
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"output directory {out} is not empty; choose a new one")
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out, holds="runs")
     runs = {"checkpoint": out / "checkpoint"}
     # Every process here re-executes steps the run already took: a transient fault does not strike again.
     base = {ENV_REEXEC: "1"}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +31,9 @@ import numpy as np
 import torch
 
 from detrace.errors import TraceError, UsageError
-from detrace.tracefile import Capture, load_capture, resolve_op
+from detrace.tracefile.capture import Capture, load_capture, resolve_op  # not the lazy package names: typed
+from detrace.tracefile.layout import CAPTURE_DIR, capture_paths
+from detrace.tracefile.metadata import Fields
 
 FIX_DETERMINISTIC = "torch.use_deterministic_algorithms(True)"
 FIX_ONE_THREAD = "torch.set_num_threads(1)"
@@ -48,7 +49,7 @@ _ATOMIC_OPS = frozenset({"aten.index_put", "aten.index_put_", "aten._unsafe_inde
 # Float formats without a sign bit (E8M0 scales): their bit patterns are ordered like unsigned integers.
 _UNSIGNED_FLOATS = (torch.float8_e8m0fnu,)
 
-_CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
+REPLAY_SCHEMA = "detrace.replay/1"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +105,15 @@ class ArmResult:
                 "distinct": self.distinct, "differing_elements": self.differing_elements,
                 "max_ulp": self.max_ulp, "matches_capture": self.matches_capture, "error": self.error}
 
+    @classmethod
+    def from_json(cls, raw: object, source: str) -> ArmResult:
+        f = Fields(raw, source)
+        return cls(threads=f.count("threads", least=1), deterministic=f.get("deterministic", bool, "true or false"),
+                   repeats=f.count("repeats"), distinct=f.count("distinct"),
+                   differing_elements=f.count("differing_elements"), max_ulp=f.count("max_ulp"),
+                   matches_capture=f.get("matches_capture", bool, "true or false"),
+                   error=f.get("error", str, "a string", default=None))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayResult:
@@ -134,9 +144,24 @@ class ReplayResult:
 
     def to_json(self) -> dict[str, Any]:
         """`detrace.replay/1`: the summary plus the op, its origin, shapes and every arm."""
-        return {"schema": "detrace.replay/1", "op": self.op, **self.summary(), "meta": self.meta,
+        return {"schema": REPLAY_SCHEMA, "op": self.op, **self.summary(), "meta": self.meta,
                 "shapes": self.shapes, "base": self.base.to_json(), "arms": [a.to_json() for a in self.arms],
                 "advice": list(self.advice)}
+
+    @classmethod
+    def from_json(cls, raw: object, source: str) -> ReplayResult:
+        """A `detrace.replay/1` object read back (the summary's keys are derived, so they are not read)."""
+        f = Fields(raw, source)
+        if f.get("schema", str, "a string") != REPLAY_SCHEMA:
+            raise f.fail("schema", repr(REPLAY_SCHEMA))
+        shapes = f.get("shapes", list, "a list of objects")
+        if not all(isinstance(s, dict) for s in shapes):
+            raise f.fail("shapes", "a list of objects")
+        return cls(op=f.get("op", str, "a string"), meta=f.get("meta", dict, "an object"), shapes=shapes,
+                   base=ArmResult.from_json(f.get("base", dict, "an object"), f"{source} (field 'base')"),
+                   arms=[ArmResult.from_json(a, f"{source} (arms[{i}])")
+                         for i, a in enumerate(f.get("arms", list, "a list of arms"))],
+                   fixed_by=f.strings("fixed_by"), advice=f.strings("advice", default=[]))
 
 
 @contextlib.contextmanager
@@ -350,12 +375,10 @@ def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) ->
         return path
     if not event.isdigit():
         raise UsageError(f"--event must be a capture's seq number or a capture file path, not {event!r}")
-    folder = Path(run_dir) / "capture"
+    folder = Path(run_dir) / CAPTURE_DIR
     if not folder.is_dir():
         raise TraceError(f"{run_dir} holds no capture (run it with a capture selector first, see 'detrace locate')")
-    found = sorted(p for p in folder.iterdir()
-                   if (m := _CAPTURE_FILE.match(p.name)) and int(m.group(2)) == int(event)
-                   and (rank is None or int(m.group(1)) == rank))
+    found = [path for r, seq, path in capture_paths(run_dir) if seq == int(event) and (rank is None or r == rank)]
     if not found:
         held = sorted(p.name for p in folder.glob("*.safetensors"))
         raise TraceError(f"{folder} holds no capture of event {event}" + (f" (it holds {', '.join(held)})"
@@ -368,11 +391,7 @@ def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) ->
 
 def list_captures(run_dir: str | Path) -> list[Path]:
     """Every capture file of a run directory, by rank then seq."""
-    folder = Path(run_dir) / "capture"
-    if not folder.is_dir():
-        return []
-    files = [(int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir() if (m := _CAPTURE_FILE.match(p.name))]
-    return [p for *_, p in sorted(files)]
+    return [path for *_, path in capture_paths(run_dir)]
 
 
 def replay_file(path: str | Path, config: ReplayConfig | None = None) -> ReplayResult:

@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.tracefile.layout import prepare_out
 from detrace.tracefile.reader import open_run, read_rank
 from detrace.tracing.launch import run_traced
 
@@ -168,8 +169,7 @@ def check_topology(cmd: list[str], *, worlds: tuple[int, ...], out: Path, thread
         raise UsageError("give CMD without a launcher: check-topology starts it under torchrun itself")
     if threads < 1:
         raise UsageError(f"--threads must be positive, not {threads}")
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"output directory {out} is not empty; choose a new one")
+    prepare_out(out, holds="runs")
     runs: dict[int, Path] = {}
     finals: dict[int, str | None] = {}
     for world in worlds:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
+from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import LaunchResult, run_traced
+from detrace.verdicts import DIFF, RESUME, ResumeVerdict
 
 # The rung both checks record: exact metrics plus every collective, recompute and optimizer tensor. It is
 # the cheapest rung that sees a divergence in any rank's state at the step it happens.
@@ -40,9 +42,11 @@ class CheckResult:
     def first_divergent(self) -> DiffResult | None:
         return next((d for d in self.diffs if d.verdict != "identical"), None)
 
-
-VERDICTS = {"exact": 0, "resume-changed-the-run": 1, "nondeterministic": 3, "inconclusive": 4}
-"""check-resume's verdicts and their exit codes (2 is an error: bad arguments, CMD failed or broke the contract)."""
+    @property
+    def exit_code(self) -> int:
+        """`detrace diff`'s codes: 0 when every run is identical to the first, else 1 (an incomparable run too:
+        runs of one command that cannot be compared did not repeat themselves)."""
+        return DIFF["identical" if self.identical else "diverged"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +55,7 @@ class StopPoint:
 
     at: int
     """The step after which the run was stopped and resumed (a global step: steps counted from 1)."""
-    verdict: str
+    verdict: ResumeVerdict
     """exact, resume-changed-the-run, nondeterministic (the resumed run did not repeat itself) or inconclusive."""
     stopped: Path
     resumed: Path
@@ -90,18 +94,18 @@ class ResumeResult:
     """One per stop point; empty when the two continuous runs differ (no resume was tried)."""
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> ResumeVerdict:
         """nondeterministic (before anything else: never blame a resume for a run that differs from itself), then
         resume-changed-the-run, inconclusive (a control that did not diverge proves nothing), exact."""
         if self.repeat_diff.verdict != "identical":
             return "nondeterministic"
         verdicts = {point.verdict for point in self.points}
-        return next(v for v in ("nondeterministic", "resume-changed-the-run", "inconclusive", "exact")
-                    if v in verdicts)
+        order: tuple[ResumeVerdict, ...] = ("nondeterministic", "resume-changed-the-run", "inconclusive", "exact")
+        return next(v for v in order if v in verdicts)
 
     @property
     def exit_code(self) -> int:
-        return VERDICTS[self.verdict]
+        return RESUME[self.verdict]
 
     @property
     def deciding(self) -> DiffResult:
@@ -125,13 +129,6 @@ def _launch(cmd: list[str], out: Path, *, label: str, progress: Progress, timeou
     return result
 
 
-def _fresh(out: Path) -> Path:
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"output directory {out} is not empty; choose a new one")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def default_out(kind: str) -> Path:
     """A new directory for a check's runs: detrace-<kind>-<timestamp> in the working directory."""
     return Path(f"detrace-{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -144,7 +141,7 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
         raise UsageError(f"--runs must be at least 2 to compare anything, got {runs}")
     if not cmd:
         raise UsageError("no command given; put it after '--', e.g. detrace check -- python train.py")
-    out = _fresh(out)
+    out = prepare_out(out, holds="runs")
     dirs = [out / f"run-{i}" for i in range(runs)]
     for i, run_dir in enumerate(dirs):
         _launch(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout)
@@ -180,7 +177,7 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     if not cmd:
         raise UsageError("no command given; put it after '--', e.g. detrace check-resume --at 3 -- python train.py")
     at = sorted(set(at))
-    out = _fresh(out)
+    out = prepare_out(out, holds="runs")
     # Records before the first stop point are never compared: the resumed processes start there or later.
     window = f"{at[0]}::1"
     continuous, again = out / "continuous", out / "continuous-again"
@@ -215,7 +212,7 @@ def _stop_point(cmd: list[str], k: int, out: Path, continuous: Path, *, window: 
         _launch(cmd, again, label=f"run resumed after step {k}, again", progress=progress, timeout=timeout,
                 steps=window, env=resume_env)
         again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
-        verdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
+        verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
                          resumed_again=again, again_diff=again_diff)
     control = out / "control"

@@ -32,4 +32,4 @@ def main(argv: list[str]) -> int:
         assert bad is not None
         print(f"run {result.diffs.index(bad) + 2} differs from run 1 ({result.runs[0].parent}):")
         render_diff(bad)
-    return 0 if result.identical else 1
+    return result.exit_code

@@ -16,14 +16,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import CommandFailed, DetraceError
+from detrace.ladder import LOCATE_SCHEMA, LocateResult, Stage
 from detrace.locate import (
     BASE_RUNS,
     DEFAULT_CHECKPOINT_EVERY,
-    LOCATE_SCHEMA,
     MAX_RUNS,
     LocateConfig,
-    LocateResult,
-    Stage,
     default_command,
     default_out,
     locate,
@@ -68,28 +66,28 @@ def render(result: LocateResult, console: Console) -> None:
     console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit
-        console.print(f"  culprit  {c['name']}  module {c.get('module') or '-'}  phase {c['phase']}  "
-                      f"step {c['step']}  rank {c['rank']}  {'origin' if c['origin'] else 'receiver'}",
+        console.print(f"  culprit  {c.name}  module {c.module or '-'}  phase {c.phase}  "
+                      f"step {c.step}  rank {c.rank}  {'origin' if c.origin else 'receiver'}",
                       highlight=False)
     for record in result.culprit_records:
-        state = "equal" if record["equal"] else "DIFFERS"
-        console.print(f"    {record['role']}[{record['index']}] {record['dtype']}{record['shape']}: {state}",
-                      highlight=False)
+        state = "equal" if record.equal else "DIFFERS"
+        console.print(f"    {record.role}[{record.index}] {record.dtype}{record.shape}: {state}", highlight=False)
     if result.replay is not None:
         r = result.replay
         console.print(f"  replay   {'nondeterministic' if r.nondeterministic else 'deterministic'} over "
                       f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
-    cost = result.cost()
-    per_run = {run["run"]: run for run in cost["per_run"]}
+    cost = result.cost
+    per_run = {run.run: run for run in cost.per_run} if cost else {}
     for run in result.runs:
         spent = per_run.get(Path(run).name)
-        where = f"  (from step {spent['start']}, {spent['steps']} steps)" if spent else ""
+        where = f"  (from step {spent.start}, {spent.steps} steps)" if spent else ""
         console.print(f"           {run}{where}", highlight=False)
-    every = f", a checkpoint every {cost['checkpoint_every']} steps" if cost["checkpoint_every"] else ""
-    console.print(f"  cost     {cost['steps']} steps executed in {cost['runs']} runs, {cost['seconds']:.1f} s"
-                  f"{every} (resume: {cost['resume']})", highlight=False)
+    if cost:
+        every = f", a checkpoint every {cost.checkpoint_every} steps" if cost.checkpoint_every else ""
+        console.print(f"  cost     {cost.steps} steps executed in {len(cost.per_run)} runs, {cost.seconds:.1f} s"
+                      f"{every} (resume: {cost.resume})", highlight=False)
     for note in result.notes:
         console.print(f"  note     {note}", highlight=False)
     console.print(f"  report   {result.report}", highlight=False)
@@ -150,7 +148,7 @@ def _locate(options: list[str], command: list[str]) -> int:
             console.print(tail.rstrip(), markup=False, highlight=False)
         raise
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
+        print(json.dumps(result.summary(), indent=1))
     else:
         render(result, Console(file=sys.stdout, highlight=False, soft_wrap=True))
     return result.exit_code

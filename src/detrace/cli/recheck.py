@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser
-from detrace.recheck import EXIT_CODES, recheck
+from detrace.recheck import recheck
+from detrace.verdicts import RECHECK
 from detrace.verify import default_out
 
 
@@ -28,4 +29,4 @@ def main(argv: list[str]) -> int:
                      timeout=args.timeout,
                      progress=lambda line: print(f"detrace recheck: {line}", file=sys.stderr))
     print(json.dumps(result.to_json()) if args.json else result.sentence())
-    return EXIT_CODES[result.verdict]
+    return RECHECK[result.verdict]

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from detrace.verdicts import DIFF, DiffVerdict
+
 SCHEMA = "detrace.diff/1"
 
-Verdict = Literal["identical", "diverged", "incomparable"]
 Kind = Literal["numeric", "structural", "missing"]
 Cause = Literal["origin", "receiver", "identical", "missing"]
 
@@ -106,7 +107,7 @@ class Compared(NamedTuple):
 class DiffResult:
     """The answer of `detrace.diff(a, b)`."""
 
-    verdict: Verdict
+    verdict: DiffVerdict
     reason: str | None = None
     """Why the runs are incomparable (one sentence), else None."""
     first: Divergence | None = None
@@ -138,7 +139,7 @@ class DiffResult:
     @property
     def exit_code(self) -> int:
         """0 identical, 1 diverged, 2 incomparable."""
-        return {"identical": 0, "diverged": 1, "incomparable": 2}[self.verdict]
+        return DIFF[self.verdict]
 
 
 def first_divergent_step(result: DiffResult) -> int | None:

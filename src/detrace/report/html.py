@@ -10,7 +10,9 @@ For a locate directory (`detrace locate --out DIR`) it draws, from the runs the 
 - the kernel rung's replay of the culprit, arm by arm.
 
 For a plain run directory it draws the run's metric curves and what each rank recorded.
-Every number on the page comes from the trace files and ladder.json; nothing is estimated.
+Every number on the page comes from the trace files and ladder.json; nothing is estimated. The page functions
+(`render_locate`, `render_run`) take typed data: the ladder record (`detrace.ladder`), the metric `Curves` and the
+spread map (`detrace.compare`); `write_report` is the one place that reads them from disk.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from __future__ import annotations
 import html
 import math
 import struct
-from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import pyarrow.compute as pc
-
+from detrace.compare.metrics import metric_rank, metric_series
+from detrace.compare.pairs import divergence_map
 from detrace.errors import TraceError
-from detrace.tracefile import open_run, read_rank
-from detrace.tracefile.layout import run_header_path
+from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
+from detrace.replay import ReplayResult
+from detrace.tracefile import RankTrace, RunInfo, open_run, read_rank
+from detrace.tracefile.layout import RANK_GLOB, REPORT_FILE, rank_trace_paths, run_header_path
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1d232b;max-width:1040px;margin:24px auto;
@@ -62,53 +65,6 @@ def _bits(value: float) -> str:
 
 
 # -- data from the traces ----------------------------------------------------------------------------------------
-
-
-def metric_series(run_dir: str | Path, rank: int) -> dict[str, dict[int, float]]:
-    """Exact metric values of one rank: name -> step -> value."""
-    table = read_rank(run_dir, rank).table
-    table = table.filter(pc.equal(table["role"], "metric")).select(["step", "name", "value"])
-    series: dict[str, dict[int, float]] = defaultdict(dict)
-    for row in table.to_pylist():
-        if row["value"] is not None:
-            series[row["name"]][row["step"]] = row["value"]
-    return dict(series)
-
-
-def metric_rank(run_dir: str | Path) -> int | None:
-    """The lowest rank that recorded metrics (ranks outside the recorded window have no file)."""
-    for rank in open_run(run_dir).ranks:
-        if metric_series(run_dir, rank):
-            return rank
-    return None
-
-
-def divergence_map(run_a: Path, run_b: Path) -> dict[int, dict[int, tuple[int, int]]]:
-    """rank -> step -> (records that differ, records compared), records matched by identity.
-
-    A record differs when its bits differ or when only one run has it. The counts show how a divergence spreads;
-    which record came *first* (and whether it is an origin) is `detrace.diff`'s answer.
-    """
-    from detrace.locate import aligned_records
-
-    ranks_a, ranks_b = open_run(run_a).ranks, open_run(run_b).ranks
-    spread: dict[int, dict[int, tuple[int, int]]] = {}
-    for rank in sorted(set(ranks_a) | set(ranks_b)):
-        if rank not in ranks_a or rank not in ranks_b:
-            spread[rank] = {}
-            continue
-        table, equal, _, _ = aligned_records(run_a, run_b, rank)
-        matched = Counter(table["step"].to_pylist())
-        differ = Counter(step for step, same in zip(table["step"].to_pylist(), equal.tolist(), strict=True)
-                         if not same)
-        # records of one run without a partner (a changed call sequence, a truncated run) differ too
-        unmatched: Counter[int] = Counter()
-        for run in (run_a, run_b):
-            unmatched += Counter(read_rank(run, rank).table["step"].to_pylist()) - matched
-        counts = {step: (differ[step] + unmatched[step], matched[step] + unmatched[step])
-                  for step in matched.keys() | unmatched.keys()}
-        spread[rank] = counts
-    return spread
 
 
 # -- SVG pieces ------------------------------------------------------------------------------------------------
@@ -265,16 +221,34 @@ def _first_parting(a: dict[int, float], b: dict[int, float]) -> int | None:
     return None
 
 
-def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> list[str]:
-    rank = metric_rank(run_a)
-    if rank is None:
+@dataclass(frozen=True, kw_only=True)
+class Curves:
+    """The metric curves the report draws: one rank's exact values in run A and, to compare, run B."""
+
+    rank: int | None
+    """The rank they come from (None: the run recorded no metrics)."""
+    a: dict[str, dict[int, float]]
+    """Run A: name -> step -> value."""
+    b: dict[str, dict[int, float]] | None = None
+    """Run B (None: a report of one run; empty: B has no trace of that rank)."""
+
+    @classmethod
+    def read(cls, run_a: Path, run_b: Path | None = None) -> Curves:
+        rank = metric_rank(run_a)
+        if rank is None:
+            return cls(rank=None, a={})
+        b = None if run_b is None else metric_series(run_b, rank) if rank in open_run(run_b).ranks else {}
+        return cls(rank=rank, a=metric_series(run_a, rank), b=b)
+
+
+def _metric_section(curves: Curves, trace_step: int | None) -> list[str]:
+    if curves.rank is None:
         return ["<h2>Metric curves</h2><p class=\"muted\">The run recorded no metrics.</p>"]
-    ma = metric_series(run_a, rank)
-    mb = metric_series(run_b, rank) if run_b is not None and rank in open_run(run_b).ranks else {}
+    ma, mb = curves.a, curves.b or {}
     parts = ["<h2>Metric curves</h2>",
-             f"<p class=\"muted\">Exact values recorded on rank {rank}" + (
+             f"<p class=\"muted\">Exact values recorded on rank {curves.rank}" + (
                  ", run A (solid) and run B (dashed); the lower chart of each metric is |A − B| on a log scale."
-                 if run_b is not None else ".") + "</p>"]
+                 if curves.b is not None else ".") + "</p>"]
     notes = []
     charts = []
     for name in sorted(ma):
@@ -292,7 +266,7 @@ def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> 
             delta = {s: abs(a[s] - b[s]) for s in a.keys() & b.keys()}
             charts.append(line_chart(f"|A − B| of {name}", [("|A − B|", delta, "#c62828", False)], marks=marks,
                                      log=True))
-    if run_b is not None:
+    if curves.b is not None:
         summary = "; ".join(notes) if notes else "no metric differs between the two runs"
         if trace_step is not None:
             summary += f"; the trace itself first differs at step {trace_step}"
@@ -301,95 +275,87 @@ def _metric_section(run_a: Path, run_b: Path | None, trace_step: int | None) -> 
     return parts
 
 
-def _diff_first(stage: dict[str, Any]) -> dict[str, Any] | None:
-    """The divergence a stage settled on."""
-    return stage.get("found")
-
-
-def _path_section(ladder: dict[str, Any]) -> list[str]:
-    stages = {s["rung"]: s for s in ladder["stages"]}
+def _path_section(ladder: LocateResult) -> list[str]:
+    stages = {s.rung: s for s in ladder.stages}
     items = []
-    broad = _diff_first(stages.get("semantic", {}))
-    if broad:
-        ranks = (stages["semantic"]["diff"] or {}).get("origin_ranks") or [broad["rank"]]
-        items.append(f"<li>step <b>{_e(broad['step'])}</b>, origin rank(s) <b>{_e(', '.join(map(str, ranks)))}"
+    semantic = stages.get("semantic")
+    broad = semantic.found if semantic else None
+    if semantic and broad:
+        ranks = (semantic.diff or {}).get("origin_ranks") or [broad.rank]
+        items.append(f"<li>step <b>{_e(broad.step)}</b>, origin rank(s) <b>{_e(', '.join(map(str, ranks)))}"
                      f"</b>: the first record that differs between the two broad runs is "
-                     f"<code>{_e(broad['name'])}</code> ({_e(broad['phase'])}, {_e(broad['role'])}).</li>")
-    module = _diff_first(stages.get("module", {}))
+                     f"<code>{_e(broad.name)}</code> ({_e(broad.phase)}, {_e(broad.role)}).</li>")
+    module = stages["module"].found if "module" in stages else None
     if module:
-        items.append(f"<li>phase <b>{_e(module['phase'])}</b>, module <b>{_e(module.get('module') or '(none)')}"
-                     f"</b>: first {'origin' if module['origin'] else 'divergent'} module record "
-                     f"<code>{_e(module['name'])}</code> ({_e(module['role'])}).</li>")
-    op = _diff_first(stages.get("op", {}))
+        items.append(f"<li>phase <b>{_e(module.phase)}</b>, module <b>{_e(module.module or '(none)')}"
+                     f"</b>: first {'origin' if module.origin else 'divergent'} module record "
+                     f"<code>{_e(module.name)}</code> ({_e(module.role)}).</li>")
+    op = stages["op"].found if "op" in stages else None
     if op:
-        items.append(f"<li>op <b>{_e(op['name'])}</b> in <b>{_e(op.get('module') or '(no module)')}</b>, "
-                     f"{_e(op['phase'])} of step {_e(op['step'])} on rank {_e(op['rank'])}: "
-                     + ("its inputs were equal and its output differed (origin)." if op["origin"] else
+        items.append(f"<li>op <b>{_e(op.name)}</b> in <b>{_e(op.module or '(no module)')}</b>, "
+                     f"{_e(op.phase)} of step {_e(op.step)} on rank {_e(op.rank)}: "
+                     + ("its inputs were equal and its output differed (origin)." if op.origin else
                         "its inputs already differed (receiver).") + "</li>")
     parts = ["<h2>Narrowing path</h2>"]
     if not items:
         return [*parts, '<p class="muted">Nothing to narrow: the runs did not part.</p>']
     parts.append('<ol class="path">' + "".join(items) + "</ol>")
-    for stage in ladder["stages"]:
-        if stage.get("note") and stage["rung"] in ("module", "op") and not _diff_first(stage):
-            parts.append(f"<p class=\"muted\">{_e(stage['note'])}.</p>")
-    records = ladder.get("culprit_records") or []
-    if records:
-        rows = [[_e(r["role"]), _e(r["index"]), f'<span class="mono">{_e(r["shape"])}</span>', _e(r["dtype"]),
-                 _e(r["numel"]),
-                 '<span class="same">equal</span>' if r["equal"] else '<span class="differ">differs</span>']
-                for r in records]
+    for stage in ladder.stages:
+        if stage.note and stage.rung in ("module", "op") and not stage.found:
+            parts.append(f"<p class=\"muted\">{_e(stage.note)}.</p>")
+    if ladder.culprit_records:
+        rows = [[_e(r.role), _e(r.index), f'<span class="mono">{_e(r.shape)}</span>', _e(r.dtype), _e(r.numel),
+                 '<span class="same">equal</span>' if r.equal else '<span class="differ">differs</span>']
+                for r in ladder.culprit_records]
         parts.append("<p>The culprit call in the two op-rung runs:</p>")
         parts.append(_table(["role", "index", "shape", "dtype", "numel", "A vs B"], rows, raw=True))
     return parts
 
 
-def _replay_section(replay: dict[str, Any] | None, stages: list[dict[str, Any]]) -> list[str]:
+def _replay_section(replay: ReplayResult | None, stages: tuple[Stage, ...]) -> list[str]:
     parts = ["<h2>Kernel rung: replay of the culprit</h2>"]
-    kernel = next((s for s in stages if s["rung"] == "kernel"), None)
+    kernel = next((s for s in stages if s.rung == "kernel"), None)
     if replay is None:
-        note = kernel["note"] if kernel else "the ladder did not reach the kernel rung"
+        note = kernel.note if kernel else "the ladder did not reach the kernel rung"
         return [*parts, f"<p class=\"muted\">{_e(note)}.</p>"]
-    verdict = "nondeterministic" if replay["nondeterministic"] else "deterministic"
-    base = replay["base"]
-    parts.append(f"<p><code>{_e(replay['op'])}</code> replayed alone on its captured inputs is "
-                 f"<span class=\"badge {verdict}\">{verdict}</span> with {base['threads']} thread(s) and "
-                 f"deterministic algorithms {'on' if base['deterministic'] else 'off'}: "
-                 f"{replay['repeats']} repeats, up to {replay['differing_elements']} differing elements, "
-                 f"up to {replay['max_ulp']} ULP apart.</p>")
-    if replay["nondeterministic"]:
-        fixes = replay["fixed_by"]
+    verdict = "nondeterministic" if replay.nondeterministic else "deterministic"
+    base = replay.base
+    parts.append(f"<p><code>{_e(replay.op)}</code> replayed alone on its captured inputs is "
+                 f"<span class=\"badge {verdict}\">{verdict}</span> with {base.threads} thread(s) and "
+                 f"deterministic algorithms {'on' if base.deterministic else 'off'}: "
+                 f"{base.repeats} repeats, up to {base.differing_elements} differing elements, "
+                 f"up to {base.max_ulp} ULP apart.</p>")
+    if replay.nondeterministic:
+        fixes = replay.fixed_by
         parts.append("<p>Fixed by: " + (", ".join(f"<code>{_e(f)}</code>" for f in fixes) if fixes
                                         else "none of the switches tried") + "</p>")
-    shapes = ", ".join(f"{s['role']} {s['dtype']}{s['shape']}" for s in replay.get("shapes", []))
+    shapes = ", ".join(f"{s['role']} {s['dtype']}{s['shape']}" for s in replay.shapes)
     if shapes:
         parts.append(f"<p class=\"muted mono\">{_e(shapes)}</p>")
-    rows = [[str(a["threads"]), "on" if a["deterministic"] else "off", str(a["repeats"]), str(a["distinct"]),
-             str(a["differing_elements"]), str(a["max_ulp"]), "yes" if a["matches_capture"] else "no",
-             a["error"] or ""] for a in replay["arms"]]
+    rows = [[str(a.threads), "on" if a.deterministic else "off", str(a.repeats), str(a.distinct),
+             str(a.differing_elements), str(a.max_ulp), "yes" if a.matches_capture else "no",
+             a.error or ""] for a in replay.arms]
     parts.append(_table(["threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
                          "max ULP", "reproduces the run's bits", "note"], rows))
     return parts
 
 
-def render_locate(out: Path, ladder: dict[str, Any]) -> str:
-    """The report of a locate directory, from its ladder.json."""
-    verdict = ladder["verdict"]
-    stages = ladder["stages"]
+def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[int, tuple[int, int]]]) -> str:
+    """The report of a locate directory: its ladder, the broad pair's metric curves and where their records differ
+    (`detrace.compare.pairs.divergence_map`)."""
+    verdict = ladder.verdict
     body = [f"<h1>detrace locate <span class=\"badge {_e(verdict)}\">{_e(verdict)}</span></h1>",
-            f"<p class=\"answer\">{_e(ladder['message'])}</p>",
-            f"<p class=\"muted\">command: <code>{_e(' '.join(ladder['command']))}</code> · "
-            f"{len(ladder['runs'])} runs · {ladder['steps']} steps recorded</p>"]
-    culprit = ladder.get("culprit")
+            f"<p class=\"answer\">{_e(ladder.message)}</p>",
+            f"<p class=\"muted\">command: <code>{_e(' '.join(ladder.command))}</code> · "
+            f"{len(ladder.runs)} runs · {ladder.steps} steps recorded</p>"]
+    culprit = ladder.culprit
     if culprit:
         body.append("<h2>Culprit</h2>" + _table(
             ["rank", "step", "phase", "module", "name", "origin"],
-            [[str(culprit["rank"]), str(culprit["step"]), str(culprit["phase"]), str(culprit.get("module") or ""),
-              str(culprit["name"]), str(culprit["origin"]).lower()]]))
-    broad = stages[0]
-    run_a, run_b = (Path(p) for p in broad["runs"][:2])
-    first = _diff_first(broad)
-    body += _metric_section(run_a, run_b, first["step"] if first else None)
+            [[str(culprit.rank), str(culprit.step), str(culprit.phase), str(culprit.module or ""),
+              str(culprit.name), str(culprit.origin).lower()]]))
+    first = ladder.stages[0].found
+    body += _metric_section(curves, first.step if first else None)
     body.append("<h2>Where the runs differ, rank by rank</h2>")
     body.append("<p class=\"muted\">Records of the two broad runs aligned by identity; each cell is one step of "
                 "one rank. Gray: every record equal; orange to red: the share of records that differ; ringed: the "
@@ -398,20 +364,18 @@ def render_locate(out: Path, ladder: dict[str, Any]) -> str:
                 '<span><i class="sw" style="background:rgb(245,160,60)"></i>a few records differ</span>'
                 '<span><i class="sw" style="background:rgb(183,28,40)"></i>all records differ</span>'
                 f'<span><i class="sw" style="border:2px solid {_ORIGIN}"></i>first divergence</span></p>')
-    body.append(spread_map(divergence_map(run_a, run_b), origin=(first["rank"], first["step"]) if first else None,
-                           steps=max(ladder["steps"], 1)))
+    body.append(spread_map(spread, origin=(first.rank, first.step) if first else None, steps=max(ladder.steps, 1)))
     body += _path_section(ladder)
-    body += _replay_section(ladder.get("replay"), stages)
+    body += _replay_section(ladder.replay, ladder.stages)
     body.append("<h2>Runs</h2>")
     body.append(_table(["rung", "steps", "ranks", "run directory", "what it established"],
-                       [[s["rung"], s["steps"], s["ranks"], run, s["note"]] for s in stages for run in s["runs"]]))
-    body.append(f"<p class=\"muted\">Written by detrace from {_e(out)}.</p>")
+                       [[s.rung, s.steps, s.ranks, run, s.note] for s in ladder.stages for run in s.runs]))
+    body.append(f"<p class=\"muted\">Written by detrace from {_e(ladder.out)}.</p>")
     return _page(f"detrace locate: {verdict}", body)
 
 
-def render_run(run_dir: Path) -> str:
+def render_run(run_dir: Path, info: RunInfo, traces: list[RankTrace], curves: Curves) -> str:
     """The report of a single run directory: its metric curves and what each rank recorded."""
-    info = open_run(run_dir)
     header = info.header
     body = [f"<h1>detrace run <span class=\"badge run\">{_e(header.get('rung', 'trace'))}</span></h1>",
             f"<p class=\"muted\">{_e(run_dir)} · world size {info.world_size}</p>"]
@@ -419,30 +383,31 @@ def render_run(run_dir: Path) -> str:
         command = header["command"]
         body.append(f"<p>command: <code>{_e(' '.join(command) if isinstance(command, list) else command)}"
                     "</code></p>")
-    body += _metric_section(run_dir, None, None)
-    rows = []
-    for rank in info.ranks:
-        trace = read_rank(run_dir, rank)
-        rows.append([str(rank), str(trace.table.num_rows), str(trace.last_step + 1),
-                     "complete" if trace.complete else (trace.detail or "ended early (no footer)")])
+    body += _metric_section(curves, None)
+    rows = [[str(trace.rank), str(trace.table.num_rows), str(trace.last_step + 1),
+             "complete" if trace.complete else (trace.detail or "ended early (no footer)")] for trace in traces]
     body.append("<h2>Ranks</h2>" + _table(["rank", "records", "steps", "state"], rows))
     return _page(f"detrace run: {run_dir.name}", body)
 
 
 def write_report(path: str | Path, out: str | Path | None = None) -> Path:
-    """Write the HTML report of a run or locate directory to `out` (default `<path>/report.html`)."""
-    from detrace.locate import LADDER_FILE, load_ladder
+    """Write the HTML report of a run or locate directory to `out` (default `<path>/report.html`).
 
+    This is where the report reads: the ladder record, and from the trace files the analysis the pages draw.
+    """
     path = Path(path)
     if not path.is_dir():
         raise TraceError(f"{path} is not a run or locate directory")
     if (path / LADDER_FILE).exists():
-        page = render_locate(path, load_ladder(path))
-    elif any(path.glob("rank-*.arrow")) or run_header_path(path).exists():
-        page = render_run(path)
+        ladder = load_ladder(path)
+        run_a, run_b = (Path(p) for p in ladder.stages[0].runs[:2])
+        page = render_locate(ladder, Curves.read(run_a, run_b), divergence_map(run_a, run_b))
+    elif rank_trace_paths(path) or run_header_path(path).exists():
+        info = open_run(path)
+        page = render_run(path, info, [read_rank(path, rank) for rank in info.ranks], Curves.read(path))
     else:
-        raise TraceError(f"{path} is neither a run directory (rank-*.arrow) nor a locate directory ({LADDER_FILE})")
-    target = Path(out) if out is not None else path / "report.html"
+        raise TraceError(f"{path} is neither a run directory ({RANK_GLOB}) nor a locate directory ({LADDER_FILE})")
+    target = Path(out) if out is not None else path / REPORT_FILE
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(page, encoding="utf-8")

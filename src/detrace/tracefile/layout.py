@@ -1,10 +1,27 @@
-"""File names inside a run directory."""
+"""File names inside a run directory, and the one rule for every directory detrace writes into.
+
+Nothing else spells these names: a module that looks for rank files, captures or the report asks here.
+"""
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
+from typing import Literal
+
+from detrace.errors import TraceError, UsageError
 
 RUN_HEADER = "run.json"
+REPORT_FILE = "report.html"
+"""The HTML report `detrace report` writes into a run or locate directory by default."""
+CAPTURE_DIR = "capture"
+"""Subdirectory of a run that holds the kernel rung's captures."""
+RANK_GLOB = "rank-*.arrow"
+"""The rank files of a run, as a pattern for messages."""
+_RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
+_RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
+_CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
 
 
 def rank_path(run_dir: str | Path, rank: int) -> Path:
@@ -20,3 +37,73 @@ def footer_path(run_dir: str | Path, rank: int) -> Path:
 def run_header_path(run_dir: str | Path) -> Path:
     """The run header written by `detrace run` (command, world size, rung, windows, versions)."""
     return Path(run_dir) / RUN_HEADER
+
+
+def rank_trace_paths(run_dir: str | Path) -> dict[int, Path]:
+    """The rank files a run directory holds, by rank (none when it is not a directory); OSError passes through."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return {}
+    found = {int(m.group(1)): p for p in run_dir.iterdir() if (m := _RANK_FILE.match(p.name))}
+    return dict(sorted(found.items()))
+
+
+def capture_path(run_dir: str | Path, rank: int, seq: int) -> Path:
+    """Where the kernel rung saves the call whose first record has this seq, on this rank."""
+    return Path(run_dir) / CAPTURE_DIR / f"rank-{rank:05d}-seq{seq:08d}.safetensors"
+
+
+def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
+    """Every capture file of a run directory as (rank, seq, path), by rank then seq."""
+    folder = Path(run_dir) / CAPTURE_DIR
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir()
+                  if (m := _CAPTURE_FILE.match(p.name)))
+
+
+def trace_files(run_dir: str | Path) -> list[Path]:
+    """What a traced run wrote into its directory: rank files, footers, run.json, captures (nothing else)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return [p for p in run_dir.iterdir() if p.name in (RUN_HEADER, CAPTURE_DIR)
+            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name)]
+
+
+def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | None = None,
+                name: str = "output directory") -> Path:
+    """Create the directory a command writes into, by one rule for every command.
+
+    - A path that exists and is not a directory is refused.
+    - `holds="trace"` (one run: `detrace run`): a directory that already holds a trace is refused; `force`
+      removes that trace, and only it (the user's other files stay). Other files never stop a run.
+    - `holds="runs"` (many runs and their results: locate, check, check-resume, check-topology, recheck): a
+      directory that is not empty is refused, so that two results never mix; `force` writes into it all the
+      same (each run's own directory still obeys the trace rule).
+
+    `force` None: the command offers no --force, and the refusal does not suggest it. `name` is how the user
+    named the directory ("--out", "output directory"). Refusals of a trace are `TraceError`, the rest
+    `UsageError`: both exit 2.
+    """
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{name} {out} exists and is not a directory")
+    hint = "; choose another directory" + ("" if force is None else " or pass --force")
+    if holds == "trace":
+        existing = trace_files(out)
+        if existing and not force:
+            raise TraceError(f"{out} already holds a trace{hint}")
+    else:
+        existing = []
+        if out.is_dir() and any(out.iterdir()) and not force:
+            raise UsageError(f"{name} {out} is not empty{hint}")
+    try:
+        for path in existing:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot write to {name} {out}: {err.strerror or err}") from None
+    return out

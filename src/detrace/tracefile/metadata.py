@@ -21,8 +21,9 @@ from detrace.windows import parse_window
 _MISSING = object()
 
 
-class _Fields:
-    """Typed access to one JSON object's fields, each failure one sentence naming the file and the field."""
+class Fields:
+    """Typed access to one JSON object's fields, each failure one sentence naming the file and the field (every
+    `from_json` of a record detrace writes reads through it)."""
 
     def __init__(self, raw: object, source: str) -> None:
         if not isinstance(raw, dict):
@@ -30,7 +31,8 @@ class _Fields:
         self.raw: dict[str, Any] = raw
         self.source = source
 
-    def _fail(self, key: str, wanted: str) -> TraceError:
+    def fail(self, key: str, wanted: str) -> TraceError:
+        """The error for a field that is present but not what the schema says."""
         return TraceError(f"{self.source} is malformed: field {key!r} must be {wanted}, not "
                           f"{json.dumps(self.raw.get(key))[:60]}")
 
@@ -42,19 +44,26 @@ class _Fields:
             return default
         # bool is an int to Python, never to a schema
         if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _tuple(kind)):
-            raise self._fail(key, wanted)
+            raise self.fail(key, wanted)
         return value
 
     def count(self, key: str, *, default: Any = _MISSING, least: int = 0) -> Any:
         value = self.get(key, int, f"an integer of at least {least}", default=default)
         if value is not None and value is not default and value < least:
-            raise self._fail(key, f"an integer of at least {least}")
+            raise self.fail(key, f"an integer of at least {least}")
         return value
 
     def strings(self, key: str, *, default: Any = _MISSING) -> Any:
         value = self.get(key, list, "a list of strings", default=default)
         if value is not None and value is not default and not all(isinstance(v, str) for v in value):
-            raise self._fail(key, "a list of strings")
+            raise self.fail(key, "a list of strings")
+        return value
+
+    def choice(self, key: str, options: tuple[str, ...], *, default: Any = _MISSING) -> Any:
+        wanted = "one of " + ", ".join(options)
+        value = self.get(key, str, wanted, default=default)
+        if value is not default and value not in options:
+            raise self.fail(key, wanted)
         return value
 
     def spec(self, key: str) -> str | None:
@@ -92,12 +101,12 @@ class Windows:
 
     @classmethod
     def from_json(cls, raw: object, source: str) -> Windows:
-        fields = _Fields(raw, f"{source} (field 'windows')")
+        fields = Fields(raw, f"{source} (field 'windows')")
         steps = fields.get("steps", (str, dict), "a SPEC or an object of SPECs per rung", default=None)
         if isinstance(steps, dict):
             if not all(k in RUNGS and isinstance(v, str) for k, v in steps.items()):
-                raise fields._fail("steps", f"an object mapping rungs ({', '.join(RUNGS)}) to SPECs")
-            per_rung = _Fields(steps, f"{fields.source} (field 'steps')")
+                raise fields.fail("steps", f"an object mapping rungs ({', '.join(RUNGS)}) to SPECs")
+            per_rung = Fields(steps, f"{fields.source} (field 'steps')")
             for rung in steps:
                 per_rung.spec(rung)
         elif steps is not None:
@@ -137,13 +146,13 @@ class RunHeader:
     @classmethod
     def from_json(cls, raw: object, source: str) -> RunHeader:
         """Validate a parsed header; raises TraceError naming `source` and the field."""
-        fields = _Fields(raw, source)
+        fields = Fields(raw, source)
         rung = fields.get("rung", str, "a rung name", default=None)
         if rung is not None and rung not in RUNGS:
-            raise fields._fail("rung", f"one of {', '.join(RUNGS)}")
+            raise fields.fail("rung", f"one of {', '.join(RUNGS)}")
         traced = fields.get("traced_ranks", list, "a list of ranks", default=[])
         if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in traced):
-            raise fields._fail("traced_ranks", "a list of ranks")
+            raise fields.fail("traced_ranks", "a list of ranks")
         for key in ("versions", "determinism"):
             fields.get(key, dict, "an object", default=None)
         fields.get("elapsed", (int, float), "a number of seconds", default=None)
@@ -182,10 +191,10 @@ class RankFooter:
     @classmethod
     def from_json(cls, raw: object, source: str) -> RankFooter:
         """Validate a parsed footer; raises TraceError naming `source` and the field."""
-        fields = _Fields(raw, source)
+        fields = Fields(raw, source)
         chain = fields.get("chain", str, "16 hexadecimal digits")
         if len(chain) != 16 or any(c not in "0123456789abcdef" for c in chain):
-            raise fields._fail("chain", "16 hexadecimal digits")
+            raise fields.fail("chain", "16 hexadecimal digits")
         fields.get("complete", bool, "true or false", default=None)
         for key in ("step", "pid", "collectives"):
             fields.count(key, default=None)

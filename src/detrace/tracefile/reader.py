@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +22,12 @@ import pyarrow as pa
 
 from detrace.errors import TraceError
 from detrace.tracefile.integrity import chain_start, chain_text, verify
-from detrace.tracefile.layout import footer_path, rank_path, run_header_path
+from detrace.tracefile.layout import RANK_GLOB, footer_path, rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
 from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
 from detrace.windows import parse_window
 
 _MAGIC = b"ARROW1\x00\x00"
-_RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 
 
 class CorruptTrace(TraceError):
@@ -212,11 +210,11 @@ def open_run(path: str | Path) -> RunInfo:
     if not run_dir.is_dir():
         raise TraceError(f"{run_dir} is not a directory")
     try:
-        ranks = sorted(int(m.group(1)) for p in run_dir.iterdir() if (m := _RANK_FILE.match(p.name)))
+        ranks = list(rank_trace_paths(run_dir))
     except OSError as err:
         raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
     if not ranks:
-        raise TraceError(f"{run_dir} holds no trace (no rank-*.arrow files)")
+        raise TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
     rank_headers = {rank: _read_header(rank_path(run_dir, rank)) for rank in ranks}
     header: dict[str, Any] = dict(rank_headers[ranks[0]])
     header_file = run_header_path(run_dir)

@@ -20,6 +20,7 @@ import torch
 
 from detrace._compat import pytree
 from detrace.tracefile.capture import save_capture
+from detrace.tracefile.layout import capture_path
 from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing.session import Call, Tracer
 
@@ -59,7 +60,8 @@ class Capturer:
         call = pending.call
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         rank = tracer.rank if tracer.rank is not None else 0
-        path = tracer.config.out / "capture" / f"rank-{rank:05d}-seq{call.event:08d}.safetensors"
+        assert call.event is not None  # its first record, written before the call ran, set it
+        path = capture_path(tracer.config.out, rank, call.event)
         meta = {"rank": rank, "step": call.step, "phase": call.phase, "module": call.module, "name": call.name,
                 "occurrence": call.occurrence, "seq": call.event, "threads": torch.get_num_threads(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(), **(meta or {})}

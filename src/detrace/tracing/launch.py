@@ -15,7 +15,6 @@ import collections
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.tracefile.layout import RUN_HEADER, run_header_path
+from detrace.tracefile.layout import prepare_out, rank_trace_paths, run_header_path
 from detrace.tracefile.reader import iter_batches
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
@@ -53,36 +52,11 @@ class LaunchResult:
     """The last ~4 KB of CMD's combined stdout and stderr."""
 
 
-def _trace_files(out: Path) -> list[Path]:
-    if not out.is_dir():
-        return []
-    return [p for p in out.iterdir() if p.name == RUN_HEADER or p.name == "capture"
-            or (p.name.startswith("rank-") and p.suffix in (".arrow", ".json"))]
-
-
-def prepare_out(out: Path, *, force: bool) -> None:
-    """Refuse a directory that holds a trace (unless force: then remove that trace, and only it)."""
-    if out.exists() and not out.is_dir():
-        raise TraceError(f"output directory {out} exists and is not a directory")
-    existing = _trace_files(out)
-    if existing and not force:
-        raise TraceError(f"{out} already holds a trace; choose another directory or pass --force")
-    try:
-        for path in existing:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise TraceError(f"cannot write to output directory {out}: {err.strerror or err}") from None
-
-
 def _rank_headers(out: Path) -> dict[int, dict[str, Any]]:
     headers = {}
-    for path in sorted(out.glob("rank-*.arrow")):
+    for rank, path in rank_trace_paths(out).items():
         try:
-            headers[int(path.stem.removeprefix("rank-"))] = iter_batches(path).header
+            headers[rank] = iter_batches(path).header
         except (TraceError, ValueError):
             continue
     return headers
@@ -163,7 +137,7 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     out = Path(out).resolve()
     config = TraceConfig(out=out, rung=rung, steps=steps, ranks=ranks, max_numel=max_numel, capture=capture,
                          command=command, launched=True)
-    prepare_out(out, force=force)
+    prepare_out(out, holds="trace", force=force)
     header_path = run_header_path(out)
     try:
         write_json_atomic(header_path, _run_header(config, out, status="running"))

@@ -38,7 +38,7 @@ import torch
 
 from detrace._compat import disable_dispatch, pytree
 from detrace.errors import DetraceError
-from detrace.tracefile.layout import rank_path, run_header_path
+from detrace.tracefile.layout import rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
 from detrace.tracing.config import TraceConfig
@@ -651,5 +651,5 @@ class Tracer:
             return
         out = self.config.out
         existing = rank_path(out, self.rank) if self.rank is not None else None
-        if (existing is not None and existing.exists()) or (existing is None and any(out.glob("rank-*.arrow"))):
+        if (existing is not None and existing.exists()) or (existing is None and rank_trace_paths(out)):
             raise TraceError(f"{out} already holds a trace; choose another directory or pass force=True")

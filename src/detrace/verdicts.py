@@ -1,0 +1,29 @@
+"""Every command's verdicts and the exit code each maps to: the one place that maps them.
+
+What the codes mean (errors.py): 0 "yes" (identical, deterministic, exact), 1 "no" (diverged, nondeterministic,
+a real effect), 2 "no answer" (bad input, incomparable, inconclusive). check-resume says more than yes or no, so
+it uses 3 and 4 too. Errors (`detrace.errors.DetraceError`) carry their own code.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+DiffVerdict = Literal["identical", "diverged", "incomparable"]
+"""`detrace diff` and `detrace check`: two runs' traces."""
+LocateVerdict = Literal["deterministic", "nondeterministic", "inconclusive"]
+"""`detrace locate`: the ladder."""
+ResumeVerdict = Literal["exact", "resume-changed-the-run", "nondeterministic", "inconclusive"]
+"""`detrace check-resume`: whether stopping and resuming reproduces the uninterrupted run."""
+NoiseVerdict = Literal["identical", "noise", "real"]
+"""`detrace compare`: a candidate run against two baselines."""
+RecheckVerdict = Literal["clean", "transient", "persistent", "software-nondeterminism"]
+"""`detrace recheck`: a step re-executed on the same devices and on others (a fault follows the device)."""
+
+DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
+LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
+RESUME: Final[dict[ResumeVerdict, int]] = {"exact": 0, "resume-changed-the-run": 1, "nondeterministic": 3,
+                                           "inconclusive": 4}
+NOISE: Final[dict[NoiseVerdict, int]] = {"identical": 0, "noise": 0, "real": 1}
+RECHECK: Final[dict[RecheckVerdict, int]] = {"clean": 0, "transient": 1, "persistent": 1,
+                                             "software-nondeterminism": 1}
