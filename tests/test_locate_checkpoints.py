@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_locate import locate_cli
-from test_locate_e2e import locate_racing
 
 from detrace import TrainState
 from detrace.errors import UsageError
@@ -125,14 +124,15 @@ def test_every_error_is_one_json_object_with_json(tmp_path: Path, args: list[str
 
 
 # The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
-# race (32 sequences per step, as the embedded default, so that its accumulating index_put races).
+# race.
 PLANTED = [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2",
-           "--batch-size", "32", "--nondeterministic-from", "4"]
+           "--nondeterministic-from", "4"]
 
 
 @pytest.mark.slow
 def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
-    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "2", "--", *PLANTED, "--steps", "6")
+    out = tmp_path / "out"
+    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "6")
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
     culprit = payload["culprit"]
@@ -156,8 +156,9 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
     # The negative control (DETRACE_RESUME_CONTROL=skip-rng: resume without the RNG states; the router jitter
     # draws from the global RNG every step) makes every resume of CMD inexact: the proof must catch it, and no
     # narrow run may resume.
-    done, out = locate_racing(tmp_path / "out", "--checkpoint-every", "1", "--", *PLANTED, "--steps", "5",
-                              env={"DETRACE_RESUME_CONTROL": "skip-rng"})
+    out = tmp_path / "out"
+    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "1", "--", *PLANTED, "--steps", "5",
+                      env={"DETRACE_RESUME_CONTROL": "skip-rng"})
     payload = json.loads(done.stdout)
     assert payload["cost"]["resume"] == "inexact", done.stderr
     ladder = json.loads((out / "ladder.json").read_text())

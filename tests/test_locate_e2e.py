@@ -31,19 +31,6 @@ def dump_dom(page: Path) -> str:
     return done.stdout
 
 
-def locate_racing(out: Path, *args: str, timeout: float = 600,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """`detrace locate --json --out OUT ARGS`, once more (into OUT-2, OUT-3) when the real race happened to spare
-    the runs (verdict deterministic or inconclusive): the ladder must name the culprit whenever the race strikes,
-    and a race that strikes in none of three ladders fails the test. Returns the last result and its out dir."""
-    for attempt in range(1, 4):
-        target = out if attempt == 1 else out.with_name(f"{out.name}-{attempt}")
-        done = locate_cli("--json", "--out", str(target), *args, timeout=timeout, env=env)
-        if done.returncode != 0 and not (done.returncode == 2 and '"inconclusive"' in done.stdout):
-            break
-    return done, target
-
-
 def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
@@ -56,7 +43,7 @@ def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     folder = tmp_path_factory.mktemp("locate-single")
     out = folder / "out"
-    done, out = locate_racing(out, "--", sys.executable, str(write_script(folder)), "2")
+    done = locate_cli("--json", "--out", str(out), "--", sys.executable, str(write_script(folder)), "2")
     return _ladder(done), out
 
 
@@ -146,8 +133,8 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
     script = tmp_path / "dist_train.py"
     script.write_text(DIST_SCRIPT)
     out = tmp_path / "out"
-    done, out = locate_racing(out, "--timeout", "300", "--", sys.executable, "-m", "torch.distributed.run",
-                              "--standalone", "--nproc-per-node", "2", str(script))
+    done = locate_cli("--json", "--out", str(out), "--timeout", "300", "--", sys.executable, "-m",
+                      "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script))
     payload = _ladder(done)
     culprit = payload["culprit"]
     assert culprit["rank"] == 1 and culprit["name"].startswith("aten.index_put") and culprit["origin"] is True
@@ -159,7 +146,7 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
 
 def test_embedded_default_names_the_moe_dispatch_backward(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done, out = locate_racing(out, timeout=1200)
+    done = locate_cli("--json", "--out", str(out), timeout=1200)
     payload = _ladder(done)
     culprit = payload["culprit"]
     assert culprit["name"].startswith("aten.index_put") and culprit["phase"] == "backward"

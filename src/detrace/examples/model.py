@@ -22,7 +22,9 @@ Options that change *how* the same math is computed (and so which kernels run):
     "index": the common hand-written way: gather `x[token]`, combine with `index_add_`. The backward of the
              gather is `aten.index_put` with accumulate=True over repeated indices (each token goes to top_k
              experts), whose CPU kernel splits the work across threads: with 2+ threads its bits change
-             from run to run unless `torch.use_deterministic_algorithms(True)`.
+             from run to run unless `torch.use_deterministic_algorithms(True)`. Each expert takes its tokens
+             in priority order (descending router weight), so a token's copies sit at unrelated places in
+             the two threads' halves and their additions interleave differently nearly every step.
     "fixed": `detrace.ops`: a private slot per (token, choice) and a sum in choice order, in forward and
              backward (`permute`, `combine`), and the experts as grouped GEMMs (`grouped_mm`).
 
@@ -368,8 +370,11 @@ class MoE(nn.Module):
 
         if self.cfg.dispatch == "fixed":
             return self._fixed(x, probs, weights, experts).view(B, T, D)
-        # Sort the N*k (token, expert) pairs by expert; a stable sort keeps token order within an expert.
-        order = experts.flatten().argsort(stable=True)  # [N*k]
+        # Sort the N*k (token, expert) pairs by expert, each expert's tokens by descending router weight (the
+        # priority order of batch-prioritized routing, which drops the last tokens when an expert is over
+        # capacity). Two stable sorts make the order exact: by weight, then by expert.
+        by_weight = weights.flatten().argsort(descending=True, stable=True)  # [N*k]
+        order = by_weight[experts.flatten()[by_weight].argsort(stable=True)]  # [N*k]
         tokens = order // k  # [N*k] source token of each sorted row; every token appears k times
         counts = torch.bincount(experts.flatten(), minlength=E)  # [E]
 

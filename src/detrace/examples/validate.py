@@ -45,13 +45,13 @@ class Config:
     def nondeterministic_path(self) -> bool:
         return self.threads >= 2 and "fixed" not in self.args
 
-    def command(self, *, steps: int, deterministic: bool, extra: tuple[str, ...] = ()) -> list[str]:
+    def command(self, *, steps: int, deterministic: bool) -> list[str]:
         launcher = [sys.executable]
         if self.nproc > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}"]
         recipe = "--deterministic" if deterministic else "--no-deterministic"
         train = ["-m", "detrace.examples.train", "--steps", str(steps), "--threads", str(self.threads)]
-        return [*launcher, *train, *self.args, *extra, recipe]
+        return [*launcher, *train, *self.args, recipe]
 
 
 CONFIGS: tuple[Config, ...] = (
@@ -71,15 +71,6 @@ CONFIGS: tuple[Config, ...] = (
                                                        "--dispatch", "fixed"), threads=1, topology=True)
       for n in (1, 2, 4)),
 )
-# Runs of the no-recipe check. Thread races decide whether two runs differ; on a machine whose cores are busy
-# with other work the two threads seldom overlap, and two short runs have come out identical. Each extra run
-# is one more chance to see the race.
-NO_RECIPE_RUNS = 3
-# The no-recipe check trains longer, on larger batches and with 4 threads: the race strikes at a random step,
-# seldom when two threads run undisturbed on two idle cores (traced runs in CI came out identical 3 times in a
-# row); 4 threads on 2 cores are preempted at random points, so the order of the accumulating adds varies.
-NO_RECIPE_STEPS = 8
-NO_RECIPE_ARGS = ("--batch-size", "32", "--threads", "4")
 FAST = ("single index", "fsdp x2")  # what CI runs (tests/test_validate.py)
 
 
@@ -138,10 +129,11 @@ def _where(report: dict[str, object] | None) -> str:
     return f" ({f.get('kind')}) at step {f.get('step')} rank {f.get('rank')} {f.get('phase')} {f.get('name')}"
 
 
-def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float,
-           extra: tuple[str, ...] = ()) -> Cell:
-    command = cfg.command(steps=steps, deterministic=deterministic, extra=extra)
-    runs = 2 if deterministic else NO_RECIPE_RUNS
+def _check(cfg: Config, *, steps: int, deterministic: bool, out: Path, timeout: float) -> Cell:
+    # Two runs, with or without the recipe: the MoE dispatch's race strikes in nearly every backward (its
+    # experts take their tokens in priority order), so two runs without the recipe part at the first step.
+    command = cfg.command(steps=steps, deterministic=deterministic)
+    runs = 2
     code, report, why = _detrace(
         ["check", "--json", "--runs", str(runs), "--out", str(out), "--timeout", str(timeout), "--", *command],
         timeout=timeout * (runs + 1),
@@ -191,8 +183,7 @@ def validate(
         same = _check(cfg, steps=steps, deterministic=True, out=out / slug / "check", timeout=timeout)
         resume = _resume(cfg, steps=steps, at=at, out=out / slug / "resume", timeout=timeout)
         if cfg.nondeterministic_path:
-            found = _check(cfg, steps=max(steps, NO_RECIPE_STEPS), deterministic=False, extra=NO_RECIPE_ARGS,
-                           out=out / slug / "no-recipe", timeout=timeout)
+            found = _check(cfg, steps=steps, deterministic=False, out=out / slug / "no-recipe", timeout=timeout)
         else:
             found = Cell("n/a (no nondeterministic path)", None)
         rows.append((cfg, same, resume, found, time.monotonic() - began))
