@@ -2,7 +2,7 @@
 against today's full-run ladder (`--no-checkpoints`), side by side.
 
 The workload is the reference trainer with a planted late race: deterministic for S = N - 8 steps of an N-step
-run, then the real race of its MoE index dispatch (`--nondeterministic-from S`, 32 sequences per step). For each N
+run, then the real race of its MoE index dispatch (`--nondeterministic-from S`). For each N
 the two ladders run alternately (checkpointed, full, checkpointed, full, ...), so that the machine's load falls on
 both alike. It checks that the checkpointed ladder resumed (the proof held), named the racing index_put, and that
 the runs after the broad pair (the resume proof and the narrow rungs) executed at most 6 x (K + 1) steps, K the
@@ -32,8 +32,8 @@ EVERY = 8
 
 
 def command(steps: int) -> list[str]:
-    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2", "--batch-size",
-            "32", "--steps", str(steps), "--nondeterministic-from", str(steps - 8)]
+    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2",
+            "--steps", str(steps), "--nondeterministic-from", str(steps - 8)]
 
 
 def ladder(out: Path, steps: int, *, checkpoints: bool) -> tuple[float, dict]:

@@ -34,7 +34,9 @@ class TinyMoE(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens).flatten(0, 1)  # [N, D]
         weights, chosen = F.softmax(self.router(x), -1).topk(self.top_k, -1)  # [N, k]
-        order = chosen.flatten().argsort(stable=True)
+        # by expert, each expert's tokens in priority order (descending router weight): two stable sorts
+        by_weight = weights.flatten().argsort(descending=True, stable=True)
+        order = by_weight[chosen.flatten()[by_weight].argsort(stable=True)]
         token = order // self.top_k  # each token appears top_k times
         routed = x[token]  # dispatch; backward: index_put(accumulate=True)
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()

@@ -36,16 +36,11 @@ def steady(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def racing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Baselines whose loss differs run to run (an index_put races in the forward), and a changed learning rate.
-    The race is real and can spare a run: baseline B is run again (up to 3 times) until it differs from A."""
+    """Baselines whose loss differs run to run (an index_put over random repeated rows races in the forward, at
+    nearly every call), and a changed learning rate."""
     same = ["4", "--pool"]
-    folder = tmp_path_factory.mktemp("compare-racing")
-    runs = _runs(folder, ("a", same), ("lr", [*same, "--lr=0.5"]))
-    for attempt in range(3):
-        runs |= _runs(folder, (f"b{attempt}", same))
-        runs["b"] = runs[f"b{attempt}"]
-        if diff(runs["a"], runs["b"]).verdict == "diverged":
-            break
+    runs = _runs(tmp_path_factory.mktemp("compare-racing"), ("a", same), ("b", same), ("lr", [*same, "--lr=0.5"]))
+    assert diff(runs["a"], runs["b"]).verdict == "diverged", "the race spared a whole run"
     return runs
 
 

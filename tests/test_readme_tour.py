@@ -19,13 +19,13 @@ ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.slow
 
 # Each tour command, as written in the README (continuation lines joined), and the exit codes that show what the
-# tour claims. A race is real and can spare a run, so "is it deterministic?" may answer either way.
+# tour claims. The example's MoE race strikes in nearly every backward, so "is it deterministic?" answers no.
 EXPECTED: dict[str, set[int]] = {
-    "detrace check -- python examples/plain_moe_train.py --steps 3 --threads 2": {0, 1},
+    "detrace check -- python examples/plain_moe_train.py --steps 3 --threads 2": {1},
     "detrace run --out runs/a --rung op -- python examples/plain_moe_train.py --steps 2 --threads 2": {0},
     "detrace run --out runs/b --rung op -- python examples/plain_moe_train.py --steps 2 --threads 2": {0},
-    "detrace diff runs/a runs/b": {0, 1},
-    "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 2": {0, 1},
+    "detrace diff runs/a runs/b": {1},
+    "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 2": {1},
     "detrace report detrace-locate-*/": {0},
     "python examples/plain_moe_train.py --steps 3 --threads 2 --deterministic": {0},
     "detrace check-resume --at 2 -- python -m detrace.examples.train --preset tiny --steps 4 --deterministic": {0},

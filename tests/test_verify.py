@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -26,12 +25,12 @@ def test_check_passes_a_deterministic_command(tmp_path: Path, capsys: pytest.Cap
 
 def test_check_catches_real_nondeterminism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # index_put with accumulate over repeated indices, at 2 threads: no fault is injected. The race is real and
-    # can spare a run: 3 runs of 8 steps make "all identical" negligible (a CI rehearsal saw 2 runs of 3 agree).
-    code = main(["check", "--runs", "3", "--out", str(tmp_path / "c"), "--", sys.executable, PLAIN_MOE,
-                 "--steps", "8", "--threads", "2"])
+    # strikes in nearly every backward (each expert takes its tokens in priority order).
+    code = main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, PLAIN_MOE, "--steps", "2",
+                 "--threads", "2"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert re.search(r"run [23] differs from run 1", out) and "first divergence" in out
+    assert "run 2 differs from run 1" in out and "first divergence: rank 0, step 0" in out
 
 
 def _check_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str, at: str = "2",
