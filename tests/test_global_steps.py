@@ -204,3 +204,14 @@ def test_diff_says_when_the_commands_differ(tmp_path: Path, capsys: pytest.Captu
     assert json.loads(capsys.readouterr().out)["notes"][0].startswith("the runs are of different commands")
     assert main(["diff", runs["a"], runs["b"], "--strict-command"]) == 2
     assert "incomparable" not in capsys.readouterr().out
+
+
+def test_certify_expects_a_resumed_run_from_its_first_global_step(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_STEP_OFFSET", "4")
+    with detrace.trace(tmp_path / "resumed", rung="metrics"):
+        model, optimizer = _fresh()
+        _train(model, optimizer, _batches(3), range(3))
+    assert _steps(tmp_path / "resumed") == [4, 5, 6]
+    assert main(["certify", str(tmp_path / "resumed")]) == 0  # steps 0-3 ran in another process
+    assert main(["certify", str(tmp_path / "resumed"), "--expected-steps", "0-6"]) == 1  # asked for: missing

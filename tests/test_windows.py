@@ -74,6 +74,19 @@ def test_count_runs_and_missing_agree_with_expansion() -> None:
 
 
 @settings(deadline=None)
+@given(st.sampled_from(["all", "2-9,::3,1::4,20-22", "5::2", "0,7-12"]), st.sets(st.integers(0, 45)),
+       st.integers(0, 45))
+def test_missing_from_a_start_step_matches_brute_force(spec: str, present: set[int], start: int) -> None:
+    window = parse_window(spec)
+    expected = [v for v in range(start, 40) if v in window and v not in present]
+    count, runs = window.missing(present, 40, start=start)
+    assert count == len(expected)
+    assert [v for lo, hi in runs for v in range(lo, hi + 1)] == expected[: len([v for lo, hi in runs
+                                                                               for v in range(lo, hi + 1)])]
+    assert (not expected) == (not runs) and (not runs or runs[0][0] == expected[0])
+
+
+@settings(deadline=None)
 @given(st.lists(st.one_of(st.tuples(st.integers(0, 60), st.integers(0, 20)),
                           st.tuples(st.integers(0, 30), st.integers(1, 9)).map(lambda p: f"{p[0]}::{p[1]}")),
                 min_size=1, max_size=5), st.integers(0, 120))

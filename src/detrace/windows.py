@@ -132,14 +132,18 @@ class Window:
         for small windows only (process groups); use `count`, `runs` or `missing` otherwise."""
         return [v for lo, hi in self.runs(upto) for v in range(lo, hi + 1)]
 
-    def missing(self, present: Iterable[int], upto: int | None = None) -> tuple[int, list[tuple[int, int]]]:
-        """Members below `upto` that are not in `present`: how many, and the first runs of them (at most 8).
+    def missing(self, present: Iterable[int], upto: int | None = None, *,
+                start: int = 0) -> tuple[int, list[tuple[int, int]]]:
+        """Members in [start, upto) that are not in `present`: how many, and the first runs of them (at most 8).
 
         Costs time in the SPEC's length and in the number of `present` values, never in the window's size."""
         end = self._limit(upto)
-        seen = sorted({v for v in present if 0 <= v < end and v in self})
+        seen = sorted({v for v in present if start <= v < end and v in self})
         runs: list[tuple[int, int]] = []
         for lo, hi in self.runs(upto):
+            if hi < start:
+                continue
+            lo = max(lo, start)
             i = bisect.bisect_left(seen, lo)
             while lo <= hi and len(runs) < 8:
                 nxt = seen[i] if i < len(seen) and seen[i] <= hi else hi + 1
@@ -148,7 +152,7 @@ class Window:
                 lo, i = nxt + 1, i + 1
             if len(runs) >= 8:
                 break
-        return self.count(upto) - len(seen), runs
+        return self.count(upto) - self.count(min(start, end)) - len(seen), runs
 
     def __str__(self) -> str:
         return self.spec

@@ -55,6 +55,8 @@ class _RankFacts:
     violations: list[str]
     corrupt: bool = False
     """The rank file is corrupted: what follows the corrupted batch is unknown, so nothing is said about it."""
+    first_step: int = 0
+    """The first global step the rank ran, from its footer (a run resumed after step K starts at K)."""
 
 
 def _open_call(row: dict[str, Any]) -> str:
@@ -129,7 +131,10 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
                           "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
                           "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
-    return _RankFacts(rank, records, frozenset(steps), violations)
+    steps_run = footer.get("steps") if footer is not None else None
+    first = steps_run.get("first") if isinstance(steps_run, dict) else None
+    first_step = first if isinstance(first, int) and not isinstance(first, bool) and first >= 0 else 0
+    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
 
 
 def recorded_steps(header: dict[str, Any]) -> str:
@@ -141,7 +146,8 @@ def recorded_steps(header: dict[str, Any]) -> str:
 
 def certify(run: str | Path, *, expected_ranks: str | None = None, expected_steps: str | None = None,
             workers: int | None = None) -> CertifyResult:
-    """Check a run directory's invariants. SPECs default to the windows the run was recorded with.
+    """Check a run directory's invariants. SPECs default to the windows the run was recorded with (steps: from
+    each rank's first global step on, so a resumed run is not missing the steps before its resume).
 
     Raises TraceError when the directory is missing, empty or unreadable.
     """
@@ -161,7 +167,9 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     else:
         violations = [f"{absent} expected ranks have no trace file ({describe_runs(absent, runs)})"]
     for fact in facts:
-        missing, runs = step_window.missing(fact.steps, steps.upto)
+        # By default a rank owes the steps it ran: a resumed run's first global step is K, not 0.
+        start = fact.first_step if expected_steps is None else 0
+        missing, runs = step_window.missing(fact.steps, steps.upto, start=start)
         if missing and not fact.corrupt:
             violations.append(f"rank {fact.rank}: {missing} expected steps missing ({describe_runs(missing, runs)})")
         violations += fact.violations
