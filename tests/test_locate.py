@@ -226,5 +226,7 @@ def test_divergence_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:
     assert [Path(r).name for r in payload["runs"]] == ["1-semantic-a", "1-semantic-b", "2-module-a", "2-module-b",
                                                        "2-module-c", "2-module-d"]
     ladder = load_ladder(out)
-    assert "did not recur" in ladder.message
+    assert "the second arm does not reproduce it: 4 reruns at the module rung agree" in ladder.message
+    assert "transient hardware fault" in ladder.message and "detrace recheck RUN --step 1" in ladder.message
+    assert "did not recur" in ladder.stages[-1].note
     assert (out / LADDER_FILE).exists() and Path(payload["report"]).exists()

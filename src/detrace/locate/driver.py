@@ -339,6 +339,13 @@ class Ladder:
             self.progress.rung(stage.record())
             result.message = (f"two runs part at step {step} on rank(s) {window['ranks']}, but the {rung}-rung "
                               f"reruns could not pin it down: {stage.note}")
+            if found is None and rung == "module":
+                # Not one rerun parts again: what parted the first pair happened once. Say what that means.
+                result.message = (f"two runs part at step {step} on rank(s) {window['ranks']}, but the second arm "
+                                  f"does not reproduce it: {len(stage.runs)} reruns at the module rung agree with "
+                                  "each other. A one-time event parted them: a transient hardware fault (a flipped "
+                                  "bit) or a race too rare to recur; `detrace recheck RUN --step "
+                                  f"{step}` re-executes the step on this and other devices to tell which")
             return result
 
         op_stage = self.stages[-1]
