@@ -5,6 +5,7 @@ caught changing the run, a flipped bit refused by tensor name, the tracer fed, a
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -56,9 +57,12 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
 
 def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--",
+    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--json", "--",
                  sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
-    assert code == 1, capsys.readouterr().out
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 1 and payload["verdict"] == "resume-changed-the-run", payload
+    # the diff points at the data: the first record that differs is the batch entering the model at the resume
+    assert (payload["first"]["step"], payload["first"]["phase"], payload["first"]["name"]) == (AT, "data", "batch")
     found = arms(report)
     assert len(found["continuous"]) == 1 and found["resumed"].isdisjoint(found["continuous"])
 
