@@ -17,6 +17,7 @@ from detrace.cli import main
 from detrace.errors import UsageError
 from detrace.tracefile import read_rank
 from detrace.tracing import set_step
+from detrace.tracing.launch import run_traced
 
 
 class Model(nn.Module):
@@ -215,3 +216,22 @@ def test_certify_expects_a_resumed_run_from_its_first_global_step(tmp_path: Path
     assert _steps(tmp_path / "resumed") == [4, 5, 6]
     assert main(["certify", str(tmp_path / "resumed")]) == 0  # steps 0-3 ran in another process
     assert main(["certify", str(tmp_path / "resumed"), "--expected-steps", "0-6"]) == 1  # asked for: missing
+
+
+RESUMED_LOOP = """
+import torch
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_run_json_keeps_the_global_steps_the_run_covered(tmp_path: Path) -> None:
+    result = run_traced([sys.executable, "-c", RESUMED_LOOP], tmp_path / "run", rung="metrics", quiet=True,
+                        env={"DETRACE_STEP_OFFSET": "4"})
+    assert result.returncode == 0, result.output_tail
+    header = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert header["status"] == "finished" and header["steps"] == {"first": 4, "last": 6}

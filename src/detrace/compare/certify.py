@@ -131,10 +131,8 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
                           "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
                           "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
-    steps_run = footer.get("steps") if footer is not None else None
-    first = steps_run.get("first") if isinstance(steps_run, dict) else None
-    first_step = first if isinstance(first, int) and not isinstance(first, bool) and first >= 0 else 0
-    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
+    first = (footer.get("steps") or {}).get("first") if footer is not None else None  # validated: int or None
+    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first or 0)
 
 
 def recorded_steps(header: dict[str, Any]) -> str:

@@ -185,6 +185,8 @@ class RankFooter:
     """The step of the last record (-1 when none)."""
     groups: list[str] | None
     """The process groups the rank used: its parallel layout."""
+    first_step: int | None
+    """The first global step the rank ran (`steps.first`: K for a run resumed after step K); None when absent."""
     raw: dict[str, Any] = field(repr=False)
     """The object as read (validated)."""
 
@@ -199,9 +201,13 @@ class RankFooter:
         for key in ("step", "pid", "collectives"):
             fields.count(key, default=None)
         fields.count("world_size", default=None, least=1)
+        steps = fields.get("steps", dict, "an object", default=None)
+        first = None if steps is None else steps.get("first")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
+            raise fields.fail("steps", "an object whose `first` is a non-negative integer")
         return cls(schema=fields.schema(), rank=fields.count("rank"), records=fields.count("records"),
                    batches=fields.count("batches"), chain=chain, last_step=fields.count("last_step", least=-1),
-                   groups=fields.strings("groups", default=None), raw=fields.raw)
+                   groups=fields.strings("groups", default=None), first_step=first, raw=fields.raw)
 
 
 def load_json(path: Path, what: str) -> object:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.tracefile.layout import prepare_out, rank_trace_paths, run_header_path
-from detrace.tracefile.reader import iter_batches
+from detrace.tracefile.layout import footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing import watchdog
@@ -71,8 +71,22 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
         sizes = [h.get("world_size") for h in ranks.values() if h.get("world_size")]
         header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.get("versions"),
                       determinism=first.get("determinism"), traced_ranks=sorted(ranks))
+    spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
+    if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
+        header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}
     header.update(facts)
     return header
+
+
+def _steps_run(out: Path, rank: int) -> tuple[int, int] | None:
+    """(first, last) global step of a rank that closed its trace; None while it runs or if it never closed."""
+    try:
+        footer = load_footer(footer_path(out, rank))
+    except TraceError:
+        return None
+    if footer is None or footer.first_step is None or footer.last_step < 0:
+        return None
+    return footer.first_step, footer.last_step
 
 
 def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None:
