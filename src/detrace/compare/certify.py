@@ -23,8 +23,8 @@ import pyarrow.compute as pc
 
 from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
-from detrace.tracefile import iter_batches, open_run, rank_path
-from detrace.tracefile.reader import CorruptTrace, read_footer
+from detrace.tracefile import footer_path, iter_batches, open_run, rank_path
+from detrace.tracefile.reader import CorruptTrace, load_footer
 from detrace.windows import Members, describe_runs, parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
@@ -79,7 +79,7 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
     """Stream one rank file and check its own invariants (pool entry point)."""
     run_dir, rank = task
     stream = iter_batches(rank_path(run_dir, rank))
-    footer = read_footer(run_dir, rank)
+    footer = load_footer(footer_path(run_dir, rank))
     violations: list[str] = []
     steps: set[int] = set()
     expected_seq = 0
@@ -125,14 +125,14 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: the trace ends in a torn batch (the process died while writing)")
     if footer is None:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
-    elif footer.get("records") is not None and footer["records"] != records:
-        violations.append(f"rank {rank}: the footer counts {footer['records']} records, the file holds {records}")
+    elif footer.records != records:
+        violations.append(f"rank {rank}: the footer counts {footer.records} records, the file holds {records}")
     elif not _arrow_file_intact(stream.path):
         violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
                           "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
                           "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
-    first = (footer.get("steps") or {}).get("first") if footer is not None else None  # validated: int or None
-    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first or 0)
+    first_step = footer.first_step if footer is not None and footer.first_step is not None else 0
+    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
 
 
 def recorded_steps(header: dict[str, Any]) -> str:
