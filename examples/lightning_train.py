@@ -1,5 +1,5 @@
 """A tiny Lightning run with dropout and a random augmentation in the dataset, made exactly resumable by
-`DetraceCallback` (and handing its `ckpt_path` to `fit`).
+`DetraceCallback`, the one line it adds.
 
     python examples/lightning_train.py --steps 6 --workers 2
     detrace check-resume --at 2 -- python examples/lightning_train.py --steps 6 --workers 2   # exact
@@ -7,7 +7,8 @@
 
 --plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
 contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
---report FILE appends one JSON line per run: the contract variables and the final parameters' fingerprint.
+--pass-ckpt hands the callback's checkpoint to `fit(ckpt_path=...)` as well, as a script that resumes from its
+own path does. --report FILE appends one JSON line per run: the contract variables and the final parameters' fingerprint.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--plain", action="store_true", help="without DetraceCallback: Lightning's own resume")
+    parser.add_argument("--pass-ckpt", action="store_true", help="also pass the checkpoint to fit(ckpt_path=...)")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     options = parser.parse_args()
 
@@ -92,7 +94,9 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=options.workers)
-    trainer.fit(model, loader, ckpt_path=callback.ckpt_path)  # type: ignore[union-attr]
+    # DetraceCallback resumes by itself; Lightning alone is handed its checkpoint.
+    ckpt_path = callback.ckpt_path if options.plain or options.pass_ckpt else None  # type: ignore[union-attr]
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
 
     params = detrace.fingerprint_many(list(model.state_dict().values()))
     digest = "".join(f"{p.digest:016x}" for p in params)

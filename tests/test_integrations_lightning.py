@@ -39,9 +39,10 @@ def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[s
 def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]
                                               ) -> None:
     # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
-    # 2, the run ends with the bits of the continuous 2-worker run.
+    # 2, the run ends with the bits of the continuous 2-worker run. This script also hands the checkpoint to
+    # `fit(ckpt_path=...)` itself (check-resume's arms leave that to the callback).
     report = tmp_path / "report.jsonl"
-    run = run_example(SCRIPT, "--workers", "0", "--report", str(report),
+    run = run_example(SCRIPT, "--workers", "0", "--pass-ckpt", "--report", str(report),
                   env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert arms(report)["resumed"] == checked[2]["continuous"]

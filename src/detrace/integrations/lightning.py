@@ -1,5 +1,4 @@
-"""Exact resume and tracing for Lightning's `Trainer`: `Trainer(..., callbacks=[callback])` and
-`trainer.fit(model, data, ckpt_path=callback.ckpt_path)`.
+"""Exact resume and tracing for Lightning's `Trainer`: `Trainer(..., callbacks=[DetraceCallback()])`.
 
 What Lightning restores by itself from a `.ckpt`: the model, optimizers, LR schedulers, precision plugin
 (grad scaler) and its loops' progress (epoch, global step, batches done). What it misses, and this callback
@@ -72,8 +71,8 @@ class DetraceCallback(pl.Callback):
 
     @property
     def ckpt_path(self) -> str | None:
-        """The checkpoint to resume from under the stop/resume contract (DETRACE_RESUME=1), else None: pass it
-        to `trainer.fit(..., ckpt_path=callback.ckpt_path)`."""
+        """The checkpoint to resume from under the stop/resume contract (DETRACE_RESUME=1), else None. The
+        callback resumes from it by itself; passing it to `trainer.fit(..., ckpt_path=...)` is allowed too."""
         if not self._resume:
             return None
         root = checkpoint_dir()
@@ -96,6 +95,23 @@ class DetraceCallback(pl.Callback):
         # Lightning reads and writes every checkpoint through this plugin: the place to learn the paths.
         if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
+        if self._resume:
+            self._preload(trainer)
+
+    def _preload(self, trainer: pl.Trainer) -> None:
+        """Make a `fit` that was given no `ckpt_path` resume from the contract's checkpoint.
+
+        Lightning picks its checkpoint in `fit`, before any callback hook runs, and restores it right after
+        the `setup` and `configure_model` hooks from what its checkpoint connector has loaded. Loading ours
+        into the connector here lets Lightning restore everything (model, optimizer, scheduler, precision,
+        loops, callbacks) in its own order; a `ckpt_path` given to `fit` still takes precedence.
+        """
+        # The connector is Lightning's own (not public API): its `resume_start` has loaded checkpoints since 2.0.
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is None or not callable(getattr(connector, "resume_start", None)):
+            raise UsageError("this Lightning version cannot be resumed by a callback alone: pass the checkpoint "
+                             "on, as in trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
+        connector.resume_start(self.ckpt_path)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._rng_before_data = rng.capture()
