@@ -8,7 +8,8 @@
 --plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
 contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
 --pass-ckpt hands the callback's checkpoint to `fit(ckpt_path=...)` as well, as a script that resumes from its
-own path does. --report FILE appends one JSON line per run: the contract variables and the final parameters' fingerprint.
+own path does. --report FILE appends one JSON line per run: the contract variables and the final parameters'
+fingerprint.
 """
 
 from __future__ import annotations
