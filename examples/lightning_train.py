@@ -103,7 +103,7 @@ def main() -> None:
     digest = "".join(f"{p.digest:016x}" for p in params)
     print(f"final parameters: {digest[:32]}")
     if options.report:
-        contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME",
+        contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
                                                               "DETRACE_RESUME_CONTROL")}
         with options.report.open("a") as stream:
             stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")

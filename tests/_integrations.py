@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from detrace.cli import main
+from detrace.state.contract import saved_versions
 
 
 def arms(report: Path) -> dict[str, set[str]]:
@@ -17,7 +18,8 @@ def arms(report: Path) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {"continuous": set(), "stopped": set(), "resumed": set(), "control": set()}
     for line in report.read_text().splitlines():
         run = json.loads(line)
-        kind = ("control" if run["DETRACE_RESUME_CONTROL"] else "resumed" if run["DETRACE_RESUME"] == "1"
+        resumed = run["DETRACE_RESUME"] == "1" or run.get("DETRACE_RESUME_FROM")
+        kind = ("control" if run["DETRACE_RESUME_CONTROL"] else "resumed" if resumed
                 else "stopped" if run["DETRACE_STOP_AT"] else "continuous")
         found[kind].add(run["params"])
     return found
@@ -34,3 +36,21 @@ def check_resume(script: Path, out: Path, *, at: int) -> tuple[int, Path, dict[s
     code = main(["check-resume", "--at", str(at), "--out", str(out), "--", sys.executable, str(script),
                  "--workers", "2", "--report", str(report)])
     return code, out, arms(report)
+
+
+def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, continuous: set[str]) -> dict[int, Path]:
+    """What `detrace locate` asks of a script: with DETRACE_CKPT_EVERY=2 it keeps a checkpoint after steps 2, 4
+    and 6 (listed by `saved_versions`) and ends as the continuous run does; resumed from the one after step 2
+    (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous run's bits too."""
+    report = tmp_path / "report.jsonl"
+    saving = run_example(script, "--workers", "0", "--report", str(report),
+                         env={"DETRACE_CKPT_DIR": str(tmp_path / "a"), "DETRACE_CKPT_EVERY": "2"})
+    assert saving.returncode == 0, saving.stderr[-2000:]
+    versions = saved_versions(tmp_path / "a")
+    assert sorted(versions) == [2, 4, 6], versions
+    resumed = run_example(script, "--workers", "0", "--report", str(report),
+                          env={"DETRACE_CKPT_DIR": str(tmp_path / "b"), "DETRACE_RESUME_FROM": str(versions[2])})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    found = arms(report)
+    assert found["continuous"] == continuous and found["resumed"] == continuous, found
+    return versions

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _integrations import arms, check_resume, run_example
+from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example
 from test_checkpoint import flip_one_bit
 
 import detrace
@@ -53,6 +53,14 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int,
                   env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert arms(report)["resumed"] == checked[2]["continuous"]
+
+
+def test_locates_checkpointed_ladder_can_save_every_k_steps_and_resume_from_any(
+        tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    # DETRACE_CKPT_EVERY and DETRACE_RESUME_FROM: the callback keeps HF's checkpoint-N of every K-th step, and
+    # `detrace locate` finds them and starts its narrow runs from one of them.
+    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"])
+    assert versions[4].name == "checkpoint-4"
 
 
 def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from detrace import TrainState
 from detrace.errors import UsageError
 from detrace.examples.train import TrainConfig, parse_args
 from detrace.state import ResumableSampler
+from detrace.state.contract import saved_versions
 
 
 def _state() -> TrainState:
@@ -49,6 +50,26 @@ def test_checkpoint_every_keeps_every_version_and_resume_from_picks_one(
     assert resumed.end_of_step(5)
     assert (tmp_path / "scratch" / "latest").read_text() == "step-00000005\n"
     assert len([p for p in ckpt.iterdir() if p.name.startswith("step-")]) == 3
+
+
+def test_saved_versions_lists_complete_checkpoints_in_every_layout(tmp_path: Path) -> None:
+    # TrainState's step-N/, transformers' checkpoint-N/ (detrace's state in detrace/), Lightning's step-N.ckpt
+    # (detrace's state in step-N.ckpt.detrace/): what `detrace locate` finds in run A's checkpoint directory.
+    root = tmp_path / "ckpt"
+    state = _state()
+    state.step = 2
+    state.save(root, keep=9)
+    hf, lightning = root / "checkpoint-4", root / "step-00000006.ckpt"
+    hf.mkdir()
+    state.save(hf / "detrace")
+    lightning.write_bytes(b"lightning's own file")
+    state.save(Path(f"{lightning}.detrace"))
+    # incomplete: a framework checkpoint without detrace's state, a version whose manifest is missing
+    (root / "checkpoint-8").mkdir()
+    (root / "step-00000010.ckpt").write_bytes(b"")
+    (root / "step-00000012").mkdir()
+    assert saved_versions(root) == {2: root / "step-00000002", 4: hf, 6: lightning}
+    assert saved_versions(tmp_path / "nowhere") == {}
 
 
 @pytest.mark.parametrize("value", ["0", "often", "-2"])

@@ -12,8 +12,8 @@ this callback adds:
 - verification: a detrace checkpoint (`TrainState`) beside HF's files in `checkpoint-N/detrace/`, with the
   fingerprint manifest of every tensor, is verified on resume and restored over what HF loaded; a flipped bit
   is refused by tensor name;
-- the stop/resume contract of `detrace check-resume` (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME,
-  DETRACE_RESUME_CONTROL), the global step and HF's logged metrics for the tracer.
+- the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
+  global step and HF's logged metrics for the tracer.
 
 Importing this module also registers detrace's fixed-order MoE experts in transformers' `ExpertsInterface` as
 "detrace" (`config._experts_implementation = "detrace"`; see docs/kernels.md), where transformers has it (5 and up).
@@ -22,7 +22,6 @@ Importing this module also registers detrace's fixed-order MoE experts in transf
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +33,20 @@ from detrace.errors import CheckpointError, UsageError
 from detrace.integrations._data import SampleKeys, seed_samples
 from detrace.ops import hf as experts
 from detrace.state import TrainState, rng
-from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
+from detrace.state.contract import (
+    HF_STATE_DIR,
+    checkpoint_dir,
+    every_requested,
+    resume_requested,
+    resume_source,
+    stop_requested,
+)
 
-# The directory, inside HF's checkpoint-N, that holds detrace's verified state.
 if importlib.util.find_spec("transformers.integrations.moe") is not None:
     experts.register()
 
-STATE_DIR = "detrace"
 # HF's logged metrics, fed to the tracer under these names (the metrics rung records its own "loss").
 LOGGED = {"loss": "hf/loss", "grad_norm": "hf/grad_norm", "learning_rate": "hf/learning_rate"}
-
-_STEP_SOURCE = {"source": "hf"} if "source" in inspect.signature(tracing.set_step).parameters else {}
 
 
 class DetraceCallback(TrainerCallback):
@@ -61,19 +63,34 @@ class DetraceCallback(TrainerCallback):
         self._state: TrainState | None = None
         self._keys: SampleKeys | None = None
         self._stop_at: int | None = None
+        self._every: int | None = None
         self._resume = False
         self._control: str | None = None
         self._fresh_rng: dict[str, Any] | None = None
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        """Read the stop/resume contract: a stopping run checkpoints into DETRACE_CKPT_DIR; a resuming one
-        names its last checkpoint in `args.resume_from_checkpoint`, which the script hands to `train()`."""
+        """Read the stop/resume contract: a stopping (or periodically saving) run checkpoints into
+        DETRACE_CKPT_DIR; a resuming one names its checkpoint in `args.resume_from_checkpoint`, which the script
+        hands to `train()`."""
         self._resume, self._control = resume_requested()
         self._stop_at = stop_requested()
-        if self._stop_at is not None:
+        self._every = every_requested()
+        if self._stop_at is not None or self._every is not None:
             args.output_dir = str(checkpoint_dir())
-        if self._resume:
+        if self._every is not None:
+            args.save_total_limit = None  # keep every version: `detrace locate` resumes from any of them
+        source = resume_source()
+        if source is not None:
+            # A checkpoint-N, or a directory of them (the last one).
+            own = source / "trainer_state.json"
+            found = str(source) if own.is_file() else get_last_checkpoint(str(source)) if source.is_dir() else None
+            if found is None:
+                raise CheckpointError(f"DETRACE_RESUME_FROM={source} is neither an HF checkpoint-N nor a directory "
+                                      "that holds one")
+            args.resume_from_checkpoint = found
+            self._resume = True
+        elif self._resume:
             root = checkpoint_dir()
             last = get_last_checkpoint(str(root)) if root.is_dir() else None
             if last is None:
@@ -121,7 +138,9 @@ class DetraceCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        tracing.set_step(state.global_step, **_STEP_SOURCE)
+        tracing.set_step(state.global_step, source="hf")
+        if self._every is not None and state.global_step % self._every == 0:
+            control.should_save = True
         if state.global_step == self._stop_at:
             control.should_save = True
             control.should_training_stop = True
@@ -136,14 +155,14 @@ class DetraceCallback(TrainerCallback):
             return
         self._state.extra["trainer"] = _position(state)
         self._state.step = state.global_step
-        self._state.save(Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR)
+        self._state.save(Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / HF_STATE_DIR)
 
     def _load(self, args: TrainingArguments, state: TrainerState) -> None:
         """HF resumed from a checkpoint: verify detrace's state beside it and restore it over HF's."""
         assert self._state is not None
-        candidates = [Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_DIR]
+        candidates = [Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / HF_STATE_DIR]
         if args.resume_from_checkpoint:
-            candidates.insert(0, Path(args.resume_from_checkpoint) / STATE_DIR)
+            candidates.insert(0, Path(args.resume_from_checkpoint) / HF_STATE_DIR)
         directory = next((path for path in candidates if path.exists()), None)
         if directory is None:
             places = " or ".join(str(path) for path in candidates)

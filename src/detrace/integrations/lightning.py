@@ -12,13 +12,12 @@ adds:
   sampler's order is pinned to `seed + epoch` (`detrace.integrations._data`);
 - verification: a detrace checkpoint (`TrainState`) beside each `.ckpt`, in `<file>.ckpt.detrace/`, with the
   fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
-- the stop/resume contract of `detrace check-resume`, the global step and the step's logged metrics for the
-  tracer.
+- the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
+  global step and the step's logged metrics for the tracer.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 from pathlib import Path
@@ -39,12 +38,15 @@ from detrace import tracing
 from detrace.errors import CheckpointError, UsageError
 from detrace.integrations._data import SampleKeys, seed_samples
 from detrace.state import TrainState, rng
-from detrace.state.train_state import checkpoint_dir, resume_requested, stop_requested
-
-# Beside Lightning's `<name>.ckpt`, detrace's verified state lives in `<name>.ckpt.detrace/`.
-STATE_SUFFIX = ".detrace"
-
-_STEP_SOURCE = {"source": "lightning"} if "source" in inspect.signature(tracing.set_step).parameters else {}
+from detrace.state.contract import (
+    LIGHTNING_STATE_SUFFIX,
+    checkpoint_dir,
+    every_requested,
+    lightning_checkpoint,
+    resume_requested,
+    resume_source,
+    stop_requested,
+)
 
 
 class DetraceCallback(pl.Callback):
@@ -62,7 +64,12 @@ class DetraceCallback(pl.Callback):
         self.seed = seed
         self.strict = strict
         self._resume, self._control = resume_requested()
+        self._source = resume_source()
+        self._resume = self._resume or self._source is not None
         self._stop_at = stop_requested()
+        self._every = every_requested()
+        # The global step at the previous batch's end: a step completes at the batch that advances it.
+        self._seen_step = 0
         self._resumed_from: Path | None = None
         self._trainer: pl.Trainer | None = None
         self._state: TrainState | None = None
@@ -71,14 +78,20 @@ class DetraceCallback(pl.Callback):
 
     @property
     def ckpt_path(self) -> str | None:
-        """The checkpoint to resume from under the stop/resume contract (DETRACE_RESUME=1), else None. The
-        callback resumes from it by itself; passing it to `trainer.fit(..., ckpt_path=...)` is allowed too."""
+        """The checkpoint to resume from under the stop/resume contract (DETRACE_RESUME_FROM, else the last one
+        in DETRACE_CKPT_DIR when DETRACE_RESUME=1), else None. The callback resumes from it by itself; passing it
+        to `trainer.fit(..., ckpt_path=...)` is allowed too."""
         if not self._resume:
             return None
-        root = checkpoint_dir()
+        if self._source is not None and not self._source.is_dir():
+            if not self._source.is_file():
+                raise CheckpointError(f"DETRACE_RESUME_FROM={self._source}, but there is no such checkpoint")
+            return str(self._source)
+        root = self._source or checkpoint_dir()
         saved = sorted(root.glob("step-*.ckpt")) if root.is_dir() else []
         if not saved:
-            raise CheckpointError(f"DETRACE_RESUME=1, but {root} holds no Lightning checkpoint (step-*.ckpt)")
+            raise CheckpointError(f"{'DETRACE_RESUME_FROM' if self._source else 'DETRACE_RESUME=1'}, but {root} "
+                                  "holds no Lightning checkpoint (step-*.ckpt)")
         return str(saved[-1])
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -142,6 +155,7 @@ class DetraceCallback(pl.Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             extra={"loop": _position(trainer)},
         )
+        self._seen_step = trainer.global_step
         if self._resumed_from is not None:
             self._load(trainer, loader)
         elif self._resume:
@@ -166,9 +180,16 @@ class DetraceCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        tracing.set_step(trainer.global_step, **_STEP_SOURCE)
-        if trainer.global_step == self._stop_at:
-            trainer.save_checkpoint(checkpoint_dir() / f"step-{trainer.global_step:08d}.ckpt")
+        tracing.set_step(trainer.global_step, source="lightning")
+        step, advanced = trainer.global_step, trainer.global_step != self._seen_step
+        self._seen_step = step
+        if not advanced:  # inside a gradient-accumulation cycle: no optimizer step completed with this batch
+            return
+        periodic = self._every is not None and step % self._every == 0
+        if step == self._stop_at or periodic:
+            # Each version is its own file: `detrace locate` resumes from any of them.
+            trainer.save_checkpoint(lightning_checkpoint(checkpoint_dir(), step))
+        if step == self._stop_at:
             trainer.should_stop = True
 
     def _seed(self) -> int:
@@ -179,13 +200,13 @@ class DetraceCallback(pl.Callback):
             return
         self._state.extra["loop"] = _position(self._trainer)
         self._state.step = self._trainer.global_step
-        self._state.save(Path(f"{path}{STATE_SUFFIX}"))
+        self._state.save(Path(f"{path}{LIGHTNING_STATE_SUFFIX}"))
 
     def _load(self, trainer: pl.Trainer, loader: torch.utils.data.DataLoader) -> None:
         """Lightning resumed from `self._resumed_from`: verify detrace's state beside it, restore it over
         Lightning's, and skip the batches of the current epoch that were already trained."""
         assert self._state is not None and self._keys is not None and self._resumed_from is not None
-        directory = Path(f"{self._resumed_from}{STATE_SUFFIX}")
+        directory = Path(f"{self._resumed_from}{LIGHTNING_STATE_SUFFIX}")
         if not directory.exists():
             raise CheckpointError(f"Lightning resumed from {self._resumed_from}, but there is no detrace state in "
                                   f"{directory}: was the checkpoint written with DetraceCallback?")
@@ -220,7 +241,7 @@ class _BesideCheckpoints(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)
-        shutil.rmtree(f"{path}{STATE_SUFFIX}", ignore_errors=True)
+        shutil.rmtree(f"{path}{LIGHTNING_STATE_SUFFIX}", ignore_errors=True)
 
     def teardown(self) -> None:
         self.inner.teardown()

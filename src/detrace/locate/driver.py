@@ -22,8 +22,9 @@ from detrace.ladder import (
     Stage,
 )
 from detrace.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
-from detrace.locate.evidence import call_records, recorded_steps, saved_checkpoints
+from detrace.locate.evidence import call_records, recorded_steps
 from detrace.replay import ReplayResult, replay_file
+from detrace.state.contract import saved_versions
 from detrace.tracefile.layout import capture_paths
 from detrace.tracing.launch import run_traced
 from detrace.verdicts import LocateVerdict
@@ -289,7 +290,7 @@ class Ladder:
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = recorded_steps(Path(broad.runs[0]))
-        self.checkpoints = saved_checkpoints(self.config.out / CHECKPOINTS / REFERENCE_RUN)
+        self.checkpoints = saved_versions(self.config.out / CHECKPOINTS / REFERENCE_RUN)
         if self.checkpoints:
             self.resume = "unused"
         if first_pair.verdict == "identical" or first_pair.first is None:

@@ -1,28 +1,14 @@
-"""What the ladder reads back from the runs it made: the steps a run recorded, the checkpoints it saved, and the
-culprit call's records in both op-rung runs."""
+"""What the ladder reads back from the runs it made: the steps a run recorded and the culprit call's records in
+both op-rung runs (the checkpoints a run saved: `detrace.state.contract.saved_versions`)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from detrace.errors import TraceError
 from detrace.ladder import CallRecord, Finding
-from detrace.state.manifest import MANIFEST_FILE
 from detrace.tracefile import open_run, read_rank
-
-
-def saved_checkpoints(root: Path) -> dict[int, Path]:
-    """The checkpoint versions a run saved under `root` (docs/resume.md's layout): completed steps -> directory.
-    Only complete versions count (their manifest is written last); none when CMD ignored the contract."""
-    found: dict[int, Path] = {}
-    if root.is_dir():
-        for version in root.iterdir():
-            match = re.fullmatch(r"step-(\d+)", version.name)
-            if match and (version / MANIFEST_FILE).is_file():
-                found[int(match.group(1))] = version
-    return found
 
 
 def recorded_steps(run_dir: Path) -> int:

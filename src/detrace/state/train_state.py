@@ -1,14 +1,7 @@
 """`TrainState`: everything a bit-exact resume needs, saved and loaded as one checkpoint.
 
-It also implements the environment contract by which `detrace check-resume` (or a job scheduler) makes an
-unmodified training script stop, save and resume:
-
-    DETRACE_CKPT_DIR=path       where checkpoints go
-    DETRACE_STOP_AT=K           after step K completes, save and stop the training loop
-    DETRACE_CKPT_EVERY=K        also save after every K-th step, keeping every version (step-0000000K, ...)
-    DETRACE_RESUME=1            load the checkpoint from DETRACE_CKPT_DIR at start
-    DETRACE_RESUME_FROM=path    load this checkpoint at start (a root, or one version such as .../step-00000016)
-    DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
+It also implements the environment contract (`detrace.state.contract`) by which `detrace check-resume`,
+`detrace locate` or a job scheduler make an unmodified training script stop, save and resume.
 
 A training loop needs two calls: `start = state.resume_if_requested()` before it, and
 `if state.end_of_step(step): break` after each optimizer step.
@@ -36,19 +29,14 @@ from detrace import _events
 from detrace._compat import unhooked_step
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
-
-ENV_CKPT_DIR = "DETRACE_CKPT_DIR"
-ENV_STOP_AT = "DETRACE_STOP_AT"
-ENV_CKPT_EVERY = "DETRACE_CKPT_EVERY"
-ENV_RESUME = "DETRACE_RESUME"
-ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
-ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
-
-# Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
-CONTROLS = {
-    "skip-rng": "do not restore the RNG states",
-    "skip-data": "do not restore the data position",
-}
+from detrace.state.contract import (
+    CONTROLS,
+    checkpoint_dir,
+    every_requested,
+    resume_requested,
+    resume_source,
+    stop_requested,
+)
 
 
 class TrainState:
@@ -112,11 +100,11 @@ class TrainState:
         the step to continue from (0 otherwise)."""
         resume, control = resume_requested()
         # A bad DETRACE_STOP_AT or DETRACE_CKPT_EVERY is refused now, not after the first step has run.
-        if stop_requested() is not None or _step_variable(ENV_CKPT_EVERY) is not None:
+        if stop_requested() is not None or every_requested() is not None:
             checkpoint_dir()
-        source = os.environ.get(ENV_RESUME_FROM)
-        if source:
-            return self._load(Path(source), control=control)
+        source = resume_source()
+        if source is not None:
+            return self._load(source, control=control)
         if not resume:
             return 0
         return self._load(checkpoint_dir(), control=control)
@@ -126,7 +114,7 @@ class TrainState:
         return True so that the loop stops. After every DETRACE_CKPT_EVERY-th step, save and go on."""
         self.step = step
         stop = stop_requested()
-        every = _step_variable(ENV_CKPT_EVERY)
+        every = every_requested()
         periodic = every is not None and step % every == 0
         if step == stop or periodic:
             # Periodic checkpoints keep every version: a later run may resume from any of them (detrace
@@ -253,39 +241,3 @@ def _unobserved_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[No
             del optimizer.__dict__["step"]
         else:
             optimizer.__dict__["step"] = own
-
-
-def _step_variable(name: str) -> int | None:
-    """A step count of at least 1 from the environment variable `name`, or None when it is unset or empty."""
-    text = os.environ.get(name)
-    if not text:
-        return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
-    return int(text)
-
-
-def resume_requested() -> tuple[bool, str | None]:
-    """The contract's resume request: (DETRACE_RESUME=1, the DETRACE_RESUME_CONTROL negative control or None).
-    Malformed values are UsageErrors naming the variable."""
-    resume = os.environ.get(ENV_RESUME, "")
-    if resume not in ("", "0", "1"):
-        raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
-    control = os.environ.get(ENV_RESUME_CONTROL) or None
-    if control is not None and control not in CONTROLS:
-        known = ", ".join(CONTROLS)
-        raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
-    return resume == "1", control
-
-
-def stop_requested() -> int | None:
-    """The contract's DETRACE_STOP_AT: the step after which to save and stop, or None."""
-    return _step_variable(ENV_STOP_AT)
-
-
-def checkpoint_dir() -> Path:
-    """The contract's DETRACE_CKPT_DIR (required when stopping or resuming)."""
-    directory = os.environ.get(ENV_CKPT_DIR)
-    if not directory:
-        raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
-    return Path(directory)

@@ -1,0 +1,134 @@
+"""The environment contract by which `detrace check-resume`, `detrace locate` (or a job scheduler) make an
+unmodified training script stop, save and resume, and the checkpoint layouts a script following it leaves:
+
+    DETRACE_CKPT_DIR=path       where checkpoints go
+    DETRACE_STOP_AT=K           after step K completes, save and stop the training loop
+    DETRACE_CKPT_EVERY=K        also save after every K-th step, keeping every version
+    DETRACE_RESUME=1            load the last checkpoint in DETRACE_CKPT_DIR at start
+    DETRACE_RESUME_FROM=path    load this checkpoint at start (one of the versions listed by `saved_versions`)
+    DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
+
+`TrainState` implements it for a hand-written loop; the framework integrations implement it for transformers'
+and Lightning's trainers, each in its framework's own checkpoint layout (`LAYOUTS`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from detrace.errors import CheckpointError, UsageError
+from detrace.state import checkpoint
+from detrace.state.manifest import MANIFEST_FILE
+
+ENV_CKPT_DIR = "DETRACE_CKPT_DIR"
+ENV_STOP_AT = "DETRACE_STOP_AT"
+ENV_CKPT_EVERY = "DETRACE_CKPT_EVERY"
+ENV_RESUME = "DETRACE_RESUME"
+ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
+ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
+
+# Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
+CONTROLS = {
+    "skip-rng": "do not restore the RNG states",
+    "skip-data": "do not restore the data position",
+}
+
+HF_STATE_DIR = "detrace"
+"""transformers: detrace's verified state lives in `checkpoint-N/detrace/`, beside HF's files."""
+LIGHTNING_STATE_SUFFIX = ".detrace"
+"""Lightning: beside `<name>.ckpt`, detrace's verified state lives in `<name>.ckpt.detrace/`."""
+
+
+def lightning_checkpoint(root: Path, step: int) -> Path:
+    """Where the Lightning integration saves the contract's checkpoint after global step `step`."""
+    return root / f"step-{step:08d}.ckpt"
+
+
+class Layout(NamedTuple):
+    """How one kind of script names the checkpoint of completed step N, and where detrace's state is in it."""
+
+    name: str
+    pattern: re.Pattern[str]
+    """Matches the checkpoint's name in DETRACE_CKPT_DIR; group 1 is the number of completed steps."""
+    state: Callable[[Path], Path]
+    """From the checkpoint's path to the TrainState checkpoint (a root or a version) that verifies it."""
+
+
+LAYOUTS = (
+    Layout("TrainState", re.compile(r"step-(\d{8,})(?:\.\d+)?"), lambda path: path),
+    Layout("transformers", re.compile(r"checkpoint-(\d+)"), lambda path: path / HF_STATE_DIR),
+    Layout("Lightning", re.compile(r"step-(\d+)\.ckpt"), lambda path: Path(f"{path}{LIGHTNING_STATE_SUFFIX}")),
+)
+
+
+def saved_versions(root: Path) -> dict[int, Path]:
+    """The complete checkpoints a run saved in `root`, in any of the `LAYOUTS`: completed steps -> the path that
+    DETRACE_RESUME_FROM takes. Complete means detrace's manifest, written last, is there; none when the run
+    ignored the contract."""
+    found: dict[int, Path] = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        for layout in LAYOUTS:
+            match = layout.pattern.fullmatch(entry.name)
+            if match and _complete(layout.state(entry)):
+                found.setdefault(int(match.group(1)), entry)
+    return found
+
+
+def _complete(state: Path) -> bool:
+    try:
+        return (checkpoint.resolve(state) / MANIFEST_FILE).is_file()
+    except CheckpointError:
+        return False
+
+
+def _step_variable(name: str) -> int | None:
+    """A step count of at least 1 from the environment variable `name`, or None when it is unset or empty."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
+    return int(text)
+
+
+def resume_requested() -> tuple[bool, str | None]:
+    """The contract's resume request: (DETRACE_RESUME=1, the DETRACE_RESUME_CONTROL negative control or None).
+    Malformed values are UsageErrors naming the variable."""
+    resume = os.environ.get(ENV_RESUME, "")
+    if resume not in ("", "0", "1"):
+        raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
+    control = os.environ.get(ENV_RESUME_CONTROL) or None
+    if control is not None and control not in CONTROLS:
+        known = ", ".join(CONTROLS)
+        raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+    return resume == "1", control
+
+
+def resume_source() -> Path | None:
+    """The contract's DETRACE_RESUME_FROM: the checkpoint to load at start, or None."""
+    text = os.environ.get(ENV_RESUME_FROM)
+    return Path(text) if text else None
+
+
+def stop_requested() -> int | None:
+    """The contract's DETRACE_STOP_AT: the step after which to save and stop, or None."""
+    return _step_variable(ENV_STOP_AT)
+
+
+def every_requested() -> int | None:
+    """The contract's DETRACE_CKPT_EVERY: save after every K-th step as well (keeping every version), or None."""
+    return _step_variable(ENV_CKPT_EVERY)
+
+
+def checkpoint_dir() -> Path:
+    """The contract's DETRACE_CKPT_DIR (required when stopping or resuming)."""
+    directory = os.environ.get(ENV_CKPT_DIR)
+    if not directory:
+        raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
+    return Path(directory)
