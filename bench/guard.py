@@ -4,7 +4,8 @@ the same step unguarded, on gloo.
 Both variants run in the same two ranks, interleaved step by step (unguarded, guarded, unguarded, ...), so machine
 noise hits them alike: the guard is installed before a guarded step and removed after it, on both ranks. The
 ratio is mean(guarded) / mean(unguarded) over the measured steps, with a 95% bootstrap interval over step pairs,
-and the guard's own time per check (fingerprints and all-gather) as a share of the step.
+and the guard's own time per check (fingerprints and all-gather, both ranks starting it together) as a share of
+the step.
 
     python bench/guard.py [--preset small] [--steps 20] [--warmup 2] [--threads 1]
 
@@ -56,6 +57,9 @@ def _worker(args: argparse.Namespace) -> None:
         if guarded:
             guard.remove()
             if i >= 2 * args.warmup:  # the guard's own cost, measured alone on the same state
+                # Both ranks start the check together: the time one rank would wait in the all-gather for the
+                # other to finish its step is not the guard's (unguarded, it waits as long in the next all-reduce).
+                dist.barrier()
                 check = time.perf_counter()
                 guard.check(optimizer, step=0)
                 checks.append(time.perf_counter() - check)
