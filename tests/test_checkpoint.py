@@ -94,7 +94,7 @@ def test_saves_keep_the_latest_versions(tmp_path: Path) -> None:
     state.step = 3
     state.save(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step-00000002.1", "step-00000003"]
-    assert verify_checkpoint(tmp_path / "step-00000002.1")["step"] == 2
+    assert verify_checkpoint(tmp_path / "step-00000002.1").step == 2
 
 
 def test_a_flipped_bit_is_reported_by_tensor_name(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
 
     assert (root / "latest").read_text() == "step-00000001\n"
     assert list((root / ".tmp-step-00000002").glob("*.distcp"))  # the half-written save, invisible
-    assert verify_checkpoint(root)["step"] == 1
+    assert verify_checkpoint(root).step == 1
     model = torch.nn.Linear(32, 32)
     state = TrainState(model=model)
     assert state.load(root) == 1

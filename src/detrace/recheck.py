@@ -110,7 +110,7 @@ Progress = Callable[[str], None]
 def _checkpoint_step(path: Path) -> int:
     from detrace.state import checkpoint, manifest
 
-    return int(manifest.read(checkpoint.resolve(path))["step"])
+    return manifest.read(checkpoint.resolve(path)).step
 
 
 def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = None, timeout: float | None = None,

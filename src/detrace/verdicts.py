@@ -19,6 +19,16 @@ NoiseVerdict = Literal["identical", "noise", "real"]
 """`detrace compare`: a candidate run against two baselines."""
 RecheckVerdict = Literal["clean", "transient", "persistent", "software-nondeterminism"]
 """`detrace recheck`: a step re-executed on the same devices and on others (a fault follows the device)."""
+CertifyVerdict = Literal["certified", "violations"]
+"""`detrace certify`: every invariant of one trace holds, or some are violated (listed)."""
+ReplayVerdict = Literal["deterministic", "nondeterministic"]
+"""`detrace replay`: one captured op call executed many times."""
+DoctorVerdict = Literal["ok", "settings-off"]
+"""`detrace doctor`: this environment's determinism settings."""
+TopologyVerdict = Literal["identical", "diverged"]
+"""`detrace check-topology`: the same bits at every world size, or not."""
+ValidateVerdict = Literal["green", "failures"]
+"""`detrace validate`: every cell of the validation matrix passed, or some failed."""
 
 DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
 LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
@@ -27,3 +37,8 @@ RESUME: Final[dict[ResumeVerdict, int]] = {"exact": 0, "resume-changed-the-run":
 NOISE: Final[dict[NoiseVerdict, int]] = {"identical": 0, "noise": 0, "real": 1}
 RECHECK: Final[dict[RecheckVerdict, int]] = {"clean": 0, "transient": 1, "persistent": 1,
                                              "software-nondeterminism": 1}
+CERTIFY: Final[dict[CertifyVerdict, int]] = {"certified": 0, "violations": 1}
+REPLAY: Final[dict[ReplayVerdict, int]] = {"deterministic": 0, "nondeterministic": 1}
+DOCTOR: Final[dict[DoctorVerdict, int]] = {"ok": 0, "settings-off": 1}
+TOPOLOGY: Final[dict[TopologyVerdict, int]] = {"identical": 0, "diverged": 1}
+VALIDATE: Final[dict[ValidateVerdict, int]] = {"green": 0, "failures": 1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 from detrace.cli._args import ArgumentParser
 from detrace.compare import certify
 from detrace.report.terminal import render_certify
+from detrace.verdicts import CERTIFY
 
 
 def main(argv: list[str]) -> int:
@@ -25,4 +26,4 @@ def main(argv: list[str]) -> int:
     result = certify(args.run, expected_ranks=args.expected_ranks, expected_steps=args.expected_steps,
                      workers=args.workers)
     render_certify(result)
-    return 0 if result.ok else 1
+    return CERTIFY["certified" if result.ok else "violations"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.topology import check_topology, parse_worlds
+from detrace.verdicts import TOPOLOGY
 from detrace.verify import default_out
 
 
@@ -37,4 +38,4 @@ def main(argv: list[str]) -> int:
               f"{result.tensors} parameters{', final params ' + final if final else ''})")
     else:
         print(f"diverged: {result.first.sentence(worlds[0])}")
-    return 0 if result.identical else 1
+    return TOPOLOGY["identical" if result.identical else "diverged"]

@@ -11,6 +11,7 @@ import sys
 
 from detrace.cli._args import ArgumentParser
 from detrace.recipe import Finding, audit
+from detrace.verdicts import DOCTOR
 
 _STYLE = {"ok": "green", "pending": "cyan", "risk": "yellow", "conflict": "bold red", "too-late": "bold red"}
 
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
         else "no setting is off"
     )
     print(f"detrace doctor: {summary}")
-    return 1 if off else 0
+    return DOCTOR["settings-off" if off else "ok"]
 
 
 def _print_table(findings: list[Finding]) -> None:

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from detrace.cli._args import ArgumentParser
 from detrace.replay import ReplayConfig, ReplayResult, find_capture, replay_file
+from detrace.verdicts import REPLAY
 
 
 def render(result: ReplayResult, console: Console) -> None:
@@ -54,4 +55,4 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result.to_json(), indent=1))
     else:
         render(result, Console(highlight=False))
-    return 1 if result.nondeterministic else 0
+    return REPLAY["nondeterministic" if result.nondeterministic else "deterministic"]

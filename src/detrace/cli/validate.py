@@ -11,6 +11,7 @@ from pathlib import Path
 from detrace.cli._args import ArgumentParser
 from detrace.errors import DetraceError, UsageError
 from detrace.examples.validate import CONFIGS, FAST, table, validate
+from detrace.verdicts import VALIDATE
 
 
 def main(argv: Sequence[str]) -> int:
@@ -51,4 +52,5 @@ def main(argv: Sequence[str]) -> int:
         print(f"detrace validate: error: a verification command ran past {err.timeout:.0f} s", file=sys.stderr)
         return 2
     print(table(rows))
-    return 0 if all(c.ok is not False for _, *cells, _ in rows for c in cells) else 1
+    green = all(c.ok is not False for _, *cells, _ in rows for c in cells)
+    return VALIDATE["green" if green else "failures"]

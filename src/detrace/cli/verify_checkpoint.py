@@ -16,9 +16,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", metavar="PATH", help="checkpoint directory (a root with 'latest', or one version)")
     args = parser.parse_args(argv)
     manifest = verify_checkpoint(args.path)
-    chunks = sum(len(entries) for entries in manifest["tensors"].values())
+    chunks = sum(len(entries) for entries in manifest.tensors.values())
     print(
-        f"ok: {args.path} (step {manifest['step']}, {len(manifest['tensors'])} tensors in {chunks} chunks, "
-        f"{len(manifest['files'])} files, world size {manifest['world_size']}) matches its manifest"
+        f"ok: {args.path} (step {manifest.step}, {len(manifest.tensors)} tensors in {chunks} chunks, "
+        f"{len(manifest.files)} files, world size {manifest.world_size}) matches its manifest"
     )
     return 0

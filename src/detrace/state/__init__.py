@@ -11,10 +11,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from detrace.state.data import ResumableLoader, ResumableSampler, SeededDataset, sample_seed, seeded_rngs
 from detrace.state.train_state import TrainState
+
+if TYPE_CHECKING:
+    from detrace.state.manifest import Manifest
 
 __all__ = [
     "ResumableLoader",
@@ -27,11 +30,12 @@ __all__ = [
 ]
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+def verify_checkpoint(path: str | Path) -> Manifest:
     """Check the checkpoint at `path` (a checkpoint root or one version) against its manifest.
 
-    Returns the manifest. Raises CheckpointCorrupted (naming the tensor or file) on a mismatch and
-    CheckpointError when there is no readable checkpoint. Not collective: this process reads everything.
+    Returns the manifest (a validated `detrace.state.manifest.Manifest`). Raises CheckpointCorrupted (naming
+    the tensor or file) on a mismatch and CheckpointError when there is no readable checkpoint. Not collective:
+    this process reads everything.
     """
     from detrace.state import checkpoint, manifest
 

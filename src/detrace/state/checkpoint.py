@@ -141,15 +141,15 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     directory = resolve(path)
     rank, world = dist.rank_and_world()
     document = manifest.verify(directory, collective=True)
-    if document["world_size"] != world:
+    if document.world_size != world:
         raise CheckpointError(
-            f"{directory} was saved by {document['world_size']} ranks and cannot resume {world}: "
+            f"{directory} was saved by {document.world_size} ranks and cannot resume {world}: "
             "each rank's RNG and data position belong to one rank"
         )
     _, template_tensors = tree.split(shared, "")
 
     def fits() -> tuple[Any, Any]:
-        saved = _rank_document(directory, rank, step=document["step"])
+        saved = _rank_document(directory, rank, step=document.step)
         _check_same_tensors(
             directory, set(tree.tensor_keys(saved["shared"])), set(template_tensors), rank=rank, world=world
         )
@@ -179,7 +179,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
         # DCP reports a failure on any rank as CheckpointException (a BaseException); its message names the key.
         raise CheckpointError(f"{directory} does not fit this training state: {_first_line(err)}") from None
     return Loaded(
-        step=document["step"],
+        step=document.step,
         shared=tree.join(shared_skeleton, template_tensors),
         local=tree.join(local_skeleton, local_tensors),
         directory=directory,

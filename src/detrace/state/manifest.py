@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,8 @@ def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], file
     }
 
 
-def read(directory: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint directory."""
+def read(directory: Path) -> Manifest:
+    """The manifest of a checkpoint directory, validated."""
     if not (directory / MANIFEST_FILE).is_file():
         raise CheckpointError(f"{directory} is not a complete detrace checkpoint (it has no {MANIFEST_FILE})")
     manifest = read_json(directory / MANIFEST_FILE)
@@ -76,7 +76,7 @@ def read(directory: Path) -> dict[str, Any]:
         )
     if schema != SCHEMA:
         raise CheckpointError(f"{directory / MANIFEST_FILE} is not a detrace checkpoint manifest ({SCHEMA})")
-    return Manifest.from_json(manifest, directory / MANIFEST_FILE).raw
+    return Manifest.from_json(manifest, directory / MANIFEST_FILE)
 
 
 def _is_int(value: object, least: int = 0) -> bool:
@@ -95,8 +95,6 @@ class Manifest:
     """JSON file name -> SHA-256."""
     tensors: dict[str, list[dict[str, Any]]]
     """Tensor name -> its chunks: offsets, digest, dtype, shape, numel."""
-    raw: dict[str, Any] = field(repr=False)
-    """The document as read (validated)."""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], source: Path) -> Manifest:
@@ -118,7 +116,7 @@ class Manifest:
         for name, entries in tensors.items():
             if not isinstance(entries, list) or not all(_chunk_entry(e) for e in entries):
                 raise fail(f"the chunks of tensor {name!r}", "objects with offsets, digest, dtype, shape and numel")
-        return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors, raw=raw)
+        return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors)
 
 
 def _chunk_entry(entry: object) -> bool:
@@ -130,7 +128,7 @@ def _chunk_entry(entry: object) -> bool:
             and _is_int(entry.get("numel")))
 
 
-def verify(directory: Path, *, collective: bool) -> dict[str, Any]:
+def verify(directory: Path, *, collective: bool) -> Manifest:
     """Check a checkpoint directory against its manifest; return the manifest.
 
     Collective (when loading): every rank of the process group verifies its share of the chunks (the whole
@@ -164,9 +162,9 @@ def verify(directory: Path, *, collective: bool) -> dict[str, Any]:
     return manifest
 
 
-def _check_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+def _check_files(directory: Path, manifest: Manifest) -> list[str]:
     problems = []
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         path = directory / name
         if Path(name).name != name or not path.is_file():
             problems.append(f"file {name} is missing")
@@ -175,22 +173,22 @@ def _check_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_coverage(manifest: dict[str, Any], chunks: list[StoredChunk]) -> list[str]:
+def _check_coverage(manifest: Manifest, chunks: list[StoredChunk]) -> list[str]:
     stored = {(chunk.fqn, chunk.offsets) for chunk in chunks}
     return [
         f"tensor {fqn!r} is in the manifest but not in the checkpoint"
-        for fqn, entries in manifest["tensors"].items()
+        for fqn, entries in manifest.tensors.items()
         if any((fqn, tuple(entry["offsets"])) not in stored for entry in entries)
     ]
 
 
-def _check_chunks(directory: Path, manifest: dict[str, Any], chunks: list[StoredChunk]) -> list[str]:
+def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]) -> list[str]:
     from detrace.digest import fingerprint_many
 
     problems: list[str] = []
     expected = {
         (fqn, tuple(entry.pop("offsets"))): entry
-        for fqn, entries in manifest["tensors"].items()
+        for fqn, entries in manifest.tensors.items()
         for entry in (dict(entry) for entry in entries)
     }
     batch: list[tuple[StoredChunk, torch.Tensor]] = []
