@@ -2,11 +2,11 @@
 
 Usage: python bench/fingerprint.py [--repeats N] [--no-startup]
 
-Everything runs on the default path (`DETRACE_FINGERPRINT_BACKEND=auto`: numba's kernel on the CPU).
-First, fresh processes: each imports detrace and hashes a float32 64 MiB tensor five times, interleaved with
-torch.hash_tensor of it; the fresh figure is the ratio of the first calls (what a program gets from its first
-fingerprint on), the five-call ratio, and the longest single call (a pause inside a traced step). Cold: an
-empty numba cache (the first run on a machine compiles); warm: the cache the cold run filled. Then the steady
+Everything runs on the default path (`DETRACE_FINGERPRINT_BACKEND=auto`: the native kernel on the CPU).
+First, fresh processes (--fresh of them, 5 by default): each imports detrace and hashes a float32 64 MiB tensor
+five times, interleaved with torch.hash_tensor of it; the fresh figures are the ratio of the first calls (what a
+program gets from its first fingerprint on), the five-call ratio, and the longest single call (a pause inside a
+traced step), each as the median over the processes with their range. Then the steady
 figures: for float32 and bfloat16 tensors of 64 and 256 MiB, detrace.fingerprint, torch.hash_tensor (an XOR
 fold that upcasts each element to 64 bits) and torch.sum (about one read of memory), interleaved round by
 round so that load on the machine hits all three alike, the median of the per-round ratios. The last lines
@@ -20,10 +20,8 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-import numpy as np
 import torch
 
 SIZES_MIB = (64, 256)
@@ -44,16 +42,19 @@ print(imported, *(v for row in rows for v in row))
 """
 
 
-def fresh_process(cache: str | None) -> tuple[float, float, float, float]:
+def fresh_process() -> tuple[float, float, float, float]:
     """A fresh process on the default path hashing fp32 64 MiB five times, interleaved with hash_tensor:
     (import seconds, first-call ratio hash_tensor/fingerprint, ratio over the five calls, longest call)."""
     env = {**os.environ, "DETRACE_FINGERPRINT_BACKEND": "auto"}
-    if cache is not None:
-        env["NUMBA_CACHE_DIR"] = cache
     done = subprocess.run([sys.executable, "-c", _FRESH_PROBE], env=env, capture_output=True, text=True, check=True)
     imported, *values = map(float, done.stdout.split())
     prints, hashes = values[0::2], values[1::2]
     return imported, hashes[0] / prints[0], sum(hashes) / sum(prints), max(prints)
+
+
+def spread(values: list[float], unit: str = "x") -> str:
+    """median [min..max]"""
+    return f"{statistics.median(values):.2f}{unit} [{min(values):.2f}..{max(values):.2f}]"
 
 
 def synchronize(device: torch.device) -> None:
@@ -140,7 +141,7 @@ def small_tensors() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--no-startup", action="store_true", help="skip the fresh-process start-up measurement")
+    parser.add_argument("--fresh", type=int, default=5, help="fresh processes measured (0: skip)")
     args = parser.parse_args()
     if not hasattr(torch, "hash_tensor"):
         print("torch.hash_tensor needs torch>=2.8", file=sys.stderr)
@@ -149,17 +150,13 @@ def main() -> int:
     print(f"detrace fingerprint bench: torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
           f"default (auto) path, median of {args.repeats} interleaved rounds")
     figures: list[str] = []
-    if not args.no_startup:
-        with tempfile.TemporaryDirectory(prefix="detrace-numba-") as cache:
-            for label in ("cold", "warm"):
-                imported, first, five, longest = fresh_process(cache)
-                print(f"fresh process, {label} numba cache: import {imported:.2f} s, longest call {longest:.2f} s")
-                figures.append(f"fresh {label} fingerprint/hash_tensor float32 64MiB: first call {first:.2f}x, "
-                               f"five calls {five:.2f}x")
-    from detrace.digest_cpu import kernel
-
-    kernel.start()
-    kernel.row_sums(np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), np.zeros(8, np.uint64), 1, wait=None)
+    if args.fresh:
+        runs = [fresh_process() for _ in range(args.fresh)]
+        imported, first, five, longest = (list(column) for column in zip(*runs, strict=True))
+        print(f"fresh processes: import of detrace.digest {spread(imported, ' s')}, longest call "
+              f"{spread(longest, ' s')}")
+        figures.append(f"fresh process fingerprint/hash_tensor float32 64MiB ({args.fresh} processes): first call "
+                       f"{spread(first)}, five calls {spread(five)}; longest call {spread(longest, ' s')}")
     measure(torch.device("cpu"), args.repeats, figures)
     print(per_core())
     print(small_tensors())

@@ -52,7 +52,7 @@ def hash_tensor(t: torch.Tensor) -> int:
     return torch.hash_tensor(t).view(torch.int64).item() & ((1 << 64) - 1)
 
 
-@pytest.fixture(params=["eager", "auto", "numba"])
+@pytest.fixture(params=["eager", "auto", "native"])
 def backend(request, monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, request.param)
     return request.param
@@ -186,7 +186,7 @@ def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
         fingerprint(t)
     monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
     monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)  # auto now wants compiled kernels
-    monkeypatch.setattr(dg.cpu_kernel, "failed", "numba is not installed")  # else auto never compiles on CPU
+    monkeypatch.setattr(dg.cpu_kernel, "fn", None)  # the C kernel not built: else auto never compiles on CPU
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -196,7 +196,8 @@ def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
 
 
 def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
-    """Item 8: the default path hashes with numba's cached kernel, never compiles (4-50 s pauses before)."""
+    """Item 8: the default path hashes with the native kernel built at install, never compiles (4-50 s pauses
+    before)."""
     def no_compile(*args, **kwargs):
         raise AssertionError("auto compiled a kernel on the CPU")
 
@@ -205,17 +206,45 @@ def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
     monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
-    dg.cpu_kernel.row_sums(np.zeros((1, 8), np.uint64), np.zeros(1, np.uint64), np.zeros(8, np.uint64), 1,
-                           wait=None)  # loaded (a fresh process waits at most a second, then uses NumPy)
     loaded, calls = dg.cpu_kernel.fn, []
+    assert loaded is not None, dg.cpu_kernel.failed  # built by the install
 
     def counting(*args):
-        calls.append(args[4:])  # the rows each call hashes
+        calls.append(args[5:])  # the rows each call hashes
         return loaded(*args)
 
     monkeypatch.setattr(dg.cpu_kernel, "fn", counting)
     assert fingerprint(t) == reference_fingerprint(t)
-    assert calls  # the numba kernel did the work
+    assert calls  # the native kernel did the work
+
+
+def test_without_the_native_kernel_auto_hashes_the_same_bits_and_native_says_why(monkeypatch):
+    monkeypatch.setattr(dg.cpu_kernel, "fn", None)
+    monkeypatch.setattr(dg.cpu_kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")
+    t = random_bits((2**18,), torch.float32, seed=6)
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    assert fingerprint(t) == reference_fingerprint(t)
+    monkeypatch.setenv(dg.ENV_BACKEND, "native")
+    with pytest.raises(FingerprintError, match=r"native, but the C extension detrace\._fp1 was not built"):
+        fingerprint(t)
+
+
+def test_the_native_kernel_checks_its_buffers_and_splits_rows_over_threads():
+    from detrace._fp1 import row_sums
+
+    words = np.arange(6 * 4, dtype=np.uint64).reshape(6, 4)
+    rowkeys, colkeys = np.arange(6, dtype=np.uint64) * np.uint64(3), np.arange(4, dtype=np.uint64)
+    out = np.empty(6, np.uint64)
+    with pytest.raises(ValueError, match="shorter than"):
+        row_sums(words, 5, rowkeys, colkeys, out, 0, 6)  # rows of 5 words do not fit 24 words
+    with pytest.raises(ValueError, match="0 <= start <= stop"):
+        row_sums(words, 4, rowkeys, colkeys, out, 4, 2)
+    # the same sums as NumPy's, whole or split over threads, from a strided (non-contiguous) view too
+    big = np.random.default_rng(0).integers(0, 2**63, size=(1024, 2 * 512), dtype=np.uint64)[:, ::2]
+    keys = np.arange(1024, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    expected = dg._np_row_sums(big, keys).tolist()
+    for threads in (1, 4):
+        assert dg.cpu_kernel.row_sums(big, keys, dg._T_U64[:512], threads).tolist() == expected
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):

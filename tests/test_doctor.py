@@ -28,6 +28,18 @@ def test_doctor_in_a_clean_environment_exits_0() -> None:
     assert lines[-1] == "detrace doctor: no setting is off"
     assert any(line.startswith("pending   CUBLAS_WORKSPACE_CONFIG = <unset>") for line in lines)
     assert any(line.startswith("ok        torch.backends.cudnn.benchmark = False") for line in lines)
+    assert any(line.startswith("ok        detrace fingerprint kernel (CPU) = native") for line in lines)
+
+
+def test_doctor_says_when_the_native_fingerprint_kernel_was_not_built(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from detrace.digest_cpu import kernel
+
+    monkeypatch.setattr(kernel, "fn", None)
+    monkeypatch.setattr(kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")
+    assert detrace(["doctor"]) == 0  # slower, not less deterministic
+    out = capsys.readouterr().out
+    assert "ok        detrace fingerprint kernel (CPU) = NumPy/eager  (the same bits, several times slower" in out
 
 
 def test_doctor_names_what_is_off_and_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

@@ -34,12 +34,11 @@ Three implementations compute the same bits, and the tests compare them:
 - ``compiled``: that eager function under ``torch.compile`` (one fused Inductor kernel on CPU, Triton on
   CUDA), compiled once per row width with a dynamic number of rows, cached on disk by Inductor.
 
-- ``numba``: on the CPU, the same loop compiled by numba and cached on disk (`detrace.digest_cpu`).
+- ``native``: on the CPU, the same loop in C, compiled when detrace is installed (`detrace.digest_cpu`).
 
-``DETRACE_FINGERPRINT_BACKEND=reference|eager|compiled|numba|auto`` picks one. The default, ``auto``, hashes
-small CPU batches in NumPy and larger ones with the numba kernel from the first call (it loads in the
-background from import on; a call waits for it at most one second, then uses NumPy until it is ready), so
-no step pauses for torch.compile on the CPU. Without numba, and on other devices, it hashes with eager kernels
+``DETRACE_FINGERPRINT_BACKEND=reference|eager|compiled|native|auto`` picks one. The default, ``auto``, hashes
+small CPU batches in NumPy and larger ones with the native kernel from the first call, so no step pauses for
+torch.compile on the CPU. Where the native kernel was not built, and on other devices, it hashes with eager kernels
 until this process has hashed enough (256 MiB) to earn back the one-time compile cost; from then on large
 batches use the compiled kernels (eager again if compilation fails, with a warning).
 
@@ -65,7 +64,6 @@ import numpy as np
 import torch
 
 from detrace._compat import disable_torch_function_subclass, is_functorch_wrapped, mark_dynamic, quiet_dispatch_modes
-from detrace.digest_cpu import FIRST_WAIT
 from detrace.digest_cpu import kernel as cpu_kernel
 from detrace.errors import FingerprintError, UsageError
 
@@ -82,7 +80,7 @@ __all__ = [
 ]
 
 SCHEME = "detrace-fp1"
-BACKENDS = ("auto", "reference", "eager", "compiled", "numba")
+BACKENDS = ("auto", "reference", "eager", "compiled", "native")
 ENV_BACKEND = "DETRACE_FINGERPRINT_BACKEND"
 
 ROW_WORDS = 512  # 64-bit words per row
@@ -477,26 +475,17 @@ class _AutoPolicy:
 
 
 _auto = _AutoPolicy()
-if os.environ.get(ENV_BACKEND, "auto").strip().lower() in ("", "auto", "numba"):
-    cpu_kernel.start()  # importing numba and loading the cached kernel take a second: begin now, in the background
 
 
 def _kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str) -> torch.Tensor:
     """Per-row sums (kind "rows", shape [N]) or the total (kind "total", shape [1]) as int64 on the device."""
     colkeys = _device_tables(words.device).colkeys[: words.shape[1]]
-    if words.device.type == "cpu" and backend in ("auto", "numba") and (cpu_kernel.usable or backend == "numba"):
-        # On the CPU `auto` never pauses for torch.compile: numba's kernel from the first call
-        host_words, host_keys = words.numpy().view(np.uint64), rowkeys.numpy().view(np.uint64)
-        host = cpu_kernel.row_sums(host_words, host_keys, colkeys.numpy().view(np.uint64),
-                                   torch.get_num_threads(), wait=None if backend == "numba" else FIRST_WAIT)
-        if host is None and backend == "numba":
-            raise FingerprintError(f"{ENV_BACKEND}=numba, but the numba kernel is unavailable "
-                                   f"({cpu_kernel.failed or 'still loading'})")
-        if host is None:  # still loading: NumPy, a cache-sized block at a time (measured: far steadier than the
-            # eager kernel's many small OpenMP regions on an oversubscribed machine)
-            block = max(1, _EAGER_BLOCK_WORDS // max(words.shape[1], 1))
-            host = np.concatenate([_np_row_sums(host_words[i : i + block], host_keys[i : i + block])
-                                   for i in range(0, words.shape[0], block)] or [np.zeros(0, np.uint64)])
+    if words.device.type == "cpu" and (backend == "native" or (backend == "auto" and cpu_kernel.usable)):
+        # On the CPU `auto` never pauses for torch.compile: the native kernel from the first call
+        if not cpu_kernel.usable:
+            raise FingerprintError(f"{ENV_BACKEND}=native, but {cpu_kernel.failed}")
+        host = cpu_kernel.row_sums(words.numpy().view(np.uint64), rowkeys.numpy().view(np.uint64),
+                                   colkeys.numpy().view(np.uint64), torch.get_num_threads())
         rows = torch.from_numpy(host.view(np.int64))
         return rows.sum().reshape(1) if kind == "total" else rows
     if words.shape[0] >= 2 and (backend == "compiled" or (backend == "auto" and _auto.wants_compiled(words.numel()))):

@@ -351,7 +351,19 @@ def settings() -> dict[str, str]:
 def audit() -> list[Finding]:
     """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
     strict = _seeded.get("detrace.strict", "True") == "True"
-    return [*_judge(strict), *_kernel_routes(), *_risks()]
+    return [*_judge(strict), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
+
+
+def _fingerprint_kernel() -> Finding:
+    """Which kernel fingerprints CPU tensors: the native one built at install, or the slower fallbacks."""
+    from detrace.digest_cpu import kernel
+
+    if kernel.usable:
+        return Finding(name="detrace fingerprint kernel (CPU)", value="native", status="ok",
+                       detail="the C kernel compiled at install hashes CPU tensors from the first call")
+    return Finding(name="detrace fingerprint kernel (CPU)", value="NumPy/eager", status="ok",
+                   detail=f"the same bits, several times slower: {kernel.failed}; reinstall detrace where a C "
+                          "compiler is present")
 
 
 def _kernel_routes() -> list[Finding]:
