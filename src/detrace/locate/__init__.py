@@ -28,7 +28,8 @@ at most K + 1 steps wherever the divergence lies. A proof that fails makes the n
 CMD that writes no checkpoint gets today's full runs.
 
 Modules: `config` (LocateConfig, the run budget, the embedded default command), `driver` (the rungs, run by run),
-`evidence` (what the driver reads back from its runs). The result is a `detrace.ladder.LocateResult`, written as
+`stages` (the driver's records while it runs: stages, runs, progress), `evidence` (what the driver reads back
+from its runs). The result is a `detrace.ladder.LocateResult`, written as
 ladder.json and locate.json and drawn by `detrace.report.html`.
 """
 
@@ -46,7 +47,8 @@ from detrace.locate.config import (
     LocateConfig,
     default_command,
 )
-from detrace.locate.driver import Ladder, Progress, RunFailed
+from detrace.locate.driver import Ladder
+from detrace.locate.stages import Progress, RunFailed
 from detrace.report.html import write_report
 from detrace.tracefile import write_json_atomic
 from detrace.tracefile.layout import REPORT_FILE, prepare_out

@@ -4,112 +4,30 @@ ladder); `Ladder.run` hands back the `detrace.ladder.LocateResult`."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
 from detrace.compare.pairs import first_origin_call, ranks_spec, same_over
 from detrace.errors import CommandFailed, TraceError
 from detrace.ladder import (
-    CallRecord,
     Cost,
     Finding,
     LocateResult,
     ResumeUse,
-    RunCost,
     Rung,
-    Stage,
 )
 from detrace.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
 from detrace.locate.evidence import call_records, recorded_steps
+from detrace.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
 from detrace.replay import ReplayResult, replay_file
 from detrace.state.contract import saved_versions
 from detrace.tracefile.layout import capture_paths
 from detrace.tracing.launch import run_traced
-from detrace.verdicts import LocateVerdict
 
 REFERENCE_RUN = "1-semantic-a"
 """Run A of the broad rung: the narrow runs resume from its checkpoints, and the resume proof is held against it."""
 CHECKPOINTS = "checkpoints"
 """Subdirectory of `out` where the broad run A keeps its checkpoints (and other runs their scratch saves)."""
-
-class RunFailed(CommandFailed):
-    """CMD crashed or hung during one run of the ladder; carries the end of its output."""
-
-    def __init__(self, message: str, output_tail: str = "") -> None:
-        super().__init__(message)
-        self.output_tail = output_tail
-
-
-@dataclass(kw_only=True)
-class _Stage:
-    """One rung of the ladder while it runs (`Stage` is its record)."""
-
-    rung: Rung
-    steps: str
-    """The steps this rung records in detail."""
-    ranks: str
-    runs: list[str] = field(default_factory=list)
-    """Run directories, in the order they ran (pairs: a, b; a retried pair: c, d)."""
-    diff: dict[str, Any] | None = None
-    """The `detrace.diff/1` object of this rung's last pair (kernel rung: none)."""
-    found: Finding | None = None
-    """The divergence this rung settled on."""
-    note: str = ""
-    """What the rung established, in one sentence."""
-    wide: bool = False
-    """Record every step, not only steps 0..S: set for the retry of a pair that did not part by step S."""
-    start: int = 0
-    """The global step this stage's runs start at: 0 (from the beginning), or the checkpoint they resume from."""
-    resume_from: str | None = None
-    """The checkpoint version its runs resume from (DETRACE_RESUME_FROM); None: they start at step 0."""
-
-    def record(self) -> Stage:
-        return Stage(rung=self.rung, steps=self.steps, ranks=self.ranks, runs=tuple(self.runs), diff=self.diff,
-                     found=self.found, note=self.note, start=self.start)
-
-
-class _Spent(NamedTuple):
-    """One run of CMD as it ran (`RunCost` is its record, once the broad rung's step count is known)."""
-
-    run: str
-    rung: str
-    start: int
-    stop: int | None
-    """DETRACE_STOP_AT: it stopped once this many steps had completed; None: it ran to its end."""
-    seconds: float
-
-    def record(self, total: int) -> RunCost:
-        """With `total`, the steps a full run executes (the broad rung's count)."""
-        end = total if self.stop is None else min(self.stop, total)
-        return RunCost(run=self.run, rung=self.rung, start=self.start, steps=max(0, end - self.start),
-                       seconds=self.seconds)
-
-
-@dataclass(kw_only=True)
-class _Answer:
-    """What `Ladder._ladder` settles, before it becomes a `LocateResult`."""
-
-    verdict: LocateVerdict = "inconclusive"
-    message: str = ""
-    steps: int = 0
-    culprit: Finding | None = None
-    culprit_records: list[CallRecord] = field(default_factory=list)
-    replay: ReplayResult | None = None
-
-
-class Progress:
-    """What the ladder tells its caller while it works; the CLI renders it with rich, the API stays silent."""
-
-    def run_started(self, name: str, planned: int) -> None:
-        """A run of CMD begins; `planned` is the number of runs the ladder now expects in total."""
-
-    def run_finished(self, name: str, elapsed: float) -> None:
-        """That run ended (successfully)."""
-
-    def rung(self, stage: Stage) -> None:
-        """A rung reached its conclusion (`stage.note`)."""
 
 
 class Ladder:
@@ -119,8 +37,8 @@ class Ladder:
         self.config = config
         self.progress = progress or Progress()
         self.planned = BASE_RUNS
-        self.stages: list[_Stage] = []
-        self.spent: list[_Spent] = []
+        self.stages: list[StageRun] = []
+        self.spent: list[SpentRun] = []
         self.every = config.checkpoint_every or DEFAULT_CHECKPOINT_EVERY
         self.checkpoints: dict[int, Path] = {}
         """Run A's checkpoints: completed steps -> version directory. Empty: CMD ignores the contract."""
@@ -130,7 +48,7 @@ class Ladder:
 
     # -- running CMD ---------------------------------------------------------------------------------------
 
-    def _window(self, stage: _Stage) -> str:
+    def _window(self, stage: StageRun) -> str:
         """The tracer's step window for one run of a stage: every rung records every step from the stage's start
         (0, or the checkpoint it resumes from) up to its step S.
 
@@ -144,14 +62,14 @@ class Ladder:
             return "all"
         return f"{stage.start}-{stop - 1 if stage.wide and stop is not None else stage.steps}"
 
-    def _stop(self, stage: _Stage) -> int | None:
+    def _stop(self, stage: StageRun) -> int | None:
         """DETRACE_STOP_AT for a narrow stage's runs: right after step S (a wide retry: after the window of K
         steps from the stage's start, or S if later); None: full runs (no contract, or resuming was inexact)."""
         if self.resume in ("no-contract", "inexact") or stage.steps == "all":
             return None
         return max(stage.start + self.every, int(stage.steps)) + 1 if stage.wide else int(stage.steps) + 1
 
-    def _place(self, stage: _Stage) -> None:
+    def _place(self, stage: StageRun) -> None:
         """Start the stage's runs from run A's latest checkpoint at or before its step, once resuming is proven."""
         stage.start, stage.resume_from = 0, None
         if self.resume == "exact":
@@ -171,7 +89,7 @@ class Ladder:
             env["DETRACE_RESUME_FROM"] = resume_from
         return env
 
-    def _run(self, stage: _Stage, name: str, *, rung: str, capture: str | None = None, window: str | None = None,
+    def _run(self, stage: StageRun, name: str, *, rung: str, capture: str | None = None, window: str | None = None,
              contract: dict[str, str] | None = None) -> Path:
         """One run of CMD. `contract`: the resume contract's variables (None: a narrow run as the stage says)."""
         out = self.config.out / name
@@ -195,7 +113,7 @@ class Ladder:
                                 env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:
             raise RunFailed(f"run {name} of the ladder failed, at {what}: {err}") from None
-        self.spent.append(_Spent(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
+        self.spent.append(SpentRun(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
                                  seconds=result.elapsed))
         if result.returncode != 0:
             if self.completed:
@@ -213,7 +131,7 @@ class Ladder:
         self.progress.run_finished(name, result.elapsed)
         return out
 
-    def _pair(self, stage: _Stage, rung: str, first: str, second: str) -> DiffResult:
+    def _pair(self, stage: StageRun, rung: str, first: str, second: str) -> DiffResult:
         prefix = f"{len(self.stages)}-{rung}"
         a = self._run(stage, f"{prefix}-{first}", rung=rung)
         b = self._run(stage, f"{prefix}-{second}", rung=rung)
@@ -223,7 +141,7 @@ class Ladder:
         stage.diff = result.to_json()
         return result
 
-    def _narrow(self, stage: _Stage, rung: Rung) -> Finding | None:
+    def _narrow(self, stage: StageRun, rung: Rung) -> Finding | None:
         """Run a pair at `rung` in the stage's window, once more if it does not reproduce the divergence there.
 
         A narrow run records its rung in every step up to S: a pair that happens to part before S
@@ -253,7 +171,7 @@ class Ladder:
                 break
         return stage.found
 
-    def _origin_call(self, stage: _Stage) -> Divergence | None:
+    def _origin_call(self, stage: StageRun) -> Divergence | None:
         """The first origin op call on the window's ranks when the diff's first differing record was absorbed."""
         a, b = stage.runs[-2:]
         for rank in (int(r) for r in stage.ranks.split(",")):
@@ -284,9 +202,9 @@ class Ladder:
                             stages=tuple(stage.record() for stage in self.stages), report=report,
                             notes=tuple(notes), cost=cost)
 
-    def _ladder(self) -> _Answer:
-        result = _Answer()
-        broad = _Stage(rung="semantic", steps="all", ranks="all")
+    def _ladder(self) -> Answer:
+        result = Answer()
+        broad = StageRun(rung="semantic", steps="all", ranks="all")
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = recorded_steps(Path(broad.runs[0]))
@@ -321,7 +239,7 @@ class Ladder:
 
         rungs: tuple[Rung, ...] = ("module", "op")
         for rung in rungs:
-            stage = _Stage(rung=rung, steps=window["steps"], ranks=window["ranks"])
+            stage = StageRun(rung=rung, steps=window["steps"], ranks=window["ranks"])
             self._place(stage)
             self.stages.append(stage)
             found = self._narrow(stage, rung)
@@ -379,7 +297,7 @@ class Ladder:
         if not proof_from:
             return  # the divergence is too close to the first checkpoint to prove anything before it
         last = min(proof_from + self.every, step - 1)
-        stage = _Stage(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
+        stage = StageRun(rung="resume", steps=f"{proof_from + 1}-{last}", ranks="all", start=proof_from,
                        resume_from=str(self.checkpoints[proof_from]))
         self.stages.append(stage)
         reference = self.config.out / REFERENCE_RUN
@@ -416,7 +334,7 @@ class Ladder:
         self.progress.rung(stage.record())
 
     def _kernel(self, culprit: Finding) -> ReplayResult | None:
-        stage = _Stage(rung="kernel", steps=str(culprit.step), ranks=str(culprit.rank))
+        stage = StageRun(rung="kernel", steps=str(culprit.step), ranks=str(culprit.rank))
         self._place(stage)
         self.stages.append(stage)
         # No rank= key: the run's rank window already limits it to that rank, and a single process learns its
