@@ -13,6 +13,7 @@ from detrace.cli import main
 from detrace.compare import certify
 from detrace.compare.certify import recorded_steps
 from detrace.tracefile import footer_path, rank_path
+from detrace.tracefile.metadata import RunHeader
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 
@@ -103,9 +104,12 @@ def test_unreadable_or_malformed_input_exits_2(tmp_path: Path, run: Path, capsys
 
 def test_default_steps_are_the_recorded_windows(run: Path) -> None:
     header = {"windows": {"steps": {"metrics": "0-3", "semantic": "0-3", "module": "2", "op": "2"}}}
-    assert recorded_steps(header) == "0-3,2"
-    assert recorded_steps({"windows": {"steps": {"metrics": "all", "op": "2"}}}) == "all"
-    assert recorded_steps({}) == "all"
+    def steps(raw: dict) -> str:
+        return recorded_steps(RunHeader.from_json(raw, "a test header"))
+
+    assert steps(header) == "0-3,2"
+    assert steps({"windows": {"steps": {"metrics": "all", "op": "2"}}}) == "all"
+    assert steps({}) == "all"
     (run / "run.json").write_text(json.dumps({"world_size": 2, **header}))
     assert certify(run).ok and certify(run).steps == [0, 1, 2, 3]
     (run / "run.json").write_text(json.dumps({"world_size": 2, "windows": {"steps": {"metrics": "0-5"}}}))

@@ -99,7 +99,7 @@ def test_open_run_reads_headers_and_ranks(tmp_path: Path) -> None:
     write(tmp_path, 1, 3)
     info = open_run(tmp_path)
     assert info.ranks == (0, 1) and info.world_size == 2 and info.missing_ranks == ()
-    assert info.header["rung"] == "op"
+    assert info.header.rung == "op"
 
 
 @pytest.mark.parametrize(

@@ -223,7 +223,7 @@ def test_existing_trace_refused_unless_forced(tmp_path: Path) -> None:
         train(steps=2)
     assert read_rank(tmp_path / "t", 0).last_step == 1
     info = open_run(tmp_path / "t")
-    assert info.header["rung"] == "metrics" and info.world_size == 1
+    assert info.header.rung == "metrics" and info.world_size == 1
 
 
 def test_no_tensor_kept_alive(tmp_path: Path) -> None:

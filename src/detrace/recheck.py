@@ -120,7 +120,7 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
     if step < 0:
         raise UsageError(f"--step must be a step of the run (0 or more), not {step}")
     info = open_run(run_dir)
-    command = [str(part) for part in info.header.get("command") or ()]
+    command = list(info.header.command)
     if not command:
         raise UsageError(f"{run_dir} does not say which command made it (no command in its run.json); record it "
                          "with detrace run")

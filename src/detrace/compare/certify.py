@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
 from detrace.tracefile import footer_path, iter_batches, open_run, rank_path
+from detrace.tracefile.metadata import RunHeader
 from detrace.tracefile.reader import CorruptTrace, load_footer
 from detrace.windows import Members, describe_runs, parse_window
 
@@ -135,9 +136,9 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
     return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
 
 
-def recorded_steps(header: dict[str, Any]) -> str:
+def recorded_steps(header: RunHeader) -> str:
     """The steps a run recorded at any rung, as a SPEC: the union of its per-rung step windows."""
-    windows = (header.get("windows") or {}).get("steps") or "all"
+    windows = (header.windows.steps if header.windows else None) or "all"
     specs = sorted(set(windows.values())) if isinstance(windows, dict) else [windows]
     return "all" if "all" in specs else ",".join(specs)
 
@@ -150,7 +151,7 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     Raises TraceError when the directory is missing, empty or unreadable.
     """
     info = open_run(run)
-    rank_window = parse_window(expected_ranks or str(info.header.get("ranks", "all")))
+    rank_window = parse_window(expected_ranks or info.header.ranks or "all")
     step_window = parse_window(expected_steps or recorded_steps(info.header))
     ranks = Members(rank_window, None if rank_window.bounded else info.world_size)
     present = [r for r in info.ranks if r in ranks]

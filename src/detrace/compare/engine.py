@@ -120,17 +120,16 @@ def _command_difference(a: list[str], b: list[str]) -> str:
 
 
 def _command(run: RunInfo) -> list[str] | None:
-    command = run.header.get("command")
-    return [str(part) for part in command] if isinstance(command, list) and command else None
+    return list(run.header.command) or None
 
 
 def _facts(run: RunInfo) -> dict[str, Any]:
     """What must agree for two runs to be comparable record by record, by how a sentence names it."""
-    header = run.header
-    windows = header.get("windows") or {}
-    return {"trace schema": header.get("schema"), "rung": header.get("rung"),
-            "step windows": windows.get("steps"), "rank window": windows.get("ranks", header.get("ranks")),
-            "--max-numel": windows.get("max_numel")}
+    header, windows = run.header, run.header.windows
+    return {"trace schema": header.schema, "rung": header.rung,
+            "step windows": windows.steps if windows else None,
+            "rank window": windows.ranks if windows and windows.ranks is not None else header.ranks,
+            "--max-numel": windows.max_numel if windows else None}
 
 
 def _layout(run: RunInfo, rank: int) -> Any:

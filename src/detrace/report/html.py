@@ -377,12 +377,10 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
 def render_run(run_dir: Path, info: RunInfo, traces: list[RankTrace], curves: Curves) -> str:
     """The report of a single run directory: its metric curves and what each rank recorded."""
     header = info.header
-    body = [f"<h1>detrace run <span class=\"badge run\">{_e(header.get('rung', 'trace'))}</span></h1>",
+    body = [f"<h1>detrace run <span class=\"badge run\">{_e(header.rung or 'trace')}</span></h1>",
             f"<p class=\"muted\">{_e(run_dir)} · world size {info.world_size}</p>"]
-    if header.get("command"):
-        command = header["command"]
-        body.append(f"<p>command: <code>{_e(' '.join(command) if isinstance(command, list) else command)}"
-                    "</code></p>")
+    if header.command:
+        body.append(f"<p>command: <code>{_e(' '.join(header.command))}</code></p>")
     body += _metric_section(curves, None)
     rows = [[str(trace.rank), str(trace.table.num_rows), str(trace.last_step + 1),
              "complete" if trace.complete else (trace.detail or "ended early (no footer)")] for trace in traces]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -181,17 +181,16 @@ class RunInfo:
     """What a run directory holds: its header and the ranks that wrote a trace."""
 
     path: Path
-    header: dict[str, Any]
-    """The launcher's run.json when present, else the header of the lowest rank."""
+    header: RunHeader
+    """The header of the lowest rank, with the launcher's run.json over it when present."""
     ranks: tuple[int, ...]
     world_size: int
-    rank_headers: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def missing_ranks(self) -> tuple[int, ...]:
         """Ranks below world_size without a trace file (excluding ranks outside the recorded window)."""
-        window = self.header.get("ranks", "all")
-        wanted = parse_window(window) if isinstance(window, str) else None
+        window = self.header.ranks
+        wanted = parse_window(window) if window is not None else None
         return tuple(r for r in range(self.world_size)
                      if r not in self.ranks and (wanted is None or r in wanted))
 
@@ -215,14 +214,13 @@ def open_run(path: str | Path) -> RunInfo:
         raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
     if not ranks:
         raise TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
-    rank_headers = {rank: _read_header(rank_path(run_dir, rank)) for rank in ranks}
-    header: dict[str, Any] = dict(rank_headers[ranks[0]])
+    merged = dict(_read_header(rank_path(run_dir, ranks[0])))
     header_file = run_header_path(run_dir)
     with contextlib.suppress(FileNotFoundError):
-        header.update(RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}").raw)
-    world_size = header.get("world_size") or max(ranks) + 1
+        merged.update(RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}").raw)
+    header = RunHeader.from_json(merged, f"the header of {run_dir}")
+    world_size = header.world_size or max(ranks) + 1
     if world_size <= max(ranks):
         raise TraceError(f"{run_dir} is inconsistent: its header says world size {world_size}, but rank "
                          f"{max(ranks)} wrote a trace")
-    return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size,
-                   rank_headers=rank_headers)
+    return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size)
