@@ -719,9 +719,9 @@ def collect(staged: Sequence[StagedFingerprints]) -> list[list[Fingerprint]]:
         host = torch.cat(tensors).cpu().numpy() if tensors else np.zeros(0, dtype=np.int64)
         offset = 0
         for i, s in enumerate(pending):
-            plan = s._plans.get(device)
-            if plan is not None:
-                count = sum(t.numel() for t in plan.results)
+            own = s._plans.get(device)
+            if own is not None:
+                count = sum(t.numel() for t in own.results)
                 values[i][device] = host[offset : offset + count]
                 offset += count
     for s, device_values in zip(pending, values, strict=True):

@@ -303,9 +303,9 @@ class RankAligner:
         for i, key in enumerate(keys_a):
             if best is not None and i >= sum(best):
                 break
-            j = where_b.get(key)
-            if j is not None and (best is None or i + j < sum(best)):
-                best = (i, j)
+            match = where_b.get(key)
+            if match is not None and (best is None or i + match < sum(best)):
+                best = (i, match)
         row_a, row_b = _row(wa, 0), _row(wb, 0)
         skipped: tuple[int, int] | None = best
         if skipped is None and (wa.num_rows < LOOKAHEAD and wb.num_rows < LOOKAHEAD):

@@ -24,6 +24,7 @@ from detrace.compare.result import Compared, DiffResult
 from detrace.errors import UsageError
 from detrace.tracefile import RunInfo, iter_batches, open_run, rank_path
 from detrace.tracefile.reader import read_footer
+from detrace.verdicts import DiffVerdict
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         workers = default_workers(len(tasks), size)
     outcomes = map_ranks(align_rank, tasks, workers=workers)
     results, origin_ranks, first = resolve(outcomes)
-    verdict = "diverged" if first is not None else "identical"
+    verdict: DiffVerdict = "diverged" if first is not None else "identical"
     steps = (start, max(s[1] for s in spans.values())) if spans else None
     return DiffResult(verdict=verdict, first=first, origin_ranks=origin_ranks, ranks=results,
                       compared=Compared(len(results), sum(r.records for r in results),

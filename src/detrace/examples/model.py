@@ -243,6 +243,7 @@ class Attention(nn.Module):
         self.wk = Linear(cfg.dim, cfg.dim, cfg.quant)
         self.wv = Linear(cfg.dim, cfg.dim, cfg.quant)
         self.wo = Linear(cfg.dim, cfg.dim, cfg.quant)
+        self.rotary: torch.Tensor  # [max_seq_len, head_dim // 2, 2]: a buffer, not saved
         self.register_buffer("rotary", rotary_table(self.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

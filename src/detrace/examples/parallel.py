@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -199,7 +200,7 @@ def _is_expert(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
-def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Average the gradients of `params` over `group`, in place: one flat buffer, one all-reduce. A DTensor
     gradient contributes its local shard (its replicas over `group` hold the same rows)."""
     if not params:
@@ -223,7 +224,7 @@ def _tensor_parallel(model: HybridLM, layout: Layout) -> None:
     """Column-shard wq/wk/wv and w1/w3, row-shard wo and w2 (Megatron-style; no sequence parallelism).
     SSM, MoE, norms, embedding and head stay replicated: their inputs and gradients are the same on
     every tp rank."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
     cfg = model.cfg
     tp = layout.size("tp")
@@ -232,7 +233,7 @@ def _tensor_parallel(model: HybridLM, layout: Layout) -> None:
     if cfg.n_heads % tp or cfg.ffn_hidden % tp:
         raise UsageError(f"n_heads {cfg.n_heads} and ffn_hidden {cfg.ffn_hidden} must divide by tp {tp}")
     col, row = ColwiseParallel(), RowwiseParallel()
-    plan: dict[str, ColwiseParallel | RowwiseParallel] = {}
+    plan: dict[str, ParallelStyle] = {}
     for name, _ in model.named_modules():
         if name.endswith(".attn"):
             plan.update({f"{name}.wq": col, f"{name}.wk": col, f"{name}.wv": col, f"{name}.wo": row})
@@ -276,7 +277,7 @@ class ParallelModel:
         self._lm: list[torch.Tensor] = []
         self._mtp: list[torch.Tensor] = []
         self.module: nn.Module = self.raw
-        self.schedule = None
+        self.schedule: Any = None  # a torch.distributed.pipelining schedule, under --parallel pp
         kind = layout.kind
         if layout.size("ep") > 1:
             _shard_experts(self.raw, layout)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from detrace.errors import DetraceError
 
@@ -114,12 +115,12 @@ def _reason(stderr: str) -> str:
     return f"{head}: {cause}" if cause else head
 
 
-def _where(report: dict[str, object] | None) -> str:
+def _where(report: dict[str, Any] | None) -> str:
     """' (KIND) at step S rank R PHASE NAME' of the first divergence in a check or check-resume JSON report,
     if it has one. S is detrace's step clock: 0 is the first optimizer step (the trainer prints it as step 1).
     KIND is "numeric" (same call, other bits) or "structural" (the sequence of calls changed)."""
     diffs = report.get("diffs") if report else None
-    firsts = [d.get("first") for d in diffs or [] if isinstance(d, dict) and d.get("first")]
+    firsts = [d["first"] for d in diffs or [] if isinstance(d, dict) and d.get("first")]
     if not firsts:
         first = report.get("first") if report else None  # check-resume names the divergence of its verdict
         firsts = [first] if isinstance(first, dict) else []

@@ -37,6 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from detrace.errors import CheckpointError
 from detrace.state import dist, manifest, tree
@@ -166,6 +167,8 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     local_tensors = {}
     for key in tree.tensor_keys(local_skeleton):
         entry = metadata.state_dict_metadata[key]
+        if not isinstance(entry, TensorStorageMetadata):  # the key names a tensor of the skeleton
+            raise CheckpointError(f"{directory}: {key!r} is not stored as a tensor")
         local_tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
     try:
         with _single_process_is_intended():

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -118,7 +119,9 @@ def read_metadata(directory: Path) -> Metadata:
     try:
         if document["schema"] != _SCHEMA:
             raise CheckpointError(f"{directory / METADATA_FILE} has schema {document['schema']!r}, not {_SCHEMA!r}")
-        tensors = {fqn: _tensor_from_json(entry) for fqn, entry in document["tensors"].items()}
+        tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+            str(fqn): _tensor_from_json(entry) for fqn, entry in document["tensors"].items()
+        }
         storage = {
             MetadataIndex(entry["fqn"], entry["offsets"], entry["index"]): _StorageInfo(
                 entry["file"], entry["start"], entry["length"], entry["transforms"] or None

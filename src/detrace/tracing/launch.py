@@ -68,7 +68,7 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     ranks = _rank_headers(out)
     if ranks:
         first = ranks[min(ranks)]
-        sizes = [h.get("world_size") for h in ranks.values() if h.get("world_size")]
+        sizes = [int(h["world_size"]) for h in ranks.values() if h.get("world_size")]
         header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.get("versions"),
                       determinism=first.get("determinism"), traced_ranks=sorted(ranks))
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]

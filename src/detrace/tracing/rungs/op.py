@@ -141,7 +141,7 @@ class OpRecorder(TorchDispatchMode):
         snaps = tracer.snapshot(outputs + written, fresh=True)
         tracer.emit(call, "output", snaps[: len(outputs)])
         tracer.emit(call, "mutated", snaps[len(outputs):])
-        if pending is not None:
+        if pending is not None and self.capturer is not None:
             self.capturer.after(pending, out)
         return out
 
