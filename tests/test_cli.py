@@ -75,3 +75,13 @@ def test_a_closed_pipe_stops_quietly_and_keeps_the_verdict(tmp_path: Path) -> No
                        (["certify", str(tmp_path / "a")], 0), (["diff", "--help"], 0)):
         done = _into_closed_pipe(*argv)
         assert (done.returncode, done.stderr) == (code, ""), argv
+
+
+@pytest.mark.parametrize("name", ["run", "diff", "certify", "check", "check-resume", "locate", "report", "replay"])
+def test_commands_that_orchestrate_or_read_start_without_torch(name: str) -> None:
+    # torch costs about 3 s to import: the launchers (run, check, check-resume, locate) and the readers of
+    # traces (diff, certify, report, replay's arguments) do not pay it before they need it.
+    code = (f"import sys\nfrom detrace.cli import main\ntry:\n    main([{name!r}, '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 from detrace.compare import Divergence
 from detrace.errors import TraceError
-from detrace.replay import ReplayResult
+from detrace.replay_records import ReplayResult
 from detrace.tracefile.metadata import Fields
 from detrace.verdicts import LOCATE, LocateVerdict
 

@@ -27,7 +27,7 @@ from detrace.locate import (
     locate,
 )
 from detrace.locate import Progress as LadderProgress
-from detrace.replay import ReplayConfig
+from detrace.replay_records import ReplayConfig
 
 _RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "resume": "resume proof", "module": "rung 2 (module)",
                 "op": "rung 3 (op)", "kernel": "rung 4 (kernel)"}

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from detrace.cli._args import ArgumentParser
-from detrace.replay import ReplayConfig, ReplayResult, find_capture, replay_file
+from detrace.replay_records import ReplayConfig, ReplayResult
 from detrace.verdicts import REPLAY
 
 
@@ -50,6 +50,8 @@ def main(argv: list[str]) -> int:
         except ValueError:
             parser.error(f"--threads takes comma-separated integers, not {args.threads!r}")
     config = ReplayConfig(repeats=args.repeats, threads=threads)
+    from detrace.replay import find_capture, replay_file  # torch: after the arguments are known to be good
+
     result = replay_file(find_capture(args.run, args.event, rank=args.rank), config)
     if args.json:
         print(json.dumps(result.to_json(), indent=1))

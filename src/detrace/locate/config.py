@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace.errors import UsageError
-from detrace.replay import ReplayConfig
+from detrace.replay_records import ReplayConfig
 
 BASE_RUNS = 7
 """Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""

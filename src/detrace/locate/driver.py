@@ -19,8 +19,7 @@ from detrace.ladder import (
 from detrace.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
 from detrace.locate.evidence import call_records, recorded_steps
 from detrace.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
-from detrace.replay import ReplayResult, replay_file
-from detrace.state.contract import saved_versions
+from detrace.replay_records import ReplayResult
 from detrace.tracefile.layout import capture_paths
 from detrace.tracing.launch import run_traced
 
@@ -208,6 +207,8 @@ class Ladder:
         self.stages.append(broad)
         first_pair = self._pair(broad, "semantic", "a", "b")
         result.steps = recorded_steps(Path(broad.runs[0]))
+        from detrace.state.contract import saved_versions  # imports torch: not at the CLI's start
+
         self.checkpoints = saved_versions(self.config.out / CHECKPOINTS / REFERENCE_RUN)
         if self.checkpoints:
             self.resume = "unused"
@@ -347,6 +348,8 @@ class Ladder:
             stage.note = f"the capture run recorded no call matching {selector} on rank {culprit.rank}"
             self.progress.rung(stage.record())
             return None
+        from detrace.replay import replay_file  # executes ops: torch, imported in the one process that replays
+
         replayed = replay_file(captures[0], self.config.replay)
         stage.note = (f"replayed {replayed.base.repeats} times: " + (
             f"nondeterministic, up to {replayed.base.differing_elements} elements differ by up to "

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from detrace.errors import CommandFailed
 from detrace.ladder import CallRecord, Finding, RunCost, Rung, Stage
-from detrace.replay import ReplayResult
+from detrace.replay_records import ReplayResult
 from detrace.verdicts import LocateVerdict
 
 

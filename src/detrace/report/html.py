@@ -28,7 +28,7 @@ from detrace.compare.metrics import metric_rank, metric_series
 from detrace.compare.pairs import divergence_map
 from detrace.errors import TraceError
 from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
-from detrace.replay import ReplayResult
+from detrace.replay_records import ReplayResult
 from detrace.tracefile import RankTrace, RunInfo, open_run, read_rank
 from detrace.tracefile.layout import RANK_GLOB, REPORT_FILE, rank_trace_paths, run_header_path
 
