@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from detrace import recipe
+from detrace.audit import audit
 from detrace.errors import DeterminismError, UsageError
 from detrace.recipe import deterministic
 
@@ -48,7 +49,7 @@ def test_recipe_sets_every_switch_and_seeds_every_rng() -> None:
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Ring"
     assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
     assert result.settings["torch._inductor.config.deterministic"] == "True"
-    assert [f for f in recipe.audit() if f.status not in ("ok", "risk")] == []
+    assert [f for f in audit() if f.status not in ("ok", "risk")] == []
     assert result.seed == 1234 and result.strict and result.notices == ()
     assert result.settings["detrace.seed"] == "1234"
     assert random.random() == random.Random(1234).random()
@@ -110,7 +111,7 @@ def test_a_conflicting_user_setting_is_an_error_naming_it(setting: str, monkeypa
         assert caught.value.exit_code == 2
         assert not torch.backends.cudnn.deterministic  # fails closed: nothing was applied
     # (TF32 matmuls and the float32 matmul precision are one setting in torch: each shows as the other too.)
-    assert setting.split("=")[0] in [f.name for f in recipe.audit() if f.off]
+    assert setting.split("=")[0] in [f.name for f in audit() if f.off]
 
 
 @pytest.fixture
@@ -145,7 +146,7 @@ def test_too_late_nccl_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(DeterminismError, match="NCCL_ALGO must be set before NCCL starts"):
         deterministic(0)
-    assert [f.status for f in recipe.audit() if f.name == "NCCL_ALGO"] == ["too-late"]
+    assert [f.status for f in audit() if f.name == "NCCL_ALGO"] == ["too-late"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

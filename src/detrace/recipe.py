@@ -5,8 +5,8 @@ pins the collective algorithm, seeds every global RNG, and fails closed: a setti
 contradicts the recipe is an error naming it, and an environment variable that can no longer take effect
 (because CUDA or NCCL already started) is an error in strict mode and a warning otherwise.
 
-`audit()` reports each switch (ok, pending, conflict, too late) and the risks the recipe cannot remove
-(thread count, hash seed); `detrace doctor` prints it. `settings()` is the flat snapshot stored in every
+`judge()` says where each switch stands (ok, pending, conflict, too late); `detrace.audit` adds the risks the
+recipe cannot remove and `detrace doctor` prints both. `settings()` is the flat snapshot stored in every
 trace header; it is cheap and never initialises CUDA.
 """
 
@@ -103,7 +103,7 @@ def _always(*values: str) -> Callable[[bool], frozenset[str]]:
     return lambda strict: frozenset(values)
 
 
-def _inductor(attribute: str, env: str) -> Callable[[], str]:
+def inductor_option(attribute: str, env: str) -> Callable[[], str]:
     """An Inductor option: from its config if Inductor is imported (importing it costs a second), else
     from the environment variable its config is initialised from."""
 
@@ -253,7 +253,7 @@ SWITCHES: tuple[_Switch, ...] = (
     _Switch(
         name="torch._inductor.config.deterministic",
         prevents="Inductor choosing compiled kernels by on-device benchmarks",
-        read=_inductor("deterministic", "TORCHINDUCTOR_DETERMINISTIC"),
+        read=inductor_option("deterministic", "TORCHINDUCTOR_DETERMINISTIC"),
         default="False",
         accept=_always("True"),
         apply=_inductor_deterministic,
@@ -262,7 +262,7 @@ SWITCHES: tuple[_Switch, ...] = (
     _Switch(
         name="torch._inductor.config.max_autotune",
         prevents="Inductor's max-autotune picking kernel configurations by timing",
-        read=_inductor("max_autotune", "TORCHINDUCTOR_MAX_AUTOTUNE"),
+        read=inductor_option("max_autotune", "TORCHINDUCTOR_MAX_AUTOTUNE"),
         default="False",
         accept=_always("False"),
     ),
@@ -270,7 +270,7 @@ SWITCHES: tuple[_Switch, ...] = (
     _Switch(
         name="torch._inductor.config.coordinate_descent_tuning",
         prevents="Inductor's coordinate-descent tuner picking kernel parameters by timing",
-        read=_inductor("coordinate_descent_tuning", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"),
+        read=inductor_option("coordinate_descent_tuning", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"),
         default="False",
         accept=_always("False"),
     ),
@@ -300,7 +300,7 @@ def deterministic(seed: int, *, strict: bool = True, kernels: str = "torch") -> 
         raise UsageError(f"the seed must be an integer from 0 to 2**32-1, not {seed!r}")
     if kernels not in KERNELS:
         raise UsageError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
-    findings = _judge(strict, applying=True)
+    findings = judge(strict, applying=True)
     conflicts = [finding for finding in findings if finding.status == "conflict"]
     if conflicts:
         names = ", ".join(f"{finding.name}={finding.value}" for finding in conflicts)
@@ -329,6 +329,11 @@ def deterministic(seed: int, *, strict: bool = True, kernels: str = "torch") -> 
     return DeterminismSettings(seed=seed, strict=strict, settings=settings(), notices=notices, routed=routed)
 
 
+def applied_strict() -> bool:
+    """The `strict` of the last `deterministic()` call in this process (True before any)."""
+    return _seeded.get("detrace.strict", "True") == "True"
+
+
 def settings() -> dict[str, str]:
     """A flat, JSON-able snapshot of every determinism-relevant setting in force; cheap, no CUDA init."""
     snapshot = {switch.name: switch.read() for switch in SWITCHES}
@@ -348,51 +353,7 @@ def settings() -> dict[str, str]:
     return snapshot
 
 
-def audit() -> list[Finding]:
-    """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
-    strict = _seeded.get("detrace.strict", "True") == "True"
-    return [*_judge(strict), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
-
-
-def _fingerprint_kernel() -> Finding:
-    """Which kernel fingerprints CPU tensors: the native one built at install, or the slower fallbacks."""
-    from detrace.digest_cpu import kernel
-
-    if kernel.usable:
-        return Finding(name="detrace fingerprint kernel (CPU)", value="native", status="ok",
-                       detail="the C kernel compiled at install hashes CPU tensors from the first call")
-    return Finding(name="detrace fingerprint kernel (CPU)", value="NumPy/eager", status="ok",
-                   detail=f"the same bits, several times slower: {kernel.failed}; reinstall detrace where a C "
-                          "compiler is present")
-
-
-def _kernel_routes() -> list[Finding]:
-    """One line per op that `kernels="detrace"` routes (ok once routed in this process), and one per device
-    where nothing is routed and why."""
-    from detrace.ops import routing
-
-    routed = routing.routed()
-    findings = []
-    for device, ops in routing.ROUTES.items():
-        if not ops:
-            findings.append(Finding(name=f"detrace.ops on {device}", value="torch", status="ok",
-                                    detail=f"nothing is routed on {device}: {routing.WHY_NOT[device]}"))
-        for op in ops:
-            here = f"{op} on {device}" in routed
-            detail = (
-                "routed to detrace.ops' sort-once segmented reduction (no atomics, fixed order)"
-                if here
-                else "torch's kernel (deterministic under the recipe); an option, not a gap: "
-                "detrace.deterministic(seed, kernels='detrace') routes it to detrace.ops' sort-once segmented "
-                "reduction, meant to beat torch's deterministic sort path (bench/gpu_check.py measures)"
-            )
-            # either way is deterministic under the recipe: the route is a speed choice, so both are `ok`
-            findings.append(Finding(name=f"detrace.ops aten::{op} on {device}", value="routed" if here else "torch",
-                                    status="ok", detail=detail))
-    return findings
-
-
-def _judge(strict: bool, *, applying: bool = False) -> list[Finding]:
+def judge(strict: bool, *, applying: bool = False) -> list[Finding]:
     """Findings of every switch; with `applying`, a switch the recipe would set past its deadline is late."""
     findings = []
     for switch in SWITCHES:
@@ -415,70 +376,6 @@ def _judge(strict: bool, *, applying: bool = False) -> list[Finding]:
             status = "conflict"
             detail = f"the recipe needs {' or '.join(sorted(switch.accept(strict)))}; it prevents {switch.prevents}"
         findings.append(Finding(name=switch.name, value=value, status=status, detail=detail))
-    return findings
-
-
-# Inductor settings that are not switches of the recipe but decide what compiled code runs: (attribute of
-# torch._inductor.config, the environment variable it is initialised from, what it does when on).
-_INDUCTOR_SETTINGS = (
-    ("max_autotune_gemm", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
-     "matrix multiplications are chosen among candidate kernels by timing them, so two runs may run different "
-     "kernels"),
-    ("max_autotune_pointwise", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
-     "pointwise and reduction kernel configurations are chosen by timing, so a reduction's order may differ "
-     "between runs"),
-    ("triton.cudagraphs", "TORCHINDUCTOR_CUDAGRAPHS",
-     "compiled regions replay as CUDA graphs on static buffers (mode='reduce-overhead'): deterministic kernels "
-     "stay deterministic, but the tracer sees a replay as one call and no kernel inside it"),
-)
-
-
-def _inductor_findings() -> list[Finding]:
-    """Inductor's autotuning and CUDA-graph settings (ok when off, a risk when on), and the rule that its code
-    follows the deterministic-algorithms flag of the moment it is generated."""
-    findings = []
-    for attribute, env, effect in _INDUCTOR_SETTINGS:
-        value = _inductor(attribute, env)()
-        findings.append(Finding(name=f"torch._inductor.config.{attribute}", value=value,
-                                status="risk" if value == "True" else "ok",
-                                detail=f"when on, {effect}" if value != "True" else effect))
-    if "torch._dynamo" in sys.modules and not torch.are_deterministic_algorithms_enabled():
-        findings.append(Finding(
-            name="torch.compile", value="in use", status="risk",
-            detail=("Inductor reads torch.use_deterministic_algorithms when it generates code: regions compiled "
-                    "while it is off keep atomic-add scatters (index_put, scatter_add, index_add backward) that "
-                    "race between threads; turn it on before the first compiled call")))
-    return findings
-
-
-def _risks() -> list[Finding]:
-    findings = _inductor_findings()
-    threads = os.environ.get("OMP_NUM_THREADS", UNSET)
-    if threads == UNSET:
-        findings.append(
-            Finding(
-                name="OMP_NUM_THREADS",
-                value=UNSET,
-                status="risk",
-                detail=(
-                    f"torch uses {torch.get_num_threads()} threads here, one per core: CPU reductions split "
-                    "their work by thread count, so runs on machines with other core counts may differ; "
-                    "set OMP_NUM_THREADS (or torch.set_num_threads) explicitly"
-                ),
-            )
-        )
-    if sys.flags.hash_randomization and os.environ.get("PYTHONHASHSEED", "random") == "random":
-        findings.append(
-            Finding(
-                name="PYTHONHASHSEED",
-                value=os.environ.get("PYTHONHASHSEED", UNSET),
-                status="risk",
-                detail=(
-                    "string hashes are randomised per process, so code that iterates over a set of strings "
-                    "sees another order in each run; set PYTHONHASHSEED=0 where the process is launched"
-                ),
-            )
-        )
     return findings
 
 

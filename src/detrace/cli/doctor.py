@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 
+from detrace.audit import audit
 from detrace.cli._args import ArgumentParser
-from detrace.recipe import Finding, audit
+from detrace.recipe import Finding
 from detrace.verdicts import DOCTOR
 
 _STYLE = {"ok": "green", "pending": "cyan", "risk": "yellow", "conflict": "bold red", "too-late": "bold red"}

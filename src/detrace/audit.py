@@ -1,0 +1,119 @@
+"""The audit behind `detrace doctor`: where every switch of the recipe stands in this process
+(`detrace.recipe.judge`), which of detrace's own kernels are in use, and the risks the recipe cannot remove
+(Inductor's autotuning and CUDA graphs, the thread count, the hash seed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from detrace.recipe import UNSET, Finding, applied_strict, inductor_option, judge
+
+
+def audit() -> list[Finding]:
+    """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
+    return [*judge(applied_strict()), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
+
+
+def _fingerprint_kernel() -> Finding:
+    """Which kernel fingerprints CPU tensors: the native one built at install, or the slower fallbacks."""
+    from detrace.digest_cpu import kernel
+
+    if kernel.usable:
+        return Finding(name="detrace fingerprint kernel (CPU)", value="native", status="ok",
+                       detail="the C kernel compiled at install hashes CPU tensors from the first call")
+    return Finding(name="detrace fingerprint kernel (CPU)", value="NumPy/eager", status="ok",
+                   detail=f"the same bits, several times slower: {kernel.failed}; reinstall detrace where a C "
+                          "compiler is present")
+
+
+def _kernel_routes() -> list[Finding]:
+    """One line per op that `kernels="detrace"` routes (ok once routed in this process), and one per device
+    where nothing is routed and why."""
+    from detrace.ops import routing
+
+    routed = routing.routed()
+    findings = []
+    for device, ops in routing.ROUTES.items():
+        if not ops:
+            findings.append(Finding(name=f"detrace.ops on {device}", value="torch", status="ok",
+                                    detail=f"nothing is routed on {device}: {routing.WHY_NOT[device]}"))
+        for op in ops:
+            here = f"{op} on {device}" in routed
+            detail = (
+                "routed to detrace.ops' sort-once segmented reduction (no atomics, fixed order)"
+                if here
+                else "torch's kernel (deterministic under the recipe); an option, not a gap: "
+                "detrace.deterministic(seed, kernels='detrace') routes it to detrace.ops' sort-once segmented "
+                "reduction, meant to beat torch's deterministic sort path (bench/gpu_check.py measures)"
+            )
+            # either way is deterministic under the recipe: the route is a speed choice, so both are `ok`
+            findings.append(Finding(name=f"detrace.ops aten::{op} on {device}", value="routed" if here else "torch",
+                                    status="ok", detail=detail))
+    return findings
+
+
+# Inductor settings that are not switches of the recipe but decide what compiled code runs: (attribute of
+# torch._inductor.config, the environment variable it is initialised from, what it does when on).
+_INDUCTOR_SETTINGS = (
+    ("max_autotune_gemm", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
+     "matrix multiplications are chosen among candidate kernels by timing them, so two runs may run different "
+     "kernels"),
+    ("max_autotune_pointwise", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
+     "pointwise and reduction kernel configurations are chosen by timing, so a reduction's order may differ "
+     "between runs"),
+    ("triton.cudagraphs", "TORCHINDUCTOR_CUDAGRAPHS",
+     "compiled regions replay as CUDA graphs on static buffers (mode='reduce-overhead'): deterministic kernels "
+     "stay deterministic, but the tracer sees a replay as one call and no kernel inside it"),
+)
+
+
+def _inductor_findings() -> list[Finding]:
+    """Inductor's autotuning and CUDA-graph settings (ok when off, a risk when on), and the rule that its code
+    follows the deterministic-algorithms flag of the moment it is generated."""
+    findings = []
+    for attribute, env, effect in _INDUCTOR_SETTINGS:
+        value = inductor_option(attribute, env)()
+        findings.append(Finding(name=f"torch._inductor.config.{attribute}", value=value,
+                                status="risk" if value == "True" else "ok",
+                                detail=f"when on, {effect}" if value != "True" else effect))
+    if "torch._dynamo" in sys.modules and not torch.are_deterministic_algorithms_enabled():
+        findings.append(Finding(
+            name="torch.compile", value="in use", status="risk",
+            detail=("Inductor reads torch.use_deterministic_algorithms when it generates code: regions compiled "
+                    "while it is off keep atomic-add scatters (index_put, scatter_add, index_add backward) that "
+                    "race between threads; turn it on before the first compiled call")))
+    return findings
+
+
+def _risks() -> list[Finding]:
+    findings = _inductor_findings()
+    threads = os.environ.get("OMP_NUM_THREADS", UNSET)
+    if threads == UNSET:
+        findings.append(
+            Finding(
+                name="OMP_NUM_THREADS",
+                value=UNSET,
+                status="risk",
+                detail=(
+                    f"torch uses {torch.get_num_threads()} threads here, one per core: CPU reductions split "
+                    "their work by thread count, so runs on machines with other core counts may differ; "
+                    "set OMP_NUM_THREADS (or torch.set_num_threads) explicitly"
+                ),
+            )
+        )
+    if sys.flags.hash_randomization and os.environ.get("PYTHONHASHSEED", "random") == "random":
+        findings.append(
+            Finding(
+                name="PYTHONHASHSEED",
+                value=os.environ.get("PYTHONHASHSEED", UNSET),
+                status="risk",
+                detail=(
+                    "string hashes are randomised per process, so code that iterates over a set of strings "
+                    "sees another order in each run; set PYTHONHASHSEED=0 where the process is launched"
+                ),
+            )
+        )
+    return findings
