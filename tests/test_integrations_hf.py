@@ -123,6 +123,14 @@ def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("DETRACE_STOP_AT", "ten")
     with pytest.raises(UsageError, match="DETRACE_STOP_AT must be a step number"):
         _trainer(tmp_path)
+    monkeypatch.delenv("DETRACE_STOP_AT")
+    monkeypatch.setenv("DETRACE_CKPT_EVERY", "0")
+    with pytest.raises(UsageError, match="DETRACE_CKPT_EVERY must be a step number of at least 1"):
+        _trainer(tmp_path)
+    monkeypatch.delenv("DETRACE_CKPT_EVERY")
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / "empty"))
+    with pytest.raises(CheckpointError, match="is neither an HF checkpoint-N nor a directory that holds one"):
+        _trainer(tmp_path)
 
 
 def test_resume_needs_detrace_state_and_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

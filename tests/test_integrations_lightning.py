@@ -87,6 +87,8 @@ def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
         ({"DETRACE_RESUME": "yes"}, "DETRACE_RESUME must be 1 or 0"),
         ({"DETRACE_STOP_AT": "ten"}, "DETRACE_STOP_AT must be a step number"),
         ({"DETRACE_RESUME": "1", "DETRACE_RESUME_CONTROL": "skip-everything"}, "not a known negative control"),
+        ({"DETRACE_CKPT_EVERY": "0"}, "DETRACE_CKPT_EVERY must be a step number of at least 1"),
+        ({"DETRACE_RESUME_FROM": "/nowhere/step-00000002.ckpt"}, "but there is no such checkpoint"),
     ],
 )
 def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
