@@ -73,7 +73,7 @@ def main() -> int:
 
         sample = range(min(run.ranks, 64))
         started = time.perf_counter()
-        aligned = sum(align_rank((rank, str(a), str(a), True, True)).records for rank in sample)
+        aligned = sum(align_rank((rank, str(a), str(a), True, True, 0, None)).records for rank in sample)
         print(f"identical traces, one core: {aligned / (time.perf_counter() - started):,.0f} records/s "
               f"({len(sample)} ranks of run A against themselves, in this process)")
 
