@@ -82,7 +82,7 @@ def render(result: LocateResult, console: Console) -> None:
     per_run = {run.run: run for run in cost.per_run} if cost else {}
     for run in result.runs:
         spent = per_run.get(Path(run).name)
-        where = f"  (from step {spent.start}, {spent.steps} steps)" if spent else ""
+        where = f"  (from step {spent.start}, {spent.steps} step{'s' * (spent.steps != 1)})" if spent else ""
         console.print(f"           {run}{where}", highlight=False)
     if cost:
         every = f", a checkpoint every {cost.checkpoint_every} steps" if cost.checkpoint_every else ""
