@@ -208,7 +208,7 @@ def test_deterministic_human_summary(tmp_path: Path) -> None:
     done = locate_cli("--out", str(tmp_path / "out"), "--", sys.executable, str(script), "1", "--small",
                       "--deterministic")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("deterministic over 1 steps:")
+    assert done.stdout.startswith("deterministic over 1 step:")
     assert "runs     3 (of at most 14)" in done.stdout
 
 

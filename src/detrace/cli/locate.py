@@ -62,7 +62,7 @@ class RichProgress(LadderProgress):
 def render(result: LocateResult, console: Console) -> None:
     """The terminal summary."""
     colour = {"deterministic": "green", "nondeterministic": "red"}.get(result.verdict, "yellow")
-    span = f" over {result.steps} steps" if result.verdict == "deterministic" else ""
+    span = f" over {result.steps} step{'s' * (result.steps != 1)}" if result.verdict == "deterministic" else ""
     console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit

@@ -222,10 +222,11 @@ class Ladder:
                 raise TraceError(f"two semantic-rung runs of the same command are not comparable: {first_pair.reason}")
             broad.diff = first_pair.to_json()
         if first_pair.verdict == "identical" or first_pair.first is None:
-            broad.note = f"the three runs are bit-identical over {result.steps} steps"
+            over = f"over {result.steps} step{'s' * (result.steps != 1)}"
+            broad.note = f"the three runs are bit-identical {over}"
             self.progress.rung(broad.record())
             result.verdict = "deterministic"
-            result.message = f"every recorded bit of three runs is identical over {result.steps} steps"
+            result.message = f"every recorded bit of three runs is identical {over}"
             return result
         first = first_pair.first
         broad.found = Finding.of(first)
