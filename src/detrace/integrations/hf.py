@@ -94,7 +94,7 @@ class DetraceCallback(TrainerCallback):
             root = checkpoint_dir()
             last = get_last_checkpoint(str(root)) if root.is_dir() else None
             if last is None:
-                raise CheckpointError(f"DETRACE_RESUME=1, but {checkpoint_dir()} holds no HF checkpoint-N")
+                raise CheckpointError(f"DETRACE_RESUME=1, but {root} holds no HF checkpoint-N")
             args.resume_from_checkpoint = last
         if self._control == "skip-data":
             args.ignore_data_skip = True  # the negative control: start the resumed epoch from its first batch

@@ -51,7 +51,6 @@ def lightning_checkpoint(root: Path, step: int) -> Path:
 class Layout(NamedTuple):
     """How one kind of script names the checkpoint of completed step N, and where detrace's state is in it."""
 
-    name: str
     pattern: re.Pattern[str]
     """Matches the checkpoint's name in DETRACE_CKPT_DIR; group 1 is the number of completed steps."""
     state: Callable[[Path], Path]
@@ -59,9 +58,9 @@ class Layout(NamedTuple):
 
 
 LAYOUTS = (
-    Layout("TrainState", re.compile(r"step-(\d{8,})(?:\.\d+)?"), lambda path: path),
-    Layout("transformers", re.compile(r"checkpoint-(\d+)"), lambda path: path / HF_STATE_DIR),
-    Layout("Lightning", re.compile(r"step-(\d+)\.ckpt"), lambda path: Path(f"{path}{LIGHTNING_STATE_SUFFIX}")),
+    Layout(re.compile(r"step-(\d{8,})(?:\.\d+)?"), lambda path: path),  # TrainState: a version directory
+    Layout(re.compile(r"checkpoint-(\d+)"), lambda path: path / HF_STATE_DIR),  # transformers
+    Layout(re.compile(r"step-(\d+)\.ckpt"), lambda path: Path(f"{path}{LIGHTNING_STATE_SUFFIX}")),  # Lightning
 )
 
 
