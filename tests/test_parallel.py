@@ -16,8 +16,9 @@ import sys
 import pytest
 
 from detrace.errors import UsageError
+from detrace.examples.layouts import Layout, setup
 from detrace.examples.model import PRESETS, HybridLM, ModelConfig
-from detrace.examples.parallel import Layout, _pipeline_stage, setup
+from detrace.examples.parallel import _pipeline_stage
 
 TIMEOUT_S = 180
 

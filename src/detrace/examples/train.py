@@ -27,7 +27,7 @@ import torch
 
 from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
-from detrace.examples import parallel
+from detrace.examples import layouts, parallel
 from detrace.examples.data import SyntheticTokens, split_batch
 from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
 from detrace.parallel import parameters_fingerprint
@@ -57,7 +57,7 @@ class TrainConfig:
     quant: str = "none"
     """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
     parallel: str = "none"
-    """Parallel layout: a key of `parallel.LAYOUTS`."""
+    """Parallel layout: a key of `layouts.LAYOUTS`."""
     deterministic: bool = False
     """Apply `detrace.deterministic(seed)` before anything else."""
     lr: float = 3e-3
@@ -76,8 +76,8 @@ class TrainConfig:
             raise UsageError(f"preset {self.preset!r} must be one of {', '.join(PRESETS)}")
         if self.steps < 1 or self.threads < 1 or (self.batch_size is not None and self.batch_size < 1):
             raise UsageError("--steps, --threads and --batch-size must be positive")
-        if self.parallel not in parallel.LAYOUTS:
-            raise UsageError(f"parallel layout {self.parallel!r} must be one of {', '.join(parallel.LAYOUTS)}")
+        if self.parallel not in layouts.LAYOUTS:
+            raise UsageError(f"parallel layout {self.parallel!r} must be one of {', '.join(layouts.LAYOUTS)}")
         if not self.lr > 0:
             raise UsageError(f"--lr must be positive, not {self.lr}")
         if self.nondeterministic_from is not None:
@@ -108,7 +108,7 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--dispatch", default="index", choices=DISPATCHES)
     p.add_argument("--recompute", action="store_true", help="activation recompute on every layer")
     p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
-    p.add_argument("--parallel", default="none", choices=list(parallel.LAYOUTS))
+    p.add_argument("--parallel", default="none", choices=list(layouts.LAYOUTS))
     p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
@@ -139,7 +139,7 @@ def train(cfg: TrainConfig) -> None:
         detrace.deterministic(cfg.seed)
     else:
         torch.manual_seed(cfg.seed)
-    layout = parallel.setup(cfg.parallel)
+    layout = layouts.setup(cfg.parallel)
     completed = False
     try:
         preset = PRESETS[cfg.preset]
@@ -194,7 +194,7 @@ def train(cfg: TrainConfig) -> None:
             print(f"final params {parameters_fingerprint(pm.raw)}", flush=True)  # the same line at every W
         completed = True
     finally:
-        parallel.teardown(layout, completed=completed)
+        layouts.teardown(layout, completed=completed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
