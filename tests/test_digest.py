@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import detrace
 from detrace import digest as dg
-from detrace.digest import Fingerprint, fingerprint, fingerprint_many, reference_fingerprint
+from detrace.digest import Fingerprint, fingerprint, fingerprint_many, kernels, plan, reference_fingerprint, scheme
 from detrace.errors import FingerprintError, UsageError
 
 ALL_DTYPES = [
@@ -96,7 +96,7 @@ def test_bits_dtypes(dtype):
 
 # sizes in bytes around every boundary: narrow widths (64, 512), rows (4096), the in-place body path
 BYTE_SIZES = [0, 1, 7, 8, 9, 63, 64, 65, 511, 512, 513, 4095, 4096, 4097, 3 * 4096 + 5,
-              dg.BODY_MIN_BYTES - 8, dg.BODY_MIN_BYTES, dg.BODY_MIN_BYTES + 4096 + 24, 2 * dg.BODY_MIN_BYTES]
+              plan.BODY_MIN_BYTES - 8, plan.BODY_MIN_BYTES, plan.BODY_MIN_BYTES + 4096 + 24, 2 * plan.BODY_MIN_BYTES]
 
 
 def size_zoo() -> list[torch.Tensor]:
@@ -120,7 +120,7 @@ def test_all_size_classes_match_the_reference(backend):
 
 def test_packed_batches_flushed_early_give_the_same_bits(monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, "eager")
-    monkeypatch.setattr(dg, "PACK_FLUSH_BYTES", 10_000)
+    monkeypatch.setattr(plan, "PACK_FLUSH_BYTES", 10_000)
     zoo = size_zoo()
     assert fingerprint_many(zoo) == [reference_fingerprint(t) for t in zoo]
 
@@ -129,22 +129,22 @@ def test_numpy_definition_matches_torch_kernels_row_by_row():
     gen = np.random.default_rng(1)
     words = gen.integers(0, 2**63, size=(6, 512), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     rows = np.array([0, 1, 2, 1000, 2**40, 2**55 - 1], dtype=np.int64)
-    rowkeys = dg._np_rowkeys(rows)
-    assert np.array_equal(dg._torch_rowkeys(torch.from_numpy(rows)).numpy().view(np.uint64), rowkeys)
-    expected = dg._np_row_sums(words, rowkeys)
-    colkeys = torch.from_numpy(dg._T_U64.view(np.int64).copy())
+    rowkeys = scheme.np_rowkeys(rows)
+    assert np.array_equal(kernels._torch_rowkeys(torch.from_numpy(rows)).numpy().view(np.uint64), rowkeys)
+    expected = scheme.np_row_sums(words, rowkeys)
+    colkeys = torch.from_numpy(scheme.T_U64.view(np.int64).copy())
     args = (torch.from_numpy(words.view(np.int64)), torch.from_numpy(rowkeys.view(np.int64)), colkeys)
-    assert np.array_equal(dg._torch_row_sums(*args).numpy().view(np.uint64), expected)
-    assert np.array_equal(dg._eager_kernel("rows", *args).numpy().view(np.uint64), expected)
+    assert np.array_equal(kernels._torch_row_sums(*args).numpy().view(np.uint64), expected)
+    assert np.array_equal(kernels._eager_kernel("rows", *args).numpy().view(np.uint64), expected)
     total = np.uint64(expected.sum(dtype=np.uint64))
-    assert dg._eager_kernel("total", *args).numpy().view(np.uint64)[0] == total
+    assert kernels._eager_kernel("total", *args).numpy().view(np.uint64)[0] == total
 
 
 def test_positions_have_distinct_keys():
     # Injective keys: the low 9 bits are the column, and RK is a bijection of the row number.
-    cols = dg._T_U64 & np.uint64(511)
+    cols = scheme.T_U64 & np.uint64(511)
     assert np.array_equal(cols, np.arange(512, dtype=np.uint64))
-    rowkeys = dg._np_rowkeys(np.arange(1 << 16))
+    rowkeys = scheme.np_rowkeys(np.arange(1 << 16))
     assert np.all(rowkeys & np.uint64(511) == 0)
     assert np.unique(rowkeys).size == rowkeys.size
 
@@ -161,7 +161,7 @@ def test_compiled_kernels_match_the_reference(monkeypatch):
     assert fingerprint(chunky, chunks=300) == reference_fingerprint(chunky, chunks=300)
     assert fingerprint(chunky, chunks=7, dim=1) == reference_fingerprint(chunky, chunks=7, dim=1)
     assert fingerprint(many[0].reshape(4, 10), chunks=4) == reference_fingerprint(many[0].reshape(4, 10), chunks=4)
-    big = random_bits((3 * dg.BODY_MIN_BYTES + 100,), torch.uint8, seed=8)
+    big = random_bits((3 * plan.BODY_MIN_BYTES + 100,), torch.uint8, seed=8)
     old = torch.get_num_threads()
     try:  # the compiled kernels reduce in parallel: the thread count must not matter
         digests = []
@@ -177,16 +177,16 @@ def test_compile_failure_falls_back_to_eager_with_the_same_bits(monkeypatch):
     def broken_compile(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    kernels = dg._CompiledKernels()
-    monkeypatch.setattr(dg, "_compiled", kernels)
+    compiled = kernels._CompiledKernels()
+    monkeypatch.setattr(kernels, "_compiled", compiled)
     monkeypatch.setattr(torch, "compile", broken_compile)
-    t = random_bits((dg.BODY_MIN_BYTES // 4,), torch.float32, seed=3)
+    t = random_bits((plan.BODY_MIN_BYTES // 4,), torch.float32, seed=3)
     monkeypatch.setenv(dg.ENV_BACKEND, "compiled")
     with pytest.raises(FingerprintError, match=r"torch\.compile failed"):
         fingerprint(t)
-    monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
-    monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)  # auto now wants compiled kernels
-    monkeypatch.setattr(dg.cpu_kernel, "fn", None)  # the C kernel not built: else auto never compiles on CPU
+    monkeypatch.setattr(kernels, "_compiled", kernels._CompiledKernels())
+    monkeypatch.setattr(kernels._auto, "eager_words", kernels.AUTO_COMPILE_WORDS)  # auto now wants compiled kernels
+    monkeypatch.setattr(kernels.cpu_kernel, "fn", None)  # the C kernel not built: else auto never compiles on CPU
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -201,26 +201,26 @@ def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
     def no_compile(*args, **kwargs):
         raise AssertionError("auto compiled a kernel on the CPU")
 
-    monkeypatch.setattr(dg, "_compiled", dg._CompiledKernels())
+    monkeypatch.setattr(kernels, "_compiled", kernels._CompiledKernels())
     monkeypatch.setattr(torch, "compile", no_compile)
-    monkeypatch.setattr(dg._auto, "eager_words", dg.AUTO_COMPILE_WORDS)
+    monkeypatch.setattr(kernels._auto, "eager_words", kernels.AUTO_COMPILE_WORDS)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
-    loaded, calls = dg.cpu_kernel.fn, []
-    assert loaded is not None, dg.cpu_kernel.failed  # built by the install
+    loaded, calls = kernels.cpu_kernel.fn, []
+    assert loaded is not None, kernels.cpu_kernel.failed  # built by the install
 
     def counting(*args):
         calls.append(args[5:])  # the rows each call hashes
         return loaded(*args)
 
-    monkeypatch.setattr(dg.cpu_kernel, "fn", counting)
+    monkeypatch.setattr(kernels.cpu_kernel, "fn", counting)
     assert fingerprint(t) == reference_fingerprint(t)
     assert calls  # the native kernel did the work
 
 
 def test_without_the_native_kernel_auto_hashes_the_same_bits_and_native_says_why(monkeypatch):
-    monkeypatch.setattr(dg.cpu_kernel, "fn", None)
-    monkeypatch.setattr(dg.cpu_kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")
+    monkeypatch.setattr(kernels.cpu_kernel, "fn", None)
+    monkeypatch.setattr(kernels.cpu_kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")
     t = random_bits((2**18,), torch.float32, seed=6)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     assert fingerprint(t) == reference_fingerprint(t)
@@ -242,9 +242,9 @@ def test_the_native_kernel_checks_its_buffers_and_splits_rows_over_threads():
     # the same sums as NumPy's, whole or split over threads, from a strided (non-contiguous) view too
     big = np.random.default_rng(0).integers(0, 2**63, size=(1024, 2 * 512), dtype=np.uint64)[:, ::2]
     keys = np.arange(1024, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    expected = dg._np_row_sums(big, keys).tolist()
+    expected = scheme.np_row_sums(big, keys).tolist()
     for threads in (1, 4):
-        assert dg.cpu_kernel.row_sums(big, keys, dg._T_U64[:512], threads).tolist() == expected
+        assert kernels.cpu_kernel.row_sums(big, keys, scheme.T_U64[:512], threads).tolist() == expected
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):
@@ -289,14 +289,14 @@ def test_layout_does_not_matter(backend):
 
 
 def test_misaligned_byte_tensors_on_the_body_path(backend):
-    raw = random_bits((dg.BODY_MIN_BYTES + 4096 + 40,), torch.uint8, seed=11)
+    raw = random_bits((plan.BODY_MIN_BYTES + 4096 + 40,), torch.uint8, seed=11)
     for offset in range(1, 9):
-        view = raw[offset : offset + dg.BODY_MIN_BYTES + 4096 + 17]
+        view = raw[offset : offset + plan.BODY_MIN_BYTES + 4096 + 17]
         assert fingerprint(view) == reference_fingerprint(view.clone())
 
 
 def test_same_digest_with_one_and_two_threads(backend):
-    tensors = [random_bits((dg.BODY_MIN_BYTES,), torch.float32, seed=1), random_bits((300, 41), torch.bfloat16)]
+    tensors = [random_bits((plan.BODY_MIN_BYTES,), torch.float32, seed=1), random_bits((300, 41), torch.bfloat16)]
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -33,7 +33,7 @@ def test_doctor_in_a_clean_environment_exits_0() -> None:
 
 def test_doctor_says_when_the_native_fingerprint_kernel_was_not_built(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from detrace.digest_cpu import kernel
+    from detrace.digest.native import kernel
 
     monkeypatch.setattr(kernel, "fn", None)
     monkeypatch.setattr(kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")

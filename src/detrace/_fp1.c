@@ -1,11 +1,11 @@
-/* The `detrace-fp1` kernel on the CPU: the per-row sums of detrace.digest, compiled when detrace is installed.
+/* The `detrace-fp1` kernel on the CPU: the per-row sums of detrace.digest.kernels, compiled when detrace is installed.
 
    out[r] = sum over c of mix(words[r * width + c] ^ colkeys[c] ^ rowkeys[r])  (mod 2**64),  start <= r < stop,
 
    with mix the 64-bit finalizer of MurmurHash3 (shift 33, the two multipliers below). The same bits as the
    reference, eager and compiled kernels of detrace.digest (tests/test_digest.py holds them to each other).
    Compiled ahead of time, it is there from the first call of a process: no JIT to load, no compile to wait
-   for. It releases the GIL, so detrace.digest_cpu splits the rows over Python threads. */
+   for. It releases the GIL, so detrace.digest.native splits the rows over Python threads. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

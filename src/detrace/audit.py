@@ -19,7 +19,7 @@ def audit() -> list[Finding]:
 
 def _fingerprint_kernel() -> Finding:
     """Which kernel fingerprints CPU tensors: the native one built at install, or the slower fallbacks."""
-    from detrace.digest_cpu import kernel
+    from detrace.digest.native import kernel
 
     if kernel.usable:
         return Finding(name="detrace fingerprint kernel (CPU)", value="native", status="ok",

@@ -1,5 +1,5 @@
-"""The `detrace-fp1` kernel on the CPU: the same bits as the eager and compiled kernels of `detrace.digest`, at
-full speed from the first call of a process.
+"""The `detrace-fp1` kernel on the CPU: the same bits as the eager and compiled kernels of
+`detrace.digest.kernels`, at full speed from the first call of a process.
 
 torch.compile's CPU kernel is fast once built, but building it costs seconds (14.5 s cold, 4.2 s from a warm
 Inductor cache), a JIT such as numba costs most of a second to import and load in every fresh process, and the
