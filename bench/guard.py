@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 def _worker(args: argparse.Namespace) -> None:
     from detrace._exit import leave
-    from detrace.examples import parallel
+    from detrace.examples import layouts, parallel
     from detrace.examples.model import PRESETS
     from detrace.replica_guard import Guard
 
     torch.set_num_threads(args.threads)
-    layout = parallel.setup("ddp")
+    layout = layouts.setup("ddp")
     preset = PRESETS[args.preset]
     batch, seq = int(preset["batch_size"]), int(preset["seq_len"])  # type: ignore[call-overload]
     pm = parallel.ParallelModel(preset["model"], layout, seed=0, batch_size=batch, seq_len=seq)  # type: ignore[arg-type]
@@ -82,7 +82,7 @@ def _worker(args: argparse.Namespace) -> None:
         print(f"guard overhead N=1: {ratio:.4f}x (95% CI {low:.4f}-{high:.4f})", flush=True)
         print(f"guard check alone: {1000 * statistics.median(checks):.2f} ms "
               f"({100 * statistics.median(checks) / statistics.fmean(plain):.2f}% of the step)", flush=True)
-    parallel.teardown(layout, completed=True)
+    layouts.teardown(layout, completed=True)
     leave(0)
 
 

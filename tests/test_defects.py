@@ -14,7 +14,7 @@ from torch import nn
 from detrace.errors import UsageError
 from detrace.faults import FaultInjector, FaultSpec, flip_bit, global_step
 from detrace.recheck import judge, recheck
-from detrace.replica_guard import Guard, Mismatch, parse_env, vote
+from detrace.replica_guard import Guard, Mismatch, _digests, parse_env, vote
 
 PY = sys.executable
 
@@ -134,6 +134,22 @@ def test_vote_names_the_outvoted_replica_or_both_of_two() -> None:
     assert two[0].odd_ranks == (0, 1) and "no majority" in two[0].sentence()
     # Shards are only compared with their replicas: a key held by one rank alone is nobody's replica.
     assert vote([[1, 3], [1, 4]], [[5, 6], [5, 7]], {}, step=0) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+def test_guard_digest_sees_every_bit_shape_and_order_not_strides(dtype: torch.dtype) -> None:
+    base = (torch.arange(3000) % 7).to(dtype)
+    [digest] = _digests([base])
+    assert _digests([base.clone()]) == [digest]
+    for bit in (0, 5, 8 * base.element_size() - 1):
+        flipped = base.clone()
+        flip_bit(flipped, index=1234, bit=bit)
+        assert _digests([flipped]) != [digest], bit
+    swapped = base.clone()
+    swapped[[10, 11]] = base[[11, 10]]
+    assert _digests([swapped]) != [digest]
+    grid = base.reshape(60, 50)
+    assert _digests([grid.t().contiguous().t()]) == _digests([grid]) != [digest]
 
 
 def test_guard_options_are_checked() -> None:
