@@ -16,7 +16,8 @@ from detrace.cli import main
 from detrace.compare.metrics import metric_rank, metric_series
 from detrace.compare.pairs import divergence_map
 from detrace.ladder import LADDER_FILE, LADDER_SCHEMA, load_ladder
-from detrace.report.html import line_chart, spread_map, write_report
+from detrace.report.html import write_report
+from detrace.report.svg import line_chart, spread_map
 from detrace.tracefile import RankWriter
 from detrace.tracing.launch import run_traced
 

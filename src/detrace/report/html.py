@@ -17,10 +17,6 @@ spread map (`detrace.compare`); `write_report` is the one place that reads them 
 
 from __future__ import annotations
 
-import html
-import math
-import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +25,7 @@ from detrace.compare.pairs import divergence_map
 from detrace.errors import TraceError
 from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
 from detrace.replay_records import ReplayResult
+from detrace.report.svg import ORIGIN, bits, e, line_chart, spread_map
 from detrace.tracefile import RankTrace, RunInfo, open_run, read_rank
 from detrace.tracefile.layout import RANK_GLOB, REPORT_FILE, rank_trace_paths, run_header_path
 
@@ -53,149 +50,6 @@ vertical-align:-2px;margin-right:4px;border:1px solid #9aa4b0}
 """
 
 _ARM_COLORS = ("#1565c0", "#ef6c00")
-_ORIGIN = "#6a1b9a"
-
-
-def _e(value: object) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _bits(value: float) -> str:
-    return "0x" + struct.pack(">d", value).hex()
-
-
-# -- data from the traces ----------------------------------------------------------------------------------------
-
-
-# -- SVG pieces ------------------------------------------------------------------------------------------------
-
-
-def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step) + 1)]
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.4g}"
-
-
-def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]], *, marks: Iterable[
-        tuple[int, str, str]] = (), log: bool = False, width: int = 480, height: int = 190) -> str:
-    """An SVG line chart. series: (label, step -> value, color, dashed); marks: (step, label, color) verticals.
-
-    With `log`, values are drawn as log10 and zeros sit on the bottom edge (labelled "0 (equal)").
-    """
-    left, right, top, bottom = 58, 12, 22, 28
-    points = [(s, v) for _, data, _, _ in series for s, v in data.items() if math.isfinite(v)]
-    marks = list(marks)
-    steps = [s for s, _ in points] + [m for m, _, _ in marks]
-    x_lo, x_hi = (min(steps), max(steps)) if steps else (0, 1)
-    x_hi = x_hi if x_hi > x_lo else x_lo + 1
-
-    def transform(v: float) -> float | None:
-        if not log:
-            return v
-        return math.log10(v) if v > 0 else None
-
-    values = [t for _, v in points if (t := transform(v)) is not None]
-    y_lo, y_hi = (min(values), max(values)) if values else (0.0, 1.0)
-    if log:
-        y_lo = math.floor(y_lo) - 1 if values else 0.0
-        y_hi = math.ceil(y_hi) if values else 1.0
-    if y_hi <= y_lo:
-        y_lo, y_hi = y_lo - 0.5, y_hi + 0.5
-    pad = (y_hi - y_lo) * 0.06
-    y_lo, y_hi = (y_lo, y_hi) if log else (y_lo - pad, y_hi + pad)
-
-    def px(s: float) -> float:
-        return left + (s - x_lo) / (x_hi - x_lo) * (width - left - right)
-
-    def py(t: float) -> float:
-        return top + (1 - (t - y_lo) / (y_hi - y_lo)) * (height - top - bottom)
-
-    out = [f'<svg class="chart" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-           f'xmlns="http://www.w3.org/2000/svg"><title>{_e(title)}</title>',
-           f'<text x="{left}" y="14" font-weight="600">{_e(title)}</text>',
-           f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
-           'fill="#fbfcfd" stroke="#c9d0d8"/>']
-    # log axes: whole decades only, and none on the bottom edge, where "0 (equal)" sits
-    y_ticks = [t for t in _ticks(y_lo, y_hi, 4) if not log or (float(t).is_integer() and t > y_lo)]
-    for t in y_ticks:
-        label = f"1e{round(t)}" if log else _fmt(t)
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke="#eceff3"/>'
-                   f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
-    if log:
-        out.append(f'<text x="{left - 4}" y="{height - bottom + 4}" text-anchor="end">0 (equal)</text>')
-    for t in _ticks(x_lo, x_hi, 6):
-        if float(t).is_integer():
-            out.append(f'<text x="{px(t):.1f}" y="{height - 10}" text-anchor="middle">{int(t)}</text>')
-    out.append(f'<text x="{left - 12}" y="{height - 10}" text-anchor="end">step</text>')
-    for step, label, color in marks:
-        out.append(f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{top}" y2="{height - bottom}" '
-                   f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4 3"><title>{_e(label)}</title></line>'
-                   f'<text x="{px(step) + 3:.1f}" y="{top + 11}" fill="{color}" style="fill:{color}">'
-                   f'{_e(label)}</text>')
-    for label, data, color, dashed in series:
-        coords = []
-        for s in sorted(data):
-            if not math.isfinite(data[s]):
-                continue  # a NaN or infinite metric has no place on the axis; the tables show it
-            t = transform(data[s])
-            y = py(t) if t is not None else height - bottom
-            coords.append((px(s), y, s, data[s]))
-        dash = ' stroke-dasharray="5 4"' if dashed else ""
-        if len(coords) > 1:
-            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in coords)
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8"{dash} points="{path}"/>')
-        for x, y, s, v in coords:
-            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.4" fill="{color}"><title>{_e(label)} step {s}: '
-                       f'{v!r} ({_bits(v)})</title></circle>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def spread_map(spread: dict[int, dict[int, tuple[int, int]]], *, origin: tuple[int, int] | None,
-               steps: int) -> str:
-    """The ranks x steps picture: gray equal, orange to red by the share of differing records, ringed origin."""
-    ranks = sorted(spread)
-    cell = max(6, min(28, 860 // max(steps, 1)))
-    left, top = 64, 24
-    width, height = left + cell * steps + 10, top + cell * len(ranks) + 26
-    out = [f'<svg role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-           'xmlns="http://www.w3.org/2000/svg"><title>where records differ, by rank and step</title>']
-    for i, rank in enumerate(ranks):
-        y = top + i * cell
-        out.append(f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" text-anchor="end">rank {rank}</text>')
-        for step in range(steps):
-            x = left + step * cell
-            differ, total = spread[rank].get(step, (0, 0))
-            if total == 0:
-                fill, text = "#ffffff", "not recorded"
-            elif differ == 0:
-                fill, text = "#dfe3e8", f"all {total} records equal"
-            else:
-                share = differ / total
-                # orange (few records differ) to deep red (all do), on a log scale so one record shows
-                k = min(1.0, max(0.0, 1 + math.log10(max(share, 1e-3)) / 3))
-                fill = f"rgb({int(245 - 62 * k)},{int(160 - 132 * k)},{int(60 - 20 * k)})"
-                text = f"{differ} of {total} records differ"
-            out.append(f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}" '
-                       f'stroke="#c9d0d8" stroke-width="0.5"><title>rank {rank}, step {step}: {text}</title></rect>')
-        if origin and origin[0] == rank:
-            x = left + origin[1] * cell
-            out.append(f'<rect x="{x - 1}" y="{y - 1}" width="{cell + 1}" height="{cell + 1}" fill="none" '
-                       f'stroke="{_ORIGIN}" stroke-width="2.5"><title>first divergent record</title></rect>')
-    for step in range(steps):
-        if steps <= 20 or step % max(1, steps // 10) == 0:
-            out.append(f'<text x="{left + step * cell + cell / 2:.1f}" y="{top + cell * len(ranks) + 14}" '
-                       f'text-anchor="middle">{step}</text>')
-    out.append(f'<text x="{left}" y="14">step →</text></svg>')
-    return "".join(out)
 
 
 # -- page sections ---------------------------------------------------------------------------------------------
@@ -203,20 +57,20 @@ def spread_map(spread: dict[int, dict[int, tuple[int, int]]], *, origin: tuple[i
 
 def _page(title: str, body: list[str]) -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{_e(title)}</title>"
+            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{e(title)}</title>"
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def _table(header: list[str], rows: list[list[str]], *, raw: bool = False) -> str:
     """An HTML table; cells are escaped unless `raw` (callers then escape what they put in)."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    head = "".join(f"<th>{e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c if raw else e(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _first_parting(a: dict[int, float], b: dict[int, float]) -> int | None:
     for step in sorted(a.keys() & b.keys()):
-        if _bits(a[step]) != _bits(b[step]):
+        if bits(a[step]) != bits(b[step]):
             return step
     return None
 
@@ -257,9 +111,9 @@ def _metric_section(curves: Curves, trace_step: int | None) -> list[str]:
         parting = _first_parting(a, b) if b else None
         if parting is not None:
             marks.append((parting, f"{name} parts", "#c62828"))
-            notes.append(f"<b>{_e(name)}</b> first differs at step {parting}")
+            notes.append(f"<b>{e(name)}</b> first differs at step {parting}")
         if trace_step is not None and (parting is None or trace_step < parting):
-            marks.append((trace_step, "trace parts", _ORIGIN))
+            marks.append((trace_step, "trace parts", ORIGIN))
         series = [("A", a, _ARM_COLORS[0], False)] + ([("B", b, _ARM_COLORS[1], True)] if b else [])
         charts.append(line_chart(name, series, marks=marks))
         if b:
@@ -282,18 +136,18 @@ def _path_section(ladder: LocateResult) -> list[str]:
     broad = semantic.found if semantic else None
     if semantic and broad:
         ranks = (semantic.diff or {}).get("origin_ranks") or [broad.rank]
-        items.append(f"<li>step <b>{_e(broad.step)}</b>, origin rank(s) <b>{_e(', '.join(map(str, ranks)))}"
+        items.append(f"<li>step <b>{e(broad.step)}</b>, origin rank(s) <b>{e(', '.join(map(str, ranks)))}"
                      f"</b>: the first record that differs between the two broad runs is "
-                     f"<code>{_e(broad.name)}</code> ({_e(broad.phase)}, {_e(broad.role)}).</li>")
+                     f"<code>{e(broad.name)}</code> ({e(broad.phase)}, {e(broad.role)}).</li>")
     module = stages["module"].found if "module" in stages else None
     if module:
-        items.append(f"<li>phase <b>{_e(module.phase)}</b>, module <b>{_e(module.module or '(none)')}"
+        items.append(f"<li>phase <b>{e(module.phase)}</b>, module <b>{e(module.module or '(none)')}"
                      f"</b>: first {'origin' if module.origin else 'divergent'} module record "
-                     f"<code>{_e(module.name)}</code> ({_e(module.role)}).</li>")
+                     f"<code>{e(module.name)}</code> ({e(module.role)}).</li>")
     op = stages["op"].found if "op" in stages else None
     if op:
-        items.append(f"<li>op <b>{_e(op.name)}</b> in <b>{_e(op.module or '(no module)')}</b>, "
-                     f"{_e(op.phase)} of step {_e(op.step)} on rank {_e(op.rank)}: "
+        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(op.module or '(no module)')}</b>, "
+                     f"{e(op.phase)} of step {e(op.step)} on rank {e(op.rank)}: "
                      + ("its inputs were equal and its output differed (origin)." if op.origin else
                         "its inputs already differed (receiver).") + "</li>")
     parts = ["<h2>Narrowing path</h2>"]
@@ -302,9 +156,9 @@ def _path_section(ladder: LocateResult) -> list[str]:
     parts.append('<ol class="path">' + "".join(items) + "</ol>")
     for stage in ladder.stages:
         if stage.note and stage.rung in ("module", "op") and not stage.found:
-            parts.append(f"<p class=\"muted\">{_e(stage.note)}.</p>")
+            parts.append(f"<p class=\"muted\">{e(stage.note)}.</p>")
     if ladder.culprit_records:
-        rows = [[_e(r.role), _e(r.index), f'<span class="mono">{_e(r.shape)}</span>', _e(r.dtype), _e(r.numel),
+        rows = [[e(r.role), e(r.index), f'<span class="mono">{e(r.shape)}</span>', e(r.dtype), e(r.numel),
                  '<span class="same">equal</span>' if r.equal else '<span class="differ">differs</span>']
                 for r in ladder.culprit_records]
         parts.append("<p>The culprit call in the two op-rung runs:</p>")
@@ -317,21 +171,21 @@ def _replay_section(replay: ReplayResult | None, stages: tuple[Stage, ...]) -> l
     kernel = next((s for s in stages if s.rung == "kernel"), None)
     if replay is None:
         note = kernel.note if kernel else "the ladder did not reach the kernel rung"
-        return [*parts, f"<p class=\"muted\">{_e(note)}.</p>"]
+        return [*parts, f"<p class=\"muted\">{e(note)}.</p>"]
     verdict = "nondeterministic" if replay.nondeterministic else "deterministic"
     base = replay.base
-    parts.append(f"<p><code>{_e(replay.op)}</code> replayed alone on its captured inputs is "
+    parts.append(f"<p><code>{e(replay.op)}</code> replayed alone on its captured inputs is "
                  f"<span class=\"badge {verdict}\">{verdict}</span> with {base.threads} thread(s) and "
                  f"deterministic algorithms {'on' if base.deterministic else 'off'}: "
                  f"{base.repeats} repeats, up to {base.differing_elements} differing elements, "
                  f"up to {base.max_ulp} ULP apart.</p>")
     if replay.nondeterministic:
         fixes = replay.fixed_by
-        parts.append("<p>Fixed by: " + (", ".join(f"<code>{_e(f)}</code>" for f in fixes) if fixes
+        parts.append("<p>Fixed by: " + (", ".join(f"<code>{e(f)}</code>" for f in fixes) if fixes
                                         else "none of the switches tried") + "</p>")
     shapes = ", ".join(f"{s['role']} {s['dtype']}{s['shape']}" for s in replay.shapes)
     if shapes:
-        parts.append(f"<p class=\"muted mono\">{_e(shapes)}</p>")
+        parts.append(f"<p class=\"muted mono\">{e(shapes)}</p>")
     rows = [[str(a.threads), "on" if a.deterministic else "off", str(a.repeats), str(a.distinct),
              str(a.differing_elements), str(a.max_ulp), "yes" if a.matches_capture else "no",
              a.error or ""] for a in replay.arms]
@@ -344,9 +198,9 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
     """The report of a locate directory: its ladder, the broad pair's metric curves and where their records differ
     (`detrace.compare.pairs.divergence_map`)."""
     verdict = ladder.verdict
-    body = [f"<h1>detrace locate <span class=\"badge {_e(verdict)}\">{_e(verdict)}</span></h1>",
-            f"<p class=\"answer\">{_e(ladder.message)}</p>",
-            f"<p class=\"muted\">command: <code>{_e(' '.join(ladder.command))}</code> · "
+    body = [f"<h1>detrace locate <span class=\"badge {e(verdict)}\">{e(verdict)}</span></h1>",
+            f"<p class=\"answer\">{e(ladder.message)}</p>",
+            f"<p class=\"muted\">command: <code>{e(' '.join(ladder.command))}</code> · "
             f"{len(ladder.runs)} runs · {ladder.steps} steps recorded</p>"]
     culprit = ladder.culprit
     if culprit:
@@ -363,24 +217,24 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
     body.append('<p class="legend"><span><i class="sw" style="background:#dfe3e8"></i>equal</span>'
                 '<span><i class="sw" style="background:rgb(245,160,60)"></i>a few records differ</span>'
                 '<span><i class="sw" style="background:rgb(183,28,40)"></i>all records differ</span>'
-                f'<span><i class="sw" style="border:2px solid {_ORIGIN}"></i>first divergence</span></p>')
+                f'<span><i class="sw" style="border:2px solid {ORIGIN}"></i>first divergence</span></p>')
     body.append(spread_map(spread, origin=(first.rank, first.step) if first else None, steps=max(ladder.steps, 1)))
     body += _path_section(ladder)
     body += _replay_section(ladder.replay, ladder.stages)
     body.append("<h2>Runs</h2>")
     body.append(_table(["rung", "steps", "ranks", "run directory", "what it established"],
                        [[s.rung, s.steps, s.ranks, run, s.note] for s in ladder.stages for run in s.runs]))
-    body.append(f"<p class=\"muted\">Written by detrace from {_e(ladder.out)}.</p>")
+    body.append(f"<p class=\"muted\">Written by detrace from {e(ladder.out)}.</p>")
     return _page(f"detrace locate: {verdict}", body)
 
 
 def render_run(run_dir: Path, info: RunInfo, traces: list[RankTrace], curves: Curves) -> str:
     """The report of a single run directory: its metric curves and what each rank recorded."""
     header = info.header
-    body = [f"<h1>detrace run <span class=\"badge run\">{_e(header.rung or 'trace')}</span></h1>",
-            f"<p class=\"muted\">{_e(run_dir)} · world size {info.world_size}</p>"]
+    body = [f"<h1>detrace run <span class=\"badge run\">{e(header.rung or 'trace')}</span></h1>",
+            f"<p class=\"muted\">{e(run_dir)} · world size {info.world_size}</p>"]
     if header.command:
-        body.append(f"<p>command: <code>{_e(' '.join(header.command))}</code></p>")
+        body.append(f"<p>command: <code>{e(' '.join(header.command))}</code></p>")
     body += _metric_section(curves, None)
     rows = [[str(trace.rank), str(trace.table.num_rows), str(trace.last_step + 1),
              "complete" if trace.complete else (trace.detail or "ended early (no footer)")] for trace in traces]
