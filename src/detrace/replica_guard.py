@@ -228,7 +228,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[int]:
             elsewhere.append(i)
             continue
         seed = header(dtype_name(t.dtype), tuple(t.shape))
-        out[i] = _signed64(xxhash.xxh3_64_intdigest(memoryview(logical_bytes(t).numpy()), seed))
+        out[i] = _signed64(xxhash.xxh3_64_intdigest(logical_bytes(t).numpy().data, seed))
     for i, fp in zip(elsewhere, fingerprint_many([tensors[i] for i in elsewhere]), strict=True):
         out[i] = _signed64(fp.digest)
     return out
