@@ -157,7 +157,7 @@ def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_p
         model, optimizer = _fresh()
         tracer = detrace.tracing.active()
         assert detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt") == 3
-        assert tracer.detecting  # turned off only while TrainState restored
+        assert tracer.clock.detecting  # turned off only while TrainState restored
         _train(model, optimizer, _batches(5), range(3, 5))
     assert _footer(tmp_path / "t") == {"first": 3, "recorded": [3, 4], "source": "train_state"}
 
