@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from detrace.errors import UsageError
 from detrace.tracefile import read_rank
 from detrace.tracing import set_step
 from detrace.tracing.launch import run_traced
+from detrace.tracing.steps import STEP_OFFSET_ENV, StepClock
 
 
 class Model(nn.Module):
@@ -157,9 +159,36 @@ def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_p
         model, optimizer = _fresh()
         tracer = detrace.tracing.active()
         assert detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt") == 3
-        assert tracer.detecting  # turned off only while TrainState restored
+        assert tracer.clock.detecting  # turned off only while TrainState restored
         _train(model, optimizer, _batches(5), range(3, 5))
     assert _footer(tmp_path / "t") == {"first": 3, "recorded": [3, 4], "source": "train_state"}
+
+
+def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepClock without a tracer: a restored count believed only before the first step ends, occurrences counted
+    afresh in each step, a second optimizer right after the first back in the same step, sources by precedence."""
+    monkeypatch.delenv(STEP_OFFSET_ENV, raising=False)
+    moves: list[int] = []
+    clock = StepClock(lock=threading.RLock(), moved=lambda: moves.append(clock.step))
+    assert (clock.step, clock.source, clock.stepped) == (0, "process", False)
+    assert [clock.begin("op", "forward", "mm").occurrence for _ in range(2)] == [0, 1]
+    assert clock.restored(4) and (clock.step, clock.source) == (4, "optimizer")
+    assert clock.begin("op", "forward", "mm").occurrence == 0
+    first, second = object(), object()
+    clock.optimizer_begins(first)
+    clock.advance()
+    clock.after_optimizer = True
+    assert clock.stepped and not clock.restored(9)
+    clock.optimizer_begins(second)
+    assert clock.step == 4 and clock.begin("op", "forward", "mm").occurrence == 1
+    clock.advance()
+    clock.backward_begins()
+    clock.optimizer_begins(first)
+    assert clock.step == 5
+    assert clock.set_step(7, "hf") and not clock.set_step(2, "optimizer") and clock.set_step(3, "explicit")
+    assert not clock.set_step(8, "lightning")
+    assert moves == [4, 5, 4, 5, 7, 3]
+    assert clock.steps([4, 5]) == {"first": 4, "recorded": [4, 5], "source": "explicit"}
 
 
 @pytest.mark.parametrize("value", ["-1", "ten", "1.5"])

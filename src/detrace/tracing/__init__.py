@@ -9,7 +9,7 @@ Library form::
 Zero-edit form: `detrace run --out runs/a --rung semantic -- CMD...` arms the same tracer in every Python
 process CMD starts (`arm_from_env`, called by the injected sitecustomize once torch is imported).
 
-Steps are global: optimizer steps since the training began, across restarts (see detrace.tracing.session for
+Steps are global: optimizer steps since the training began, across restarts (see detrace.tracing.steps for
 the sources of the numbering and their precedence). A resumed run's records carry the steps of the run that
 never stopped, so `detrace diff` compares the two on the steps both have.
 
@@ -136,7 +136,7 @@ def set_step(n: int, *, source: str = "explicit") -> None:
     if not isinstance(source, str) or not source or source == "process":
         raise UsageError(f"set_step needs a source name such as 'explicit' or 'hf', not {source!r}")
     if _tracer is not None:
-        _tracer.set_step(n, source)
+        _tracer.clock.set_step(n, source)
 
 
 def metric(name: str, value: float | object) -> None:
@@ -150,7 +150,7 @@ def metric(name: str, value: float | object) -> None:
 
 def _restore_running(running: bool) -> None:
     if _tracer is not None:
-        _tracer.detecting = not running
+        _tracer.clock.detecting = not running
 
 
 # A TrainState restored to step n: the clock counts on from n, and the restore itself detects no step.

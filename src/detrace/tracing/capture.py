@@ -22,7 +22,8 @@ from detrace._compat import pytree
 from detrace.tracefile.capture import save_capture
 from detrace.tracefile.layout import capture_path
 from detrace.tracefile.writer import write_json_atomic
-from detrace.tracing.session import Call, Tracer
+from detrace.tracing.records import Call
+from detrace.tracing.session import Tracer
 
 
 @dataclass

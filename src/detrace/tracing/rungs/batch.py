@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from detrace.tracing.patch import replace
-from detrace.tracing.session import Tracer, recorded_leaves
+from detrace.tracing.records import recorded_leaves
+from detrace.tracing.session import Tracer
 
 
 def _has_parameters(module: nn.Module) -> bool:

@@ -4,7 +4,7 @@ It also detects a resume with no edit: an optimizer restored from a checkpoint c
 (`state["step"]` of Adam, AdamW, RMSprop, Adagrad...; plain SGD keeps none). The count is read when the optimizer
 loads a state dict (`Optimizer.load_state_dict`, which torch's DCP helpers, HF Trainer and Lightning call) and
 again as this process's first optimizer step begins (for state restored some other way); the step clock then
-continues from it, unless a source of higher precedence set it (see detrace.tracing.session).
+continues from it, unless a source of higher precedence set it (see detrace.tracing.steps).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def install_pre(tracer: Tracer) -> Callable[[], None]:
     """Registered before every rung's hooks: the optimizer phase starts."""
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if tracer.step_source == "process" and not tracer.stepped:
+        if tracer.clock.source == "process" and not tracer.clock.stepped:
             tracer.restored(restored_step(optimizer), in_step=True)
         tracer.optimizer_begins(optimizer)
 

@@ -42,7 +42,8 @@ from torch import nn
 from detrace.tracing.capture import Capturer
 from detrace.tracing.names import named_modules, roots
 from detrace.tracing.patch import replace
-from detrace.tracing.session import Tracer, recorded_leaves
+from detrace.tracing.records import recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 

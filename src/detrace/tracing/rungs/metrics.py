@@ -20,7 +20,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace.tracing.patch import replace
-from detrace.tracing.session import Tracer, local_data
+from detrace.tracing.records import local_data
+from detrace.tracing.session import Tracer
 
 
 def record(tracer: Tracer, name: str, value: float | int | torch.Tensor) -> None:
@@ -47,7 +48,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     original_backward = torch.autograd.backward
 
     def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
-        tracer.backward_begins()
+        tracer.clock.backward_begins()
         if grad_tensors is None and tracer.on["metrics"]:
             for root in _roots(tensors):
                 if isinstance(root, torch.Tensor) and root.numel() == 1:

@@ -25,7 +25,8 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from detrace.tracing.names import named_modules
-from detrace.tracing.session import Call, Tracer, recorded_leaves
+from detrace.tracing.records import Call, recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 

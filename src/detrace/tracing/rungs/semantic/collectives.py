@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from detrace.tracing.patch import replace
+from detrace.tracing.records import recorded_leaves
 from detrace.tracing.rungs.semantic.common import finish, group_name, reentry
-from detrace.tracing.session import Tracer, recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 Args = dict[str, Any]

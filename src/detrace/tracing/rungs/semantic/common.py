@@ -10,7 +10,8 @@ from typing import Any
 import torch.distributed as dist
 
 from detrace._compat import default_group
-from detrace.tracing.session import Call, Snapshot, Tracer
+from detrace.tracing.records import Call, Snapshot
+from detrace.tracing.session import Tracer
 
 _groups: dict[int, str] = {}
 

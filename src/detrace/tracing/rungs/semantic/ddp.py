@@ -24,8 +24,9 @@ from torch.utils.hooks import RemovableHandle
 
 from detrace._compat import DDP_BUILTIN_HOOK_REGISTRAR, current_graph_task_id, queue_backward_callback
 from detrace.tracing.patch import replace
+from detrace.tracing.records import Snapshot, recorded_leaves
 from detrace.tracing.rungs.semantic.common import finish, group_name, reentry
-from detrace.tracing.session import Snapshot, Tracer, recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]

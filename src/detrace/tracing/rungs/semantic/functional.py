@@ -17,8 +17,9 @@ import torch
 
 from detrace._compat import functional_collectives, replace_call, resolve_group
 from detrace.tracing.patch import replace
+from detrace.tracing.records import recorded_leaves
 from detrace.tracing.rungs.semantic.common import finish, group_name, reentry
-from detrace.tracing.session import Tracer, recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]

@@ -13,7 +13,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from detrace.tracing.names import parameter_names
-from detrace.tracing.session import Call, Tracer
+from detrace.tracing.records import Call
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from detrace.tracing.patch import replace
-from detrace.tracing.session import Tracer, recorded_leaves
+from detrace.tracing.records import recorded_leaves
+from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
 
