@@ -9,7 +9,6 @@ and fingerprints the others at once.
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import weakref
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from detrace._compat import disable_dispatch
+from detrace.digest.inputs import dtype_name
 from detrace.tracing.records import Snapshot, has_components, local_data
 
 _SEEN_LIMIT = 65536
@@ -43,11 +43,6 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:
         return None
-
-
-@functools.cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _deferrable(tensor: torch.Tensor) -> bool:
@@ -110,11 +105,11 @@ class SnapshotMemo:
                     out[i] = entry[3]
                     continue
             if limit is not None and tensor.numel() > limit:
-                out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype), numel=tensor.numel())
+                out[i] = Snapshot(shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype), numel=tensor.numel())
             elif has_components(tensor):
                 todo.append((i, tensor, None))
             elif not now and _deferrable(tensor):
-                snap = out[i] = Snapshot(shape=tuple(tensor.shape), dtype=_dtype_name(tensor.dtype),
+                snap = out[i] = Snapshot(shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
                                          numel=tensor.numel())
                 copies.append((tensor, snap))
                 if version is not None:
