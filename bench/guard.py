@@ -4,7 +4,7 @@ the same step unguarded, on gloo.
 Both variants run in the same two ranks, interleaved step by step (unguarded, guarded, unguarded, ...), so machine
 noise hits them alike: the guard is installed before a guarded step and removed after it, on both ranks. The
 ratio is mean(guarded) / mean(unguarded) over the measured steps, with a 95% bootstrap interval over step pairs,
-and the guard's own time per check (fingerprints and all-gather, both ranks starting it together) as a share of
+and the guard's own time per check (digests and all-gather, both ranks starting it together) as a share of
 the step.
 
     python bench/guard.py [--preset small] [--steps 20] [--warmup 2] [--threads 1]
