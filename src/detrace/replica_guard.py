@@ -182,7 +182,7 @@ class Guard:
             leave(GUARD_EXIT_CODE)
 
     def check(self, optimizer: torch.optim.Optimizer, step: int) -> list[Mismatch]:
-        """Fingerprint this rank's replicated tensors and compare them with every other rank's (collective)."""
+        """Digest this rank's replicated tensors and compare them with every other rank's (collective)."""
         from detrace.tracing.names import parameter_names
 
         if self._names is None:
