@@ -16,7 +16,6 @@ never an origin here: the divergence came from a peer, which causality.py decide
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,9 @@ from detrace.compare.classify import (
     same,
     tensor_label,
 )
+from detrace.compare.cursor import RankCursor
 from detrace.compare.result import Divergence
 from detrace.tracefile import iter_batches, rank_path
-from detrace.tracefile.reader import read_footer
 
 LOOKAHEAD = 4096
 """Records per side searched for a common identity after a structural divergence; beyond it both runs skip to
@@ -95,78 +94,6 @@ def _unverified(batch: pa.RecordBatch) -> int:
     return max(0, batch.column("digest").null_count + batch.column("value").null_count - batch.num_rows)
 
 
-class _Cursor:
-    """One side of the alignment: a buffered, advancing view over a rank file's batches."""
-
-    def __init__(self, run_dir: Path, rank: int, present: bool, *, end: int | None = None) -> None:
-        self.stream = iter_batches(rank_path(run_dir, rank)) if present else None
-        self.footer = read_footer(run_dir, rank) if present else None
-        self._batches = iter(self.stream) if self.stream is not None else iter(())
-        self._buffer: deque[pa.RecordBatch] = deque()
-        self._buffered = 0
-        self.position = 0
-        """Records consumed so far."""
-        self.end = end
-        """The last global step compared: records of later steps are left out (None: to the end of the file)."""
-
-    @property
-    def complete(self) -> bool:
-        """The rank closed its trace cleanly (meaningful once exhausted)."""
-        return self.stream is not None and self.footer is not None and not self.stream.torn
-
-    def _fill(self) -> bool:
-        for batch in self._batches:
-            if self.end is not None and batch.num_rows and batch.column("step")[-1].as_py() > self.end:
-                # Steps never decrease within a rank: the rest of the file lies past the compared steps.
-                batch = batch.slice(0, int(np.searchsorted(batch.column("step").to_numpy(), self.end, side="right")))
-                self._batches = iter(())
-            if batch.num_rows:
-                self._buffer.append(batch)
-                self._buffered += batch.num_rows
-                return True
-        return False
-
-    def head(self) -> pa.RecordBatch | None:
-        """The unconsumed rest of the first buffered batch; None once the file is exhausted."""
-        if not self._buffer and not self._fill():
-            return None
-        return self._buffer[0]
-
-    def window(self, n: int) -> pa.Table:
-        """The next `n` records (fewer at the end of the file), without consuming them."""
-        while self._buffered < n and self._fill():
-            pass
-        return pa.Table.from_batches(list(self._buffer)).slice(0, n)
-
-    def advance(self, n: int) -> None:
-        self.position += n
-        self._buffered -= n
-        while n:
-            batch = self._buffer[0]
-            if n >= batch.num_rows:
-                self._buffer.popleft()
-                n -= batch.num_rows
-            else:
-                self._buffer[0] = batch.slice(n)
-                n = 0
-
-    def skip_to_step(self, step: int) -> None:
-        """Consume every record of a step below `step` (steps never decrease within a rank)."""
-        while (head := self.head()) is not None:
-            below = int(np.searchsorted(head.column("step").to_numpy(), step))
-            self.advance(below)
-            if below < head.num_rows:
-                return
-
-    def drain(self) -> int:
-        """Consume the rest of the file; return how many records it held."""
-        left = 0
-        while (head := self.head()) is not None:
-            left += head.num_rows
-            self.advance(head.num_rows)
-        return left
-
-
 def _row(batch: pa.RecordBatch | pa.Table, i: int) -> dict[str, Any]:
     return batch.slice(i, 1).to_pylist()[0]
 
@@ -191,8 +118,8 @@ class RankAligner:
                  steps: tuple[int, int | None] = (0, None)) -> None:
         self.rank = rank
         self.a_dir = a
-        self.a = _Cursor(a, rank, in_a, end=steps[1])
-        self.b = _Cursor(b, rank, in_b, end=steps[1])
+        self.a = RankCursor(a, rank, in_a, end=steps[1])
+        self.b = RankCursor(b, rank, in_b, end=steps[1])
         self.start = steps[0]
         """The first global step compared: both runs' records of earlier steps are skipped."""
         self.outcome = RankOutcome(rank=rank)
