@@ -17,8 +17,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace import _compat
 
-CHECKED_TORCH = ("2.13",)
-"""The torch releases (major.minor) every entry of detrace._compat was checked against."""
+CHECKED_TORCH = ("2.10", "2.11", "2.12", "2.13")
+"""The torch releases (major.minor) every entry of detrace._compat was checked against: this file passed under
+each (2.13 in CI, 2.10 in CI's lowest-torch step, 2.11 and 2.12 by hand on 2026-12-01)."""
 
 
 def test_torch_release_was_checked() -> None:
