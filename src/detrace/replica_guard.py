@@ -69,16 +69,13 @@ class Mismatch:
                 f"({how}, of {len(self.replicas)} replicas)")
 
 
-def _signed64(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def _key_hash(key: str) -> int:
     """A signed 64-bit identity of a tensor key, for the one-time exchange of identities."""
     from detrace.digest import fingerprint
+    from detrace.digest.scheme import signed
 
     data = torch.frombuffer(bytearray(key.encode()), dtype=torch.uint8) if key else torch.zeros(0, dtype=torch.uint8)
-    return _signed64(fingerprint(data).digest)
+    return signed(fingerprint(data).digest)
 
 
 def _shard_of(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -218,7 +215,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[int]:
     """
     from detrace.digest import fingerprint_many
     from detrace.digest.inputs import dtype_name, logical_bytes, plain
-    from detrace.digest.scheme import header
+    from detrace.digest.scheme import header, signed
 
     out: list[int] = [0] * len(tensors)
     elsewhere: list[int] = []
@@ -228,9 +225,9 @@ def _digests(tensors: list[torch.Tensor]) -> list[int]:
             elsewhere.append(i)
             continue
         seed = header(dtype_name(t.dtype), tuple(t.shape))
-        out[i] = _signed64(xxhash.xxh3_64_intdigest(logical_bytes(t).numpy().data, seed))
+        out[i] = signed(xxhash.xxh3_64_intdigest(logical_bytes(t).numpy().data, seed))
     for i, fp in zip(elsewhere, fingerprint_many([tensors[i] for i in elsewhere]), strict=True):
-        out[i] = _signed64(fp.digest)
+        out[i] = signed(fp.digest)
     return out
 
 
