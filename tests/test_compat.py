@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -17,16 +18,33 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace import _compat
 
-CHECKED_TORCH = ("2.10", "2.11", "2.12", "2.13")
-"""The torch releases (major.minor) every entry of detrace._compat was checked against: this file passed under
-each (2.13 in CI, 2.10 in CI's lowest-torch step, 2.11 and 2.12 by hand on 2026-12-01)."""
-
 
 def test_torch_release_was_checked() -> None:
-    release = ".".join(torch.__version__.split(".")[:2])
-    assert release in CHECKED_TORCH, (
-        f"torch {torch.__version__}: detrace._compat was checked against {CHECKED_TORCH} only; run this file, check "
-        f"each entry against the new release, then add {release!r} to CHECKED_TORCH")
+    assert _compat.release_checked(), (
+        f"torch {torch.__version__}: detrace._compat was checked against {_compat.CHECKED_TORCH} only; run this file, "
+        f"check each entry against the new release, then add {_compat.torch_release()!r} to CHECKED_TORCH")
+
+
+def test_a_private_api_missing_from_an_unchecked_release_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a release outside CHECKED_TORCH, a shim whose private API is gone raises one sentence naming it; on a
+    checked release the same AttributeError stays a bug of ours (re-raised as is)."""
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    with pytest.raises(AttributeError):
+        _compat.current_graph_task_id()
+    monkeypatch.setattr(torch, "__version__", "2.99.0+cpu")
+    assert not _compat.release_checked()
+    with pytest.raises(_compat.MissingTorchAPI, match=r"torch 2\.99\.0\+cpu has no torch\._C\._current_graph_task_id"):
+        _compat.current_graph_task_id()
+
+
+def test_doctor_flags_an_unchecked_torch_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    from detrace.audit import audit
+
+    (checked,) = [finding for finding in audit() if finding.name == "torch"]
+    assert checked.status == "ok"
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    (unchecked,) = [finding for finding in audit() if finding.name == "torch"]
+    assert unchecked.status == "risk" and "checked on torch 2.10" in unchecked.detail
 
 
 class _Seen(_compat.TorchDispatchMode):

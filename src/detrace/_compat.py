@@ -3,6 +3,11 @@
 Each entry says why detrace needs it and what public API would replace it. tests/test_compat.py pins each one's
 behaviour at the tested torch version, so a torch release that moves or changes one fails that test, by name,
 rather than a user's run. Nothing else in detrace reaches into torch's private modules or attributes.
+
+The package accepts any torch from the lowest it supports up (pyproject.toml caps nothing: a cap would make pip
+downgrade a user's torch, or refuse to install, the day a new release comes out). A release outside
+`CHECKED_TORCH` is flagged by `detrace doctor` in one line; an entry that such a release removed raises
+`MissingTorchAPI`, one sentence naming it, at the call that needs it: never a silent wrong result.
 """
 
 from __future__ import annotations
@@ -26,12 +31,58 @@ from torch.utils import _python_dispatch
 # and captured calls use). Public replacement: none yet (a public torch.utils.pytree, were it added).
 from torch.utils import _pytree as pytree
 
+from detrace.errors import DetraceError
+
+CHECKED_TORCH = ("2.10", "2.11", "2.12", "2.13")
+"""The torch releases (major.minor) every entry of this module was checked against: tests/test_compat.py passed
+under each (2.13 in CI, 2.10 in CI's lowest-torch step, 2.11 and 2.12 by hand on 2026-12-01)."""
+
+
+class MissingTorchAPI(DetraceError):
+    """A private torch API detrace needs is absent from the installed torch (a release outside CHECKED_TORCH)."""
+
+
+def torch_release() -> str:
+    """The installed torch's major.minor release, as CHECKED_TORCH spells them."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def release_checked() -> bool:
+    """Whether this module's entries were checked against the installed torch's release."""
+    return torch_release() in CHECKED_TORCH
+
+
+def _private(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Turn the AttributeError or ImportError of a private API that a torch release removed into one sentence that
+    names it (`name`) and the releases it was checked on."""
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except (AttributeError, ImportError) as err:
+                if release_checked():
+                    raise
+                raise MissingTorchAPI(
+                    f"torch {torch.__version__} has no {name} ({err}), which detrace needs; detrace was checked on "
+                    f"torch {', '.join(CHECKED_TORCH)}: use one of those, or a detrace release that supports yours"
+                ) from err
+
+        return call
+
+    return decorate
+
+
+
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 """The base class of the op rung's recorder (and of FakeTensorMode): it sees every ATen call below autograd.
 Importable only from torch.utils._python_dispatch. Replace with: its public home, if it gets one."""
 
 __all__ = [
+    "CHECKED_TORCH",
     "DDP_BUILTIN_HOOK_REGISTRAR",
+    "MissingTorchAPI",
     "OpOverload",
     "TorchDispatchMode",
     "current_dispatch_mode",
@@ -48,13 +99,16 @@ __all__ = [
     "pytree",
     "queue_backward_callback",
     "quiet_dispatch_modes",
+    "release_checked",
     "replace_call",
     "resolve_group",
     "run_exit_handlers",
+    "torch_release",
     "unhooked_step",
 ]
 
 
+@_private("torch.utils._python_dispatch._push_mode")
 def push_mode(mode: Any) -> None:
     """Put a dispatch mode on top of the mode stack, outside any `with` block.
 
@@ -63,17 +117,20 @@ def push_mode(mode: Any) -> None:
     _python_dispatch._push_mode(mode)
 
 
+@_private("torch.utils._python_dispatch._pop_mode")
 def pop_mode() -> Any:
     """Take the top dispatch mode off the stack (the counterpart of `push_mode`)."""
     return _python_dispatch._pop_mode()
 
 
+@_private("torch.utils._python_dispatch._get_current_dispatch_mode")
 def current_dispatch_mode() -> Any:
     """The dispatch mode on top of the stack, or None: the op rung pops itself only when it is still on top (a mode
     the program pushed later keeps it underneath). Replace with: none public."""
     return _python_dispatch._get_current_dispatch_mode()
 
 
+@_private("torch.distributed.distributed_c10d._get_default_group")
 def default_group() -> Any:
     """The default process group (the one `group=None` means).
 
@@ -82,6 +139,7 @@ def default_group() -> Any:
     return torch.distributed.distributed_c10d._get_default_group()
 
 
+@_private("torch.distributed.distributed_c10d._resolve_process_group")
 def resolve_group(name: str) -> Any:
     """The process group a functional collective names by string (its `group_name` argument).
 
@@ -91,6 +149,7 @@ def resolve_group(name: str) -> Any:
     return torch.distributed.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
+@_private("torch.ops._c10d_functional")
 def functional_collectives() -> Any:
     """The op namespace of functional collectives, `torch.ops._c10d_functional`, its ops registered.
 
@@ -120,6 +179,7 @@ def replace_call(obj: Any, wrap: Callable[[Callable[..., Any]], Callable[..., An
     return undo
 
 
+@_private("torch.autograd.Variable._execution_engine.queue_callback")
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run `callback` when the current backward ends (called from within a backward).
 
@@ -129,6 +189,7 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+@_private("torch._C._current_graph_task_id")
 def current_graph_task_id() -> int:
     """The id of the backward (autograd graph task) running on this thread; -1 outside a backward.
 
@@ -143,6 +204,7 @@ bucket reduction runs in C++ and cannot be recorded (instead of replacing the us
 way to ask a DDP module which comm hook it has."""
 
 
+@_private("torch._C._DisableTorchDispatch")
 def disable_dispatch() -> AbstractContextManager[Any]:
     """Run plain tensor ops below every Python dispatch mode and subclass (a raw copy).
 
@@ -171,6 +233,7 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     return False
 
 
+@_private("torch._C.DisableTorchFunctionSubclass")
 def disable_torch_function_subclass() -> AbstractContextManager[Any]:
     """Treat tensor subclasses as plain tensors in the block (no `__torch_function__`).
 
@@ -179,6 +242,7 @@ def disable_torch_function_subclass() -> AbstractContextManager[Any]:
     return torch._C.DisableTorchFunctionSubclass()
 
 
+@_private("torch._dynamo.mark_dynamic")
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell torch.compile that `tensor`'s size at `dim` varies, so one compiled fingerprint kernel serves all sizes.
 
@@ -212,6 +276,7 @@ def dtensor_rng_states() -> dict[str, torch.Tensor] | None:
     return states if isinstance(states, dict) and states else None
 
 
+@_private("atexit._run_exitfuncs")
 def run_exit_handlers() -> None:
     """Run the `atexit` handlers now (each once: they are unregistered as they run).
 

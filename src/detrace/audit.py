@@ -9,12 +9,23 @@ import sys
 
 import torch
 
+from detrace import _compat
 from detrace.recipe import UNSET, Finding, applied_strict, inductor_option, judge
 
 
 def audit() -> list[Finding]:
     """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
-    return [*judge(applied_strict()), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
+    return [_torch_release(), *judge(applied_strict()), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
+
+
+def _torch_release() -> Finding:
+    """Whether detrace's private-API shims (detrace._compat) were checked against the installed torch."""
+    if _compat.release_checked():
+        return Finding(name="torch", value=torch.__version__, status="ok",
+                       detail=f"a release detrace is checked on ({', '.join(_compat.CHECKED_TORCH)})")
+    return Finding(name="torch", value=torch.__version__, status="risk",
+                   detail=f"detrace is checked on torch {', '.join(_compat.CHECKED_TORCH)} only: its private-API "
+                          "shims may not hold here (a missing one is reported by name when used)")
 
 
 def _fingerprint_kernel() -> Finding:
