@@ -7,6 +7,7 @@ check-resume speaks to CMD through the environment contract that `detrace.TrainS
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,12 +118,15 @@ class ResumeResult:
 
 
 Progress = Callable[[str], None]
+Launcher = Callable[..., LaunchResult]
+"""What runs CMD traced: `detrace.tracing.launch.run_traced`, or (tests) a function with its signature that writes
+traces of its own, so that the checks' verdicts are tested in process on traces with a known answer."""
 
 
 def _launch(cmd: list[str], out: Path, *, label: str, progress: Progress, timeout: float | None,
-            steps: str = "all", env: dict[str, str] | None = None) -> LaunchResult:
+            launch: Launcher, steps: str = "all", env: dict[str, str] | None = None) -> LaunchResult:
     progress(f"{label}: {out}")
-    result = run_traced(cmd, out, rung=CHECK_RUNG, steps=steps, env=env, timeout=timeout, quiet=True)
+    result = launch(cmd, out, rung=CHECK_RUNG, steps=steps, env=env, timeout=timeout, quiet=True)
     if result.returncode != 0:
         raise CommandFailed(
             f"{label} exited with code {result.returncode}; its output ends with:\n{result.output_tail.rstrip()}")
@@ -135,7 +139,7 @@ def default_out(kind: str) -> Path:
 
 
 def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = None,
-          progress: Progress = lambda _: None) -> CheckResult:
+          progress: Progress = lambda _: None, launch: Launcher = run_traced) -> CheckResult:
     """Run CMD `runs` times from the same state and compare every run with the first."""
     if runs < 2:
         raise UsageError(f"--runs must be at least 2 to compare anything, got {runs}")
@@ -144,7 +148,7 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
     out = prepare_out(out, holds="runs")
     dirs = [out / f"run-{i}" for i in range(runs)]
     for i, run_dir in enumerate(dirs):
-        _launch(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout)
+        _launch(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout, launch=launch)
     return CheckResult(runs=dirs, diffs=[diff(dirs[0], other) for other in dirs[1:]])
 
 
@@ -167,7 +171,7 @@ def _comparable(result: DiffResult, what: str) -> DiffResult:
 
 
 def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | None = None,
-                 progress: Progress = lambda _: None) -> ResumeResult:
+                 progress: Progress = lambda _: None, launch: Launcher = run_traced) -> ResumeResult:
     """The four-arm resume proof: a continuous run, a second continuous run (equal to the first, or the run is
     nondeterministic and no resume can be judged), for each stop point K a run stopped after step K and resumed
     (equal to the continuous run from step K on), and a negative control that must diverge. A resumed run that
@@ -181,43 +185,40 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     # Records before the first stop point are never compared: the resumed processes start there or later.
     window = f"{at[0]}::1"
     continuous, again = out / "continuous", out / "continuous-again"
-    _launch(cmd, continuous, label="continuous run", progress=progress, timeout=timeout, steps=window)
-    _launch(cmd, again, label="continuous run, again", progress=progress, timeout=timeout, steps=window)
+    arm = functools.partial(_launch, cmd, progress=progress, timeout=timeout, launch=launch, steps=window)
+    arm(continuous, label="continuous run")
+    arm(again, label="continuous run, again")
     repeat = _comparable(diff(continuous, again), "the two continuous runs")
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
     if repeat.verdict != "identical":
         return result
     for k in at:
-        result.points.append(_stop_point(cmd, k, out / f"at-{k}", continuous, window=window, timeout=timeout,
-                                         progress=progress))
+        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous))
     return result
 
 
-def _stop_point(cmd: list[str], k: int, out: Path, continuous: Path, *, window: str, timeout: float | None,
-                progress: Progress) -> StopPoint:
+def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path) -> StopPoint:
+    """One stop point's arms; `arm(out, label=..., env=...)` runs CMD traced over the proof's step window."""
     ckpt = out / "checkpoint"
     stopped, resumed = out / "stopped", out / "resumed"
-    _launch(cmd, stopped, label=f"run stopped after step {k}", progress=progress, timeout=timeout, steps=window,
-            env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
+    arm(stopped, label=f"run stopped after step {k}", env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
     if not ckpt.exists():
         raise CommandFailed(
             f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use detrace.TrainState "
             "(resume_if_requested / end_of_step), and does it run more than that many steps?")
     resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
-    _launch(cmd, resumed, label=f"run resumed after step {k}", progress=progress, timeout=timeout, steps=window,
-            env=resume_env)
+    arm(resumed, label=f"run resumed after step {k}", env=resume_env)
     resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
     if resume_diff.verdict != "identical":
         again = out / "resumed-again"
-        _launch(cmd, again, label=f"run resumed after step {k}, again", progress=progress, timeout=timeout,
-                steps=window, env=resume_env)
+        arm(again, label=f"run resumed after step {k}, again", env=resume_env)
         again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
         verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
                          resumed_again=again, again_diff=again_diff)
     control = out / "control"
-    _launch(cmd, control, label=f"negative control after step {k} ({NEGATIVE_CONTROL})", progress=progress,
-            timeout=timeout, steps=window, env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
+    arm(control, label=f"negative control after step {k} ({NEGATIVE_CONTROL})",
+        env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
     control_diff = _comparable(diff(continuous, control), f"the continuous run and the negative control after "
                                                           f"step {k}")
     verdict = "exact" if control_diff.verdict == "diverged" else "inconclusive"

@@ -1,18 +1,13 @@
 """A small training script that follows detrace's stop/save/resume contract through TrainState.
 
-    python tests/scripts/resume_toy.py --steps 6 [--forget-optimizer] [--no-random]
+    python tests/scripts/resume_toy.py --steps 6 [--forget-optimizer]
 
 --forget-optimizer  a resume bug: the optimizer (AdamW moments) is not part of the saved state
---no-random         no randomness after start-up (no dropout): a negative control cannot diverge
---unrepeatable      an injected fault, named as such: the loss is scaled by bits from os.urandom in every step,
-                    so no two runs are equal
---unrepeatable-after-resume  the same injected fault in resumed processes only (DETRACE_RESUME=1)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from torch import nn
@@ -24,14 +19,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--forget-optimizer", action="store_true")
-    parser.add_argument("--no-random", action="store_true")
-    parser.add_argument("--unrepeatable", action="store_true")
-    parser.add_argument("--unrepeatable-after-resume", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     detrace.deterministic(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.0 if args.no_random else 0.2), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = detrace.TrainState(model=model, optimizer=None if args.forget_optimizer else optimizer)
     start = state.resume_if_requested()
@@ -40,8 +32,6 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         x, y = batches[step - 1]
         loss = nn.functional.mse_loss(model(x), y)
-        if args.unrepeatable or (args.unrepeatable_after_resume and os.environ.get("DETRACE_RESUME") == "1"):
-            loss = loss * (1 + int.from_bytes(os.urandom(2), "little") * 2.0**-20)  # the injected fault
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

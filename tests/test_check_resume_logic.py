@@ -1,0 +1,148 @@
+"""check and check-resume decide their verdicts in process, on synthetic traces with known answers.
+
+The launch seam (`launch=`) replaces the real launcher with `Scripted`, which writes, for each arm, the trace a
+command with a given behaviour would have written: the four-arm proof's every verdict and message is checked here
+in milliseconds; tests/test_verify.py keeps one real command per verdict family.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from _synthetic import Fault, SyntheticRun, write_run
+
+from detrace.cli import check_resume as check_resume_cli
+from detrace.cli import main
+from detrace.errors import CommandFailed
+from detrace.tracing.launch import LaunchResult
+from detrace.verify import check, check_resume
+
+RUN = SyntheticRun(ranks=2, steps=4, ops=4)
+
+
+class Scripted:
+    """A launcher whose CMD behaves as told: `faults` maps an arm ("continuous", "again", "stopped", "resumed",
+    "resumed-again", "control") to the injected fault (named as such) its trace shows, None for the true bits."""
+
+    def __init__(self, faults: Mapping[str, Fault | None] | None = None, *, checkpoint: bool = True) -> None:
+        self.faults = dict(faults or {})
+        self.checkpoint = checkpoint
+        self.arms: list[str] = []
+
+    def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object) -> LaunchResult:
+        env = env or {}
+        arm = out.name if out.name in ("stopped", "resumed", "resumed-again", "control") else (
+            "again" if out.name == "continuous-again" else out.name.split("-")[0])
+        self.arms.append(arm)
+        write_run(out, RUN, self.faults.get(arm))
+        if "DETRACE_STOP_AT" in env and self.checkpoint:
+            Path(env["DETRACE_CKPT_DIR"]).mkdir(parents=True)
+        return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+
+CONTROL = Fault(rank=0, step=2, op=0)  # resuming without the RNG states: differs from the first resumed step on
+RESUME_BUG = Fault(rank=1, step=2, op=1)
+
+
+def _cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: Scripted, *args: str) -> list[str]:
+    monkeypatch.setattr(check_resume_cli, "check_resume", functools.partial(check_resume, launch=launcher))
+    return ["check-resume", "--out", str(tmp_path / "r"), *args, "--", sys.executable, "train.py"]
+
+
+@pytest.mark.parametrize(
+    ("faults", "verdict", "code", "arms"),
+    [
+        ({"control": CONTROL}, "exact", 0, ["continuous", "again", "stopped", "resumed", "control"]),
+        ({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG}, "resume-changed-the-run", 1,
+         ["continuous", "again", "stopped", "resumed", "resumed-again"]),
+        ({"again": CONTROL}, "nondeterministic", 3, ["continuous", "again"]),
+        ({"resumed": RESUME_BUG, "resumed-again": Fault(rank=1, step=2, op=2)}, "nondeterministic", 3,
+         ["continuous", "again", "stopped", "resumed", "resumed-again"]),
+        ({}, "inconclusive", 4, ["continuous", "again", "stopped", "resumed", "control"]),
+    ],
+    ids=["exact", "resume-bug", "nondeterministic", "unrepeatable-after-resume", "inconclusive"],
+)
+def test_every_verdict_of_the_four_arm_proof(tmp_path: Path, faults: dict[str, Fault], verdict: str, code: int,
+                                            arms: list[str]) -> None:
+    launcher = Scripted(faults)
+    result = check_resume(["train"], at=[2], out=tmp_path / "r", launch=launcher)
+    assert (result.verdict, result.exit_code) == (verdict, code)
+    assert launcher.arms == arms  # no arm runs that the verdict does not need
+
+
+def test_several_stop_points_share_the_continuous_runs(tmp_path: Path) -> None:
+    launcher = Scripted({"control": Fault(rank=0, step=1, op=0)})
+    result = check_resume(["train"], at=[3, 1], out=tmp_path / "r", launch=launcher)
+    assert result.verdict == "exact" and result.at == [1, 3]
+    assert launcher.arms.count("continuous") == 1 and launcher.arms.count("resumed") == 2
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["at-1", "at-3", "continuous", "continuous-again"]
+
+
+def test_the_first_stop_point_that_fails_decides(tmp_path: Path) -> None:
+    # at-1 resumes exactly (its control diverges); at-3's resume repeats the same wrong bits: the run changed.
+    class Late(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            self.faults = {"control": CONTROL} if "at-1" in str(out) else {"resumed": RESUME_BUG,
+                                                                           "resumed-again": RESUME_BUG}
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    result = check_resume(["train"], at=[1, 3], out=tmp_path / "r", launch=Late())
+    assert [p.verdict for p in result.points] == ["exact", "resume-changed-the-run"]
+    assert result.verdict == "resume-changed-the-run" and result.deciding.first is not None
+    assert result.deciding.first.step == 2 and result.deciding.first.rank == 1
+
+
+def test_a_command_that_writes_no_checkpoint_is_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(CommandFailed, match=r"wrote no checkpoint .* when asked to stop after step 2"):
+        check_resume(["train"], at=[2], out=tmp_path / "r", launch=Scripted(checkpoint=False))
+
+
+@pytest.mark.parametrize(
+    ("faults", "code", "start"),
+    [
+        ({"control": CONTROL}, 0, "exact: two continuous runs agree, and resuming after step 2 changed no bit"),
+        ({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG}, 1,
+         "resume-changed-the-run: resuming after step 2 changed the run"),
+        ({"again": CONTROL}, 3, "nondeterministic: two continuous runs of the same command differ"),
+        ({}, 4, "inconclusive: the run resumed after step 2 matched, but so did the negative control"),
+    ],
+    ids=["exact", "resume-bug", "nondeterministic", "inconclusive"],
+)
+def test_the_command_says_each_verdict_in_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str], faults: dict[str, Fault],
+                                                code: int, start: str) -> None:
+    assert main(_cli(tmp_path, monkeypatch, Scripted(faults), "--at", "2")) == code
+    out = capsys.readouterr().out
+    assert out.startswith(start), out
+    if code == 3:
+        assert f"find the culprit with: detrace locate -- {sys.executable} train.py" in out
+    if code == 1:
+        assert "first divergence: rank 1, step 2" in out
+
+
+def test_the_json_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_cli(tmp_path, monkeypatch, Scripted({"control": CONTROL}), "--at", "2", "--json")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "detrace.check-resume/1" and report["verdict"] == "exact" and report["at"] == [2]
+    assert report["repeat"]["verdict"] == "identical" and report["repeat"]["compared"]["ranks"] == 2
+    [point] = report["points"]
+    assert point["resume"]["verdict"] == "identical" and point["control"]["verdict"] == "diverged"
+    assert point["resumed_again"] is None and set(point["runs"]) == {"stopped", "resumed", "control"}
+    assert report["first"]["step"] == 2 and report["suggest"] is None
+
+
+def test_check_compares_every_run_with_the_first(tmp_path: Path) -> None:
+    class Third(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            write_run(out, RUN, Fault(rank=0, step=1, op=3) if out.name == "run-2" else None)
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    result = check(["train"], runs=3, out=tmp_path / "c", launch=Third())
+    assert [d.verdict for d in result.diffs] == ["identical", "diverged"] and result.exit_code == 1
+    first = result.first_divergent
+    assert first is not None and first.first is not None and (first.first.rank, first.first.step) == (0, 1)
