@@ -49,6 +49,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Pa
 
 def test_single_process_culprit_is_the_racing_index_put(single: tuple[dict[str, Any], Path]) -> None:
     payload, out = single
+    assert json.loads((out / "locate.json").read_text()) == payload  # --json prints the file the ladder wrote
     culprit = payload["culprit"]
     assert culprit["name"].startswith("aten.index_put")
     assert culprit["phase"] == "backward" and culprit["rank"] == 0 and culprit["origin"] is True
