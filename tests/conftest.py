@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from _ranks import free_port as _free_port
+from _scenarios import STEADY, traced_runs
 
 if not torch.cuda.is_available():
     # Triton picks its interpreter when `triton.jit` decorates a function, its own library's included: set before
@@ -49,3 +51,11 @@ def _process_state_restored() -> Iterator[None]:
 def free_port_fixture() -> Callable[[], int]:
     """A function giving a TCP port that was free on 127.0.0.1 a moment ago: call it once per rendezvous."""
     return _free_port
+
+
+@pytest.fixture(scope="session")
+def steady_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Read-only: three deterministic runs of tests/scripts/train_gather.py (a, b, again: bit-identical, 3 steps,
+    rung semantic) and one with a changed learning rate (lr). Shared by the report and compare tests."""
+    return traced_runs(tmp_path_factory.mktemp("steady"), ("a", STEADY), ("b", STEADY), ("again", STEADY),
+                       ("lr", [*STEADY, "--lr=0.02"]))

@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from test_locate import write_script
+from _scenarios import traced_runs
 
 from detrace import diff
 from detrace.cli import main
 from detrace.noise import compare_metric, noise_test
-from detrace.tracing.launch import run_traced
 
 
-def _runs(folder: Path, *variants: tuple[str, list[str]]) -> dict[str, Path]:
-    script = write_script(folder)
-    out = {}
-    for name, args in variants:
-        result = run_traced([sys.executable, str(script), *args], folder / name, rung="semantic", quiet=True,
-                            timeout=300)
-        assert result.returncode == 0, result.output_tail
-        out[name] = folder / name
-    return out
-
-
-@pytest.fixture(scope="module")
-def steady(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Deterministic baselines (bit-identical), the same program again, and a changed learning rate."""
-    same = ["3", "--small", "--deterministic"]
-    return _runs(tmp_path_factory.mktemp("compare-steady"), ("a", same), ("b", same), ("again", same),
-                 ("lr", [*same, "--lr=0.02"]))
+@pytest.fixture
+def steady(steady_runs: dict[str, Path]) -> dict[str, Path]:
+    """Deterministic baselines (bit-identical), the same program again, and a changed learning rate: conftest's."""
+    return steady_runs
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +24,8 @@ def racing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Baselines whose loss differs run to run (an index_put over random repeated rows races in the forward, at
     nearly every call), and a changed learning rate."""
     same = ["4", "--pool"]
-    runs = _runs(tmp_path_factory.mktemp("compare-racing"), ("a", same), ("b", same), ("lr", [*same, "--lr=0.5"]))
+    runs = traced_runs(tmp_path_factory.mktemp("compare-racing"), ("a", same), ("b", same),
+                       ("lr", [*same, "--lr=0.5"]))
     assert diff(runs["a"], runs["b"]).verdict == "diverged", "the race spared a whole run"
     return runs
 

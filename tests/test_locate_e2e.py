@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_locate import locate_cli, write_script
+from _scenarios import GATHER
+from test_locate import locate_cli
 
 from detrace.ladder import load_ladder
 from detrace.replay import FIX_DETERMINISTIC
@@ -43,7 +44,7 @@ def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     folder = tmp_path_factory.mktemp("locate-single")
     out = folder / "out"
-    done = locate_cli("--json", "--out", str(out), "--", sys.executable, str(write_script(folder)), "2")
+    done = locate_cli("--json", "--out", str(out), "--", sys.executable, str(GATHER), "2")
     return _ladder(done), out
 
 

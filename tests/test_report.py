@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_locate import write_script
 from test_locate_e2e import dump_dom
 
 from detrace.cli import main
@@ -19,21 +18,12 @@ from detrace.ladder import LADDER_FILE, LADDER_SCHEMA, load_ladder
 from detrace.report.html import write_report
 from detrace.report.svg import line_chart, spread_map
 from detrace.tracefile import RankWriter
-from detrace.tracing.launch import run_traced
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """Two real traced runs of a small deterministic training loop (3 steps, rung semantic)."""
-    folder = tmp_path_factory.mktemp("report-runs")
-    script = write_script(folder)
-    pair = []
-    for name in ("a", "b"):
-        result = run_traced([sys.executable, str(script), "3", "--small", "--deterministic"], folder / name,
-                            rung="semantic", quiet=True, timeout=300)
-        assert result.returncode == 0, result.output_tail
-        pair.append(folder / name)
-    return pair[0], pair[1]
+@pytest.fixture
+def runs(steady_runs: dict[str, Path]) -> tuple[Path, Path]:
+    """Two real traced runs of a small deterministic training loop (3 steps, rung semantic): conftest's."""
+    return steady_runs["a"], steady_runs["b"]
 
 
 def test_run_report_in_a_real_browser(runs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -48,8 +38,9 @@ def test_run_report_in_a_real_browser(runs: tuple[Path, Path], tmp_path: Path) -
         assert text in dom
 
 
-def test_run_report_default_path(runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    _, run = runs
+def test_run_report_default_path(runs: tuple[Path, Path], tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run = Path(shutil.copytree(runs[1], tmp_path / "run"))  # the shared runs are read-only: write into a copy
     assert main(["report", str(run)]) == 0
     assert capsys.readouterr().out.strip() == str(run / "report.html")
     assert (run / "report.html").stat().st_size > 1000
