@@ -16,7 +16,7 @@ from pathlib import Path
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
 from detrace.tracefile.layout import prepare_out
-from detrace.tracing.launch import LaunchResult, run_traced
+from detrace.tracing.launch import Launcher, LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
 
 # The rung both checks record: exact metrics plus every collective, recompute and optimizer tensor. It is
@@ -118,9 +118,6 @@ class ResumeResult:
 
 
 Progress = Callable[[str], None]
-Launcher = Callable[..., LaunchResult]
-"""What runs CMD traced: `detrace.tracing.launch.run_traced`, or (tests) a function with its signature that writes
-traces of its own, so that the checks' verdicts are tested in process on traces with a known answer."""
 
 
 def _launch(cmd: list[str], out: Path, *, label: str, progress: Progress, timeout: float | None,

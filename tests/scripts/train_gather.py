@@ -1,13 +1,10 @@
 """A small training loop that gathers rows with repeated indices (backward: an accumulating index_put whose two threads
 race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap, `--lr=X` is
-an intentional change and `--pool` races in the forward too (detrace compare); DETRACE_TEST_FAULT_FILE enables the
-one injected fault of these tests, named as such below (`DETRACE_TEST_FAULT_FILE`).
+an intentional change and `--pool` races in the forward too (detrace compare).
 
     python tests/scripts/train_gather.py STEPS [--deterministic] [--small] [--lr=X] [--pool]
 """
-import os
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,15 +44,7 @@ lr = float(next((a.split("=")[1] for a in sys.argv if a.startswith("--lr=")), 0.
 opt = torch.optim.SGD(model.parameters(), lr=lr)
 data = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(2))
 
-fault = os.environ.get("DETRACE_TEST_FAULT_FILE")
-run = 0
-if fault:
-    run = int(Path(fault).read_text() or 0) + 1 if Path(fault).exists() else 1
-    Path(fault).write_text(str(run))
-for step in range(int(sys.argv[1])):
-    if fault and run == 2 and step == 1:
-        with torch.no_grad():  # INJECTED FAULT: the second run of the ladder perturbs one weight at step 1
-            model.inp.weight[0, 0] += 1e-3
+for _ in range(int(sys.argv[1])):
     out = model(data)
     # --pool: a float64 loss keeps the last bits that a float32 mean over 131072 values would round away
     (out.double() if "--pool" in sys.argv else out).pow(2).mean().backward()

@@ -52,6 +52,7 @@ from detrace.locate.stages import Progress, RunFailed
 from detrace.report.html import write_report
 from detrace.tracefile import write_json_atomic
 from detrace.tracefile.layout import REPORT_FILE, prepare_out
+from detrace.tracing.launch import Launcher, run_traced
 
 __all__ = [
     "BASE_RUNS",
@@ -79,7 +80,8 @@ def default_out(base: Path | None = None) -> Path:
     return out
 
 
-def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False) -> LocateResult:
+def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False,
+           launch: Launcher = run_traced) -> LocateResult:
     """Drive the ladder on `config.command`; write locate.json, ladder.json and report.html into `config.out`.
 
     Raises `RunFailed` (a `CommandFailed`) when CMD crashes or hangs in any run, `TraceError` when its traces
@@ -87,7 +89,7 @@ def locate(config: LocateConfig, progress: Progress | None = None, *, force: boo
     """
     config = dataclasses.replace(config, out=config.out.resolve())
     prepare_out(config.out, holds="runs", force=force, name="--out")
-    result = Ladder(config, progress).run(report=str(config.out / REPORT_FILE))
+    result = Ladder(config, progress, launch=launch).run(report=str(config.out / REPORT_FILE))
     write_json_atomic(config.out / LADDER_FILE, result.to_json())
     write_report(config.out, Path(result.report))
     write_json_atomic(config.out / LOCATE_FILE, result.summary())

@@ -21,7 +21,7 @@ from detrace.locate.evidence import call_records, recorded_steps
 from detrace.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
 from detrace.replay_records import ReplayResult
 from detrace.tracefile.layout import capture_paths
-from detrace.tracing.launch import run_traced
+from detrace.tracing.launch import Launcher, run_traced
 
 REFERENCE_RUN = "1-semantic-a"
 """Run A of the broad rung: the narrow runs resume from its checkpoints, and the resume proof is held against it."""
@@ -32,8 +32,10 @@ CHECKPOINTS = "checkpoints"
 class Ladder:
     """Runs the rungs in order; see the module docstring."""
 
-    def __init__(self, config: LocateConfig, progress: Progress | None = None) -> None:
+    def __init__(self, config: LocateConfig, progress: Progress | None = None, *,
+                 launch: Launcher = run_traced) -> None:
         self.config = config
+        self.launch = launch
         self.progress = progress or Progress()
         self.planned = BASE_RUNS
         self.stages: list[StageRun] = []
@@ -107,7 +109,7 @@ class Ladder:
         what = f"{'the capture run (op rung)' if capture else f'the {rung} rung'}" + (
             f", resumed from the checkpoint after step {start}" if start else "")
         try:
-            result = run_traced(list(self.config.command), out, rung=rung, steps=window or self._window(stage),
+            result = self.launch(list(self.config.command), out, rung=rung, steps=window or self._window(stage),
                                 ranks=stage.ranks, max_numel=max_numel, capture=capture,
                                 env={**(self.config.env or {}), **contract}, timeout=self.config.timeout, quiet=True)
         except CommandFailed as err:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -50,6 +50,12 @@ class LaunchResult:
     """Wall-clock seconds CMD ran."""
     output_tail: str
     """The last ~4 KB of CMD's combined stdout and stderr."""
+
+
+Launcher = Callable[..., LaunchResult]
+"""What runs CMD traced, with `run_traced`'s signature: `run_traced` itself, or (tests) a function that writes traces
+of its own, so that the commands that launch CMD (check, check-resume, locate) have their verdicts tested in process
+on traces with a known answer."""
 
 
 def _rank_headers(out: Path) -> dict[int, dict[str, Any]]:
