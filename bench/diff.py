@@ -1,7 +1,7 @@
 """Benchmark of `detrace diff` at scale: a synthetic data-parallel run, diffed on every core in bounded memory.
 
 Writes a run of --ranks ranks x --records records per rank twice through the real writer (RankWriter.add_batch),
-the second time with an injected fault (named as such: `Fault` of tests/_synthetic.py) on one rank whose
+the second time with an injected fault (named as such: `Fault` of tests/support/_synthetic.py) on one rank whose
 divergence reaches every other rank through the gradient all_reduce. Measures one core's speed on identical
 traces (ranks of A against themselves, in this process). Then runs `detrace diff A B --json` in a child process,
 checks that it names the planted rank as the only origin and every other rank as a receiver via that all_reduce,

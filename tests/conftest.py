@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# The tiers' shared helpers (synthetic traces, rank spawning, scenarios) live in tests/support.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+
 from _ranks import free_port as _free_port
 from _scenarios import STEADY, traced_runs
 
@@ -55,7 +59,7 @@ def free_port_fixture() -> Callable[[], int]:
 
 @pytest.fixture(scope="session")
 def steady_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Read-only: three deterministic runs of tests/scripts/train_gather.py (a, b, again: bit-identical, 3 steps,
-    rung semantic) and one with a changed learning rate (lr). Shared by the report and compare tests."""
+    """Read-only: three deterministic runs of tests/support/scripts/train_gather.py (a, b, again: bit-identical,
+    3 steps, rung semantic) and one with a changed learning rate (lr). Shared by the report and compare tests."""
     return traced_runs(tmp_path_factory.mktemp("steady"), ("a", STEADY), ("b", STEADY), ("again", STEADY),
                        ("lr", [*STEADY, "--lr=0.02"]))

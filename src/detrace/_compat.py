@@ -1,6 +1,6 @@
 """Every private PyTorch API detrace relies on, in one place.
 
-Each entry says why detrace needs it and what public API would replace it. tests/test_compat.py pins each one's
+Each entry says why detrace needs it and what public API would replace it. tests/unit/test_compat.py pins each one's
 behaviour at the tested torch version, so a torch release that moves or changes one fails that test, by name,
 rather than a user's run. Nothing else in detrace reaches into torch's private modules or attributes.
 
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from detrace.errors import DetraceError
 
 CHECKED_TORCH = ("2.10", "2.11", "2.12", "2.13")
-"""The torch releases (major.minor) every entry of this module was checked against: tests/test_compat.py passed
+"""The torch releases (major.minor) every entry of this module was checked against: tests/unit/test_compat.py passed
 under each (2.13 in CI, 2.10 in CI's lowest-torch step, 2.11 and 2.12 by hand on 2026-12-01)."""
 
 

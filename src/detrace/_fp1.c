@@ -3,7 +3,7 @@
    out[r] = sum over c of mix(words[r * width + c] ^ colkeys[c] ^ rowkeys[r])  (mod 2**64),  start <= r < stop,
 
    with mix the 64-bit finalizer of MurmurHash3 (shift 33, the two multipliers below). The same bits as the
-   reference, eager and compiled kernels of detrace.digest (tests/test_digest.py holds them to each other).
+   reference, eager and compiled kernels of detrace.digest (tests/integration/test_digest.py holds them to each other).
    Compiled ahead of time, it is there from the first call of a process: no JIT to load, no compile to wait
    for. It releases the GIL, so detrace.digest.native splits the rows over Python threads. */
 

@@ -1,6 +1,6 @@
 """The ladder's narrowing and verdicts, in process: `locate(..., launch=)` runs a scripted command that writes
-synthetic traces (tests/_synthetic.py) with a known answer, so each path of the ladder is checked in milliseconds.
-tests/test_locate_e2e.py keeps the real ladders on real CPU nondeterminism."""
+synthetic traces (tests/support/_synthetic.py) with a known answer, so each path of the ladder is checked in
+milliseconds. tests/e2e/test_locate_e2e.py keeps the real ladders on real CPU nondeterminism."""
 
 from __future__ import annotations
 

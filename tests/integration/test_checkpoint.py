@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import spawn_ranks
+from _tools import flip_one_bit
 
 from detrace.cli import main as detrace
 from detrace.errors import CheckpointCorrupted, CheckpointError
@@ -31,19 +32,6 @@ def make_state(seed: int = 0, *, head: bool = False, outputs: int = 3) -> TrainS
     model(torch.randn(4, 6)).square().sum().backward()
     optimizer.step()
     return TrainState(model=model, optimizer=optimizer)
-
-
-def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
-    """Flip one bit in the middle of `tensor`'s bytes where they are stored in a shard file."""
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    for shard in directory.glob("*.distcp"):
-        content = bytearray(shard.read_bytes())
-        at = content.find(data)
-        if at >= 0:
-            content[at + len(data) // 2] ^= 0x10
-            shard.write_bytes(bytes(content))
-            return
-    raise AssertionError("the tensor's bytes are in no shard")
 
 
 def test_layout_is_sharded_atomic_and_pickle_free(tmp_path: Path) -> None:
@@ -375,6 +363,6 @@ def test_the_docs_state_what_the_distcp_files_hold(tmp_path: Path) -> None:
     version = make_state().save(tmp_path / "ckpt")
     (shard,) = version.glob("*.distcp")
     assert b"data.pkl" in shard.read_bytes() and b"PK\x03\x04" in shard.read_bytes()  # torch.save zip records
-    docs = (Path(__file__).parents[1] / "docs" / "resume.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "resume.md").read_text()
     assert "each `.distcp` file holds `torch.save` records" in docs and "restricted unpickler" in docs
     assert "nothing is written or read with pickle" not in docs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_locate import locate_cli
+from _tools import locate_cli
 
 from detrace import TrainState
 from detrace.errors import UsageError

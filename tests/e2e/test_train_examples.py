@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "plain_moe_train.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "plain_moe_train.py"
 
 
 def _run(*args: str) -> list[str]:

@@ -10,8 +10,8 @@ import pytest
 
 from detrace.cli import main
 
-TOY = str(Path(__file__).parent / "scripts" / "resume_toy.py")
-PLAIN_MOE = str(Path(__file__).parents[1] / "examples" / "plain_moe_train.py")
+TOY = str(Path(__file__).parents[1] / "support" / "scripts" / "resume_toy.py")
+PLAIN_MOE = str(Path(__file__).parents[2] / "examples" / "plain_moe_train.py")
 
 pytestmark = pytest.mark.slow
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import spawn_ranks
 from torch import nn
 
 from detrace.cli import main as cli
@@ -22,9 +23,8 @@ from detrace.errors import UsageError
 from detrace.examples.validate import _topology_row
 from detrace.parallel import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
 from detrace.topology import parse_worlds, torchrun_command
-from tests._ranks import spawn_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "examples" / "invariant_dp.py"
 M = 4
 

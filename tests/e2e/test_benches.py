@@ -1,5 +1,5 @@
 """The benches the README quotes still run (each at a tiny size): a bench that rots silently leaves a README
-figure nobody can reproduce. bench/gpu_check.py is run by tests/test_ops.py."""
+figure nobody can reproduce. bench/gpu_check.py is run by tests/integration/test_ops.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).parents[1] / "bench"
+BENCH = Path(__file__).parents[2] / "bench"
 
 
 def test_the_diff_bench_runs_and_finds_its_planted_origin() -> None:

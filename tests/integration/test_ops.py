@@ -305,7 +305,7 @@ def test_gpu_check_skips_every_section_cleanly_without_cuda() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: bench/gpu_check.py would run for minutes")
-    script = Path(__file__).parents[1] / "bench" / "gpu_check.py"
+    script = Path(__file__).parents[2] / "bench" / "gpu_check.py"
     done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

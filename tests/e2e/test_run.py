@@ -23,7 +23,7 @@ from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.tracefile import open_run, read_rank
 from detrace.tracing.launch import run_traced
 
-HERE = Path(__file__).parent
+SUPPORT = Path(__file__).parents[1] / "support"
 PY = sys.executable
 
 TRAIN = """
@@ -253,7 +253,7 @@ def _final_lines(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path, free_port: Callable[[], int]) -> None:
-    command = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(HERE / "_dist_train.py")]
+    command = ["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(SUPPORT / "_dist_train.py")]
     env = {**os.environ, "TRAIN_STEPS": "2"}
     untraced = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert untraced.returncode == 0, untraced.stderr[-2000:]
@@ -296,7 +296,7 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path, free_port: Callable[[], in
 
 @pytest.mark.slow
 def test_torchrun_four_ranks(tmp_path: Path, free_port: Callable[[], int]) -> None:
-    command = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), str(HERE / "_dist_train.py")]
+    command = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), str(SUPPORT / "_dist_train.py")]
     result = run_traced(command, tmp_path / "run", rung="semantic", ranks="0,3", quiet=True, timeout=300,
                         env={"TRAIN_STEPS": "1"})
     assert result.returncode == 0, result.output_tail
@@ -307,7 +307,7 @@ def test_torchrun_four_ranks(tmp_path: Path, free_port: Callable[[], int]) -> No
 
 @pytest.mark.slow
 def test_mp_spawn_discovers_ranks(tmp_path: Path, free_port: Callable[[], int]) -> None:
-    result = run_traced([PY, str(HERE / "_dist_train.py"), "spawn", str(free_port())], tmp_path / "run",
+    result = run_traced([PY, str(SUPPORT / "_dist_train.py"), "spawn", str(free_port())], tmp_path / "run",
                         rung="semantic", quiet=True, timeout=240, env={"TRAIN_STEPS": "1"})
     assert result.returncode == 0, result.output_tail
     assert open_run(tmp_path / "run").ranks == (0, 1)

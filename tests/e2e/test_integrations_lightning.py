@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example
-from test_checkpoint import flip_one_bit
+from _tools import flip_one_bit
 
 from detrace.cli import main
 from detrace.state.storage import load_chunk, stored_chunks
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).parents[1] / "examples" / "lightning_train.py"
+SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
 
 

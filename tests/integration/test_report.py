@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_locate_e2e import dump_dom
+from _tools import dump_dom
 
 from detrace.cli import main
 from detrace.compare.metrics import metric_rank, metric_series

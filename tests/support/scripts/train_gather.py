@@ -2,7 +2,7 @@
 race). `--deterministic` turns on torch.use_deterministic_algorithms, `--small` makes every run cheap, `--lr=X` is
 an intentional change and `--pool` races in the forward too (detrace compare).
 
-    python tests/scripts/train_gather.py STEPS [--deterministic] [--small] [--lr=X] [--pool]
+    python tests/support/scripts/train_gather.py STEPS [--deterministic] [--small] [--lr=X] [--pool]
 """
 import sys
 

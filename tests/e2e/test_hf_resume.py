@@ -1,4 +1,4 @@
-"""Acceptance on third-party code: an unmodified HF `Trainer` script (tests/scripts/hf_trainer.py, a tiny GPT-2
+"""Acceptance on third-party code: an unmodified HF `Trainer` script (tests/support/scripts/hf_trainer.py, a tiny GPT-2
 from a config, no download), traced continuous and traced resumed from its own `checkpoint-4` with HF's
 `resume_from_checkpoint`. Nothing tells the tracer the step: the restored AdamW state carries it."""
 
@@ -16,7 +16,7 @@ from detrace.tracefile import read_rank
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "hf_trainer.py")
+SCRIPT = str(Path(__file__).parents[1] / "support" / "scripts" / "hf_trainer.py")
 
 
 def _traced_pair(tmp_path: Path, *flags: str) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """An unmodified HF `Trainer` script (nothing of detrace in it): a tiny GPT-2 built from a config, 8 steps,
 a checkpoint every 4 steps, resumable with HF's own `resume_from_checkpoint`.
 
-    python tests/scripts/hf_trainer.py --out DIR [--augment] [--resume]
+    python tests/support/scripts/hf_trainer.py --out DIR [--augment] [--resume]
 
 --augment  the dataset's __getitem__ draws from torch's global RNG (a random token substitution), as data
            augmentations do

@@ -7,7 +7,7 @@ It runs as one process, as DDP on 2 ranks and as FSDP2 on 2 ranks (gloo), each i
 taken in the middle of an epoch and at an epoch boundary. The negative control (RNG states not restored)
 must diverge.
 
-This file is also the training program: `python tests/test_resume.py --mode ddp --steps 5 --out DIR`. Its
+This file is also the training program: `python tests/e2e/test_resume.py --mode ddp --steps 5 --out DIR`. Its
 top level imports no torch, so that the launcher of the two ranks starts fast; the ranks import it.
 """
 

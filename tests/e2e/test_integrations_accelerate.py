@@ -13,7 +13,7 @@ from detrace.cli import main
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).parents[1] / "examples" / "accelerate_train.py"
+SCRIPT = Path(__file__).parents[2] / "examples" / "accelerate_train.py"
 
 
 def test_check_resume_proves_the_accelerate_loop_exact(tmp_path: Path) -> None:

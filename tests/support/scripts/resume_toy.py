@@ -1,6 +1,6 @@
 """A small training script that follows detrace's stop/save/resume contract through TrainState.
 
-    python tests/scripts/resume_toy.py --steps 6 [--forget-optimizer]
+    python tests/support/scripts/resume_toy.py --steps 6 [--forget-optimizer]
 
 --forget-optimizer  a resume bug: the optimizer (AdamW moments) is not part of the saved state
 """

@@ -6,25 +6,18 @@ The end-to-end ladders on real nondeterminism are in test_locate_e2e.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _scenarios import GATHER
+from _tools import locate_cli
 
 from detrace.cli import main
 from detrace.errors import TraceError, UsageError
 from detrace.ladder import LOCATE_FILE, load_ladder
 from detrace.locate import BASE_RUNS, MAX_RUNS, LocateConfig, default_command, default_out
-
-
-def locate_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-               timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """`python -m detrace locate ARGS` in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "detrace", "locate", *args], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout, check=False)
 
 
 def test_config_checks() -> None:

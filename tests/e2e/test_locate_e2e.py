@@ -4,7 +4,6 @@ job where only rank 1 runs the racy op, and the embedded default workload. Each 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,25 +11,12 @@ from typing import Any
 
 import pytest
 from _scenarios import GATHER
-from test_locate import locate_cli
+from _tools import dump_dom, locate_cli
 
 from detrace.ladder import load_ladder
 from detrace.replay import FIX_DETERMINISTIC
 
 pytestmark = pytest.mark.slow
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def dump_dom(page: Path) -> str:
-    """The page as a real headless browser renders it (no network: the report must not need it)."""
-    assert CHROMIUM, "the HTML report test needs Debian's chromium (apt-get install chromium)"
-    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                           "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
 
 def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert done.returncode == 1, done.stdout + done.stderr

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example
-from test_checkpoint import flip_one_bit
+from _tools import flip_one_bit
 
 import detrace
 from detrace.cli import main
@@ -23,7 +23,7 @@ from detrace.tracefile import read_rank
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).parents[1] / "examples" / "hf_train.py"
+SCRIPT = Path(__file__).parents[2] / "examples" / "hf_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
 _spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
 assert _spec is not None and _spec.loader is not None

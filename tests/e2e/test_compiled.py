@@ -25,7 +25,7 @@ from detrace.replay import ReplayConfig, replay
 from detrace.tracefile import Capture, read_rank
 from detrace.tracing.rungs.compiled import REGION, aten_ops
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
 SMALL = {"steps": 2, "tokens": 4096}
 """A run of the example small enough for the in-process tests (the race needs the default size)."""
 

@@ -1,0 +1,44 @@
+"""Small tools several test modules use: the CLI in a fresh process, a real headless browser, a flipped bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def locate_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m detrace locate ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "detrace", "locate", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout, check=False)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def dump_dom(page: Path) -> str:
+    """The page as a real headless browser renders it (no network: the report must not need it)."""
+    assert CHROMIUM, "the HTML report test needs Debian's chromium (apt-get install chromium)"
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of `tensor`'s bytes where they are stored in a shard file."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    for shard in directory.glob("*.distcp"):
+        content = bytearray(shard.read_bytes())
+        at = content.find(data)
+        if at >= 0:
+            content[at + len(data) // 2] ^= 0x10
+            shard.write_bytes(bytes(content))
+            return
+    raise AssertionError("the tensor's bytes are in no shard")
