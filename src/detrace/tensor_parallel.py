@@ -37,9 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from detrace.errors import UsageError
-from detrace.parallel import _check_sizes, _exchange, _tree_sum, _world
+from detrace.parallel import _all_gather, _check_sizes, _exchange, _tree_sum, _world
 
-__all__ = ["MODES", "ColumnParallelLinear", "RowParallelLinear", "owned_chunks"]
+__all__ = ["MODES", "TP_ENV", "ColumnParallelLinear", "RowParallelLinear", "by_global_name", "global_parameter_names",
+           "owned_chunks"]
+
+TP_ENV = "DETRACE_TP"
+"""`detrace check-topology --layouts DxT` runs CMD on D*T processes with this variable set to T: the tensor-parallel
+size CMD is to use."""
 
 MODES = ("invariant", "plain")
 """invariant: fixed chunks and one fixed tree; plain: one product per rank and an all-reduce (the control)."""
@@ -68,7 +73,7 @@ def group_combine(group: dist.ProcessGroup | None, mode: str) -> Combine:
             dist.all_reduce(t, group=group)  # the library's reduction order, which depends on T
             return t
         return all_reduce
-    return lambda t: _exchange([t.contiguous()], group=group, rank=rank, world=size, how="auto")[0]
+    return lambda t: _exchange([t.reshape(-1)], group=group, rank=rank, world=size, how="auto")[0].view(t.shape)
 
 
 def _tree(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -158,7 +163,9 @@ class _ChunkedLinear(nn.Module):
         elif rank is None or size is None:
             raise UsageError("a simulated combine needs the rank and the size it stands for")
         self.chunk, self.mode, self.combine = chunk, mode, combine
-        self.owned = owned_chunks(length // chunk, size, rank)
+        self.total = length // chunk
+        """The layer's chunks on all ranks together."""
+        self.owned = owned_chunks(self.total, size, rank)
         """The global indices of the chunks this rank holds."""
         pieces = weight.detach().split(chunk, dim=self.dim)
         self.chunks = nn.ParameterDict({str(j): nn.Parameter(pieces[j].clone()) for j in self.owned})
@@ -198,3 +205,37 @@ class RowParallelLinear(_ChunkedLinear):
         out = _Row.apply(x, self.combine, self.mode == "plain", *self._weights())
         assert isinstance(out, torch.Tensor)
         return out
+
+
+def global_parameter_names(model: nn.Module) -> tuple[list[str], set[str]]:
+    """The names of the whole model's parameters, as at T = 1, sorted (the same list on every rank at every T),
+    and which of them are chunks (held by one rank of the tensor-parallel group; the others are replicas)."""
+    chunked = {f"{prefix}.chunks.{j}" if prefix else f"chunks.{j}"
+               for prefix, m in model.named_modules() if isinstance(m, _ChunkedLinear) for j in range(m.total)}
+    own = {name for name, _ in model.named_parameters()}
+    return sorted(chunked | own), chunked
+
+
+def by_global_name(model: nn.Module, values: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """A vector of one scalar per parameter of the whole model (`values`: this rank's, by name), in the order of
+    `global_parameter_names`: the same bits on every rank and at every T. Each entry comes from one rank (a
+    chunk's holder; rank 0 of `group` for a replica), the others add zero, which changes no bit. Collective
+    over the tensor-parallel `group`."""
+    names, chunked = global_parameter_names(model)
+    index = {name: i for i, name in enumerate(names)}
+    rank, size = _world(group)
+    device = next(iter(values.values())).device if values else None
+    vector = torch.zeros(len(names), dtype=dtype, device=device)
+    for name, value in values.items():
+        if name in chunked or rank == 0:
+            vector[index[name]] = value
+    if size == 1:
+        return vector
+    every = torch.empty(size * len(names), dtype=dtype, device=device)
+    _all_gather(every, vector, group)
+    rows = every.view(size, -1)
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row  # one nonzero per entry: x + 0 is x
+    return total
