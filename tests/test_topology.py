@@ -7,9 +7,11 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from contextlib import redirect_stdout
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,11 +20,22 @@ import torch.distributed as dist
 from torch import nn
 
 from detrace.cli import main as cli
-from detrace.errors import UsageError
+from detrace.errors import CommandFailed, UsageError
 from detrace.examples.validate import _topology_row
 from detrace.parallel import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
-from detrace.topology import parse_worlds, torchrun_command
+from detrace.tensor_parallel import TP_ENV
+from detrace.topology import (
+    Mesh,
+    TopologyResult,
+    check_topology,
+    parse_layouts,
+    parse_worlds,
+    plan_runs,
+    torchrun_command,
+)
+from detrace.tracing.launch import LaunchResult
 from tests._ranks import spawn_ranks
+from tests._synthetic import TrainingStep, write_training_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP = ROOT / "examples" / "invariant_dp.py"
@@ -202,7 +215,7 @@ def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -
     assert report["steps"] == 2 and report["tensors"] == len(list(model.parameters()))
     finals = report["final_params"]
     assert isinstance(finals, dict) and len(set(finals.values())) == 1
-    assert re.fullmatch(r"[0-9a-f]{16}", str(finals["1"]))
+    assert re.fullmatch(r"[0-9a-f]{16}", str(finals["world 1"]))
     # the validation matrix's row comparing its dp-invariant runs, on these runs
     row = _topology_row({w: tmp_path / "tiny" / f"world-{w}" for w in (1, 2, 4)})
     assert row[0].name == "dp-invariant x1 = x2 = x4" and row[1].ok, row[1]
@@ -237,7 +250,7 @@ def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
     import detrace
-    from detrace.errors import CommandFailed, TraceError
+    from detrace.errors import TraceError
     from detrace.topology import compare_runs
 
     with detrace.trace(tmp_path / "run", rung="semantic"):
@@ -256,3 +269,128 @@ def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
     assert proc.returncode == 2
     # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
     assert "detrace check-topology: error: CMD at world size 1 exited with code 1" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# check-topology's comparison and verdicts, in process: a launch that writes synthetic traces
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Fake:
+    """A command whose traces are those of a layout-invariant trainer (M = 4 microbatches, 3 steps, a layer in 2
+    chunks split over tp and a replicated parameter), but for the injected faults, named as such."""
+
+    steps: int = 3
+    fault: tuple[str, int, str] | None = None
+    """Injected fault: (run directory name, step, record name) gets other bits there: a parameter name, "loss"
+    (microbatch 0's), "grad_norm", or "replica b" (tp rank 1's copy of the replicated b only)."""
+    final: dict[str, str] = field(default_factory=dict)
+    """Injected fault: the final params line printed by the run in that directory (default: the true one)."""
+    fail: str | None = None
+    """Injected fault: the run in this directory exits 1."""
+
+    def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
+        assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
+        world = int(next(a for a in argv if a.startswith("--nproc-per-node=")).split("=")[1])
+        tp = int(env.get(TP_ENV, "1"))
+        first, last = 0, self.steps
+        ckpt = Path(env.get("DETRACE_CKPT_DIR", run / "none")) / "step"
+        if "DETRACE_STOP_AT" in env:
+            last = int(env["DETRACE_STOP_AT"])
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text(str(last))
+        if env.get("DETRACE_RESUME") == "1":
+            first = int(ckpt.read_text())
+        per = M // (world // tp)  # microbatches per data-parallel rank
+
+        def faulty(step: int, name: str) -> bool:
+            return self.fault == (run.name, step, name)
+
+        for rank in range(world):
+            d, t = divmod(rank, tp)
+            steps = []
+            for s in range(first, last):
+                losses = tuple(s + i / 8 + (1e-9 if i == 0 and faulty(s, "loss") else 0)
+                               for i in range(d * per, (d + 1) * per))
+                params = {f"a.chunks.{j}": 100 * s + j + faulty(s, f"a.chunks.{j}")
+                          for j in range(t * 2 // tp, (t + 1) * 2 // tp)}
+                params["b"] = 100 * s + 7 + faulty(s, "b") + (t == 1 and faulty(s, "replica b"))
+                steps.append(TrainingStep(step=s, losses=losses, params=params,
+                                          grad_norm=float(t * 10 + s + faulty(s, "grad_norm"))))
+            write_training_rank(run, rank, steps, world_size=world)
+        final = self.final.get(run.name, "0123456789abcdef")
+        return LaunchResult(returncode=1 if self.fail == run.name else 0, out=run, command=tuple(argv), elapsed=0.1,
+                            output_tail=f"step 3\nfinal params {final}\n" if last == self.steps else "step 2\n")
+
+
+CMD = ["python", "train.py", "--x"]
+
+
+def _topology(tmp_path: Path, fake: _Fake, layouts: str = "", worlds: str = "", resume_at: int | None = None
+              ) -> TopologyResult:
+    meshes = parse_layouts(layouts) if layouts else tuple(Mesh(dp=w) for w in parse_worlds(worlds))
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    return check_topology(CMD, meshes=meshes, out=out, resume_at=resume_at, tp_env=bool(layouts), launch=fake)
+
+
+def test_layouts_compare_parameters_by_global_name_and_losses_by_microbatch(tmp_path: Path) -> None:
+    result = _topology(tmp_path, _Fake(), layouts="1x1,1x2,2x2,2x1")
+    assert result.identical and result.steps == 3 and result.tensors == 3
+    assert [r.path.name for r in result.runs] == ["layout-1x1", "layout-1x2", "layout-2x2", "layout-2x1"]
+    assert result.to_json()["layouts"] == ["1x1", "1x2", "2x2", "2x1"]
+    # a chunk held by one tp rank, differing at step 1 of the 2x2 run: named, with the step and the run
+    first = _topology(tmp_path, _Fake(fault=("layout-2x2", 1, "a.chunks.1")), layouts="1x1,1x2,2x2").first
+    assert first is not None and (first.step, first.kind, first.name, first.run) == (1, "param", "a.chunks.1",
+                                                                                   "layout 2x2")
+    assert first.sentence("layout 1x1").startswith("layout 2x2 differs from layout 1x1 at step 1: tensor a.chunks.1")
+    # a replica that two tp ranks of one run hold with other bits
+    first = _topology(tmp_path, _Fake(fault=("layout-1x2", 2, "replica b")), layouts="1x1,1x2").first
+    assert first is not None and (first.kind, first.name, first.step) == ("ranks", "param b", 2)
+    # losses by global microbatch: microbatch 0 is rank 0's at 2x1, ranks 0 and 1's at 2x2
+    first = _topology(tmp_path, _Fake(fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2").first
+    assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 0)
+
+
+def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:
+    # the tracer's grad_norm is of a rank's own shards: rank 1 of a tp pair differs from rank 0 (the fake's
+    # t * 10 + s), and with T > 1 anywhere it is not compared; with world sizes only, it is
+    assert _topology(tmp_path, _Fake(fault=("layout-1x2", 0, "grad_norm")), layouts="1x1,1x2").identical
+    first = _topology(tmp_path, _Fake(fault=("world-2", 1, "grad_norm")), worlds="1,2").first
+    assert first is not None and (first.kind, first.step, first.run) == ("grad_norm", 1, "world 2")
+
+
+def test_final_params_and_failing_commands(tmp_path: Path) -> None:
+    first = _topology(tmp_path, _Fake(final={"layout-1x2": "fedcba9876543210"}), layouts="1x1,1x2").first
+    assert first is not None and first.kind == "final params" and first.step == -1
+    with pytest.raises(CommandFailed, match=r"CMD \(layout 1x2\) exited with code 1"):
+        _topology(tmp_path, _Fake(fail="layout-1x2"), layouts="1x1,1x2")
+
+
+def test_elastic_resume_runs_and_comparisons(tmp_path: Path) -> None:
+    result = _topology(tmp_path, _Fake(), worlds="2,1,4", resume_at=2)
+    assert result.identical, result.first
+    assert [r.label for r in result.runs] == ["world 2", "world 2 stopped after step 2",
+                                              "world 1 resumed after step 2", "world 4 resumed after step 2"]
+    assert [r.path.name for r in result.runs] == ["world-2", "world-2-stopped", "world-1-resumed", "world-4-resumed"]
+    # the resumed run is compared from step 2 on; the stopped run's final line (the state at step 2) is not
+    assert result.finals["world 2 stopped after step 2"] is None and result.to_json()["resume_at"] == 2
+    first = _topology(tmp_path, _Fake(fault=("world-4-resumed", 2, "loss")), worlds="2,1,4", resume_at=2).first
+    assert first is not None and (first.run, first.step, first.kind) == ("world 4 resumed after step 2", 2, "loss")
+    first = _topology(tmp_path, _Fake(fault=("world-2-stopped", 1, "b")), worlds="2,4", resume_at=2).first
+    assert first is not None and (first.run, first.step, first.name) == ("world 2 stopped after step 2", 1, "b")
+    # a resumed run that starts at the wrong step misses the reference's step-2 records
+    plan = plan_runs((Mesh(dp=2), Mesh(dp=4)), tmp_path, resume_at=2)
+    assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1"}
+    with pytest.raises(UsageError, match="--resume-at goes with --worlds"):
+        plan_runs((Mesh(dp=1), Mesh(dp=1, tp=2)), tmp_path, resume_at=2, tp_env=True)
+    with pytest.raises(UsageError, match="1 or more"):
+        plan_runs((Mesh(dp=1), Mesh(dp=2)), tmp_path, resume_at=0)
+
+
+def test_layout_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("1x1", "1x1,1x1", "1x3,1x1", "2,4", "1x0,1x1", "ax1,1x1"):
+        with pytest.raises(UsageError):
+            parse_layouts(bad)
+    assert cli(["check-topology", "--worlds", "1,2", "--layouts", "1x1,1x2", "--", "python", "t.py"]) == 2
+    assert "not both" in capsys.readouterr().err
