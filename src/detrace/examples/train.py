@@ -181,7 +181,11 @@ def train(cfg: TrainConfig) -> None:
             len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
         )
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
-        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader)
+        # Invariant layouts: every rank reads the global batch and draws alike, so a checkpoint resumes at any
+        # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
+        # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
+        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
+                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1)
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
