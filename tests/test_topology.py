@@ -286,6 +286,8 @@ class _Fake:
     (microbatch 0's), "grad_norm", or "replica b" (tp rank 1's copy of the replicated b only)."""
     final: dict[str, str] = field(default_factory=dict)
     """Injected fault: the final params line printed by the run in that directory (default: the true one)."""
+    param: tuple[str, int, str] | None = None
+    """A second injected fault, like `fault`."""
     fail: str | None = None
     """Injected fault: the run in this directory exits 1."""
 
@@ -304,7 +306,7 @@ class _Fake:
         per = M // (world // tp)  # microbatches per data-parallel rank
 
         def faulty(step: int, name: str) -> bool:
-            return self.fault == (run.name, step, name)
+            return (run.name, step, name) in (self.fault, self.param)
 
         for rank in range(world):
             d, t = divmod(rank, tp)
@@ -348,8 +350,15 @@ def test_layouts_compare_parameters_by_global_name_and_losses_by_microbatch(tmp_
     first = _topology(tmp_path, _Fake(fault=("layout-1x2", 2, "replica b")), layouts="1x1,1x2").first
     assert first is not None and (first.kind, first.name, first.step) == ("ranks", "param b", 2)
     # losses by global microbatch: microbatch 0 is rank 0's at 2x1, ranks 0 and 1's at 2x2
-    first = _topology(tmp_path, _Fake(fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2").first
-    assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 0)
+    result = _topology(tmp_path, _Fake(fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2")
+    assert result.first is not None and (result.first.kind, result.first.name, result.first.step) == ("loss", "0", 0)
+    assert result.first_param is None  # no parameter differs
+    # a loss first, and a parameter later: both named
+    result = _topology(tmp_path, _Fake(fault=("layout-1x2", 1, "loss"), param=("layout-1x2", 2, "b")),
+                       layouts="1x1,1x2")
+    assert result.first is not None and (result.first.kind, result.first.step) == ("loss", 1)
+    assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", 2)
+    assert result.to_json()["first_param"]["name"] == "b"  # type: ignore[index]
 
 
 def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:
@@ -394,3 +403,51 @@ def test_layout_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
             parse_layouts(bad)
     assert cli(["check-topology", "--worlds", "1,2", "--layouts", "1x1,1x2", "--", "python", "t.py"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# real runs: one per question, tiny preset
+
+
+TRAIN = [sys.executable, "-m", "detrace.examples.train", "--microbatches", "4", "--dispatch", "fixed",
+         "--deterministic", "--threads", "1"]
+
+
+def _check_cli(tmp_path: Path, name: str, *args: str) -> tuple[int, dict[str, object]]:
+    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--json", "--out", str(tmp_path / name),
+                           "--timeout", "300", *args], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.stdout.strip(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_tp_invariant_layouts_give_the_same_bits(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "tp", "--layouts", "1x1,1x2,2x2", "--", *TRAIN, "--parallel", "tp-invariant",
+                              "--steps", "2")
+    assert code == 0, report
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
+    assert report["steps"] == 2 and report["tensors"] > 31  # the projections as chunks, by global name
+
+
+@pytest.mark.slow
+def test_plain_tensor_parallelism_differs_and_the_first_parameter_is_named(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "plain", "--layouts", "1x1,1x2", "--", *TRAIN, "--parallel", "tp-plain",
+                              "--steps", "1")
+    assert code == 1, report
+    first = report["first"]
+    assert isinstance(first, dict) and first["run"] == "layout 1x2" and first["step"] == 0
+    # the losses of step 0 may differ before any parameter does; the first parameter that differs is named too
+    param = first if first["kind"] == "param" else report["first_param"]
+    assert isinstance(param, dict) and param["run"] == "layout 1x2" and param["step"] == 0, report
+    assert str(param["name"]).startswith(("layers.", "embedding", "norm", "output", "mtp")), param
+
+
+@pytest.mark.slow
+def test_elastic_resume_at_other_world_sizes_gives_the_continuous_bits(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "elastic", "--worlds", "2,1,4", "--resume-at", "1", "--", *TRAIN,
+                              "--parallel", "dp-invariant", "--steps", "2")
+    assert code == 0, report
+    assert list(report["runs"]) == ["world 2", "world 2 stopped after step 1", "world 1 resumed after step 1",  # type: ignore[call-overload]
+                                    "world 4 resumed after step 1"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,8 @@ class TopologyResult:
     finals: dict[str, str | None]
     """Each run's `final params` line by label (None when it printed none)."""
     first: Mismatch | None
+    first_param: Mismatch | None = None
+    """The first parameter that differs (in the first run that differs), when `first` is a loss or norm."""
     resume_at: int | None = None
 
     @property
@@ -136,13 +138,13 @@ class TopologyResult:
         return self.runs[0].label
 
     def to_json(self) -> dict[str, Any]:
-        first = None if self.first is None else {
-            "step": self.first.step, "kind": self.first.kind, "name": self.first.name, "world": self.first.world,
-            "run": self.first.run, "detail": self.first.detail}
+        first, param = ({"step": m.step, "kind": m.kind, "name": m.name, "world": m.world, "run": m.run,
+                         "detail": m.detail} if m is not None else None for m in (self.first, self.first_param))
         return {"schema": "detrace.check-topology/2", "identical": self.identical,
                 "worlds": sorted({r.mesh.world for r in self.runs}), "layouts": [r.mesh.label for r in self.runs],
                 "resume_at": self.resume_at, "runs": {r.label: str(r.path) for r in self.runs}, "steps": self.steps,
-                "tensors": self.tensors, "final_params": dict(self.finals), "first": first}
+                "tensors": self.tensors, "final_params": dict(self.finals), "first": first,
+                "first_param": param}
 
 
 def parse_worlds(text: str) -> tuple[int, ...]:
@@ -227,14 +229,13 @@ def _order(key: Key) -> tuple[int, int, int | str]:
     return step, ("loss", "grad_norm", "param").index(kind), int(name) if kind == "loss" else name
 
 
-def _first_difference(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Mismatch | None:
+def _differences(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Iterator[Mismatch]:
+    """Every record that differs, in order (step, then losses, gradient norm, parameters by name)."""
     for key in sorted(set(ref) | set(other), key=_order):
         a, b = ref.get(key, "missing"), other.get(key, "missing")
         if a != b:
             step, kind, name = key
-            return Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label,
-                            detail=f"{a} vs {b}")
-    return None
+            yield Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label, detail=f"{a} vs {b}")
 
 
 def _check_command(cmd: list[str], threads: int) -> None:
@@ -296,23 +297,26 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         found = FINAL.findall(result.output_tail)
         finals[run.label] = found[-1] if found else None
     runs = tuple(run for run, _ in plan)
-    first, steps, tensors = compare(runs)
+    first, first_param, steps, tensors = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
     if first is None and all(finals[r.label] for r in ended):
         odd = next((r for r in ended if finals[r.label] != finals[ended[0].label]), None)
         if odd is not None:
             first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
                              detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
-    return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first, resume_at=resume_at)
+    return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
+                          first_param=first_param, resume_at=resume_at)
 
 
-def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, int, int]:
+def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, int, int]:
     """Compare traced runs of one command (the first the reference, run to the end from step 0): (the first
-    mismatch or None, steps compared, parameters per step). A run resumed after step K is compared from K on,
-    a run stopped after step K up to K."""
+    mismatch or None, the first differing parameter of that run when the mismatch is another record, steps
+    compared, parameters per step). A run resumed after step K is compared from K on, a run stopped after step
+    K up to K."""
     grad_norm = all(r.mesh.tp == 1 for r in runs)
     records: dict[str, dict[Key, str]] = {}
     first: Mismatch | None = None
+    first_param: Mismatch | None = None
     for run in runs:
         records[run.label], inner = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
         first = first or inner
@@ -323,13 +327,19 @@ def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, int, int]:
     for run in runs[1:]:
         until = run.until_step if run.until_step is not None else sys.maxsize
         expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until}
-        first = first or _first_difference(expected, records[run.label], run)
+        if first is None:
+            differences = _differences(expected, records[run.label], run)
+            first = next(differences, None)
+            if first is not None and first.kind != "param":
+                first_param = next((m for m in differences if m.kind == "param"), None)
     steps = {step for step, _, _ in reference}
     tensors = {name for _, kind, name in reference if kind == "param"}
-    return first, len(steps), len(tensors)
+    return first, first_param, len(steps), len(tensors)
 
 
 def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
     """`compare` for runs of one command at several world sizes ({world: run directory}, the first the
     reference)."""
-    return compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p) for w, p in runs.items()))
+    first, _, steps, tensors = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
+                                             for w, p in runs.items()))
+    return first, steps, tensors

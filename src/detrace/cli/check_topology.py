@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
         print(f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
               f"({result.steps} steps, {result.tensors} parameters{', final params ' + final if final else ''})")
     else:
-        print(f"diverged: {result.first.sentence(result.reference)}")
+        param = result.first_param
+        also = f"; the first parameter that differs: {param.name} at step {param.step}" if param else ""
+        print(f"diverged: {result.first.sentence(result.reference)}{also}")
     return TOPOLOGY["identical" if result.identical else "diverged"]
 
 
