@@ -192,6 +192,20 @@ def test_trainer_refuses_bad_options() -> None:
     assert main(["--parallel", "dp-invariant", "--microbatches", "2"]) == 2  # the racing index dispatch
     # 3 microbatches do not divide the batch of 8
     assert main(["--parallel", "dp-invariant", "--microbatches", "3", "--dispatch", "fixed"]) == 2
+    assert main(["--parallel", "tp-invariant", "--dispatch", "fixed"]) == 2  # no --microbatches
+    assert main(["--tp", "2", "--dispatch", "fixed"]) == 2  # --tp without a tp layout
+    # T = 2 in one process (no torchrun)
+    assert main(["--parallel", "tp-invariant", "--tp", "2", "--microbatches", "4", "--dispatch", "fixed"]) == 2
+
+
+def test_trainer_takes_the_tp_size_from_check_topology(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from detrace.examples.train import main, parse_args
+
+    monkeypatch.setenv(TP_ENV, "4")
+    assert parse_args(["--parallel", "tp-invariant", "--microbatches", "4", "--dispatch", "fixed"]).tp == 4
+    assert main(["--parallel", "tp-invariant", "--tp", "2", "--microbatches", "4", "--dispatch", "fixed"]) == 2
+    assert "--tp 2 and DETRACE_TP=4 disagree" in capsys.readouterr().err
 
 
 def _check_topology(tmp_path: Path, name: str, worlds: str, *cmd: str) -> tuple[int, dict[str, object]]:
@@ -451,3 +465,55 @@ def test_elastic_resume_at_other_world_sizes_gives_the_continuous_bits(tmp_path:
     assert code == 0, report
     assert list(report["runs"]) == ["world 2", "world 2 stopped after step 1", "world 1 resumed after step 1",  # type: ignore[call-overload]
                                     "world 4 resumed after step 1"]
+
+
+def _elastic_ranks(rank: int, out: str, port: int) -> None:
+    """2 ranks save elastic checkpoints: with RNG states that differ (refused on both), then alike."""
+    import random
+
+    import numpy as np
+
+    import detrace
+    from detrace.errors import CheckpointError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    random.seed(0)  # every generator that TrainState saves: Python's and NumPy's alike on both ranks
+    np.random.seed(0)
+    torch.manual_seed(0)
+    state = detrace.TrainState(model=nn.Linear(3, 2), elastic=True)
+    torch.manual_seed(rank)  # each rank's own generator state
+    try:
+        state.save(f"{out}/apart")
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    torch.manual_seed(7)
+    state.step = 5
+    state.save(f"{out}/alike")
+    Path(f"{out}/refused{rank}.txt").write_text(refused)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_elastic_checkpoints_need_the_same_state_on_every_rank_and_resume_at_any_world_size(tmp_path: Path) -> None:
+    import detrace
+    from detrace.errors import CheckpointError
+
+    spawn_ranks(_elastic_ranks, (str(tmp_path),), nprocs=2, timeout=240)
+    for rank in range(2):
+        assert "needs the same own state" in (tmp_path / f"refused{rank}.txt").read_text()
+    assert not (tmp_path / "apart").exists() or not any((tmp_path / "apart").glob("step-*"))
+    # one process (world size 1) resumes the 2-rank checkpoint, elastic; a plain TrainState refuses it
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    assert detrace.TrainState(model=model, elastic=True).load(tmp_path / "alike") == 5
+    assert torch.equal(torch.get_rng_state(), _seeded(7))  # rank 0's generator state (both ranks': alike)
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, nn.Linear(3, 2).weight)
+    with pytest.raises(CheckpointError, match="saved by 2 ranks and cannot resume 1"):
+        detrace.TrainState(model=nn.Linear(3, 2)).load(tmp_path / "alike")
+
+
+def _seeded(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.get_rng_state()
