@@ -107,7 +107,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 24), d_in=st.integers(1, 40), n1=st.sampled_from([4, 8]), c1=st.integers(1, 12),
        per_c2=st.sampled_from([1, 2, 4]), d_out=st.integers(1, 24), seed=st.integers(0, 1000))
 def test_column_and_row_parallel_give_the_bits_of_tp1_forward_and_backward(
