@@ -282,7 +282,7 @@ def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
-    assert "detrace check-topology: error: CMD at world size 1 exited with code 1" in proc.stderr
+    assert "detrace check-topology: error: CMD (world 1) exited with code 1" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------
