@@ -145,7 +145,7 @@ def test_usage_errors() -> None:
     w = torch.zeros(8, 6)
     with pytest.raises(UsageError, match="chunk size 3 must divide"):
         ColumnParallelLinear(w, chunk=3, combine=lambda t: t, rank=0, size=1)
-    with pytest.raises(UsageError, match="do not split evenly"):
+    with pytest.raises(UsageError, match="3 chunks do not split evenly over 2"):
         RowParallelLinear(w, chunk=2, combine=lambda t: t, rank=0, size=2)  # 3 chunks on 2 ranks
     with pytest.raises(UsageError, match="power-of-two"):
         owned_chunks(6, 3, 0)

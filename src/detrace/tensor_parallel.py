@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from detrace.errors import UsageError
-from detrace.parallel import _all_gather, _check_sizes, _exchange, _tree_sum, _world
+from detrace.parallel import _all_gather, _exchange, _tree_sum, _world
 
-__all__ = ["MODES", "TP_ENV", "ColumnParallelLinear", "RowParallelLinear", "by_global_name", "global_parameter_names",
-           "owned_chunks"]
+__all__ = ["MODES", "TP_ENV", "ColumnParallelLinear", "Combine", "RowParallelLinear", "by_global_name",
+           "global_parameter_names", "group_combine", "owned_chunks"]
 
 TP_ENV = "DETRACE_TP"
 """`detrace check-topology --layouts DxT` runs CMD on D*T processes with this variable set to T: the tensor-parallel
@@ -56,7 +56,10 @@ same on every rank). A parameter so that tests can simulate T ranks in one proce
 
 def owned_chunks(chunks: int, size: int, rank: int) -> range:
     """The global chunk indices rank `rank` of `size` holds: a contiguous block of chunks / size."""
-    _check_sizes(chunks, size)
+    if size < 1 or size & (size - 1):
+        raise UsageError(f"invariant tensor parallelism needs a power-of-two size, not {size}")
+    if chunks % size:  # a rank's block must be a node of the tree over the chunks
+        raise UsageError(f"{chunks} chunks do not split evenly over {size} tensor-parallel ranks")
     if not 0 <= rank < size:
         raise UsageError(f"rank {rank} is not one of {size} tensor-parallel ranks")
     per = chunks // size
