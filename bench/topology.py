@@ -15,9 +15,18 @@ rank 0's peak resident set over the training steps, invariant / DDP.
 Exchange: the two ways of completing the tree (recursive doubling over p2p, all-gather of the partial sums),
 timed interleaved on flat buffers of several sizes: what `detrace.parallel.GATHER_MAX_BYTES` is chosen from.
 
+Tensor parallelism (`--part tp`): `detrace.tensor_parallel`'s invariant layers against plain tensor parallelism
+on the same chunked parameters (one product per rank over its block, an all-reduce), on T ranks of gloo, one
+set of ranks running both interleaved (the starting method alternates): the reference model's step (forward,
+backward, AdamW; attention and MLP projections split over T, one microbatch of the preset's batch), and the
+forward and backward of one MLP block alone (a column-parallel layer [width -> 4 width] then a row-parallel
+one back, --tokens rows). Figures: the median over pairs of invariant / plain, with the interquartile range.
+Plain concatenates the rank's chunks into one weight at each call (a copy the size of its block).
+
 The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
 
-    python bench/topology.py [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4] [--threads 1]
+    python bench/topology.py [--part dp|tp|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
+        [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64]
 """
 
 from __future__ import annotations
@@ -155,6 +164,99 @@ def _memory(rank: int, world: int, args: argparse.Namespace, method: str, out: s
     dist.destroy_process_group()
 
 
+class _ReduceForward(torch.autograd.Function):
+    """Plain row-parallel's sum across ranks: an all-reduce forward, the gradient passed through backward."""
+
+    @staticmethod
+    def forward(ctx: object, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dist.all_reduce(t)
+        return t
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def _tp_step(layout, preset: str):  # type: ignore[no-untyped-def]
+    """One training step of the reference model with its projections split over tp (the layout's mode)."""
+    from detrace.examples.parallel import _chunked_tensor_parallel
+
+    spec = PRESETS[preset]
+    cfg = spec["model"]
+    assert isinstance(cfg, ModelConfig)
+    cfg = ModelConfig(**{**cfg.__dict__, "dispatch": "fixed"})
+    batch, seq = int(spec["batch_size"]), int(spec["seq_len"])  # type: ignore[call-overload]
+    torch.manual_seed(0)
+    model = HybridLM(cfg)
+    _chunked_tensor_parallel(model, layout, layout.kind.removeprefix("tp-"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen)
+        lm, mtp = lm_losses(model(tokens[:, :seq]), tokens[:, 1:])
+        (lm + cfg.mtp_loss_coef * mtp).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _tp_block(mode: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Forward and backward of one MLP block split over the world: column [width -> 4 width], row back."""
+    from detrace.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    w, h = args.width, 4 * args.width
+    col = ColumnParallelLinear(torch.randn(h, w) / w**0.5, chunk=args.chunk, mode=mode)
+    row = RowParallelLinear(torch.randn(w, h) / h**0.5, chunk=args.chunk, mode=mode)
+    x, grad = torch.randn(args.tokens, w, requires_grad=True), torch.randn(args.tokens, w)
+
+    def block() -> None:
+        row(col(x)).backward(grad)
+        for p in (*col.parameters(), *row.parameters()):
+            p.grad = None
+        x.grad = None
+
+    return block
+
+
+def _interleaved(fns: dict[str, object], repeats: int) -> list[float]:
+    """invariant / plain time ratios, one per pair, the starting method alternating."""
+    ratios = []
+    for k in range(repeats):
+        took = {}
+        for method in (("invariant", "plain") if k % 2 == 0 else ("plain", "invariant")):
+            dist.barrier()
+            began = time.perf_counter()
+            fns[method]()  # type: ignore[operator]
+            dist.barrier()
+            took[method] = time.perf_counter() - began
+        ratios.append(took["invariant"] / took["plain"])
+    return ratios
+
+
+def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from detrace.examples.layouts import Layout
+
+    _setup(rank, world, rendezvous, args.threads)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    steps, blocks = {}, {}
+    for mode in ("invariant", "plain"):
+        layout = Layout(kind=f"tp-{mode}", rank=rank, world=world, device=torch.device("cpu"),
+                        sizes={"dp": 1, "tp": world}, coords={"dp": 0, "tp": rank}, mesh=mesh)
+        steps[mode], blocks[mode] = _tp_step(layout, args.preset), _tp_block(mode, args)
+    for fn in (*steps.values(), *blocks.values()):  # warm-up
+        fn()
+    result = {"step": _interleaved(steps, args.steps), "block": _interleaved(blocks, args.steps)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawn(fn, world: int, *args: object) -> None:  # type: ignore[no-untyped-def]
     rendezvous = tempfile.mktemp(prefix="detrace-bench-topology-")  # a file the ranks meet in (no port)
     mp.start_processes(fn, args=(world, *args, rendezvous), nprocs=world, start_method="spawn")
@@ -172,10 +274,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--part", default="all", choices=("dp", "tp", "all"))
+    p.add_argument("--tp-sizes", default="2,4")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=64)
     args = p.parse_args()
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",")] if args.part != "tp" else []
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
+        for tp in [int(t) for t in args.tp_sizes.split(",")] if args.part != "dp" else []:
+            path = f"{tmp}/tp-{tp}.json"
+            _spawn(_tp_timing, tp, args, path)
+            data = json.loads(Path(path).read_text())
+            block = f"MLP block fwd+bwd T={tp} ({args.tokens}x{args.width}, chunk {args.chunk})"
+            for what, label in (("step", f"step time T={tp} ({args.preset})"), ("block", block)):
+                lo, mid, hi = _quartiles(data[what])
+                figures.append(f"{label} tp-invariant/plain: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
+                               f"{len(data[what])} pairs)")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)
@@ -195,7 +311,7 @@ def main() -> None:
             figures.append(f"peak RSS growth W={world} invariant/ddp: {kib['invariant'] / max(kib['ddp'], 1):.2f}x "
                            f"({kib['invariant'] / 1024:.1f} MiB vs {kib['ddp'] / 1024:.1f} MiB)")
     print(f"preset={args.preset} microbatches={args.microbatches} steps={args.steps} threads={args.threads} "
-          f"backend=gloo")
+          f"part={args.part} backend=gloo")
     for line in figures:
         print(line)
 

@@ -7,22 +7,35 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from contextlib import redirect_stdout
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from _ranks import spawn_ranks
+from _synthetic import TrainingStep, write_training_rank
 from torch import nn
 
 from detrace.cli import main as cli
-from detrace.errors import UsageError
+from detrace.errors import CommandFailed, UsageError
 from detrace.examples.validate import _topology_row
 from detrace.parallel import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
-from detrace.topology import parse_worlds, torchrun_command
+from detrace.tensor_parallel import TP_ENV
+from detrace.topology import (
+    Mesh,
+    TopologyResult,
+    check_topology,
+    parse_layouts,
+    parse_worlds,
+    plan_runs,
+    torchrun_command,
+)
+from detrace.tracing.launch import LaunchResult
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "examples" / "invariant_dp.py"
@@ -179,6 +192,20 @@ def test_trainer_refuses_bad_options() -> None:
     assert main(["--parallel", "dp-invariant", "--microbatches", "2"]) == 2  # the racing index dispatch
     # 3 microbatches do not divide the batch of 8
     assert main(["--parallel", "dp-invariant", "--microbatches", "3", "--dispatch", "fixed"]) == 2
+    assert main(["--parallel", "tp-invariant", "--dispatch", "fixed"]) == 2  # no --microbatches
+    assert main(["--tp", "2", "--dispatch", "fixed"]) == 2  # --tp without a tp layout
+    # T = 2 in one process (no torchrun)
+    assert main(["--parallel", "tp-invariant", "--tp", "2", "--microbatches", "4", "--dispatch", "fixed"]) == 2
+
+
+def test_trainer_takes_the_tp_size_from_check_topology(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from detrace.examples.train import main, parse_args
+
+    monkeypatch.setenv(TP_ENV, "4")
+    assert parse_args(["--parallel", "tp-invariant", "--microbatches", "4", "--dispatch", "fixed"]).tp == 4
+    assert main(["--parallel", "tp-invariant", "--tp", "2", "--microbatches", "4", "--dispatch", "fixed"]) == 2
+    assert "--tp 2 and DETRACE_TP=4 disagree" in capsys.readouterr().err
 
 
 def _check_topology(tmp_path: Path, name: str, worlds: str, *cmd: str) -> tuple[int, dict[str, object]]:
@@ -202,7 +229,7 @@ def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -
     assert report["steps"] == 2 and report["tensors"] == len(list(model.parameters()))
     finals = report["final_params"]
     assert isinstance(finals, dict) and len(set(finals.values())) == 1
-    assert re.fullmatch(r"[0-9a-f]{16}", str(finals["1"]))
+    assert re.fullmatch(r"[0-9a-f]{16}", str(finals["world 1"]))
     # the validation matrix's row comparing its dp-invariant runs, on these runs
     row = _topology_row({w: tmp_path / "tiny" / f"world-{w}" for w in (1, 2, 4)})
     assert row[0].name == "dp-invariant x1 = x2 = x4" and row[1].ok, row[1]
@@ -237,7 +264,7 @@ def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
     import detrace
-    from detrace.errors import CommandFailed, TraceError
+    from detrace.errors import TraceError
     from detrace.topology import compare_runs
 
     with detrace.trace(tmp_path / "run", rung="semantic"):
@@ -255,4 +282,238 @@ def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
-    assert "detrace check-topology: error: CMD at world size 1 exited with code 1" in proc.stderr
+    assert "detrace check-topology: error: CMD (world 1) exited with code 1" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------
+# check-topology's comparison and verdicts, in process: a launch that writes synthetic traces
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Fake:
+    """A command whose traces are those of a layout-invariant trainer (M = 4 microbatches, 3 steps, a layer in 2
+    chunks split over tp and a replicated parameter), but for the injected faults, named as such."""
+
+    steps: int = 3
+    fault: tuple[str, int, str] | None = None
+    """Injected fault: (run directory name, step, record name) gets other bits there: a parameter name, "loss"
+    (microbatch 0's), "grad_norm", or "replica b" (tp rank 1's copy of the replicated b only)."""
+    final: dict[str, str] = field(default_factory=dict)
+    """Injected fault: the final params line printed by the run in that directory (default: the true one)."""
+    param: tuple[str, int, str] | None = None
+    """A second injected fault, like `fault`."""
+    fail: str | None = None
+    """Injected fault: the run in this directory exits 1."""
+
+    def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
+        assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
+        world = int(next(a for a in argv if a.startswith("--nproc-per-node=")).split("=")[1])
+        tp = int(env.get(TP_ENV, "1"))
+        first, last = 0, self.steps
+        ckpt = Path(env.get("DETRACE_CKPT_DIR", run / "none")) / "step"
+        if "DETRACE_STOP_AT" in env:
+            last = int(env["DETRACE_STOP_AT"])
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text(str(last))
+        if env.get("DETRACE_RESUME") == "1":
+            first = int(ckpt.read_text())
+        per = M // (world // tp)  # microbatches per data-parallel rank
+
+        def faulty(step: int, name: str) -> bool:
+            return (run.name, step, name) in (self.fault, self.param)
+
+        for rank in range(world):
+            d, t = divmod(rank, tp)
+            steps = []
+            for s in range(first, last):
+                losses = tuple(s + i / 8 + (1e-9 if i == 0 and faulty(s, "loss") else 0)
+                               for i in range(d * per, (d + 1) * per))
+                params = {f"a.chunks.{j}": 100 * s + j + faulty(s, f"a.chunks.{j}")
+                          for j in range(t * 2 // tp, (t + 1) * 2 // tp)}
+                params["b"] = 100 * s + 7 + faulty(s, "b") + (t == 1 and faulty(s, "replica b"))
+                steps.append(TrainingStep(step=s, losses=losses, params=params,
+                                          grad_norm=float(t * 10 + s + faulty(s, "grad_norm"))))
+            write_training_rank(run, rank, steps, world_size=world)
+        final = self.final.get(run.name, "0123456789abcdef")
+        return LaunchResult(returncode=1 if self.fail == run.name else 0, out=run, command=tuple(argv), elapsed=0.1,
+                            output_tail=f"step 3\nfinal params {final}\n" if last == self.steps else "step 2\n")
+
+
+CMD = ["python", "train.py", "--x"]
+
+
+def _topology(tmp_path: Path, fake: _Fake, layouts: str = "", worlds: str = "", resume_at: int | None = None
+              ) -> TopologyResult:
+    meshes = parse_layouts(layouts) if layouts else tuple(Mesh(dp=w) for w in parse_worlds(worlds))
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    return check_topology(CMD, meshes=meshes, out=out, resume_at=resume_at, tp_env=bool(layouts), launch=fake)
+
+
+def test_layouts_compare_parameters_by_global_name_and_losses_by_microbatch(tmp_path: Path) -> None:
+    result = _topology(tmp_path, _Fake(), layouts="1x1,1x2,2x2,2x1")
+    assert result.identical and result.steps == 3 and result.tensors == 3
+    assert [r.path.name for r in result.runs] == ["layout-1x1", "layout-1x2", "layout-2x2", "layout-2x1"]
+    assert result.to_json()["layouts"] == ["1x1", "1x2", "2x2", "2x1"]
+    # a chunk held by one tp rank, differing at step 1 of the 2x2 run: named, with the step and the run
+    first = _topology(tmp_path, _Fake(fault=("layout-2x2", 1, "a.chunks.1")), layouts="1x1,1x2,2x2").first
+    assert first is not None and (first.step, first.kind, first.name, first.run) == (1, "param", "a.chunks.1",
+                                                                                   "layout 2x2")
+    assert first.sentence("layout 1x1").startswith("layout 2x2 differs from layout 1x1 at step 1: tensor a.chunks.1")
+    # a replica that two tp ranks of one run hold with other bits
+    first = _topology(tmp_path, _Fake(fault=("layout-1x2", 2, "replica b")), layouts="1x1,1x2").first
+    assert first is not None and (first.kind, first.name, first.step) == ("ranks", "param b", 2)
+    # losses by global microbatch: microbatch 0 is rank 0's at 2x1, ranks 0 and 1's at 2x2
+    result = _topology(tmp_path, _Fake(fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2")
+    assert result.first is not None and (result.first.kind, result.first.name, result.first.step) == ("loss", "0", 0)
+    assert result.first_param is None  # no parameter differs
+    # a loss first, and a parameter later: both named
+    result = _topology(tmp_path, _Fake(fault=("layout-1x2", 1, "loss"), param=("layout-1x2", 2, "b")),
+                       layouts="1x1,1x2")
+    assert result.first is not None and (result.first.kind, result.first.step) == ("loss", 1)
+    assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", 2)
+    assert result.to_json()["first_param"]["name"] == "b"  # type: ignore[index]
+
+
+def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:
+    # the tracer's grad_norm is of a rank's own shards: rank 1 of a tp pair differs from rank 0 (the fake's
+    # t * 10 + s), and with T > 1 anywhere it is not compared; with world sizes only, it is
+    assert _topology(tmp_path, _Fake(fault=("layout-1x2", 0, "grad_norm")), layouts="1x1,1x2").identical
+    first = _topology(tmp_path, _Fake(fault=("world-2", 1, "grad_norm")), worlds="1,2").first
+    assert first is not None and (first.kind, first.step, first.run) == ("grad_norm", 1, "world 2")
+
+
+def test_final_params_and_failing_commands(tmp_path: Path) -> None:
+    first = _topology(tmp_path, _Fake(final={"layout-1x2": "fedcba9876543210"}), layouts="1x1,1x2").first
+    assert first is not None and first.kind == "final params" and first.step == -1
+    with pytest.raises(CommandFailed, match=r"CMD \(layout 1x2\) exited with code 1"):
+        _topology(tmp_path, _Fake(fail="layout-1x2"), layouts="1x1,1x2")
+
+
+def test_elastic_resume_runs_and_comparisons(tmp_path: Path) -> None:
+    result = _topology(tmp_path, _Fake(), worlds="2,1,4", resume_at=2)
+    assert result.identical, result.first
+    assert [r.label for r in result.runs] == ["world 2", "world 2 stopped after step 2",
+                                              "world 1 resumed after step 2", "world 4 resumed after step 2"]
+    assert [r.path.name for r in result.runs] == ["world-2", "world-2-stopped", "world-1-resumed", "world-4-resumed"]
+    # the resumed run is compared from step 2 on; the stopped run's final line (the state at step 2) is not
+    assert result.finals["world 2 stopped after step 2"] is None and result.to_json()["resume_at"] == 2
+    first = _topology(tmp_path, _Fake(fault=("world-4-resumed", 2, "loss")), worlds="2,1,4", resume_at=2).first
+    assert first is not None and (first.run, first.step, first.kind) == ("world 4 resumed after step 2", 2, "loss")
+    first = _topology(tmp_path, _Fake(fault=("world-2-stopped", 1, "b")), worlds="2,4", resume_at=2).first
+    assert first is not None and (first.run, first.step, first.name) == ("world 2 stopped after step 2", 1, "b")
+    # a resumed run that starts at the wrong step misses the reference's step-2 records
+    plan = plan_runs((Mesh(dp=2), Mesh(dp=4)), tmp_path, resume_at=2)
+    assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1"}
+    with pytest.raises(UsageError, match="--resume-at goes with --worlds"):
+        plan_runs((Mesh(dp=1), Mesh(dp=1, tp=2)), tmp_path, resume_at=2, tp_env=True)
+    with pytest.raises(UsageError, match="1 or more"):
+        plan_runs((Mesh(dp=1), Mesh(dp=2)), tmp_path, resume_at=0)
+
+
+def test_layout_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("1x1", "1x1,1x1", "1x3,1x1", "2,4", "1x0,1x1", "ax1,1x1"):
+        with pytest.raises(UsageError):
+            parse_layouts(bad)
+    assert cli(["check-topology", "--worlds", "1,2", "--layouts", "1x1,1x2", "--", "python", "t.py"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# real runs: one per question, tiny preset
+
+
+TRAIN = [sys.executable, "-m", "detrace.examples.train", "--microbatches", "4", "--dispatch", "fixed",
+         "--deterministic", "--threads", "1"]
+
+
+def _check_cli(tmp_path: Path, name: str, *args: str) -> tuple[int, dict[str, object]]:
+    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--json", "--out", str(tmp_path / name),
+                           "--timeout", "300", *args], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.stdout.strip(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_tp_invariant_layouts_give_the_same_bits(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "tp", "--layouts", "1x1,1x2,2x2", "--", *TRAIN, "--parallel", "tp-invariant",
+                              "--steps", "2")
+    assert code == 0, report
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
+    assert report["steps"] == 2 and report["tensors"] > 31  # the projections as chunks, by global name
+
+
+@pytest.mark.slow
+def test_plain_tensor_parallelism_differs_and_the_first_parameter_is_named(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "plain", "--layouts", "1x1,1x2", "--", *TRAIN, "--parallel", "tp-plain",
+                              "--steps", "1")
+    assert code == 1, report
+    first = report["first"]
+    assert isinstance(first, dict) and first["run"] == "layout 1x2" and first["step"] == 0
+    # the losses of step 0 may differ before any parameter does; the first parameter that differs is named too
+    param = first if first["kind"] == "param" else report["first_param"]
+    assert isinstance(param, dict) and param["run"] == "layout 1x2" and param["step"] == 0, report
+    assert str(param["name"]).startswith(("layers.", "embedding", "norm", "output", "mtp")), param
+
+
+@pytest.mark.slow
+def test_elastic_resume_at_other_world_sizes_gives_the_continuous_bits(tmp_path: Path) -> None:
+    code, report = _check_cli(tmp_path, "elastic", "--worlds", "2,1,4", "--resume-at", "1", "--", *TRAIN,
+                              "--parallel", "dp-invariant", "--steps", "2")
+    assert code == 0, report
+    assert list(report["runs"]) == ["world 2", "world 2 stopped after step 1", "world 1 resumed after step 1",  # type: ignore[call-overload]
+                                    "world 4 resumed after step 1"]
+
+
+def _elastic_ranks(rank: int, out: str, port: int) -> None:
+    """2 ranks save elastic checkpoints: with RNG states that differ (refused on both), then alike."""
+    import random
+
+    import numpy as np
+
+    import detrace
+    from detrace.errors import CheckpointError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    random.seed(0)  # every generator that TrainState saves: Python's and NumPy's alike on both ranks
+    np.random.seed(0)
+    torch.manual_seed(0)
+    state = detrace.TrainState(model=nn.Linear(3, 2), elastic=True)
+    torch.manual_seed(rank)  # each rank's own generator state
+    try:
+        state.save(f"{out}/apart")
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    torch.manual_seed(7)
+    state.step = 5
+    state.save(f"{out}/alike")
+    Path(f"{out}/refused{rank}.txt").write_text(refused)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_elastic_checkpoints_need_the_same_state_on_every_rank_and_resume_at_any_world_size(tmp_path: Path) -> None:
+    import detrace
+    from detrace.errors import CheckpointError
+
+    spawn_ranks(_elastic_ranks, (str(tmp_path),), nprocs=2, timeout=240)
+    for rank in range(2):
+        assert "needs the same own state" in (tmp_path / f"refused{rank}.txt").read_text()
+    assert not (tmp_path / "apart").exists() or not any((tmp_path / "apart").glob("step-*"))
+    # one process (world size 1) resumes the 2-rank checkpoint, elastic; a plain TrainState refuses it
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    assert detrace.TrainState(model=model, elastic=True).load(tmp_path / "alike") == 5
+    assert torch.equal(torch.get_rng_state(), _seeded(7))  # rank 0's generator state (both ranks': alike)
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, nn.Linear(3, 2).weight)
+    with pytest.raises(CheckpointError, match="saved by 2 ranks and cannot resume 1"):
+        detrace.TrainState(model=nn.Linear(3, 2)).load(tmp_path / "alike")
+
+
+def _seeded(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.get_rng_state()

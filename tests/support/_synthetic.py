@@ -188,3 +188,40 @@ def write_rank(out: str | Path, run: SyntheticRun, rank: int, fault: Fault | Non
 def write_run(out: str | Path, run: SyntheticRun, fault: Fault | None = None) -> int:
     """Write every rank of a synthetic run; return the number of records written."""
     return sum(write_rank(out, run, rank, fault) for rank in range(run.ranks))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingStep:
+    """What one rank records in one optimizer step at the semantic rung: what check-topology compares."""
+
+    step: int
+    """Global step (optimizer steps completed before it)."""
+    losses: tuple[float, ...] = ()
+    """The rank's microbatch losses, in order."""
+    grad_norm: float | None = None
+    params: dict[str, int] | None = None
+    """Parameter name -> digest after the optimizer step."""
+
+
+def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *, world_size: int) -> None:
+    """One rank's trace of losses, gradient norm and parameters per step, through the real writer."""
+    rows: list[dict[str, object]] = []
+
+    def add(step: int, rung: str, phase: str, name: str, role: str, occurrence: int, *, digest: int | None = None,
+            value: float | None = None) -> None:
+        seq = len(rows)
+        rows.append({"seq": seq, "step": step, "rung": rung, "phase": phase, "module": None, "name": name,
+                     "occurrence": occurrence, "event": seq, "role": role, "index": 0,
+                     "shape": [] if value is not None else [4], "dtype": "float32", "numel": 1 if value is not None
+                     else 4, "digest": digest, "chunks": None, "value": value, "collectives": 0, "group": None,
+                     "group_seq": None, "peer": None, "extra": None})
+
+    for s in steps:
+        for k, loss in enumerate(s.losses):
+            add(s.step, "metrics", "backward", "loss", "metric", k, value=loss)
+        if s.grad_norm is not None:
+            add(s.step, "metrics", "optimizer", "grad_norm", "metric", 0, value=s.grad_norm)
+        for k, (name, digest) in enumerate((s.params or {}).items()):
+            add(s.step, "semantic", "optimizer", name, "param", k, digest=digest)
+    table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
+    write_table(out, rank, table, world_size=world_size)

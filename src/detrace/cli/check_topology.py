@@ -1,6 +1,8 @@
-"""`detrace check-topology [--worlds 1,2,4] [--threads N] [--out DIR] [--timeout S] [--json] -- CMD...`: CMD run
-under torchrun at each world size must give the same losses and parameters, bit for bit, at every step.
-Exit 0 the same bits at every world size, 1 not (the first step and tensor are named), 2 error."""
+"""`detrace check-topology [--worlds 1,2,4 | --layouts 1x1,1x2,2x2] [--resume-at K] [--threads N] [--out DIR]
+[--timeout S] [--json] -- CMD...`: CMD run under torchrun at each layout must give the same losses and
+parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world size and
+resumed at each other must give the bits of the run that never stopped.
+Exit 0 the same bits, 1 not (the first step and tensor are named), 2 error."""
 
 from __future__ import annotations
 
@@ -9,33 +11,53 @@ import sys
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.topology import check_topology, parse_worlds
+from detrace.errors import UsageError
+from detrace.topology import Mesh, check_topology, parse_layouts, parse_worlds
 from detrace.verdicts import TOPOLOGY
 from detrace.verify import default_out
 
 
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
-    parser = ArgumentParser("check-topology", "Run CMD under torchrun at each world size and require the same "
-                            "losses and parameters, bit for bit, at every step.",
+    parser = ArgumentParser("check-topology", "Run CMD under torchrun at each world size or DP x TP layout and "
+                            "require the same losses and parameters, bit for bit, at every step.",
                             usage="detrace check-topology [options] -- CMD...")
-    parser.add_argument("--worlds", default="1,2,4", help="world sizes to run, the first the reference (default 1,2,4)")
+    parser.add_argument("--worlds", help="world sizes to run, the first the reference (default 1,2,4)")
+    parser.add_argument("--layouts", help="DP x TP meshes to run instead, e.g. 1x1,1x2,2x2 (CMD gets DETRACE_TP=T)")
+    parser.add_argument("--resume-at", type=int, metavar="K",
+                        help="elastic resume: stop the first world size after step K, resume at each other")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-topology-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     args = parser.parse_args(options)
-    worlds = parse_worlds(args.worlds)
-    result = check_topology(cmd, worlds=worlds, out=args.out or default_out("topology"), threads=args.threads,
-                            timeout=args.timeout,
+    if args.worlds and args.layouts:
+        raise UsageError("give --worlds or --layouts, not both")
+    meshes = parse_layouts(args.layouts) if args.layouts else \
+        tuple(Mesh(dp=w) for w in parse_worlds(args.worlds or "1,2,4"))
+    result = check_topology(cmd, meshes=meshes, out=args.out or default_out("topology"), threads=args.threads,
+                            timeout=args.timeout, resume_at=args.resume_at, tp_env=bool(args.layouts),
                             progress=lambda line: print(f"detrace check-topology: {line}", file=sys.stderr))
     if args.json:
         print(json.dumps(result.to_json()))
     elif result.first is None:
-        final = result.finals[worlds[0]]
-        print(f"identical: worlds {', '.join(map(str, worlds))} give the same bits ({result.steps} steps, "
-              f"{result.tensors} parameters{', final params ' + final if final else ''})")
+        final = result.finals[result.reference]
+        print(f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
+              f"({result.steps} steps, {result.tensors} parameters{', final params ' + final if final else ''})")
     else:
-        print(f"diverged: {result.first.sentence(worlds[0])}")
+        param = result.first_param
+        also = f"; the first parameter that differs: {param.name} at step {param.step}" if param else ""
+        print(f"diverged: {result.first.sentence(result.reference)}{also}")
     return TOPOLOGY["identical" if result.identical else "diverged"]
+
+
+def _what(meshes: tuple[Mesh, ...], *, layouts: bool, resume_at: int | None) -> str:
+    """What the identical verdict says was the same."""
+    if layouts:
+        return f"layouts {', '.join(m.label for m in meshes)} give the same bits"
+    if resume_at is None:
+        return f"worlds {', '.join(str(m.world) for m in meshes)} give the same bits"
+    others = ", ".join(str(m.world) for m in meshes[1:])
+    return (f"world {meshes[0].world} stopped after step {resume_at} and resumed at world {others} gives the bits "
+            "of the run that never stopped")

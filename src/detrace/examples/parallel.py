@@ -12,6 +12,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | dp-ep   | dp=W/2, ep=2     | data over dp x ep; experts over ep             | non-expert over all, experts over dp |
 | pp-dp   | pp=2, dp=W/2     | layers over pp; data over dp                   | all-reduce over dp            |
 | dp-invariant | dp=W (or 1) | the global batch's M microbatches, in blocks  | fixed tree (detrace.parallel) |
+| tp-invariant | dp=W/T, tp=T | dp-invariant's; attention/MLP projections in chunks | fixed trees over dp and tp |
+| tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -25,6 +27,9 @@ printed bits do not depend on a collective's internal reduction order and are th
 dp-invariant is the exception: its gradients and metrics are sums over the M microbatches in one fixed tree
 (`detrace.parallel.invariant_backward`), the same bits at every world size W (a power of two dividing M, 1
 included, with or without torchrun); every rank reads the whole global batch and computes its block of it.
+tp-invariant adds tensor parallelism whose bits do not depend on T either (`detrace.tensor_parallel`): the
+same bits on every DP x TP mesh; its metrics and `final params` line gather per-parameter values over tp by
+global name (`by_global_name`).
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ import torch.distributed as dist
 from torch import nn
 
 from detrace.errors import UsageError
-from detrace.examples.layouts import Layout
-from detrace.examples.model import Experts, HybridLM, ModelConfig, lm_losses, local_tensor
-from detrace.parallel import InvariantDataParallel
+from detrace.examples.layouts import INVARIANT, Layout
+from detrace.examples.model import MLP, Attention, Experts, HybridLM, ModelConfig, lm_losses, local_tensor
+from detrace.parallel import InvariantDataParallel, _digests
+from detrace.tensor_parallel import ColumnParallelLinear, RowParallelLinear, by_global_name
 
 PP_MICROBATCHES = 4
+TP_CHUNK = 16
+"""Features per chunk of the tp layouts' projections: fixed by the model, never by the TP size or the device
+(each projection's chunks must divide by T; a column chunk holds whole heads when n_heads divides by T)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -146,6 +155,22 @@ def _tensor_parallel(model: HybridLM, layout: Layout) -> None:
     parallelize_module(model, layout.mesh["tp"], plan)
 
 
+def _chunked_tensor_parallel(model: HybridLM, layout: Layout, mode: str) -> None:
+    """tp-invariant (mode "invariant") and tp-plain ("plain"): the same split as `_tensor_parallel`, with
+    detrace.tensor_parallel's chunked layers; every other module stays replicated."""
+    cfg, tp = model.cfg, layout.size("tp")
+    if cfg.quant != "none":
+        raise UsageError("fake-quantized linears are not supported under tensor parallelism")
+    if cfg.n_heads % tp:
+        raise UsageError(f"n_heads {cfg.n_heads} must divide by tp {tp}")
+    group = layout.group("tp") if layout.mesh is not None else None
+    for module in list(model.modules()):
+        columns, rows = (("wq", "wk", "wv"), ("wo",)) if isinstance(module, Attention) else \
+            (("w1", "w3"), ("w2",)) if isinstance(module, MLP) else ((), ())
+        for name, cls in [(c, ColumnParallelLinear) for c in columns] + [(r, RowParallelLinear) for r in rows]:
+            setattr(module, name, cls(getattr(module, name).weight, chunk=TP_CHUNK, group=group, mode=mode))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # pipeline parallelism
 
@@ -201,12 +226,16 @@ class ParallelModel:
             fully_shard(self.raw, mesh=layout.mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
+        elif kind in ("tp-invariant", "tp-plain"):
+            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-"))
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
-        if kind == "dp-invariant":
+        self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
+        if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
-                raise UsageError(f"--parallel dp-invariant needs --microbatches M dividing the batch size {batch_size}")
-            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches)
+                raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
+            dp = layout.group("dp") if layout.mesh is not None else None
+            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
         if layout.size("pp") > 1:
             self._build_pipeline(batch_size, seq_len)
         # parameter lists for the hand-written gradient averages
@@ -299,6 +328,15 @@ class ParallelModel:
         _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
+    def fingerprint(self) -> str:
+        """The `final params` line's fingerprint of every parameter of the whole model in name order (the
+        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T."""
+        from detrace.digest import fingerprint
+
+        named = list(self.raw.named_parameters())
+        digests = dict(zip((n for n, _ in named), _digests([p.detach() for _, p in named]).unbind(), strict=True))
+        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex
+
     def _owned(self, name: str, param: torch.Tensor) -> bool:
         """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over
         pp (each stage its own), over ep if it is an expert, over its DTensor mesh dims; on every other mesh
@@ -317,12 +355,17 @@ class ParallelModel:
         """
         layout, cfg = self.layout, self.cfg
         if self._invariant_sums is not None:
-            # Every rank holds every gradient and the tree's sums: no collective, the same bits at every W.
+            # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()
-            sq = torch.zeros((), device=layout.device)
-            for p in self.raw.parameters():
-                if p.grad is not None:
-                    sq += p.grad.float().square().sum()
+            if layout.kind == "dp-invariant":
+                sq = torch.zeros((), device=layout.device)
+                for p in self.raw.parameters():
+                    if p.grad is not None:
+                        sq += p.grad.float().square().sum()
+            else:  # one squared norm per parameter of the whole model, by global name, summed in that order
+                squares = {n: p.grad.float().square().sum()
+                           for n, p in self.raw.named_parameters() if p.grad is not None}
+                sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
             loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
             return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
         has_loss = bool(self._lm) and layout.coord("tp") == 0

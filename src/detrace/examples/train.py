@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import struct
 import sys
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from detrace.errors import DetraceError, UsageError
 from detrace.examples import layouts, parallel
 from detrace.examples.data import SyntheticTokens, split_batch
 from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
-from detrace.parallel import parameters_fingerprint
+from detrace.tensor_parallel import TP_ENV
 
 PROG = "detrace.examples.train"
 WARMUP_STEPS = 10
@@ -69,7 +70,10 @@ class TrainConfig:
     `torch.use_deterministic_algorithms(True)`, the later ones without, so the real race of the "index"
     dispatch starts at global step S. None: PyTorch's defaults throughout (or `deterministic`)."""
     microbatches: int | None = None
-    """--parallel dp-invariant: the global batch's microbatches M (a multiple of the world size)."""
+    """--parallel dp-invariant, tp-invariant, tp-plain: the global batch's microbatches M (a multiple of the
+    data-parallel size)."""
+    tp: int = 1
+    """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -86,12 +90,14 @@ class TrainConfig:
             if self.deterministic or self.dispatch != "index":
                 raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
                                  "--dispatch index and no --deterministic")
-        if (self.parallel == "dp-invariant") != (self.microbatches is not None):
-            raise UsageError("--microbatches goes with --parallel dp-invariant, and dp-invariant needs it")
-        if self.parallel == "dp-invariant" and self.dispatch == "index" and not self.deterministic:
+        if (self.parallel in layouts.INVARIANT) != (self.microbatches is not None):
+            raise UsageError(f"--microbatches goes with --parallel {', '.join(layouts.INVARIANT)}, and they need it")
+        if self.parallel in layouts.INVARIANT and self.dispatch == "index" and not self.deterministic:
             # Same bits at every world size needs each microbatch's kernels deterministic first.
-            raise UsageError("--parallel dp-invariant needs --dispatch fixed or --deterministic (the index "
+            raise UsageError(f"--parallel {self.parallel} needs --dispatch fixed or --deterministic (the index "
                              "dispatch's backward races)")
+        if self.tp != 1 and not self.parallel.startswith("tp-"):
+            raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -119,9 +125,24 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per data stream (default: preset)")
     p.add_argument("--nondeterministic-from", type=int, default=None, metavar="S",
                    help="deterministic for the first S steps, then the index dispatch's real race (global step S on)")
-    p.add_argument("--microbatches", type=int, default=None, help="dp-invariant: microbatches M of the global batch")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="dp-invariant, tp-invariant, tp-plain: microbatches M of the global batch")
+    p.add_argument("--tp", type=int, default=None,
+                   help=f"tp-invariant, tp-plain: tensor-parallel size T (default: ${TP_ENV} or 1)")
     args = p.parse_args(list(argv))
-    return TrainConfig(**{k: v for k, v in vars(args).items()})
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k != "tp"}, tp=_tp_size(args.tp))
+
+
+def _tp_size(flag: int | None) -> int:
+    """--tp, else DETRACE_TP (set by `detrace check-topology --layouts`), else 1; both given must agree."""
+    env = os.environ.get(TP_ENV)
+    try:
+        from_env = None if env is None else int(env)
+    except ValueError:
+        raise UsageError(f"{TP_ENV} must be an integer, not {env!r}") from None
+    if flag is not None and from_env is not None and flag != from_env:
+        raise UsageError(f"--tp {flag} and {TP_ENV}={from_env} disagree")
+    return flag or from_env or 1
 
 
 def bits(x: torch.Tensor) -> str:
@@ -139,7 +160,7 @@ def train(cfg: TrainConfig) -> None:
         detrace.deterministic(cfg.seed)
     else:
         torch.manual_seed(cfg.seed)
-    layout = layouts.setup(cfg.parallel)
+    layout = layouts.setup(cfg.parallel, tp=cfg.tp)
     completed = False
     try:
         preset = PRESETS[cfg.preset]
@@ -160,13 +181,18 @@ def train(cfg: TrainConfig) -> None:
             len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
         )
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
-        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader)
+        # Invariant layouts: every rank reads the global batch and draws alike, so a checkpoint resumes at any
+        # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
+        # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
+        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
+                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1)
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
                 f"{PROG}: preset={cfg.preset} parallel={cfg.parallel} world={layout.world} dispatch={cfg.dispatch}"
                 f" recompute={cfg.recompute} quant={cfg.quant} deterministic={cfg.deterministic}"
-                f" threads={cfg.threads} seed={cfg.seed} steps={start + 1}-{cfg.steps}",
+                f" threads={cfg.threads} seed={cfg.seed}{f' tp={cfg.tp}' if cfg.tp > 1 else ''}"
+                f" steps={start + 1}-{cfg.steps}",
                 flush=True,
             )
         batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
@@ -190,8 +216,10 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
-        if cfg.parallel == "dp-invariant" and layout.rank == 0:
-            print(f"final params {parameters_fingerprint(pm.raw)}", flush=True)  # the same line at every W
+        if cfg.parallel in layouts.INVARIANT:
+            final = pm.fingerprint()  # collective over tp: every rank
+            if layout.rank == 0:
+                print(f"final params {final}", flush=True)  # the same line at every W (and T, tp-invariant)
         completed = True
     finally:
         layouts.teardown(layout, completed=completed)

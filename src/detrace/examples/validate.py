@@ -207,7 +207,7 @@ def _topology_row(worlds: dict[int, Path]) -> tuple[Config, Cell, Cell, Cell, fl
         same = Cell(f"error: {err}", False)
     else:
         same = Cell(f"identical across world sizes ({steps} steps)", True) if first is None else \
-            Cell(f"diverged: {first.sentence(next(iter(worlds)))}", False)
+            Cell(f"diverged: {first.sentence(f'world {next(iter(worlds))}')}", False)
     return row, same, Cell("n/a (see the rows above)", None), Cell("n/a", None), time.monotonic() - began
 
 

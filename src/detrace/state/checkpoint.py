@@ -24,6 +24,7 @@ previous, complete version; the half-written one is never read and is removed by
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -69,17 +70,25 @@ class Loaded:
     """The version directory that was read."""
 
 
-def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any], keep: int = 1) -> Path:
+def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any], keep: int = 1,
+          elastic: bool = False) -> Path:
     """Save a checkpoint of `step` under `root` on every rank; returns the committed version directory.
 
     `shared` is this rank's model/optimizer state as DCP's state_dict helpers give it: replicated (DCP
     writes a tensor that several ranks hold under one key once), sharded (DTensors), or this rank's own
     part (a pipeline stage's layers). `local` is this rank's RNG, data position and extra state.
     Collective: every rank of the process group must call it.
+
+    `elastic`: refuse (on every rank) unless every rank's own state and shared skeleton are the same, so that
+    `read(elastic=True)` may resume the checkpoint at another world size from rank 0's.
     """
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
     rank, world = dist.rank_and_world()
+    if elastic and dist.differs(_state_digest(shared, local)):
+        raise CheckpointError("an elastic checkpoint needs the same own state (RNG, data position, extra) and the "
+                              "same model and optimizer state on every rank, and the ranks' differ: seed every "
+                              "generator alike (detrace.deterministic) and read the data in global samples")
     dist.together(lambda: _prepare_root(root))
     if rank == 0:
         _remove_stale(root)
@@ -129,7 +138,8 @@ def resolve(path: Path) -> Path:
     raise CheckpointError(f"{path} is not a detrace checkpoint (no {manifest.MANIFEST_FILE}, no {LATEST_FILE})")
 
 
-def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any], None]) -> Loaded:
+def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any], None], elastic: bool = False
+         ) -> Loaded:
     """Verify and load the checkpoint at `path` on every rank (collective).
 
     `shared` is a template of this rank's shared state (what `write` got, from the current model and
@@ -138,11 +148,14 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     stages of a pipeline). `check(directory, shared skeleton, local skeleton)` raises if the saved state does
     not fit; it runs, like every other check, before anything is loaded, so a checkpoint that is refused
     leaves the training state untouched, and a refusal on any rank stops every rank.
+
+    `elastic`: every rank's own state and shared skeleton were the same when saved (`write(elastic=True)`
+    checked it); each rank loads rank 0's, and the checkpoint resumes at any world size.
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
     document = manifest.verify(directory, collective=True)
-    if document.world_size != world:
+    if document.world_size != world and not elastic:
         raise CheckpointError(
             f"{directory} was saved by {document.world_size} ranks and cannot resume {world}: "
             "each rank's RNG and data position belong to one rank"
@@ -150,7 +163,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     _, template_tensors = tree.split(shared, "")
 
     def fits() -> tuple[Any, Any]:
-        saved = _rank_document(directory, rank, step=document.step)
+        saved = _rank_document(directory, 0 if elastic else rank, step=document.step)
         _check_same_tensors(
             directory, set(tree.tensor_keys(saved["shared"])), set(template_tensors), rank=rank, world=world
         )
@@ -203,6 +216,18 @@ def _first_line(err: BaseException) -> str:
         err = next(iter(err.failures.values()))[0]
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+def _state_digest(shared: dict[str, Any], local: dict[str, Any]) -> int:
+    """One fingerprint of the shared skeleton and of the own state (skeleton and tensors), for `dist.differs`."""
+    from detrace.digest import fingerprint, fingerprint_many
+
+    shared_skeleton, _ = tree.split(shared, "")
+    skeleton, tensors = tree.split(local, "")
+    text = json.dumps([shared_skeleton, skeleton], sort_keys=True).encode()
+    digests = [fingerprint(torch.frombuffer(bytearray(text), dtype=torch.uint8)).digest]
+    digests += [fp.digest for fp in fingerprint_many([tensors[key] for key in sorted(tensors)])]
+    return fingerprint(torch.tensor(digests, dtype=torch.uint64)).digest
 
 
 def _rank_document(directory: Path, rank: int, *, step: int) -> dict[str, Any]:

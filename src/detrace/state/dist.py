@@ -42,6 +42,18 @@ def any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+def differs(value: int) -> bool:
+    """Whether `value` (a 64-bit digest) is not the same on every rank; False without a process group."""
+    if not active():
+        return False
+    backend = str(dist.get_backend())
+    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    low = value & ((1 << 62) - 1)  # non-negative in int64, so that its negation is too
+    both = torch.tensor([low, -low], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return int(both[0]) != -int(both[1])  # the largest differs from the smallest
+
+
 def together(
     action: Callable[[], T],
     *,

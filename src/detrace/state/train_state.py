@@ -52,6 +52,10 @@ class TrainState:
         generators: explicit `torch.Generator`s the training draws from (beside the global ones).
         extra: a dict of further per-rank state: objects with `state_dict`/`load_state_dict`, tensors
             (restored in place), or JSON values (replaced in this dict on load).
+        elastic: every rank holds the same state, its own (RNG, data position, extra) included: data
+            parallelism whose ranks all read the global batch and draw alike (`InvariantDataParallel`, a
+            `ResumableSampler` with num_replicas=1). A checkpoint then resumes at any world size, every rank
+            loading rank 0's; saving checks that the ranks' states are the same.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class TrainState:
         data: Any = None,
         generators: Sequence[torch.Generator] = (),
         extra: MutableMapping[str, Any] | None = None,
+        elastic: bool = False,
     ) -> None:
         for name, value in (("scheduler", scheduler), ("scaler", scaler), ("data", data)):
             if value is not None and not _is_stateful(value):
@@ -75,6 +80,7 @@ class TrainState:
         self.data = data
         self.generators = tuple(generators)
         self.extra = extra if extra is not None else {}
+        self.elastic = elastic
         self.step = 0
         """Completed optimizer steps: set by `end_of_step` and `load`."""
 
@@ -84,7 +90,8 @@ class TrainState:
         Atomic: until it returns, `path` still designates the previous checkpoint. Keeps the `keep` most
         recent versions.
         """
-        return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep)
+        return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep,
+                                elastic=self.elastic)
 
     def load(self, path: str | os.PathLike[str], *, control: str | None = None) -> int:
         """Verify the checkpoint at `path` against its manifest, restore everything, return the step.
@@ -152,7 +159,7 @@ class TrainState:
             return self._restore(path, control=control)
 
     def _restore(self, path: Path, *, control: str | None) -> int:
-        loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits)
+        loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits, elastic=self.elastic)
         shared, local = loaded.shared, loaded.local
         if self.optimizer is None:
             set_model_state_dict(self.model, shared["model"])
