@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from detrace.compare import apart
 from detrace.compare.classify import (
     COMMUNICATION,
     IDENTITY,
@@ -86,6 +87,8 @@ class RankOutcome:
     """Process group -> first group_seq of a collective whose input on this rank differed."""
     sent_to: dict[int, int] = field(default_factory=dict)
     """Peer rank -> first group_seq of a send whose data on this rank differed."""
+    apart: apart.Apart | None = None
+    """The records compared apart from the training (checkpoint I/O, framework bookkeeping), if any."""
 
 
 def _unverified(batch: pa.RecordBatch) -> int:
@@ -155,6 +158,7 @@ class RankAligner:
             if m < n:
                 self._resync()
         self._tail()
+        self.outcome.apart = apart.compare(self.a.apart, self.b.apart, start=self.start)
         return self._finish()
 
     def _aligned(self, sa: pa.RecordBatch, sb: pa.RecordBatch, equal: np.ndarray | None) -> None:

@@ -72,23 +72,29 @@ class StepClock:
         """id() of the optimizers that stepped in the current training step."""
         self._occurrences: dict[tuple[str, str | None, str], int] = {}
         """(phase, module, name) -> calls made so far in the current step."""
-        self._lock = lock
+        self.checkpoint_depth = 0
+        """Checkpoint saves or loads running now (`detrace.tracing.checkpoint_io`): calls begun meanwhile are in
+        phase "checkpoint"."""
+        self.lock = lock
         """The tracer's lock."""
         self._moved = moved
         """Called whenever the step changes: reused snapshots and the windows depend on it."""
 
     def begin(self, rung: str, phase: str, name: str, module: str | None = None, *, group: str | None = None,
               group_seq: int | None = None, peer: int | None = None, extra: str | None = None) -> Call:
-        """Open a call: counts its occurrence in this step. Its records are added with `Tracer.emit()`."""
+        """Open a call: counts its occurrence in this step. Its records are added with `Tracer.emit()`. While a
+        checkpoint is saved or loaded, every call is in phase "checkpoint"."""
+        if self.checkpoint_depth:
+            phase = "checkpoint"
         key = (phase, module, name)
-        with self._lock:
+        with self.lock:
             occurrence = self._occurrences.get(key, 0)
             self._occurrences[key] = occurrence + 1
         return Call(rung=rung, phase=phase, name=name, module=module, occurrence=occurrence, step=self.step,
                     group=group, group_seq=group_seq, peer=peer, extra=extra)
 
     def _move(self, step: int) -> None:
-        with self._lock:
+        with self.lock:
             self.step = int(step)
             self._occurrences = {}
             self.trailing = False
@@ -100,7 +106,7 @@ class StepClock:
         unless a source of higher precedence set it already. Returns whether the clock took the value. While the step
         is trailing (after its optimizer step), `step` is the number of the step that begins next (a framework's
         step-end hook says "global step N+1" there)."""
-        with self._lock:
+        with self.lock:
             if precedence(source) > precedence(self.source):
                 return False
             self.source = source
@@ -114,7 +120,7 @@ class StepClock:
         """An optimizer was restored from a checkpoint that carries `step` completed steps (detection with no
         edit). Believed only before this process's first step ended, and below every other source. Returns
         whether the clock took the value."""
-        with self._lock:
+        with self.lock:
             if self._first_step is not None or step <= 0 or not self.detecting:
                 return False
             return self.set_step(step, "optimizer")
@@ -126,14 +132,14 @@ class StepClock:
 
     def advance(self) -> None:
         """The step is over (`detrace.step()` in a loop without an optimizer): the clock moves on now."""
-        with self._lock:
+        with self.lock:
             if self._first_step is None:
                 self._first_step = self.step
             self._move(self.step + 1)
 
     def optimizer_ends(self) -> None:
         """The optimizer step ended the step's compute: what follows is the step's trailing work."""
-        with self._lock:
+        with self.lock:
             if self._first_step is None:
                 self._first_step = self.step
             self.trailing = True
@@ -141,14 +147,14 @@ class StepClock:
     def work_begins(self) -> None:
         """The next step's work begins (its forward, its backward): a trailing step is over."""
         if self.trailing:
-            with self._lock:
+            with self.lock:
                 if self.trailing:
                     self._move(self.step + 1 if self._next is None else self._next)
 
     def optimizer_begins(self, optimizer: object) -> None:
         """An optimizer's step() starts. A second optimizer stepping right after the first (no forward or backward
         in between) belongs to the same training step; one that stepped already begins the next step."""
-        with self._lock:
+        with self.lock:
             if self.trailing and id(optimizer) in self._stepped:
                 self.work_begins()
             if not self.trailing:
