@@ -24,7 +24,7 @@ structural divergence they are shifted in one run while the records themselves s
 
 INPUT_ROLES = frozenset({"input", "grad_output", "grad"})
 """Roles on the way into a call (a module's backward receives grad_output; the optimizer receives grads)."""
-OUTPUT_ROLES = frozenset({"output", "mutated", "grad_input", "param", "state", "component", "metric"})
+OUTPUT_ROLES = frozenset({"output", "mutated", "grad_input", "param", "state", "buffer", "component", "metric"})
 COMMUNICATION = frozenset({"collective", "p2p"})
 
 

@@ -30,6 +30,7 @@ ROLES = (
     "grad",  # optimizer: a parameter's gradient going in
     "param",  # optimizer: a parameter coming out
     "state",  # optimizer: a state tensor coming out (exp_avg, ...)
+    "buffer",  # optimizer: a module buffer (running statistics, counters, EMA copies) as the step ends
     "metric",  # an exact scalar (loss, grad norm, detrace.metric)
     "component",  # one component (data, scales) of a quantized tensor
 )
