@@ -213,6 +213,7 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
                    if r in run.ranks)
         workers = default_workers(len(tasks), size)
     outcomes = map_ranks(align_rank, tasks, workers=workers)
+    notes += [o.layout for o in outcomes if o.layout is not None]
     set_aside = apart.note({o.rank: o.apart for o in outcomes if o.apart is not None})
     if set_aside is not None:
         notes.append(set_aside)
