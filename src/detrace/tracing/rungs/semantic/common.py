@@ -51,23 +51,28 @@ class _Reentry(threading.local):
 reentry = _Reentry()
 
 FRAMEWORKS = ("transformers.", "accelerate.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "torchmetrics.")
-"""Packages whose own collectives (logging gathers, metric syncs, set-up) are bookkeeping, not training."""
+"""Packages whose own collectives (logging gathers, metric syncs, set-up, their checkpoints) are bookkeeping."""
 _MODEL_CODE = ("transformers.models.", "transformers.modeling_")
 """Model code inside a framework package: its collectives (FSDP's gathers in a forward) are training."""
+_CHECKPOINT = "torch.distributed.checkpoint"
+"""DCP: its collectives (planning, gathering the metadata) are checkpoint I/O, whoever calls it."""
 _PASSED = ("torch", "detrace", "contextlib", "functools")
 """Modules looked through to find who made a collective."""
 
 
-def framework_site() -> str | None:
-    """"module:function" of the framework code that made the collective being called now, when its innermost
-    caller outside torch (and detrace, and the standard decorators) is a training framework's own code (not model
-    code); None for anything else: the user's loop, a model's forward, an autograd hook."""
+def caller(*, bookkeeping: bool) -> tuple[str, str] | None:
+    """(phase, "module:function") for a collective being called now that is not training: ("checkpoint", ...)
+    when DCP makes it; with `bookkeeping`, ("bookkeeping", ...) when its innermost caller outside torch (and
+    detrace, and the standard decorators) is a training framework's own code (not model code). None for anything
+    else: the user's loop, a model's forward, an autograd hook."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
+        if module.startswith(_CHECKPOINT):
+            return "checkpoint", f"{module}:{frame.f_code.co_name}"
         if module.split(".", 1)[0] not in _PASSED:
-            if module.startswith(FRAMEWORKS) and not module.startswith(_MODEL_CODE):
-                return f"{module}:{frame.f_code.co_name}"
+            if bookkeeping and module.startswith(FRAMEWORKS) and not module.startswith(_MODEL_CODE):
+                return "bookkeeping", f"{module}:{frame.f_code.co_name}"
             return None
         frame = frame.f_back
     return None
