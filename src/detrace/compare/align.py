@@ -366,9 +366,11 @@ def _buckets(window: pa.Table) -> list[tuple[tuple[int, tuple[str, ...]], int]]:
     """The DDP bucket reductions at the head of `window` (one backward's, recorded together): per bucket, its
     (index, parameter names) and its number of records."""
     found: list[tuple[tuple[int, tuple[str, ...]], int]] = []
-    for phase, extra in zip(window.column("phase").to_pylist(), window.column("extra").to_pylist(), strict=True):
-        if phase != "collective" or extra is None or '"ddp_bucket"' not in extra:
-            break
+    bucket = pc.and_(pc.equal(window.column("phase"), "collective"),
+                     pc.match_substring(window.column("extra"), '"ddp_bucket"'))
+    flags = pc.fill_null(bucket, False).to_numpy(zero_copy_only=False)
+    leading = len(flags) if flags.all() else int(np.argmin(flags))
+    for extra in window.column("extra").slice(0, leading).to_pylist():
         parsed = json.loads(extra)
         layout = (int(parsed["ddp_bucket"]), tuple(parsed.get("params", ())))
         if found and found[-1][0] == layout:
