@@ -151,7 +151,8 @@ def metric(name: str, value: float | object) -> None:
 def _checkpoint_running(running: bool) -> None:
     if _tracer is not None:
         with _tracer.clock.lock:
-            _tracer.clock.checkpoint_depth += 1 if running else -1
+            # max: a tracer started inside a save or load sees its end only
+            _tracer.clock.checkpoint_depth = max(0, _tracer.clock.checkpoint_depth + (1 if running else -1))
 
 
 @contextlib.contextmanager
