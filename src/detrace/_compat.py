@@ -85,6 +85,7 @@ __all__ = [
     "MissingTorchAPI",
     "OpOverload",
     "TorchDispatchMode",
+    "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
     "default_group",
@@ -196,6 +197,16 @@ def current_graph_task_id() -> int:
     Why: a DDP bucket hook must know which backward it belongs to, to record the previous one's buckets when a
     backward failed before its end. Replace with: nothing public; torch.autograd.graph exposes no task id."""
     return torch._C._current_graph_task_id()
+
+
+def current_autograd_node() -> Any:
+    """The autograd node (a `torch.autograd.graph.Node`) whose backward runs now on this thread; None outside one.
+
+    Why: an op run in the backward belongs to the module whose forward created the node running it (a custom
+    autograd.Function's included); the module rung tags nodes with their module (`Node.metadata`, public) and
+    the op rung reads the tag of the running node. Replace with: nothing public; torch.autograd.graph exposes no
+    current node."""
+    return torch._C._current_autograd_node()
 
 
 DDP_BUILTIN_HOOK_REGISTRAR = "_register_builtin_comm_hook"

@@ -26,6 +26,24 @@ tracer does not take the restored optimizer's step count for the step (TrainStat
 everything is restored, so what the restore records stays with the set-up, in no training step)."""
 
 
+checkpoint_running: list[Callable[[bool], None]] = []
+"""Called with True when a checkpoint starts to be saved or loaded and with False when it is done: a tracer records
+what runs meanwhile (DCP's own collectives, the manifest's fingerprints) in phase "checkpoint", apart from the
+training (detrace.tracing registers its listener when imported)."""
+
+
+@contextlib.contextmanager
+def checkpoint_io() -> Iterator[None]:
+    """Announce a checkpoint save or load around the block."""
+    for listener in checkpoint_running:
+        listener(True)
+    try:
+        yield
+    finally:
+        for listener in checkpoint_running:
+            listener(False)
+
+
 @contextlib.contextmanager
 def restoring() -> Iterator[None]:
     """Announce a restore around the block."""

@@ -106,8 +106,9 @@ def test_the_tracer_gets_global_steps_and_hf_metrics(tmp_path: Path) -> None:
     records = read_rank(tmp_path / "trace", 0).table.to_pylist()
     logged = {(entry["step"], name): entry[name] for entry in trainer.state.log_history
               for name in ("loss", "grad_norm", "learning_rate") if name in entry}
-    traced = {(r["step"], r["name"].removeprefix("hf/")): r["value"] for r in records if r["name"].startswith("hf/")}
-    # HF logs step N's metrics after its optimizer step: they are recorded at the start of global step N.
+    traced = {(r["step"] + 1, r["name"].removeprefix("hf/")): r["value"] for r in records
+              if r["name"].startswith("hf/")}
+    # HF logs its step N (N optimizer steps done) after the optimizer step: the trailing work of global step N-1.
     assert traced == logged and {step for step, _ in traced} == {1, 2, 3}
 
 

@@ -166,7 +166,8 @@ def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_p
 
 def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """StepClock without a tracer: a restored count believed only before the first step ends, occurrences counted
-    afresh in each step, a second optimizer right after the first back in the same step, sources by precedence."""
+    afresh in each step, trailing work kept in its step, a second optimizer right after the first in the same
+    step, sources by precedence."""
     monkeypatch.delenv(STEP_OFFSET_ENV, raising=False)
     moves: list[int] = []
     clock = StepClock(lock=threading.RLock(), moved=lambda: moves.append(clock.step))
@@ -176,19 +177,58 @@ def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clock.begin("op", "forward", "mm").occurrence == 0
     first, second = object(), object()
     clock.optimizer_begins(first)
-    clock.advance()
-    clock.after_optimizer = True
-    assert clock.stepped and not clock.restored(9)
+    clock.optimizer_ends()
+    assert clock.stepped and clock.trailing and not clock.restored(9)
+    assert clock.step == 4 and clock.begin("metrics", "forward", "loss").occurrence == 0  # trailing: still step 4
     clock.optimizer_begins(second)
+    clock.optimizer_ends()
     assert clock.step == 4 and clock.begin("op", "forward", "mm").occurrence == 1
-    clock.advance()
     clock.backward_begins()
+    assert clock.step == 5 and not clock.trailing
     clock.optimizer_begins(first)
-    assert clock.step == 5
+    clock.optimizer_ends()
+    clock.optimizer_begins(first)  # the same optimizer again, with no backward seen: the next step
+    assert clock.step == 6
+    clock.optimizer_ends()
+    assert clock.set_step(9, "hf") and clock.step == 6  # said after the step: the number of the next one
+    clock.work_begins()
+    assert clock.step == 9
     assert clock.set_step(7, "hf") and not clock.set_step(2, "optimizer") and clock.set_step(3, "explicit")
     assert not clock.set_step(8, "lightning")
-    assert moves == [4, 5, 4, 5, 7, 3]
+    assert moves == [4, 5, 6, 9, 7, 3]
     assert clock.steps([4, 5]) == {"first": 4, "recorded": [4, 5], "source": "explicit"}
+
+
+def test_work_after_the_optimizer_step_belongs_to_that_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A loop that logs its loss after `optimizer.step()`: the record lands in the step that computed it, so a run
+    resumed from a TrainState after step 2 matches the continuous run from step 2 on (it never ran step 1's
+    trailing work)."""
+
+    def train(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> None:
+        batches = _batches(4)
+        for i in steps:
+            loss = nn.functional.mse_loss(model(batches[i], scale=torch.tensor(2.0)), torch.zeros(8, 1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            detrace.metric("logged", loss)
+
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        train(*_fresh(), range(4))
+    model, optimizer = _fresh()
+    train(model, optimizer, range(2))
+    state = detrace.TrainState(model=model, optimizer=optimizer)
+    state.step = 2
+    state.save(tmp_path / "ckpt")
+    with detrace.trace(tmp_path / "b", rung="semantic"):
+        model, optimizer = _fresh()
+        detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt")
+        train(model, optimizer, range(2, 4))
+    logged = [(r["step"], r["occurrence"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
+              if r["name"] == "logged"]
+    assert logged == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0, capsys.readouterr().out
 
 
 @pytest.mark.parametrize("value", ["-1", "ten", "1.5"])

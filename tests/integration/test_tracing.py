@@ -100,8 +100,8 @@ def test_metrics_are_exact_and_stepped(tmp_path: Path) -> None:
     assert all(r["role"] == "metric" and r["rung"] == "metrics" for r in records)
     norms = [r for r in records if r["name"] == "grad_norm"]
     assert [r["step"] for r in norms] == [0, 1, 2] and all(r["phase"] == "optimizer" for r in norms)
-    # detrace.metric after optimizer.step(): the step has ended, so it belongs to the next one
-    assert [(r["step"], r["value"]) for r in records if r["name"] == "lr"] == [(1, 0.01), (2, 0.01), (3, 0.01)]
+    # detrace.metric after optimizer.step(): the step's trailing work, so it belongs to that step
+    assert [(r["step"], r["value"]) for r in records if r["name"] == "lr"] == [(0, 0.01), (1, 0.01), (2, 0.01)]
     assert [r["seq"] for r in records] == list(range(len(records)))
 
 

@@ -146,6 +146,26 @@ def test_backward_task_id_and_end_of_backward_callback() -> None:
     assert seen["task"] >= 0 and seen["ended"] and seen["in_task"] == seen["task"]
 
 
+def test_current_autograd_node_is_the_node_running_its_backward() -> None:
+    seen: list[Any] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(_compat.current_autograd_node())
+            return grad
+
+    assert _compat.current_autograd_node() is None
+    y = Probe.apply(torch.ones(2, requires_grad=True))
+    y.grad_fn.metadata["owner"] = "probe"
+    y.sum().backward()
+    assert seen[0] is y.grad_fn and seen[0].metadata == {"owner": "probe"}
+
+
 def test_ddp_builtin_hook_registrar() -> None:
     registrar = getattr(DDP, _compat.DDP_BUILTIN_HOOK_REGISTRAR)
     assert callable(registrar)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from detrace.cli._args import ArgumentParser, split_command
+from detrace.compare.result import scope_label
 from detrace.errors import CommandFailed, DetraceError
 from detrace.ladder import LOCATE_SCHEMA, LocateResult, Stage
 from detrace.locate import (
@@ -66,7 +67,7 @@ def render(result: LocateResult, console: Console) -> None:
     console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit
-        console.print(f"  culprit  {c.name}  module {c.module or '-'}  phase {c.phase}  "
+        console.print(f"  culprit  {c.name}  module {scope_label(c.module) or '-'}  phase {c.phase}  "
                       f"step {c.step}  rank {c.rank}  {'origin' if c.origin else 'receiver'}",
                       highlight=False)
     for record in result.culprit_records:

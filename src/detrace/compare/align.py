@@ -16,6 +16,7 @@ never an origin here: the divergence came from a peer, which causality.py decide
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from detrace.compare import apart
 from detrace.compare.classify import (
     COMMUNICATION,
     IDENTITY,
@@ -86,6 +88,11 @@ class RankOutcome:
     """Process group -> first group_seq of a collective whose input on this rank differed."""
     sent_to: dict[int, int] = field(default_factory=dict)
     """Peer rank -> first group_seq of a send whose data on this rank differed."""
+    apart: apart.Apart | None = None
+    """The records compared apart from the training (checkpoint I/O, framework bookkeeping), if any."""
+    layout: str | None = None
+    """The first DDP bucket layout change, in one sentence (its buckets were not compared; the per-parameter
+    gradients were)."""
 
 
 def _unverified(batch: pa.RecordBatch) -> int:
@@ -146,6 +153,8 @@ class RankAligner:
                 self.b.advance(n)
                 continue
             ident = identity_mask(sa, sb)
+            if self._layout_changed(sa, sb, ident):
+                continue
             m = n if ident.all() else int(np.argmin(ident))
             if m:
                 sa, sb = sa.slice(0, m), sb.slice(0, m)
@@ -155,6 +164,7 @@ class RankAligner:
             if m < n:
                 self._resync()
         self._tail()
+        self.outcome.apart = apart.compare(self.a.apart, self.b.apart, start=self.start)
         return self._finish()
 
     def _aligned(self, sa: pa.RecordBatch, sb: pa.RecordBatch, equal: np.ndarray | None) -> None:
@@ -216,6 +226,38 @@ class RankAligner:
                 self.outcome.sent_to[row["peer"]] = min(seq, self.outcome.sent_to.get(row["peer"], seq))
             elif row["group"] is not None:
                 self.outcome.sent[row["group"]] = min(seq, self.outcome.sent.get(row["group"], seq))
+
+    # -- DDP bucket layouts ---------------------------------------------------------------------------------
+    def _layout_changed(self, sa: pa.RecordBatch, sb: pa.RecordBatch, ident: np.ndarray) -> bool:
+        """Where the first differing record of two aligned slices is a DDP bucket reduction and the two runs'
+        buckets of that backward hold other parameters (or in another order), skip both runs' bucket records of
+        that backward, note the layout change and return True: a rebuilt layout is no numeric origin, and the
+        gradients it produced are compared per parameter in the optimizer's grad records."""
+        equal = ident.copy()
+        equal[ident] = content_mask(sa.filter(pa.array(ident)), sb.filter(pa.array(ident)))
+        if equal.all():
+            return False
+        k = int(np.argmin(equal))
+        if not (_is_bucket(sa, k) or _is_bucket(sb, k)):
+            return False
+        buckets_a = _buckets(self.a.window(k + LOOKAHEAD).slice(k))
+        buckets_b = _buckets(self.b.window(k + LOOKAHEAD).slice(k))
+        if [layout for layout, _ in buckets_a] == [layout for layout, _ in buckets_b]:
+            return False  # the same layout: its bits are compared as they are
+        self._aligned(sa.slice(0, k), sb.slice(0, k), None)
+        self.a.advance(k)
+        self.b.advance(k)
+        if self.outcome.layout is None:
+            step = int(sa.column("step")[k].as_py())
+            which = next((i for i, (x, y) in enumerate(zip(buckets_a, buckets_b, strict=False)) if x[0] != y[0]),
+                         min(len(buckets_a), len(buckets_b)))
+            self.outcome.layout = (
+                f"rank {self.rank}, step {step}: the DDP bucket layout differs ({len(buckets_a)} buckets in A, "
+                f"{len(buckets_b)} in B; bucket {which} holds {_params(buckets_a, which)} in A and "
+                f"{_params(buckets_b, which)} in B): the buckets were not compared, the gradients per parameter were")
+        self.a.advance(sum(rows for _, rows in buckets_a))
+        self.b.advance(sum(rows for _, rows in buckets_b))
+        return True
 
     # -- structural divergence ------------------------------------------------------------------------------
     def _resync(self) -> None:
@@ -310,6 +352,39 @@ class RankAligner:
             if seqs[0].as_py() > last:
                 break
         return {"inputs": inputs, "outputs": outputs}
+
+
+def _is_bucket(batch: pa.RecordBatch, i: int) -> bool:
+    """Whether record `i` is a DDP bucket reduction (its extra names the bucket)."""
+    if i >= batch.num_rows:
+        return False
+    extra = batch.column("extra")[i].as_py()
+    return batch.column("phase")[i].as_py() == "collective" and extra is not None and '"ddp_bucket"' in extra
+
+
+def _buckets(window: pa.Table) -> list[tuple[tuple[int, tuple[str, ...]], int]]:
+    """The DDP bucket reductions at the head of `window` (one backward's, recorded together): per bucket, its
+    (index, parameter names) and its number of records."""
+    found: list[tuple[tuple[int, tuple[str, ...]], int]] = []
+    bucket = pc.and_(pc.equal(window.column("phase"), "collective"),
+                     pc.match_substring(window.column("extra"), '"ddp_bucket"'))
+    flags = pc.fill_null(bucket, False).to_numpy(zero_copy_only=False)
+    leading = len(flags) if flags.all() else int(np.argmin(flags))
+    for extra in window.column("extra").slice(0, leading).to_pylist():
+        parsed = json.loads(extra)
+        layout = (int(parsed["ddp_bucket"]), tuple(parsed.get("params", ())))
+        if found and found[-1][0] == layout:
+            found[-1] = (layout, found[-1][1] + 1)
+        else:
+            found.append((layout, 1))
+    return found
+
+
+def _params(buckets: list[tuple[tuple[int, tuple[str, ...]], int]], i: int) -> str:
+    if i >= len(buckets):
+        return "nothing"
+    names = buckets[i][0][1]
+    return "[" + ", ".join(names[:4]) + (f", ... {len(names)} in all" if len(names) > 4 else "") + "]"
 
 
 def align_rank(task: tuple[int, str, str, bool, bool, int, int | None]) -> RankOutcome:

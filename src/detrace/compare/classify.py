@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from detrace.compare.result import scope_label
+
 IDENTITY = ("step", "rung", "phase", "module", "name", "occurrence", "role", "index")
 CONTENT = ("shape", "dtype", "numel", "digest", "chunks", "value")
 COMPARED = IDENTITY + CONTENT
@@ -24,7 +26,7 @@ structural divergence they are shifted in one run while the records themselves s
 
 INPUT_ROLES = frozenset({"input", "grad_output", "grad"})
 """Roles on the way into a call (a module's backward receives grad_output; the optimizer receives grads)."""
-OUTPUT_ROLES = frozenset({"output", "mutated", "grad_input", "param", "state", "component", "metric"})
+OUTPUT_ROLES = frozenset({"output", "mutated", "grad_input", "param", "state", "buffer", "component", "metric"})
 COMMUNICATION = frozenset({"collective", "p2p"})
 
 
@@ -102,7 +104,7 @@ def content_mask(a: pa.RecordBatch, b: pa.RecordBatch) -> np.ndarray:
 
 def label(row: dict[str, Any]) -> str:
     """A record's identity in one line: "backward layers.1.moe aten.index_put_.default#0 output[0]"."""
-    scope = f" {row['module']}" if row.get("module") else ""
+    scope = f" {scope_label(row.get('module'))}" if row.get("module") is not None else ""
     return f"{row['phase']}{scope} {row['name']}#{row['occurrence']} {row['role']}[{row['index']}]"
 
 

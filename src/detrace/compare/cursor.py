@@ -1,7 +1,8 @@
 """One rank file read for the alignment: batch by batch, with a bounded look-ahead window, never whole.
 
 `compare.align` advances two cursors, one per run, over the same rank's records; a cursor holds the batches it
-has read but not yet consumed, so memory stays a few batches per side however long the run.
+has read but not yet consumed, so memory stays a few batches per side however long the run. Records compared apart
+(checkpoint I/O, framework bookkeeping: detrace.compare.apart) are set aside as the batches are read.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from detrace.compare.apart import split
 from detrace.tracefile import iter_batches, rank_path
 from detrace.tracefile.reader import read_footer
 
@@ -29,6 +31,8 @@ class RankCursor:
         """Records consumed so far."""
         self.end = end
         """The last global step compared: records of later steps are left out (None: to the end of the file)."""
+        self.apart: list[pa.RecordBatch] = []
+        """The records set aside, read so far, to be compared apart (detrace.compare.apart)."""
 
     @property
     def complete(self) -> bool:
@@ -41,6 +45,9 @@ class RankCursor:
                 # Steps never decrease within a rank: the rest of the file lies past the compared steps.
                 batch = batch.slice(0, int(np.searchsorted(batch.column("step").to_numpy(), self.end, side="right")))
                 self._batches = iter(())
+            batch, apart = split(batch)
+            if apart is not None:
+                self.apart.append(apart)
             if batch.num_rows:
                 self._buffer.append(batch)
                 self._buffered += batch.num_rows

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from detrace.compare import apart
 from detrace.compare.align import align_rank
 from detrace.compare.causality import resolve
 from detrace.compare.pool import default_workers, map_ranks
@@ -212,6 +213,10 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
                    if r in run.ranks)
         workers = default_workers(len(tasks), size)
     outcomes = map_ranks(align_rank, tasks, workers=workers)
+    notes += [o.layout for o in outcomes if o.layout is not None]
+    set_aside = apart.note({o.rank: o.apart for o in outcomes if o.apart is not None})
+    if set_aside is not None:
+        notes.append(set_aside)
     results, origin_ranks, first = resolve(outcomes)
     verdict: DiffVerdict = "diverged" if first is not None else "identical"
     steps = (start, max(s[1] for s in spans.values())) if spans else None

@@ -18,6 +18,11 @@ Kind = Literal["numeric", "structural", "missing"]
 Cause = Literal["origin", "receiver", "identical", "missing"]
 
 
+def scope_label(module: str | None) -> str | None:
+    """A record's module as a reader names it: the root model's qualified name "" is "(root)"."""
+    return "(root)" if module == "" else module
+
+
 @dataclass(frozen=True, kw_only=True)
 class Divergence:
     """The first record of one rank where two runs differ."""
@@ -31,7 +36,7 @@ class Divergence:
     rung: str
     """metrics | semantic | module | op."""
     phase: str
-    """forward | backward | optimizer | collective | p2p | recompute | data | other."""
+    """forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | other."""
     kind: Kind
     """numeric (same identity, different bits), structural (the sequence of calls changed), missing (a run ended)."""
     name: str
@@ -59,6 +64,11 @@ class Divergence:
         return {"rank": self.rank, "step": self.step, "seq": self.seq, "rung": self.rung, "phase": self.phase,
                 "kind": self.kind, "name": self.name, "module": self.module, "role": self.role,
                 "origin": self.origin}
+
+    @property
+    def scope(self) -> str | None:
+        """The module as a reader names it: the root model ("") is "(root)"; None when no module was in scope."""
+        return scope_label(self.module)
 
     @property
     def order(self) -> tuple[int, int, int, int]:

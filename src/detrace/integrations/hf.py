@@ -179,10 +179,6 @@ class DetraceCallback(TrainerCallback):
             raise CheckpointError(
                 f"{directory} was saved at global step {saved['global_step']}, and HF resumed at {state.global_step}"
             )
-        # The continuous run recorded HF's logs of step N right after that step; so does the resumed run.
-        last = state.log_history[-1] if state.log_history else {}
-        if last.get("step") == state.global_step:
-            _record(last)
 
 
 def _position(state: TrainerState) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, first_origin
 from detrace.compare.pairs import first_origin_call, ranks_spec, same_over
+from detrace.compare.result import scope_label
 from detrace.errors import CommandFailed, TraceError
 from detrace.ladder import (
     Cost,
@@ -276,8 +277,9 @@ class Ladder:
         assert culprit is not None
         result.culprit_records = call_records(op_stage.runs[-2], op_stage.runs[-1], culprit)
         result.verdict = "nondeterministic"
-        result.message = (f"culprit: {culprit.name}" + (f" in {culprit.module}" if culprit.module else "")
-                          + f", {culprit.phase} of step {culprit.step} on rank {culprit.rank}")
+        where = f" in {scope_label(culprit.module)}" if culprit.module is not None else ""
+        result.message = (f"culprit: {culprit.name}{where}, {culprit.phase} of step {culprit.step} on rank "
+                          f"{culprit.rank}")
         result.replay = self._kernel(culprit)
         if result.replay is not None:
             fix = ", ".join(result.replay.fixed_by) or "no switch tried"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from detrace.compare.metrics import metric_rank, metric_series
 from detrace.compare.pairs import divergence_map
+from detrace.compare.result import scope_label
 from detrace.errors import TraceError
 from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
 from detrace.replay_records import ReplayResult
@@ -146,7 +147,7 @@ def _path_section(ladder: LocateResult) -> list[str]:
                      f"<code>{e(module.name)}</code> ({e(module.role)}).</li>")
     op = stages["op"].found if "op" in stages else None
     if op:
-        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(op.module or '(no module)')}</b>, "
+        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(scope_label(op.module) or '(no module)')}</b>, "
                      f"{e(op.phase)} of step {e(op.step)} on rank {e(op.rank)}: "
                      + ("its inputs were equal and its output differed (origin)." if op.origin else
                         "its inputs already differed (receiver).") + "</li>")

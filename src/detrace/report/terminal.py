@@ -26,7 +26,7 @@ _STYLE = {"identical": "bold green", "diverged": "bold red", "incomparable": "bo
 def _where(d: Divergence) -> str:
     if d.phase == "data":
         return f"rank {d.rank}, step {d.step}, the input batch ({d.role}[{d.index}], call #{d.occurrence})"
-    module = f" in {d.module}" if d.module else ""
+    module = f" in {d.scope}" if d.scope else ""
     return f"rank {d.rank}, step {d.step}, {d.phase}{module}: {d.name} ({d.role}[{d.index}], call #{d.occurrence})"
 
 

@@ -90,8 +90,9 @@ class TrainState:
         Atomic: until it returns, `path` still designates the previous checkpoint. Keeps the `keep` most
         recent versions.
         """
-        return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(), keep=keep,
-                                elastic=self.elastic)
+        with _events.checkpoint_io():
+            return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(),
+                                    keep=keep, elastic=self.elastic)
 
     def load(self, path: str | os.PathLike[str], *, control: str | None = None) -> int:
         """Verify the checkpoint at `path` against its manifest, restore everything, return the step.
@@ -155,7 +156,7 @@ class TrainState:
         return local
 
     def _load(self, path: Path, *, control: str | None) -> int:
-        with _events.restoring():
+        with _events.checkpoint_io(), _events.restoring():
             return self._restore(path, control=control)
 
     def _restore(self, path: Path, *, control: str | None) -> int:

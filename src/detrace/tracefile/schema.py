@@ -16,7 +16,11 @@ _FORMAT = "detrace.trace/"
 
 # Ordered: each rung includes the ones before it.
 RUNGS = ("metrics", "semantic", "module", "op")
-PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", "data", "other")
+PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", "data", "checkpoint", "bookkeeping",
+          "other")
+"""`checkpoint`: anything recorded while a checkpoint is saved or loaded; `bookkeeping`: a collective a training
+framework makes for itself (HF Trainer's logging gathers, Lightning's `self.log(sync_dist=True)`). The diff compares
+both apart from the training, by identity (detrace.compare.apart)."""
 ROLES = (
     "input",  # argument of a module/op/collective call
     "output",  # result of a call
@@ -26,6 +30,7 @@ ROLES = (
     "grad",  # optimizer: a parameter's gradient going in
     "param",  # optimizer: a parameter coming out
     "state",  # optimizer: a state tensor coming out (exp_avg, ...)
+    "buffer",  # optimizer: a module buffer (running statistics, counters, EMA copies) as the step ends
     "metric",  # an exact scalar (loss, grad norm, detrace.metric)
     "component",  # one component (data, scales) of a quantized tensor
 )
@@ -35,7 +40,8 @@ FIELDS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ("seq", pa.int64(), False, "per-rank sequence number, dense from 0, in execution order"),
     ("step", pa.int64(), False, "training step (optimizer steps completed before this record)"),
     ("rung", pa.string(), False, "metrics | semantic | module | op"),
-    ("phase", pa.string(), False, "forward | backward | optimizer | collective | p2p | recompute | data | other"),
+    ("phase", pa.string(), False,
+     "forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | other"),
     ("module", pa.string(), True, "innermost nn.Module qualified name in scope, if any"),
     ("name", pa.string(), False, "op name (aten.mm.default), module name, collective (all_reduce) or metric"),
     ("occurrence", pa.int32(), False, "how many calls with this (phase, module, name) came before in this step"),

@@ -29,7 +29,7 @@ from detrace import _events
 from detrace.errors import UsageError
 from detrace.tracing.config import TraceConfig
 
-__all__ = ["active", "arm_from_env", "metric", "set_step", "step", "trace"]
+__all__ = ["active", "arm_from_env", "checkpoint_io", "metric", "set_step", "step", "trace"]
 
 _tracer = None  # the active detrace.tracing.session.Tracer, if any
 _undo: list[Callable[[], None]] = []
@@ -148,6 +148,23 @@ def metric(name: str, value: float | object) -> None:
         record(_tracer, name, value)  # type: ignore[arg-type]
 
 
+def _checkpoint_running(running: bool) -> None:
+    if _tracer is not None:
+        with _tracer.clock.lock:
+            # max: a tracer started inside a save or load sees its end only
+            _tracer.clock.checkpoint_depth = max(0, _tracer.clock.checkpoint_depth + (1 if running else -1))
+
+
+@contextlib.contextmanager
+def checkpoint_io() -> Iterator[None]:
+    """Record what runs inside the block (a framework's checkpoint save or load: its collectives, its ops) in phase
+    "checkpoint", which `detrace diff` and `check-resume` compare apart from the training: a resumed process loads
+    a checkpoint and a continuous one may save one, and neither is a divergence. `detrace.TrainState` enters it by
+    itself; integrations enter it around the framework's own save and load."""
+    with _events.checkpoint_io():
+        yield
+
+
 def _restore_running(running: bool) -> None:
     if _tracer is not None:
         _tracer.clock.detecting = not running
@@ -156,3 +173,4 @@ def _restore_running(running: bool) -> None:
 # A TrainState restored to step n: the clock counts on from n, and the restore itself detects no step.
 _events.step_restored.append(lambda n: set_step(n, source="train_state"))
 _events.restore_running.append(_restore_running)
+_events.checkpoint_running.append(_checkpoint_running)

@@ -41,6 +41,21 @@ def roots() -> list[nn.Module]:
     return [module for module in modules if id(module) not in children]
 
 
+def owners(parameters: set[int]) -> list[nn.Module]:
+    """The root modules alive now that hold any of `parameters` (by id): the models an optimizer trains."""
+    return [root for root in roots() if any(id(p) in parameters for p in root.parameters())]
+
+
+def buffers(root: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(qualified name, tensor) of every buffer of a model, named as the bare model names it, each once."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for prefix, module in named_modules(root):
+        for name, buffer in module.named_buffers(recurse=False):
+            if isinstance(buffer, torch.Tensor):
+                found.setdefault(id(buffer), (f"{prefix}.{name}" if prefix else name, buffer))
+    return list(found.values())
+
+
 def parameter_names() -> dict[int, str]:
     """id(parameter) -> qualified name, over every root module alive now."""
     names: dict[int, str] = {}

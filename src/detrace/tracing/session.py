@@ -137,8 +137,10 @@ class Tracer:
             self.flush(step_ended=True)
 
     def user_step(self) -> None:
-        """`detrace.step()`: ends the step unless an optimizer step already ended it (and no backward ran since)."""
-        if not self.clock.after_optimizer:
+        """`detrace.step()`: ends the step, or its trailing work when an optimizer step ended its compute."""
+        if self.clock.trailing:
+            self.clock.work_begins()
+        else:
             self.end_step()
 
     def optimizer_begins(self, optimizer: object) -> None:
@@ -152,8 +154,8 @@ class Tracer:
     def optimizer_ends(self) -> None:
         with self._lock:
             self.phase = "forward"
-            self.end_step()
-            self.clock.after_optimizer = True
+            self.clock.optimizer_ends()
+            self.flush(step_ended=True)
 
     # -- rank discovery ---------------------------------------------------------------------------------------
 

@@ -7,6 +7,13 @@ DETRACE_STEP_OFFSET (0 when unset) and is set by the first source that applies, 
 "env" for the offset), a framework integration ("hf", "lightning", ...), and detection with no edit: an optimizer
 restored from a checkpoint carries its step count ("optimizer"). A source of lower precedence never overrides
 one of higher precedence. The footer records the first and last global step and the source (`StepClock.steps`).
+
+A step's trailing work belongs to that step: what runs after the optimizer step (a loss logged after
+`optimizer.step()`, a framework's logging gathers, a checkpoint saved there) is recorded in the step that just
+ended, not in the next one. The clock moves on lazily, when the next step's work begins: the next forward call of
+the model (an outermost module with parameters), the next backward, the next optimizer step (of an optimizer that
+already stepped), or `detrace.step()`. A resumed process, which never ran the step before the one it resumes at,
+then holds none of that step's trailing records, and the step both runs share starts at the same record.
 """
 
 from __future__ import annotations
@@ -54,47 +61,58 @@ class StepClock:
         self.detecting = True
         """Whether an optimizer's restored step count may set the clock (TrainState turns it off while it
         restores: it sets the step itself, afterwards)."""
-        self.after_optimizer = False
-        """Whether an optimizer step ended the current step and no backward ran since (`detrace.step()` then
-        ends nothing)."""
+        self.trailing = False
+        """Whether an optimizer step ended the current step's compute and the next step's work has not begun: records
+        made now are the step's trailing work (see the module's docstring)."""
+        self._next: int | None = None
+        """The global step the next step gets when it begins (set while trailing; None: this step + 1)."""
         self._first_step: int | None = None
         """The global step of the first step that ended in this process (the first optimizer step)."""
         self._stepped: set[int] = set()
         """id() of the optimizers that stepped in the current training step."""
         self._occurrences: dict[tuple[str, str | None, str], int] = {}
         """(phase, module, name) -> calls made so far in the current step."""
-        self._previous_occurrences: dict[tuple[str, str | None, str], int] = {}
-        """The same for the step before (a second optimizer stepping goes back to it)."""
-        self._lock = lock
+        self.checkpoint_depth = 0
+        """Checkpoint saves or loads running now (`detrace.tracing.checkpoint_io`): calls begun meanwhile are in
+        phase "checkpoint"."""
+        self.lock = lock
         """The tracer's lock."""
         self._moved = moved
         """Called whenever the step changes: reused snapshots and the windows depend on it."""
 
     def begin(self, rung: str, phase: str, name: str, module: str | None = None, *, group: str | None = None,
               group_seq: int | None = None, peer: int | None = None, extra: str | None = None) -> Call:
-        """Open a call: counts its occurrence in this step. Its records are added with `Tracer.emit()`."""
+        """Open a call: counts its occurrence in this step. Its records are added with `Tracer.emit()`. While a
+        checkpoint is saved or loaded, every call is in phase "checkpoint"."""
+        if self.checkpoint_depth:
+            phase = "checkpoint"
         key = (phase, module, name)
-        with self._lock:
+        with self.lock:
             occurrence = self._occurrences.get(key, 0)
             self._occurrences[key] = occurrence + 1
         return Call(rung=rung, phase=phase, name=name, module=module, occurrence=occurrence, step=self.step,
                     group=group, group_seq=group_seq, peer=peer, extra=extra)
 
     def _move(self, step: int) -> None:
-        with self._lock:
+        with self.lock:
             self.step = int(step)
             self._occurrences = {}
-            self.after_optimizer = False
+            self.trailing = False
+            self._next = None
             self._moved()
 
     def set_step(self, step: int, source: str = "explicit") -> bool:
         """Set the global step of what runs now (e.g. after resuming from a checkpoint taken after `step` steps),
-        unless a source of higher precedence set it already. Returns whether the clock took the value."""
-        with self._lock:
+        unless a source of higher precedence set it already. Returns whether the clock took the value. While the step
+        is trailing (after its optimizer step), `step` is the number of the step that begins next (a framework's
+        step-end hook says "global step N+1" there)."""
+        with self.lock:
             if precedence(source) > precedence(self.source):
                 return False
             self.source = source
-            if step != self.step:
+            if self.trailing:
+                self._next = step
+            elif step != self.step:
                 self._move(step)
             return True
 
@@ -102,7 +120,7 @@ class StepClock:
         """An optimizer was restored from a checkpoint that carries `step` completed steps (detection with no
         edit). Believed only before this process's first step ended, and below every other source. Returns
         whether the clock took the value."""
-        with self._lock:
+        with self.lock:
             if self._first_step is not None or step <= 0 or not self.detecting:
                 return False
             return self.set_step(step, "optimizer")
@@ -113,28 +131,39 @@ class StepClock:
         return self._first_step is not None
 
     def advance(self) -> None:
-        """The step is over: the clock moves on to the next."""
-        with self._lock:
+        """The step is over (`detrace.step()` in a loop without an optimizer): the clock moves on now."""
+        with self.lock:
             if self._first_step is None:
                 self._first_step = self.step
-            self._previous_occurrences = self._occurrences
             self._move(self.step + 1)
 
+    def optimizer_ends(self) -> None:
+        """The optimizer step ended the step's compute: what follows is the step's trailing work."""
+        with self.lock:
+            if self._first_step is None:
+                self._first_step = self.step
+            self.trailing = True
+
+    def work_begins(self) -> None:
+        """The next step's work begins (its forward, its backward): a trailing step is over."""
+        if self.trailing:
+            with self.lock:
+                if self.trailing:
+                    self._move(self.step + 1 if self._next is None else self._next)
+
     def optimizer_begins(self, optimizer: object) -> None:
-        """An optimizer's step() starts. A second optimizer stepping right after the first (no backward in
-        between) belongs to the same training step, so the clock goes back to it."""
-        with self._lock:
-            if self.after_optimizer and id(optimizer) not in self._stepped:
-                occurrences = self._previous_occurrences
-                self._move(self.step - 1)
-                self._occurrences = occurrences
-            elif not self.after_optimizer:
+        """An optimizer's step() starts. A second optimizer stepping right after the first (no forward or backward
+        in between) belongs to the same training step; one that stepped already begins the next step."""
+        with self.lock:
+            if self.trailing and id(optimizer) in self._stepped:
+                self.work_begins()
+            if not self.trailing:
                 self._stepped = set()
             self._stepped.add(id(optimizer))
 
     def backward_begins(self) -> None:
-        """A backward pass starts: the next optimizer step is a new training step."""
-        self.after_optimizer = False
+        """A backward pass starts: the next step's work."""
+        self.work_begins()
 
     def steps(self, recorded: list[int]) -> dict[str, Any]:
         """The footer's account of the global steps: the first step run, the first and last step holding records

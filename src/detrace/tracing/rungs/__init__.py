@@ -17,10 +17,11 @@ Undo = Callable[[], None]
 
 def install(tracer: Tracer) -> list[Undo]:
     """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables."""
-    undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer)]
+    undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer),
+            *batch.install(tracer)]  # at every rung: the model's forward begins a step (detrace.tracing.steps)
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):
-        undo += semantic.install(tracer) + batch.install(tracer) + compiled.install(tracer)
+        undo += semantic.install(tracer) + compiled.install(tracer)
     if rung_includes(rung, "module"):
         undo += module.install(tracer)
     if rung_includes(rung, "op"):

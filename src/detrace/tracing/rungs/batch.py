@@ -11,6 +11,9 @@ microbatch of a step is one such call (told apart by its occurrence).
 arguments (HF models take the whole batch as keywords) and would move every module call to torch's slow path.
 Only forward-phase calls are recorded: a checkpointed block recomputed in backward is no batch. Compiled code
 (Dynamo tracing a module call) goes straight to the original.
+
+The same outermost forward call tells the step clock, at every rung, that the next step's work begins: the
+trailing work of the step before (what ran after its optimizer step) is over (see detrace.tracing.steps).
 """
 
 from __future__ import annotations
@@ -53,12 +56,14 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
 
     def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # is_compiling() first: Dynamo inlines this function into compiled regions, and must not trace the rest.
-        if torch.compiler.is_compiling() or getattr(local, "inside", False) or not tracer.on["semantic"]:
+        if torch.compiler.is_compiling() or getattr(local, "inside", False) or not tracer.enabled:
             return original(module, *args, **kwargs)
         local.inside = True
         try:
             if tracer.phase == "forward" and not tracer.busy and _has_parameters(module):
-                record(tracer, module, args, kwargs)
+                tracer.clock.work_begins()
+                if tracer.on["semantic"]:
+                    record(tracer, module, args, kwargs)
             return original(module, *args, **kwargs)
         finally:
             local.inside = False

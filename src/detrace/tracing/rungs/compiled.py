@@ -43,6 +43,7 @@ from detrace.tracing.capture import Capturer
 from detrace.tracing.names import named_modules, roots
 from detrace.tracing.patch import replace
 from detrace.tracing.records import recorded_leaves
+from detrace.tracing.rungs.module import owner
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -115,8 +116,8 @@ class _Kernel:
             return self.kernel(*args)
         recorder = _active[0]
         tracer = recorder.tracer
-        module = tracer.scope[-1] if tracer.scope else None
-        call = tracer.begin("op", tracer.phase, self.record_name, module, extra=self.extra)
+        # In the backward: the module whose forward created the running node, the compiled region's owner.
+        call = tracer.begin("op", tracer.phase, self.record_name, owner(tracer.phase, tracer.scope), extra=self.extra)
         # fresh: kernels write through raw pointers, which bump no version counter.
         tracer.emit(call, "input", tracer.snapshot([args[i] for i in self.reads], fresh=True))
         capturer = recorder.capturer

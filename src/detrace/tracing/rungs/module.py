@@ -12,6 +12,13 @@ gradients (grad_output as the module's backward begins, grad_input when it ends)
 The hooks also keep the scope stack (`tracer.scope`) that tells every record below, ops included, its
 innermost module, in forward, recompute and backward. They are registered only in steps where the module
 rung records, so outside the window they cost nothing.
+
+Backward attribution: the scope stack in the backward follows the tensor hooks, which fire in the order the
+engine reaches each module's outputs, not in the order of the nodes that run ops. So every autograd node a
+module's forward created is tagged with the module (`Node.metadata`, at the end of the forward: the nodes
+between its outputs and its inputs that no inner module tagged first, a custom autograd.Function's included),
+and an op run in the backward belongs to the module of the node running it (`owner`); code in the root model's
+forward belongs to the root (""). The scope is the fallback for nodes no module created.
 """
 
 from __future__ import annotations
@@ -24,11 +31,42 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from detrace._compat import current_autograd_node
 from detrace.tracing.names import named_modules
 from detrace.tracing.records import Call, recorded_leaves
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
+
+OWNER = "detrace.module"
+"""The key of an autograd node's metadata that names the module whose forward created it."""
+
+
+def _tag(outputs: list[torch.Tensor], inputs: list[torch.Tensor], name: str) -> None:
+    """Tag with `name` the autograd nodes between a module call's outputs and its inputs that no inner module
+    tagged first (inner modules' forwards end first: their nodes carry their own name, and the walk goes on
+    through them to the nodes this module's own code created before them)."""
+    seen = {id(t.grad_fn) for t in inputs}
+    todo: list[Any] = [t.grad_fn for t in outputs]  # Node.metadata is a dict at run time, a method to mypy
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or not node.next_functions:
+            continue  # no node, the module's input, visited, or a leaf's AccumulateGrad
+        seen.add(id(node))
+        node.metadata.setdefault(OWNER, name)
+        todo += [child for child, _ in node.next_functions]
+
+
+def owner(phase: str, scope: list[str]) -> str | None:
+    """The module of the op running now: in the backward, the module whose forward created the running autograd
+    node; else (a recompute, which reruns modules' forwards under their hooks, or an untagged node) the innermost
+    module in scope."""
+    node = current_autograd_node() if phase == "backward" else None
+    if node is not None:
+        name = node.metadata.get(OWNER)
+        if name is not None:
+            return name
+    return scope[-1] if scope else None
 
 
 class ModuleRung:
@@ -92,6 +130,7 @@ class ModuleRung:
             # Leaves are skipped: a hook on a leaf would stay on it for every later step.
             grad_inputs = [t for t in recorded_leaves(args) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             if grad_outputs:
+                _tag(grad_outputs, grad_inputs, call.module or "")
                 _Backward(self.tracer, call, grad_outputs, grad_inputs)
 
     def switch(self) -> None:

@@ -4,7 +4,8 @@ Per call: tensor inputs fingerprinted before the call (role input), fresh output
 every tensor the op writes (in-place `self`, `out=` arguments; role mutated) after. Arguments the op only
 writes (`out=`, and `self` of fill_/zero_/copy_/uniform_/normal_/...) are not inputs: their old contents are
 often uninitialised memory. `module` is the innermost
-module in scope (kept by the module rung's hooks), `phase` the tracer's phase.
+module in scope (kept by the module rung's hooks), in the backward the module whose forward created the running
+autograd node (`rungs.module.owner`), `phase` the tracer's phase.
 
 Skipped, by rule (the rule is the documented contract, see docs/tracing.md):
 1. views and aliases: ops whose schema returns an alias that is not written (view, transpose, slice, detach,
@@ -34,6 +35,7 @@ import torch
 
 from detrace._compat import OpOverload, TorchDispatchMode, current_dispatch_mode, pop_mode, push_mode
 from detrace.tracing.capture import Capturer
+from detrace.tracing.rungs.module import owner
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -129,8 +131,7 @@ class OpRecorder(TorchDispatchMode):
         inputs = _arguments(info.read, args, kwargs)
         if not inputs and not info.seeded:
             return func(*args, **kwargs)
-        module = tracer.scope[-1] if tracer.scope else None
-        call = tracer.begin("op", tracer.phase, info.name, module)
+        call = tracer.begin("op", tracer.phase, info.name, owner(tracer.phase, tracer.scope))
         tracer.emit(call, "input", tracer.snapshot(inputs))
         pending = self.capturer.before(call, args, kwargs) if self.capturer is not None else None
         out = func(*args, **kwargs)

@@ -5,12 +5,19 @@ at `Work.wait()` (or when `Work.get_future()` completes) for an async one. Recor
 ("0,1"), the call's index in that group on this rank (`group_seq`), the peer for p2p, and the count of
 collectives completed before. Nested calls (a helper that calls another collective) are recorded once, at the
 outermost call.
+
+A collective that a training framework makes for itself, outside the backward and the optimizer step (HF
+Trainer's logging gather of the loss, Lightning's `self.log(sync_dist=True)`, accelerate's set-up) is recorded in
+phase "bookkeeping", with extra {"site": "module:function"}: when a framework makes it differs between a
+continuous and a resumed run, and the diff compares such records apart from the training, by identity. A
+collective made by torch.distributed.checkpoint (DCP), whoever calls it, is in phase "checkpoint".
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +26,7 @@ import torch.distributed as dist
 
 from detrace.tracing.patch import replace
 from detrace.tracing.records import recorded_leaves
-from detrace.tracing.rungs.semantic.common import finish, group_name, reentry
+from detrace.tracing.rungs.semantic.common import caller, finish, group_name, reentry
 from detrace.tracing.session import Tracer
 
 Undo = Callable[[], None]
@@ -127,7 +134,10 @@ def _wrap(tracer: Tracer, name: str, original: Callable[..., Any]) -> Callable[.
             peer = arguments.get(peer_key)
             if peer is None and arguments.get(f"group_{peer_key}") is not None:
                 peer = dist.get_global_rank(arguments["group"], arguments[f"group_{peer_key}"])
-        call = tracer.begin("semantic", phase, name, group=group, group_seq=tracer.next_group_seq(group), peer=peer)
+        found = caller(bookkeeping=tracer.phase == "forward") if phase == "collective" else None
+        call = tracer.begin("semantic", found[0] if found else phase, name, group=group,
+                            group_seq=tracer.next_group_seq(group), peer=peer,
+                            extra=json.dumps({"site": found[1]}) if found else None)
         before = tracer.snapshot(inputs_of(arguments))
         with reentry.inside():
             result = original(*args, **kwargs)

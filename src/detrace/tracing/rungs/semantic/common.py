@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -47,6 +49,33 @@ class _Reentry(threading.local):
 
 
 reentry = _Reentry()
+
+FRAMEWORKS = ("transformers.", "accelerate.", "lightning.", "pytorch_lightning.", "lightning_fabric.", "torchmetrics.")
+"""Packages whose own collectives (logging gathers, metric syncs, set-up, their checkpoints) are bookkeeping."""
+_MODEL_CODE = ("transformers.models.", "transformers.modeling_")
+"""Model code inside a framework package: its collectives (FSDP's gathers in a forward) are training."""
+_CHECKPOINT = "torch.distributed.checkpoint"
+"""DCP: its collectives (planning, gathering the metadata) are checkpoint I/O, whoever calls it."""
+_PASSED = ("torch", "detrace", "contextlib", "functools")
+"""Modules looked through to find who made a collective."""
+
+
+def caller(*, bookkeeping: bool) -> tuple[str, str] | None:
+    """(phase, "module:function") for a collective being called now that is not training: ("checkpoint", ...)
+    when DCP makes it; with `bookkeeping`, ("bookkeeping", ...) when its innermost caller outside torch (and
+    detrace, and the standard decorators) is a training framework's own code (not model code). None for anything
+    else: the user's loop, a model's forward, an autograd hook."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(_CHECKPOINT):
+            return "checkpoint", f"{module}:{frame.f_code.co_name}"
+        if module.split(".", 1)[0] not in _PASSED:
+            if bookkeeping and module.startswith(FRAMEWORKS) and not module.startswith(_MODEL_CODE):
+                return "bookkeeping", f"{module}:{frame.f_code.co_name}"
+            return None
+        frame = frame.f_back
+    return None
 
 
 def finish(tracer: Tracer, call: Call, inputs: list[Snapshot | None], outputs: list[Snapshot | None]) -> None:

@@ -5,6 +5,11 @@ A comm hook the user registers is wrapped instead; a built-in (C++) comm hook is
 Buckets complete in whatever order the backend finishes them, so their snapshots are kept (input when the hook
 runs, output at completion) and recorded at the end of the backward, in bucket index order: records, occurrences
 and collective counts come out the same in every run.
+
+Each bucket's record carries its layout, extra {"ddp_bucket": index, "params": [qualified names, in the bucket's
+order]}: DDP rebuilds its buckets after a process's first iteration, in the order gradients became ready, so a
+resumed process's first step can reduce other buckets than the continuous run's. The diff then says the layout
+changed and compares the per-parameter gradients (the optimizer's grad records) instead of the buckets.
 """
 
 # No `from __future__ import annotations` here: DDP checks a comm hook's annotations against the real
@@ -23,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.hooks import RemovableHandle
 
 from detrace._compat import DDP_BUILTIN_HOOK_REGISTRAR, current_graph_task_id, queue_backward_callback
+from detrace.tracing.names import named_modules
 from detrace.tracing.patch import replace
 from detrace.tracing.records import Snapshot, recorded_leaves
 from detrace.tracing.rungs.semantic.common import finish, group_name, reentry
@@ -42,6 +48,8 @@ class _Bucket:
     index: int
     group: str
     group_seq: int
+    params: list[str]
+    """Qualified names of the bucket's parameters, in its order (its layout)."""
     before: list[Snapshot | None] = field(default_factory=list)
     after: list[Snapshot | None] = field(default_factory=list)
     """Empty until the reduction completes."""
@@ -63,10 +71,13 @@ class _BucketRecorder:
         """This backward's buckets, not recorded yet."""
         self.task = _NO_TASK
         """The autograd graph task whose end records `buckets`."""
+        self.names: dict[int, str] = {}
+        """id(parameter) -> qualified name in the model DDP wraps (taken at the first bucket)."""
 
     def _record(self, entry: _Bucket) -> None:
         call = self.tracer.begin("semantic", "collective", "all_reduce", group=entry.group,
-                                 group_seq=entry.group_seq, extra=json.dumps({"ddp_bucket": entry.index}))
+                                 group_seq=entry.group_seq,
+                                 extra=json.dumps({"ddp_bucket": entry.index, "params": entry.params}))
         finish(self.tracer, call, entry.before, entry.after)
 
     def _record_buckets(self, *, wait: bool = True) -> None:
@@ -99,7 +110,12 @@ class _BucketRecorder:
         if not tracer.on["semantic"]:
             return self.user_hook(state, bucket)
         group = group_name(self.ddp.process_group)
-        entry = _Bucket(index=bucket.index(), group=group, group_seq=tracer.next_group_seq(group))
+        if not self.names:
+            self.names = {id(p): f"{prefix}.{name}" if prefix else name
+                          for prefix, module in named_modules(self.ddp.module)
+                          for name, p in module.named_parameters(recurse=False)}
+        params = [self.names.get(id(p), "?") for p in bucket.parameters()]
+        entry = _Bucket(index=bucket.index(), group=group, group_seq=tracer.next_group_seq(group), params=params)
         # The reducer copied the gradients into the bucket from C++, without bumping its version counter:
         # an earlier snapshot of the same buffer (last step's) must not be reused.
         entry.before = tracer.snapshot([bucket.buffer()], fresh=True)

@@ -1,5 +1,8 @@
 """Optimizer: grads as the step begins (role grad), then each parameter (role param) and each state tensor
-(role state, extra {"state": [keys]} giving the order) after it, named by the parameter's qualified name.
+(role state, extra {"state": [keys]} giving the order) after it, named by the parameter's qualified name; then
+every buffer of the models the optimizer trains (role buffer, named by its qualified name). Buffers are model state
+that no optimizer writes (BatchNorm statistics, counters, EMA copies, an MoE router's load statistics): recorded
+with the parameters, a buffer that differs between two runs is a divergence like a parameter that does.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from detrace.tracing.names import parameter_names
+from detrace.tracing.names import buffers, owners, parameter_names
 from detrace.tracing.records import Call
 from detrace.tracing.session import Tracer
 
@@ -26,6 +29,9 @@ class _StepRecorder:
         self.tracer = tracer
         self.names: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, str]] = weakref.WeakKeyDictionary()
         """Each optimizer's parameter names, by parameter id, taken at its first step."""
+        self.models: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[torch.nn.Module]]] = (
+            weakref.WeakKeyDictionary())
+        """The root modules that hold each optimizer's parameters, found at its first step."""
         self.pending: dict[int, tuple[list[torch.Tensor], list[Call]]] = {}
         """Optimizer id -> its parameters and their calls, from the pre-hook to the post-hook of a step."""
 
@@ -33,10 +39,11 @@ class _StepRecorder:
         tracer = self.tracer
         if not tracer.on["semantic"]:
             return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if optimizer not in self.names:
             self.names[optimizer] = parameter_names()
+            self.models[optimizer] = [weakref.ref(model) for model in owners({id(p) for p in params})]
         known = self.names[optimizer]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         calls = [tracer.begin("semantic", "optimizer", known.get(id(p), f"param{i}")) for i, p in enumerate(params)]
         for call, snap in zip(calls, tracer.snapshot([p.grad for p in params]), strict=True):
             tracer.emit(call, "grad", [snap])
@@ -56,6 +63,13 @@ class _StepRecorder:
             call.extra = json.dumps({"state": ks}) if ks else None
             self.tracer.emit(call, "param", [next(snaps)])
             self.tracer.emit(call, "state", [next(snaps) for _ in ks])
+        named = [pair for ref in self.models.get(optimizer, []) if (model := ref()) is not None
+                 for pair in buffers(model)]
+        if named:
+            # fresh: a buffer written in place under no_grad through `.data` bumps no version counter.
+            snaps = iter(self.tracer.snapshot([tensor for _, tensor in named], fresh=True))
+            for name, _ in named:
+                self.tracer.emit(self.tracer.begin("semantic", "optimizer", name), "buffer", [next(snaps)])
 
 
 def install(tracer: Tracer) -> list[Undo]:
