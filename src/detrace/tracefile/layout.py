@@ -21,6 +21,7 @@ RANK_GLOB = "rank-*.arrow"
 """The rank files of a run, as a pattern for messages."""
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 _RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
+_AUX_FILE = re.compile(r"^aux-(\d+)\.(arrow|json)$")
 _CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
 
 
@@ -32,6 +33,27 @@ def rank_path(run_dir: str | Path, rank: int) -> Path:
 def footer_path(run_dir: str | Path, rank: int) -> Path:
     """The footer a rank writes when it closes cleanly; its absence means the rank ended early."""
     return Path(run_dir) / f"rank-{rank:05d}.json"
+
+
+def aux_path(run_dir: str | Path, pid: int) -> Path:
+    """The trace of a process that is not a rank of the job (an eval subprocess, a data preprocessor that a
+    recording process started): it never shares a rank's file, and diff and certify of ranks do not read it."""
+    return Path(run_dir) / f"aux-{pid}.arrow"
+
+
+def aux_footer_path(run_dir: str | Path, pid: int) -> Path:
+    """The footer an auxiliary process writes when it closes cleanly (see `footer_path`)."""
+    return Path(run_dir) / f"aux-{pid}.json"
+
+
+def aux_trace_paths(run_dir: str | Path) -> list[Path]:
+    """The auxiliary traces a run directory holds (`aux_path`), by pid."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _AUX_FILE.match(p.name))
+             and m.group(2) == "arrow"]
+    return [p for _, p in sorted(found)]
 
 
 def run_header_path(run_dir: str | Path) -> Path:
@@ -63,12 +85,13 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 
 def trace_files(run_dir: str | Path) -> list[Path]:
-    """What a traced run wrote into its directory: rank files, footers, run.json, captures (nothing else)."""
+    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, run.json, captures
+    (nothing else)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     return [p for p in run_dir.iterdir() if p.name in (RUN_HEADER, CAPTURE_DIR)
-            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name)]
+            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)]
 
 
 def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | None = None,

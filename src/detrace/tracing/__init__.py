@@ -88,7 +88,13 @@ def _is_torchrun_agent() -> bool:
 def arm_from_env() -> bool:
     """Start the tracer configured by `detrace run` (DETRACE_TRACE); returns whether one was started."""
     config = TraceConfig.from_env()
-    if config is None or _tracer is not None or _is_torchrun_agent():
+    if config is None or _tracer is not None:
+        return False
+    if _is_torchrun_agent():
+        from detrace.tracing.session import RECORDING_VAR
+
+        # The agent's workers are the job's ranks, whoever started the agent.
+        os.environ.pop(RECORDING_VAR, None)
         return False
     _start(config, check_out_dir=False)
     atexit.register(_stop)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.tracefile.layout import footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
 from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
@@ -74,6 +74,9 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
     if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
         header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}
+    aux = aux_trace_paths(out)
+    if aux:  # processes that are not ranks (an eval subprocess, say) traced apart; diff and certify skip them
+        header["aux"] = [path.name for path in aux]
     header.update(facts)
     return header
 

@@ -9,6 +9,10 @@ tuples (detrace.tracing.records) until a batch of them is written as Arrow colum
 Rank discovery: `RANK` (torchrun) or `torch.distributed.get_rank()` once the default group exists (mp.spawn sets
 no RANK). Until the rank is known, records stay in memory; a process that records nothing writes nothing.
 A process with neither at the end of a step or at exit is a single-process run: rank 0.
+
+A process that a recording process started (an eval subprocess, a data preprocessor, a compile worker: it
+inherits RECORDING_VAR) is a rank only once it joins a process group (mp.spawn's children do); otherwise it is
+auxiliary and writes `aux-<pid>.arrow`, never a rank's file, whatever RANK it inherited.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ FLUSH_SECONDS = 1.0
 """Longest time a record waits in memory before its batch is written (checked at each record)."""
 
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RECORDING_VAR = "DETRACE_RECORDING_PID"
+"""Set by a traced process when it records its first record, to its pid: a child it starts afterwards inherits
+it and knows that its parent's rank file is taken (the torchrun agent removes it for its workers)."""
 
 
 def _alone() -> bool:
@@ -89,7 +96,11 @@ class Tracer:
         self._writer: RankWriter | None = None
         self._listeners: list[Callable[[], None]] = []
         self._closed = False
-        if os.environ.get("RANK", "").isdigit():
+        self.nested = os.environ.get(RECORDING_VAR, str(os.getpid())) != str(os.getpid())
+        """Started by a process that was recording: not a rank unless it joins a process group."""
+        self.aux = False
+        """Known not to be a rank: its records go to an auxiliary trace (`aux-<pid>.arrow`)."""
+        if not self.nested and os.environ.get("RANK", "").isdigit():
             self._set_rank(int(os.environ["RANK"]))
         self._update_windows()
 
@@ -164,22 +175,30 @@ class Tracer:
             self.enabled = False
         self._update_windows()
 
-    def _discover_rank(self, *, step_ended: bool) -> int | None:
-        """The rank, once known. Once a step has ended (or at exit), a process that has not joined a process
-        group and has no RANK is a single-process run: rank 0. So is one that nothing marks as a future rank
-        (`_alone`), from its first flush on: the flush every FLUSH_RECORDS records or FLUSH_SECONDS holds from
-        the first record, and a single process killed in step 0 keeps its complete batches."""
-        if self.rank is not None:
-            return self.rank
+    def _discover_rank(self, *, step_ended: bool) -> bool:
+        """Whether this process knows which file it writes. Once a step has ended (or at exit), a process that
+        has not joined a process group and has no RANK is a single-process run: rank 0. So is one that nothing
+        marks as a future rank (`_alone`), from its first flush on: the flush every FLUSH_RECORDS records or
+        FLUSH_SECONDS holds from the first record, and a single process killed in step 0 keeps its complete
+        batches. A nested process (see the module's docstring) that has joined no group then is auxiliary."""
+        if self.rank is not None or self.aux:
+            return True
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             self._set_rank(dist.get_rank())
             self.world_size = dist.get_world_size()
-        elif step_ended or _alone():
+        elif self.nested and step_ended:
+            self.aux = True
+        elif step_ended or (not self.nested and _alone()):
             self._set_rank(0)
             self.world_size = 1
-        return self.rank
+        return self.rank is not None or self.aux
+
+    @property
+    def who(self) -> str:
+        """This process in messages: its rank, or that it is not one."""
+        return f"rank {self.rank}" if self.rank is not None else f"process {os.getpid()} (not a rank)"
 
     @property
     def busy(self) -> bool:
@@ -237,6 +256,8 @@ class Tracer:
         self._seq = seq + 1
         if not self._recorded:
             self._recorded = [call.step, call.step]
+            # A process started from here on writes another file (see the module's docstring).
+            os.environ[RECORDING_VAR] = str(os.getpid())
         elif call.step > self._recorded[1]:
             self._recorded[1] = call.step
         if call.event is None:
@@ -262,7 +283,7 @@ class Tracer:
             if self._in_dataloader_worker():
                 self.disable()
                 return
-            if self._discover_rank(step_ended=step_ended) is None or not self.enabled:
+            if not self._discover_rank(step_ended=step_ended) or not self.enabled:
                 return
             self.snapshots.resolve()
             records, self._records = self._records, []
@@ -274,20 +295,21 @@ class Tracer:
                 writer.add_batch(batch)
             except (DetraceError, OSError) as err:
                 # A failing trace must not take the training run down with it: say so once and stop recording.
-                print(f"detrace: tracing stopped on rank {self.rank}: {err}", file=sys.stderr)
+                print(f"detrace: tracing stopped on {self.who}: {err}", file=sys.stderr)
                 self.disable()
 
     def _open(self) -> RankWriter:
-        assert self.rank is not None
-        if self.world_size is None:
+        assert self.rank is not None or self.aux
+        if self.world_size is None and not self.aux:
             env = os.environ.get("WORLD_SIZE", "")
             self.world_size = int(env) if env.isdigit() else None
         header = base_header(self.config, world_size=self.world_size)
-        header.update(rank=self.rank, pid=os.getpid())
+        header.update(rank=self.rank, pid=os.getpid(), aux=self.aux)
         # Inside `detrace run` the launcher already refused or cleared an existing trace; a rank file there is
         # this rank's own from an elastic restart of the same run, so it is replaced.
         self._writer = RankWriter(self.config.out, self.rank, header=header, force=self.config.force or
-                                  self.config.launched, batch_records=1 << 30, flush_seconds=float("inf"))
+                                  self.config.launched, batch_records=1 << 30, flush_seconds=float("inf"),
+                                  aux_pid=os.getpid() if self.aux else None)
         return self._writer
 
     def disable(self) -> None:
