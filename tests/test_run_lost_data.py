@@ -13,12 +13,17 @@ import torch
 
 import detrace
 from detrace.cli import main as cli
+from detrace.locate import LocateConfig, driver, locate
+from detrace.report.terminal import diff_lines
 from detrace.tracefile import open_run
 from detrace.tracefile.layout import aux_trace_paths, rank_path
 from detrace.tracefile.reader import iter_batches
+from detrace.tracing.launch import LaunchResult
 from detrace.tracing.session import RECORDING_VAR
+from _synthetic import SyntheticRun, rank_table, write_table
 
 PY = sys.executable
+ONE_RANK = SyntheticRun(ranks=1, steps=2, ops=2)
 
 
 def test_a_process_started_by_a_recording_one_writes_an_aux_trace(tmp_path: Path,
@@ -57,3 +62,28 @@ def test_a_child_python_process_keeps_apart_from_the_ranks_trace(tmp_path: Path,
     assert cli(["certify", str(out)]) == 0
     assert list(open_run(out).ranks) == [0]
     capsys.readouterr()
+
+
+def _unclosed_run(out: Path) -> Path:
+    """A one-rank synthetic run whose process ended without closing its trace (as after os._exit mid-step)."""
+    write_table(out, 0, rank_table(ONE_RANK, 0), world_size=1, close=False)
+    return out
+
+
+def test_diff_of_traces_that_end_inside_a_step_says_so(tmp_path: Path) -> None:
+    result = detrace.diff(_unclosed_run(tmp_path / "a"), _unclosed_run(tmp_path / "b"))
+    assert result.verdict == "identical" and result.unclosed == ["A", "B"]
+    assert any(note.startswith("A's trace ends inside a step (rank 0 in step 1)") for note in result.notes)
+    assert any(note.startswith("B's trace ends inside a step") for note in diff_lines(result))
+
+
+def test_locate_does_not_call_a_torn_trace_deterministic_without_saying_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def launch(cmd: list[str], out: Path, **options: object) -> LaunchResult:
+        _unclosed_run(Path(out))  # every run of CMD ends with os._exit in step 1: no footer
+        return LaunchResult(returncode=0, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="")
+
+    monkeypatch.setattr(driver, "run_traced", launch)
+    result = locate(LocateConfig(command=("python", "train.py"), out=tmp_path / "loc", checkpoints=False))
+    assert result.verdict == "deterministic"
+    assert "the traces end inside a step (step 1)" in result.message

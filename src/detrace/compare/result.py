@@ -124,6 +124,8 @@ class DiffResult:
     """The compared global steps in words: "compared global steps 4-7 (B resumed after step 4)"."""
     notes: list[str] = field(default_factory=list)
     """What the reader should know beside the verdict (e.g. the runs are of different commands)."""
+    unclosed: list[str] = field(default_factory=list)
+    """The runs ("A", "B") whose trace ends inside a step: a rank never closed it (os._exit, a signal)."""
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object of `detrace diff`, schema "detrace.diff/1"."""
@@ -134,7 +136,7 @@ class DiffResult:
                              "unverified": self.compared.unverified,
                              "steps": None if self.compared.steps is None else
                              {"first": self.compared.steps[0], "last": self.compared.steps[1]}},
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "unclosed": list(self.unclosed)}
 
     @property
     def exit_code(self) -> int:
