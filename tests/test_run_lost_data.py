@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _synthetic import SyntheticRun, rank_table, write_table
 
 import detrace
 from detrace.cli import main as cli
@@ -20,7 +21,6 @@ from detrace.tracefile.layout import aux_trace_paths, rank_path
 from detrace.tracefile.reader import iter_batches
 from detrace.tracing.launch import LaunchResult
 from detrace.tracing.session import RECORDING_VAR
-from _synthetic import SyntheticRun, rank_table, write_table
 
 PY = sys.executable
 ONE_RANK = SyntheticRun(ranks=1, steps=2, ops=2)
