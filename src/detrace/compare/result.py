@@ -125,7 +125,8 @@ class DiffResult:
     notes: list[str] = field(default_factory=list)
     """What the reader should know beside the verdict (e.g. the runs are of different commands)."""
     unclosed: list[str] = field(default_factory=list)
-    """The runs ("A", "B") whose trace ends inside a step: a rank never closed it (os._exit, a signal)."""
+    """The runs ("A", "B") whose trace ends inside a step: a rank never closed it (os._exit, a signal). In the
+    JSON it is a note."""
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object of `detrace diff`, schema "detrace.diff/1"."""
@@ -136,7 +137,7 @@ class DiffResult:
                              "unverified": self.compared.unverified,
                              "steps": None if self.compared.steps is None else
                              {"first": self.compared.steps[0], "last": self.compared.steps[1]}},
-                "notes": list(self.notes), "unclosed": list(self.unclosed)}
+                "notes": list(self.notes)}
 
     @property
     def exit_code(self) -> int:
