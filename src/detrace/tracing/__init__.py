@@ -27,7 +27,7 @@ from pathlib import Path
 
 from detrace import _events
 from detrace.errors import UsageError
-from detrace.tracing.config import TraceConfig
+from detrace.tracing.config import RECORDING_VAR, TraceConfig
 
 __all__ = ["active", "arm_from_env", "metric", "set_step", "step", "trace"]
 
@@ -91,8 +91,6 @@ def arm_from_env() -> bool:
     if config is None or _tracer is not None:
         return False
     if _is_torchrun_agent():
-        from detrace.tracing.session import RECORDING_VAR
-
         # The agent's workers are the job's ranks, whoever started the agent.
         os.environ.pop(RECORDING_VAR, None)
         return False

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from detrace.errors import DetraceError
+from detrace.errors import DetraceError, os_error_text
 from detrace.tracefile.layout import rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.schema import RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
-from detrace.tracing.config import TraceConfig
+from detrace.tracing.config import RECORDING_VAR, TraceConfig
 from detrace.tracing.header import base_header
 from detrace.tracing.records import Call, Record, Snapshot, to_batch
 from detrace.tracing.snapshots import SnapshotMemo
@@ -44,9 +44,6 @@ FLUSH_SECONDS = 1.0
 """Longest time a record waits in memory before its batch is written (checked at each record)."""
 
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-RECORDING_VAR = "DETRACE_RECORDING_PID"
-"""Set by a traced process when it records its first record, to its pid: a child it starts afterwards inherits
-it and knows that its parent's rank file is taken (the torchrun agent removes it for its workers)."""
 
 
 def _alone() -> bool:
@@ -294,9 +291,13 @@ class Tracer:
                     batch = to_batch(records)
                 writer.add_batch(batch)
             except (DetraceError, OSError) as err:
-                # A failing trace must not take the training run down with it: say so once and stop recording.
-                print(f"detrace: tracing stopped on {self.who}: {err}", file=sys.stderr)
-                self.disable()
+                self._failed(err)
+
+    def _failed(self, err: DetraceError | OSError) -> None:
+        # A failing trace must not take the training run down with it: say so once and stop recording.
+        why = os_error_text(err, self.config.out) if isinstance(err, OSError) else str(err)
+        print(f"detrace: tracing stopped on {self.who}: {why}; the trace is cut short", file=sys.stderr)
+        self.disable()
 
     def _open(self) -> RankWriter:
         assert self.rank is not None or self.aux
@@ -337,16 +338,21 @@ class Tracer:
             self.flush(step_ended=True)
             self._closed = True
             writer = self._writer
-            if writer is not None:
+            if writer is not None and self.enabled:
                 footer = {"groups": sorted(self.groups), "step": self.clock.step, "pid": os.getpid(),
                           "world_size": self.world_size, "collectives": self.collectives,
                           "steps": self.clock.steps(self._recorded)}
-                writer.close(footer)
-                if self.rank == 0 and not self.config.launched:
-                    header = base_header(self.config, world_size=self.world_size)
-                    write_json_atomic(run_header_path(self.config.out), header)
+                try:
+                    writer.close(footer)
+                    if self.rank == 0 and not self.config.launched:
+                        header = base_header(self.config, world_size=self.world_size)
+                        write_json_atomic(run_header_path(self.config.out), header)
+                except (DetraceError, OSError) as err:  # at exit too: one sentence, never a traceback
+                    self._failed(err)
             self.enabled = False
             self._update_windows()
+            if os.environ.get(RECORDING_VAR) == str(os.getpid()):  # the file is closed: no child can clash with it
+                del os.environ[RECORDING_VAR]
 
     def check_out_dir(self) -> None:
         """Library form: refuse (before training starts) an out directory that already holds this rank's trace."""
