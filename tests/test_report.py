@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -197,3 +198,18 @@ def test_malformed_ladder_is_one_sentence(runs: tuple[Path, Path], tmp_path: Pat
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(tmp_path / LADDER_FILE) in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_piped_output_is_never_wrapped_or_cut() -> None:
+    from rich.table import Table
+
+    from detrace.report.terminal import make_console
+
+    sink = io.StringIO()
+    name = "inductor.cpp_fused_index_put_new_zeros_" + "x" * 150
+    table = Table("name", "step", box=None)
+    table.add_row(name, "3")
+    make_console(sink).print(table)
+    make_console(sink).print("word " * 40)
+    lines = sink.getvalue().splitlines()
+    assert any(name in line for line in lines) and ("word " * 40).strip() in [line.strip() for line in lines]

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
                             "a second continuous run (is the run deterministic at all?) and a negative control.")
     parser.add_argument("--at", required=True, metavar="K[,K...]",
                         help="stop after this many optimizer steps, then resume; several stop points: 2,5")
-    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-resume-<time>)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/resume-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)

@@ -22,7 +22,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--worlds", default="1,2,4", help="world sizes to run, the first the reference (default 1,2,4)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
-    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-topology-<time>)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     args = parser.parse_args(options)

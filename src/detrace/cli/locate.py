@@ -8,6 +8,7 @@ Exit 0 when the runs are deterministic, 1 when a culprit was found, 2 on error o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from detrace.locate import (
 )
 from detrace.locate import Progress as LadderProgress
 from detrace.replay_records import ReplayConfig
+from detrace.report.terminal import make_console
+from detrace.tracefile.layout import link_latest, remove_empty
 
 _RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "resume": "resume proof", "module": "rung 2 (module)",
                 "op": "rung 3 (op)", "kernel": "rung 4 (kernel)"}
@@ -117,7 +120,8 @@ def _locate(options: list[str], command: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the detrace.locate/1 object on stdout")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for every run, the JSON results and report.html "
-                             "(default: a new ./detrace-locate-<timestamp>)")
+                             "(default: a new ./detrace-runs/locate-<timestamp>, linked from "
+                             "./detrace-runs/locate-latest once it completes)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
     parser.add_argument("--timeout", type=float, default=LocateConfig.timeout, metavar="SECONDS",
                         help="seconds one run of CMD may take before it counts as hung (default %(default)s)")
@@ -135,20 +139,26 @@ def _locate(options: list[str], command: list[str]) -> int:
     config = LocateConfig(command=tuple(command or default_command()), out=args.out or default_out(),
                           timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats),
                           checkpoint_every=args.checkpoint_every, checkpoints=not args.no_checkpoints)
-    console = Console(stderr=True, highlight=False)
+    console = make_console(stderr=True)
     console.print(f"detrace locate: {' '.join(config.command)}" + ("" if command else "  (embedded default)"))
     console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")
     try:
         with RichProgress(console) as progress:
             result = locate(config, progress, force=args.force)
-    except CommandFailed as err:
-        tail = getattr(err, "output_tail", "")
+    except BaseException as err:
+        tail = getattr(err, "output_tail", "") if isinstance(err, CommandFailed) else ""
         if tail:
             console.print("the end of CMD's output:", style="bold")
             console.print(tail.rstrip(), markup=False, highlight=False)
+        if args.out is None:  # a default directory that a failure left empty does not pile up
+            remove_empty(config.out)
         raise
+    if args.out is None:
+        link = link_latest(config.out, "locate")
+        if link is not None:
+            console.print(f"  latest   {os.path.relpath(link)}  (detrace report {os.path.relpath(link)})")
     if args.json:
         print(json.dumps(result.summary(), indent=1))
     else:
-        render(result, Console(file=sys.stdout, highlight=False, soft_wrap=True))
+        render(result, make_console())
     return result.exit_code

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from detrace.cli._args import ArgumentParser
 from detrace.replay_records import ReplayConfig, ReplayResult
+from detrace.report.terminal import make_console
 from detrace.verdicts import REPLAY
 
 
@@ -56,5 +57,5 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        render(result, Console(highlight=False))
+        render(result, make_console())
     return REPLAY["nondeterministic" if result.nondeterministic else "deterministic"]

@@ -1,0 +1,44 @@
+"""Default output directories: one folder (./detrace-runs), a stable link to the newest locate, and no empty
+directory left behind by a failed command (issue 23, what a newcomer met)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _synthetic import SyntheticRun, rank_table, write_table
+
+from detrace.cli import main as cli
+from detrace.locate import driver
+from detrace.tracefile.layout import RUNS_DIR
+from detrace.tracing.launch import LaunchResult
+from detrace.verify import default_out
+
+
+def test_every_default_output_goes_under_one_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert default_out("check").resolve().parent == tmp_path / RUNS_DIR
+
+
+def test_a_failed_locate_leaves_no_empty_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli(["locate", "--", "detrace-no-such-command-xyz"]) == 2
+    assert "command not found" in capsys.readouterr().err
+    assert not any((tmp_path / RUNS_DIR).glob("locate-*"))
+
+
+def test_locate_links_its_newest_output_for_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    def launch(cmd: list[str], out: Path, **options: object) -> LaunchResult:
+        write_table(out, 0, rank_table(SyntheticRun(ranks=1, steps=2, ops=2), 0), world_size=1)
+        return LaunchResult(returncode=0, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="")
+
+    monkeypatch.setattr(driver, "run_traced", launch)  # every run of CMD: the same synthetic trace
+    monkeypatch.chdir(tmp_path)
+    assert cli(["locate", "--no-checkpoints", "--", "python", "train.py"]) == 0
+    latest = Path(RUNS_DIR, "locate-latest")
+    assert "detrace report detrace-runs/locate-latest" in capsys.readouterr().err
+    assert (latest / "locate.json").is_file() and latest.resolve().name.startswith("locate-")
+    assert cli(["report", str(latest)]) == 0  # the tour's step 3, as the README gives it
+    assert (latest / "report.html").is_file()
