@@ -42,3 +42,25 @@ def test_locate_links_its_newest_output_for_the_report(tmp_path: Path, monkeypat
     assert (latest / "locate.json").is_file() and latest.resolve().name.startswith("locate-")
     assert cli(["report", str(latest)]) == 0  # the tour's step 3, as the README gives it
     assert (latest / "report.html").is_file()
+
+
+@pytest.mark.parametrize(("command", "shown"), [
+    ("check", ["usage: detrace check [options] -- CMD...", "0 identical, 1 diverged, 2 error"]),
+    ("check-resume", ["usage: detrace check-resume --at K[,K...] [options] -- CMD...", "3 nondeterministic",
+                      "4 inconclusive"]),
+])
+def test_help_shows_the_command_and_every_exit_code(command: str, shown: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(part in text for part in shown)
+
+
+def test_the_readme_command_table_lists_every_command() -> None:
+    from detrace.cli import COMMANDS
+
+    table = [line for line in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+             if line.startswith("| `detrace ")]
+    assert sorted(c for c in COMMANDS if not any(line.startswith(f"| `detrace {c} ") or
+                                                 line.startswith(f"| `detrace {c}`") for line in table)) == []
