@@ -64,3 +64,14 @@ def test_the_readme_command_table_lists_every_command() -> None:
              if line.startswith("| `detrace ")]
     assert sorted(c for c in COMMANDS if not any(line.startswith(f"| `detrace {c} ") or
                                                  line.startswith(f"| `detrace {c}`") for line in table)) == []
+
+
+def test_a_plain_dataloader_in_trainstate_names_resumable_loader() -> None:
+    import torch
+
+    from detrace import TrainState
+    from detrace.errors import UsageError
+
+    loader = torch.utils.data.DataLoader(list(range(4)))
+    with pytest.raises(UsageError, match=r"DataLoader lacks; wrap the dataset in detrace\.state\.ResumableLoader"):
+        TrainState(model=torch.nn.Linear(1, 1), data=loader)
