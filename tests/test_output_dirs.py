@@ -75,3 +75,19 @@ def test_a_plain_dataloader_in_trainstate_names_resumable_loader() -> None:
     loader = torch.utils.data.DataLoader(list(range(4)))
     with pytest.raises(UsageError, match=r"DataLoader lacks; wrap the dataset in detrace\.state\.ResumableLoader"):
         TrainState(model=torch.nn.Linear(1, 1), data=loader)
+
+
+def test_a_compiled_kernels_advice_reaches_the_terminal() -> None:
+    import io
+
+    from detrace.cli.replay import render
+    from detrace.replay_records import ADVICE_COMPILED, ArmResult, ReplayResult
+    from detrace.report.terminal import make_console
+
+    base = ArmResult(threads=2, deterministic=False, repeats=5, distinct=2, differing_elements=3, max_ulp=1,
+                     matches_capture=True)
+    advice = ADVICE_COMPILED.format(ops="aten.index_put")
+    sink = io.StringIO()
+    render(ReplayResult(op="inductor.cpp_fused_index_put_0", meta={}, shapes=[], base=base, arms=[base],
+                        advice=[advice]), make_console(sink))
+    assert f"advice: {advice}" in sink.getvalue()

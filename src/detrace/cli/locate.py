@@ -80,6 +80,8 @@ def render(result: LocateResult, console: Console) -> None:
         console.print(f"  replay   {'nondeterministic' if r.nondeterministic else 'deterministic'} over "
                       f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
+        for advice in r.advice:
+            console.print(f"  advice   {advice}", highlight=False, markup=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
     cost = result.cost
     per_run = {run.run: run for run in cost.per_run} if cost else {}

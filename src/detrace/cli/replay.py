@@ -24,6 +24,8 @@ def render(result: ReplayResult, console: Console) -> None:
     if result.nondeterministic:
         console.print(f"  up to {result.base.differing_elements} elements differ, by up to {result.base.max_ulp} ULP")
         console.print("  fixed by: " + (", ".join(result.fixed_by) or "none of the switches tried"))
+    for advice in result.advice:  # a compiled kernel's switches act when Inductor generates code: not tried here
+        console.print(f"  advice: {advice}", markup=False)
     table = Table("threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
                   "max ULP", "note")
     for arm in result.arms:
