@@ -213,3 +213,19 @@ def test_piped_output_is_never_wrapped_or_cut() -> None:
     make_console(sink).print("word " * 40)
     lines = sink.getvalue().splitlines()
     assert any(name in line for line in lines) and ("word " * 40).strip() in [line.strip() for line in lines]
+
+
+def test_code_outside_every_named_module_has_one_name_everywhere(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    from detrace.cli.locate import render
+    from detrace.ladder import TOP_LEVEL
+    from detrace.report.terminal import make_console
+
+    ladder = _ladder(runs)
+    ladder["culprit"]["module"] = ""  # an op in the root model's own forward
+    ladder["stages"][1]["found"] = ladder["culprit"]
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    html = write_report(tmp_path).read_text()
+    sink = io.StringIO()
+    render(load_ladder(tmp_path), make_console(sink))
+    assert f"module {TOP_LEVEL}" in sink.getvalue() and f"<td>{TOP_LEVEL}</td>" in html
+    assert f"<b>{TOP_LEVEL}</b>" in html and "(no module)" not in html

@@ -33,6 +33,14 @@ ResumeUse = Literal["no-contract", "unused", "exact", "inexact"]
 needed one), exact (proven: narrow runs resumed), inexact (the proof failed: narrow runs are full runs)."""
 
 
+TOP_LEVEL = "(top level)"
+"""How every report names module "": code in the root model's own forward, or outside every module (the loop)."""
+
+
+def module_label(module: str | None) -> str:
+    """A record's module for the reader: its qualified name, or TOP_LEVEL."""
+    return module or TOP_LEVEL
+
 @dataclass(frozen=True, kw_only=True)
 class Finding:
     """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and detail."""

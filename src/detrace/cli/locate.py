@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import CommandFailed, DetraceError
-from detrace.ladder import LOCATE_SCHEMA, LocateResult, Stage
+from detrace.ladder import LOCATE_SCHEMA, LocateResult, Stage, module_label
 from detrace.locate import (
     BASE_RUNS,
     DEFAULT_CHECKPOINT_EVERY,
@@ -69,7 +69,7 @@ def render(result: LocateResult, console: Console) -> None:
     console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit
-        console.print(f"  culprit  {c.name}  module {c.module or '-'}  phase {c.phase}  "
+        console.print(f"  culprit  {c.name}  module {module_label(c.module)}  phase {c.phase}  "
                       f"step {c.step}  rank {c.rank}  {'origin' if c.origin else 'receiver'}",
                       highlight=False)
     for record in result.culprit_records:

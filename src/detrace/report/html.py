@@ -23,7 +23,7 @@ from pathlib import Path
 from detrace.compare.metrics import metric_rank, metric_series
 from detrace.compare.pairs import divergence_map
 from detrace.errors import TraceError
-from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
+from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder, module_label
 from detrace.replay_records import ReplayResult
 from detrace.report.svg import ORIGIN, bits, e, line_chart, spread_map
 from detrace.tracefile import RankTrace, RunInfo, open_run, read_rank
@@ -39,7 +39,8 @@ code,.mono{font-family:ui-monospace,'SFMono-Regular',Menlo,Consolas,monospace;fo
 .badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:13px;color:#fff;vertical-align:middle}
 .deterministic{background:#2e7d32}.nondeterministic{background:#c62828}.inconclusive{background:#ef6c00}
 .run{background:#455a64}
-table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left}
+table{border-collapse:collapse;margin:6px 0;max-width:100%}
+td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left;overflow-wrap:anywhere}
 th{background:#f2f4f7;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .differ{color:#c62828;font-weight:600}.same{color:#2e7d32}
 ol.path{padding-left:22px}ol.path li{margin:6px 0}.path b{font-family:ui-monospace,Menlo,monospace}
@@ -141,12 +142,12 @@ def _path_section(ladder: LocateResult) -> list[str]:
                      f"<code>{e(broad.name)}</code> ({e(broad.phase)}, {e(broad.role)}).</li>")
     module = stages["module"].found if "module" in stages else None
     if module:
-        items.append(f"<li>phase <b>{e(module.phase)}</b>, module <b>{e(module.module or '(none)')}"
+        items.append(f"<li>phase <b>{e(module.phase)}</b>, module <b>{e(module_label(module.module))}"
                      f"</b>: first {'origin' if module.origin else 'divergent'} module record "
                      f"<code>{e(module.name)}</code> ({e(module.role)}).</li>")
     op = stages["op"].found if "op" in stages else None
     if op:
-        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(op.module or '(no module)')}</b>, "
+        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(module_label(op.module))}</b>, "
                      f"{e(op.phase)} of step {e(op.step)} on rank {e(op.rank)}: "
                      + ("its inputs were equal and its output differed (origin)." if op.origin else
                         "its inputs already differed (receiver).") + "</li>")
@@ -206,7 +207,7 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
     if culprit:
         body.append("<h2>Culprit</h2>" + _table(
             ["rank", "step", "phase", "module", "name", "origin"],
-            [[str(culprit.rank), str(culprit.step), str(culprit.phase), str(culprit.module or ""),
+            [[str(culprit.rank), str(culprit.step), str(culprit.phase), module_label(culprit.module),
               str(culprit.name), str(culprit.origin).lower()]]))
     first = ladder.stages[0].found
     body += _metric_section(curves, first.step if first else None)
