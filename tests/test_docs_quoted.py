@@ -23,3 +23,11 @@ def test_the_train_state_snippet_runs_as_printed(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_diff_bench_figures_live_in_one_place() -> None:
+    # docs/diff.md quoted other figures of the same bench than the README's table: it now quotes none.
+    text = (DOCS / "diff.md").read_text()
+    section = text.split("## Speed and memory")[1].split("\n## ")[0]
+    assert "the README's Benchmarks table" in section
+    assert not re.findall(r"\d[\d,.]* (?:records/s|MiB|GiB|s of CPU)|\| \d", section)
