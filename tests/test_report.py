@@ -229,3 +229,12 @@ def test_code_outside_every_named_module_has_one_name_everywhere(runs: tuple[Pat
     render(load_ladder(tmp_path), make_console(sink))
     assert f"module {TOP_LEVEL}" in sink.getvalue() and f"<td>{TOP_LEVEL}</td>" in html
     assert f"<b>{TOP_LEVEL}</b>" in html and "(no module)" not in html
+
+
+def test_an_all_equal_difference_chart_labels_no_decade() -> None:
+    from detrace.report.svg import line_chart
+
+    chart = line_chart("|A − B| of loss", [("|A − B|", {0: 0.0, 1: 0.0}, "#c62828", False)],
+                       marks=[(1, "trace parts", "#000")], log=True)
+    assert "1e" not in chart and "0 (equal)" in chart
+    assert chart.rindex("trace parts</text>") > chart.rindex("<circle")  # the label is drawn over the points

@@ -102,7 +102,7 @@ def _metric_section(curves: Curves, trace_step: int | None) -> list[str]:
     ma, mb = curves.a, curves.b or {}
     parts = ["<h2>Metric curves</h2>",
              f"<p class=\"muted\">Exact values recorded on rank {curves.rank}" + (
-                 ", run A (solid) and run B (dashed); the lower chart of each metric is |A − B| on a log scale."
+                 ", run A (solid) and run B (dashed); beside each metric's chart, its |A − B| on a log scale."
                  if curves.b is not None else ".") + "</p>"]
     notes = []
     charts = []
