@@ -66,7 +66,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        print(f"step {step} loss {loss.item():.6f} (0x{struct.pack('>f', loss.item()).hex()})", flush=True)
+        print(f"step {step - 1} loss {loss.item():.6f} (0x{struct.pack('>f', loss.item()).hex()})", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,3 +46,13 @@ class CommandFailed(DetraceError):
 
 class FingerprintError(DetraceError, TypeError):
     """A tensor that cannot be fingerprinted (meta tensors, tensors without storage)."""
+
+
+def os_error_text(err: OSError, path: object) -> str:
+    """An OSError in words for one sentence: a full disk names the device by the path it holds ("no space left
+    on the device that holds /runs/a"), anything else is the system's own words."""
+    import errno
+
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device that holds {path}"
+    return str(err.strerror or err)

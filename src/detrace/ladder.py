@@ -33,6 +33,7 @@ ResumeUse = Literal["no-contract", "unused", "exact", "inexact"]
 needed one), exact (proven: narrow runs resumed), inexact (the proof failed: narrow runs are full runs)."""
 
 
+
 @dataclass(frozen=True, kw_only=True)
 class Finding:
     """A divergence as ladder.json keeps it: the diff's `first` object plus the call's identity and detail."""

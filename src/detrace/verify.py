@@ -8,13 +8,13 @@ check-resume speaks to CMD through the environment contract that `detrace.TrainS
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
+from detrace.tracefile import layout
 from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import Launcher, LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
@@ -131,8 +131,8 @@ def _launch(cmd: list[str], out: Path, *, label: str, progress: Progress, timeou
 
 
 def default_out(kind: str) -> Path:
-    """A new directory for a check's runs: detrace-<kind>-<timestamp> in the working directory."""
-    return Path(f"detrace-{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
+    """A new directory for a check's runs: detrace-runs/<kind>-<timestamp> in the working directory."""
+    return layout.default_out(kind)
 
 
 def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = None,

@@ -3,6 +3,7 @@ job where only rank 1 runs the racy op, and the embedded default workload. Each 
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import pytest
 from _scenarios import GATHER
 from _tools import dump_dom, locate_cli
 
+from detrace.cli.locate import render
 from detrace.ladder import load_ladder
 from detrace.replay import FIX_DETERMINISTIC
+from detrace.report.terminal import make_console
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +145,12 @@ def test_embedded_default_names_the_moe_dispatch_backward(tmp_path: Path) -> Non
     assert payload["replay"]["nondeterministic"] is True
     assert FIX_DETERMINISTIC in payload["replay"]["fixed_by"]
     assert payload["culprit"]["name"] in dump_dom(Path(payload["report"]))
+    # docs/locate.md quotes this run's summary: its culprit and the culprit's records are what it printed
+    sink = io.StringIO()
+    render(load_ladder(out), make_console(sink))
+    doc = (Path(__file__).parents[1] / "docs" / "locate.md").read_text().split("(the embedded default):")[1]
+    quoted = doc.split("```")[1].splitlines()
+    printed = sink.getvalue().splitlines()
+    for prefix in ("  culprit ", "    input[", "    output["):
+        assert [line for line in quoted if line.startswith(prefix)] == [
+            line.rstrip() for line in printed if line.startswith(prefix)], prefix

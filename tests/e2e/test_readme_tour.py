@@ -26,7 +26,7 @@ EXPECTED: dict[str, set[int]] = {
     "detrace run --out runs/b --rung op -- python examples/plain_moe_train.py --steps 2 --threads 2": {0},
     "detrace diff runs/a runs/b": {1},
     "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 2": {1},
-    "detrace report detrace-locate-*/": {0},
+    "detrace report detrace-runs/locate-latest": {0},
     "python examples/plain_moe_train.py --steps 3 --threads 2 --deterministic": {0},
     "detrace check-resume --at 2 -- python -m detrace.examples.train --preset tiny --steps 4 --deterministic": {0},
     "detrace run --out runs/ddp --rung semantic -- torchrun --standalone --nproc-per-node 2 "

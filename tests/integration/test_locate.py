@@ -42,9 +42,10 @@ def test_default_command_is_the_index_dispatch_on_two_threads() -> None:
 
 def test_default_out_is_fresh(tmp_path: Path) -> None:
     first = default_out(tmp_path)
-    first.mkdir()
+    first.mkdir(parents=True)
     second = default_out(tmp_path)
-    assert first.name.startswith("detrace-locate-") and second != first and not second.exists()
+    assert first.parent == tmp_path / "detrace-runs" and first.name.startswith("locate-")
+    assert second != first and not second.exists()
 
 
 def test_command_not_installed(tmp_path: Path) -> None:

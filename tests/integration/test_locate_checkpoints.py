@@ -5,6 +5,7 @@ late race (`--nondeterministic-from`), falling back to full runs when the resume
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -153,7 +154,8 @@ PLANTED = [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "
 @pytest.mark.slow
 def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "6")
+    # the README's long-runs paragraph quotes this run: same command, 8 steps
+    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8")
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
     culprit = payload["culprit"]
@@ -162,7 +164,7 @@ def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     cost = payload["cost"]
     assert cost["resume"] == "exact" and cost["checkpoint_every"] == 2 and cost["runs"] == len(payload["runs"])
     runs = {run["run"]: run for run in cost["per_run"]}
-    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 6}
+    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 8}
     proofs = [run for name, run in runs.items() if name.startswith("2-resume-")]
     assert 1 <= len(proofs) <= 2 and all(2 <= run["start"] < 4 and run["steps"] <= 3 for run in proofs)
     narrow = [run for name, run in runs.items() if name[0] not in "12"]
@@ -170,6 +172,9 @@ def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     for run in narrow:  # from the last checkpoint at or before the divergence, at most window + 1 steps
         assert 4 <= run["start"] <= culprit["step"] and 1 <= run["steps"] <= 3, run
     assert (out / "checkpoints" / "1-semantic-a" / "step-00000004").is_dir()
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    quoted = re.search(r"culprit `aten.index_put` at step (\d+); `cost`: (\d+) runs, \*\*(\d+) steps\*\*", readme)
+    assert quoted is not None and [int(n) for n in quoted.groups()] == [culprit["step"], cost["runs"], cost["steps"]]
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -188,3 +189,43 @@ def test_malformed_ladder_is_one_sentence(runs: tuple[Path, Path], tmp_path: Pat
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(tmp_path / LADDER_FILE) in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_piped_output_is_never_wrapped_or_cut() -> None:
+    from rich.table import Table
+
+    from detrace.report.terminal import make_console
+
+    sink = io.StringIO()
+    name = "inductor.cpp_fused_index_put_new_zeros_" + "x" * 150
+    table = Table("name", "step", box=None)
+    table.add_row(name, "3")
+    make_console(sink).print(table)
+    make_console(sink).print("word " * 40)
+    lines = sink.getvalue().splitlines()
+    assert any(name in line for line in lines) and ("word " * 40).strip() in [line.strip() for line in lines]
+
+
+def test_code_outside_every_named_module_has_one_name_everywhere(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    from detrace.cli.locate import render
+    from detrace.compare.result import TOP_LEVEL
+    from detrace.report.terminal import make_console
+
+    ladder = _ladder(runs)
+    ladder["culprit"]["module"] = ""  # an op in the root model's own forward
+    ladder["stages"][1]["found"] = ladder["culprit"]
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    html = write_report(tmp_path).read_text()
+    sink = io.StringIO()
+    render(load_ladder(tmp_path), make_console(sink))
+    assert f"module {TOP_LEVEL}" in sink.getvalue() and f"<td>{TOP_LEVEL}</td>" in html
+    assert f"<b>{TOP_LEVEL}</b>" in html and "(no module)" not in html
+
+
+def test_an_all_equal_difference_chart_labels_no_decade() -> None:
+    from detrace.report.svg import line_chart
+
+    chart = line_chart("|A − B| of loss", [("|A − B|", {0: 0.0, 1: 0.0}, "#c62828", False)],
+                       marks=[(1, "trace parts", "#000")], log=True)
+    assert "1e" not in chart and "0 (equal)" in chart
+    assert chart.rindex("trace parts</text>") > chart.rindex("<circle")  # the label is drawn over the points

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -428,3 +429,18 @@ def test_functional_collectives_through_the_overload_are_recorded_once(tmp_path:
                 ("all_gather_into_tensor", 0, 2, "input"), ("all_gather_into_tensor", 0, 2, "output")]
         outputs_digests = [[r["digest"] for r in trace if r["role"] == "output"] for trace in traces]
         assert outputs_digests[0] == outputs_digests[1]  # every rank gets the same bits
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_never_break_the_op_rung(tmp_path: Path, layout: torch.layout) -> None:
+    parts = [torch.arange(6.0).reshape(2, 3), torch.arange(12.0).reshape(4, 3)]
+    with pytest.warns(UserWarning) if layout is torch.strided else contextlib.nullcontext():
+        nested = torch.nested.nested_tensor(parts, layout=layout)
+    with detrace.trace(tmp_path / "run", rung="op"):
+        doubled = nested * 2
+        detrace.step()
+    assert [t.tolist() for t in doubled.unbind()] == [(p * 2).tolist() for p in parts]
+    rows = read_rank(tmp_path / "run", 0).table.to_pylist()
+    [out] = [r for r in rows if r["name"] == "aten.mul.Tensor" and r["role"] == "output"]
+    # what is recorded of a nested tensor: its packed elements, fingerprinted
+    assert out["numel"] == 18 and out["digest"] is not None

@@ -33,10 +33,13 @@ def _steps(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
 
 def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[str]) -> None:
     lines = _steps(capsys, ["--steps", "3", "--dispatch", "fixed"])
-    assert [line.split()[1] for line in lines] == ["1", "2", "3"]
-    fields = lines[0].split()  # step 1 loss <decimal> (<hex bits>) ...
+    assert [line.split()[1] for line in lines] == ["0", "1", "2"]
+    fields = lines[0].split()  # step 0 loss <decimal> (<hex bits>) ...
     loss, exact = float(fields[3]), struct.unpack(">f", bytes.fromhex(fields[4][3:-1]))[0]
     assert abs(loss - exact) < 1e-5 and 4.0 < exact < 10.0
+    # docs/workload.md quotes this run's first step: the line must be the one it prints
+    doc = (Path(__file__).parents[1] / "docs" / "workload.md").read_text()
+    assert doc.split("`tests/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
 
 
 def test_fixed_dispatch_runs_are_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:

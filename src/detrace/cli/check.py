@@ -14,9 +14,10 @@ from detrace.verify import check, default_out
 
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
-    parser = ArgumentParser("check", "Run CMD N times from the same state and require bit-identical traces.")
+    parser = ArgumentParser("check", "Run CMD N times from the same state and require bit-identical traces. "
+                            "Exit codes: 0 identical, 1 diverged, 2 error.", usage="detrace check [options] -- CMD...")
     parser.add_argument("--runs", type=int, default=2, help="how many runs (default 2)")
-    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-check-<time>)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/check-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the diffs as JSON on stdout")
     args = parser.parse_args(options)

@@ -82,10 +82,13 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
     parser = ArgumentParser("check-resume", "Verify that stopping after step K and resuming changes no bit, with "
-                            "a second continuous run (is the run deterministic at all?) and a negative control.")
+                            "a second continuous run (is the run deterministic at all?) and a negative control. "
+                            "Exit codes: 0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic (the run "
+                            "differs from itself; the resume is not judged), 4 inconclusive (the negative control "
+                            "did not diverge).", usage="detrace check-resume --at K[,K...] [options] -- CMD...")
     parser.add_argument("--at", required=True, metavar="K[,K...]",
                         help="stop after this many optimizer steps, then resume; several stop points: 2,5")
-    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-resume-<time>)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/resume-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)

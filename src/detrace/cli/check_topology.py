@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
                         help="elastic resume: stop the first world size after step K, resume at each other")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
-    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-topology-<time>)")
+    parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     args = parser.parse_args(options)

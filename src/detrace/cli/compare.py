@@ -16,6 +16,7 @@ from rich.table import Table
 from detrace.cli._args import ArgumentParser
 from detrace.compare import Divergence
 from detrace.noise import DEFAULT_FACTOR, NoiseResult, noise_test
+from detrace.report.terminal import make_console
 
 
 def _describe(first: Divergence | None) -> str:
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        _render(result, Console(highlight=False))
+        _render(result, make_console())
     return result.exit_code
 
 

@@ -12,6 +12,7 @@ import sys
 from detrace.audit import audit
 from detrace.cli._args import ArgumentParser
 from detrace.recipe import Finding
+from detrace.report.terminal import make_console
 from detrace.verdicts import DOCTOR
 
 _STYLE = {"ok": "green", "pending": "cyan", "risk": "yellow", "conflict": "bold red", "too-late": "bold red"}
@@ -36,7 +37,6 @@ def main(argv: list[str]) -> int:
 
 
 def _print_table(findings: list[Finding]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="detrace doctor: determinism settings")
@@ -45,4 +45,4 @@ def _print_table(findings: list[Finding]) -> None:
     for finding in findings:
         style = _STYLE[finding.status]
         table.add_row(f"[{style}]{finding.status}[/]", finding.name, finding.value, finding.detail)
-    Console().print(table)
+    make_console().print(table)

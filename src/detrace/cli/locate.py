@@ -8,6 +8,7 @@ Exit 0 when the runs are deterministic, 1 when a culprit was found, 2 on error o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from detrace.locate import (
 )
 from detrace.locate import Progress as LadderProgress
 from detrace.replay_records import ReplayConfig
+from detrace.report.terminal import make_console
+from detrace.tracefile.layout import link_latest, remove_empty
 
 _RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "resume": "resume proof", "module": "rung 2 (module)",
                 "op": "rung 3 (op)", "kernel": "rung 4 (kernel)"}
@@ -67,7 +70,7 @@ def render(result: LocateResult, console: Console) -> None:
     console.print(f"[bold {colour}]{result.verdict}{span}[/]: {result.message}", highlight=False)
     if result.culprit and result.verdict == "nondeterministic":
         c = result.culprit
-        console.print(f"  culprit  {c.name}  module {scope_label(c.module) or '-'}  phase {c.phase}  "
+        console.print(f"  culprit  {c.name}  module {scope_label(c.module)}  phase {c.phase}  "
                       f"step {c.step}  rank {c.rank}  {'origin' if c.origin else 'receiver'}",
                       highlight=False)
     for record in result.culprit_records:
@@ -78,6 +81,8 @@ def render(result: LocateResult, console: Console) -> None:
         console.print(f"  replay   {'nondeterministic' if r.nondeterministic else 'deterministic'} over "
                       f"{r.base.repeats} repeats; {r.base.differing_elements} elements differ, max "
                       f"{r.base.max_ulp} ULP; fixed by: {', '.join(r.fixed_by) or '-'}", highlight=False)
+        for advice in r.advice:
+            console.print(f"  advice   {advice}", highlight=False, markup=False)
     console.print(f"  runs     {len(result.runs)} (of at most {MAX_RUNS}), kept in {result.out}", highlight=False)
     cost = result.cost
     per_run = {run.run: run for run in cost.per_run} if cost else {}
@@ -118,7 +123,8 @@ def _locate(options: list[str], command: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the detrace.locate/1 object on stdout")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for every run, the JSON results and report.html "
-                             "(default: a new ./detrace-locate-<timestamp>)")
+                             "(default: a new ./detrace-runs/locate-<timestamp>, linked from "
+                             "./detrace-runs/locate-latest once it completes)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
     parser.add_argument("--timeout", type=float, default=LocateConfig.timeout, metavar="SECONDS",
                         help="seconds one run of CMD may take before it counts as hung (default %(default)s)")
@@ -136,20 +142,26 @@ def _locate(options: list[str], command: list[str]) -> int:
     config = LocateConfig(command=tuple(command or default_command()), out=args.out or default_out(),
                           timeout=args.timeout, max_numel=args.max_numel, replay=ReplayConfig(repeats=args.repeats),
                           checkpoint_every=args.checkpoint_every, checkpoints=not args.no_checkpoints)
-    console = Console(stderr=True, highlight=False)
+    console = make_console(stderr=True)
     console.print(f"detrace locate: {' '.join(config.command)}" + ("" if command else "  (embedded default)"))
     console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")
     try:
         with RichProgress(console) as progress:
             result = locate(config, progress, force=args.force)
-    except CommandFailed as err:
-        tail = getattr(err, "output_tail", "")
+    except BaseException as err:
+        tail = getattr(err, "output_tail", "") if isinstance(err, CommandFailed) else ""
         if tail:
             console.print("the end of CMD's output:", style="bold")
             console.print(tail.rstrip(), markup=False, highlight=False)
+        if args.out is None:  # a default directory that a failure left empty does not pile up
+            remove_empty(config.out)
         raise
+    if args.out is None:
+        link = link_latest(config.out, "locate")
+        if link is not None:
+            console.print(f"  latest   {os.path.relpath(link)}  (detrace report {os.path.relpath(link)})")
     if args.json:
         print(json.dumps(result.summary(), indent=1))
     else:
-        render(result, Console(file=sys.stdout, highlight=False, soft_wrap=True))
+        render(result, make_console())
     return result.exit_code

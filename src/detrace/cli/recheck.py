@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, required=True, help="the global step to re-execute")
     parser.add_argument("--checkpoint", type=Path, help="the run's checkpoint at or before step K (default: make "
                         "one by running the command up to step K)")
-    parser.add_argument("--out", type=Path, help="directory for the re-executions (default: detrace-recheck-<time>)")
+    parser.add_argument("--out", type=Path,
+                        help="directory for the re-executions (default: detrace-runs/recheck-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each re-execution may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON (detrace.recheck/1)")
     args = parser.parse_args(argv)

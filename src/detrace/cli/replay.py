@@ -9,6 +9,7 @@ from rich.table import Table
 
 from detrace.cli._args import ArgumentParser
 from detrace.replay_records import ReplayConfig, ReplayResult
+from detrace.report.terminal import make_console
 from detrace.verdicts import REPLAY
 
 
@@ -23,6 +24,8 @@ def render(result: ReplayResult, console: Console) -> None:
     if result.nondeterministic:
         console.print(f"  up to {result.base.differing_elements} elements differ, by up to {result.base.max_ulp} ULP")
         console.print("  fixed by: " + (", ".join(result.fixed_by) or "none of the switches tried"))
+    for advice in result.advice:  # a compiled kernel's switches act when Inductor generates code: not tried here
+        console.print(f"  advice: {advice}", markup=False)
     table = Table("threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
                   "max ULP", "note")
     for arm in result.arms:
@@ -56,5 +59,5 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        render(result, Console(highlight=False))
+        render(result, make_console())
     return REPLAY["nondeterministic" if result.nondeterministic else "deterministic"]

@@ -192,10 +192,14 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         ranks = [rank]
     spans: dict[int, tuple[int, int, int | None]] = {}
     described = None
+    unclosed: dict[str, dict[int, int]] = {"A": {}, "B": {}}
     for r in ranks:
         if r not in run_a.ranks or r not in run_b.ranks:
             continue
         span_a, span_b = step_span(run_a.path, r), step_span(run_b.path, r)
+        for name, span in (("A", span_a), ("B", span_b)):
+            if not span.closed:
+                unclosed[name][r] = span.last
         common = common_steps(span_a, span_b)
         if common is None:
             return DiffResult(verdict="incomparable", a=str(a), b=str(b), notes=notes, reason=(
@@ -219,11 +223,22 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         notes.append(set_aside)
     results, origin_ranks, first = resolve(outcomes)
     verdict: DiffVerdict = "diverged" if first is not None else "identical"
+    notes += [unclosed_note(name, ends) for name, ends in unclosed.items() if ends]
     steps = (start, max(s[1] for s in spans.values())) if spans else None
     return DiffResult(verdict=verdict, first=first, origin_ranks=origin_ranks, ranks=results,
                       compared=Compared(len(results), sum(r.records for r in results),
                                         sum(r.unverified for r in results), steps),
-                      a=str(a), b=str(b), steps=described, notes=notes)
+                      a=str(a), b=str(b), steps=described, notes=notes,
+                      unclosed=[name for name, ends in unclosed.items() if ends])
+
+
+def unclosed_note(name: str, ends: dict[int, int]) -> str:
+    """"A's trace ends inside a step: ..." for the ranks of run `name` that never closed their trace, by the last
+    step each recorded."""
+    where = ", ".join(f"rank {rank} in step {step}" for rank, step in sorted(ends.items())[:4])
+    more = f" and {len(ends) - 4} more ranks" if len(ends) > 4 else ""
+    return (f"{name}'s trace ends inside a step ({where}{more}): the process never closed its trace (os._exit, a "
+            "signal or a hard crash), so that step may be cut short and what ran after it was not recorded")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -18,9 +18,13 @@ Kind = Literal["numeric", "structural", "missing"]
 Cause = Literal["origin", "receiver", "identical", "missing"]
 
 
-def scope_label(module: str | None) -> str | None:
-    """A record's module as a reader names it: the root model's qualified name "" is "(root)"."""
-    return "(root)" if module == "" else module
+TOP_LEVEL = "(top level)"
+"""How every report names module "": code in the root model's own forward, or outside every module (the loop)."""
+
+
+def scope_label(module: str | None) -> str:
+    """A record's module as every report names it: its qualified name, or TOP_LEVEL."""
+    return module or TOP_LEVEL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +71,8 @@ class Divergence:
 
     @property
     def scope(self) -> str | None:
-        """The module as a reader names it: the root model ("") is "(root)"; None when no module was in scope."""
-        return scope_label(self.module)
+        """The module as a reader names it (`scope_label`); None when no module was in scope."""
+        return None if self.module is None else scope_label(self.module)
 
     @property
     def order(self) -> tuple[int, int, int, int]:
@@ -134,6 +138,9 @@ class DiffResult:
     """The compared global steps in words: "compared global steps 4-7 (B resumed after step 4)"."""
     notes: list[str] = field(default_factory=list)
     """What the reader should know beside the verdict (e.g. the runs are of different commands)."""
+    unclosed: list[str] = field(default_factory=list)
+    """The runs ("A", "B") whose trace ends inside a step: a rank never closed it (os._exit, a signal). In the
+    JSON it is a note."""
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` object of `detrace diff`, schema "detrace.diff/1"."""

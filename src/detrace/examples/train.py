@@ -192,7 +192,7 @@ def train(cfg: TrainConfig) -> None:
                 f"{PROG}: preset={cfg.preset} parallel={cfg.parallel} world={layout.world} dispatch={cfg.dispatch}"
                 f" recompute={cfg.recompute} quant={cfg.quant} deterministic={cfg.deterministic}"
                 f" threads={cfg.threads} seed={cfg.seed}{f' tp={cfg.tp}' if cfg.tp > 1 else ''}"
-                f" steps={start + 1}-{cfg.steps}",
+                f" steps={start}-{cfg.steps - 1}",
                 flush=True,
             )
         batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
@@ -209,7 +209,7 @@ def train(cfg: TrainConfig) -> None:
             optimizer.zero_grad(set_to_none=True)
             if layout.rank == 0:
                 print(
-                    f"step {step} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
+                    f"step {step - 1} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
                     f" mtp {float(m['mtp']):.6f} aux {float(m['aux']):.6f}"
                     f" grad_norm {float(m['grad_norm']):.6f} ({bits(m['grad_norm'])})",
                     flush=True,

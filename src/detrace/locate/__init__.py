@@ -36,7 +36,6 @@ ladder.json and locate.json and drawn by `detrace.report.html`.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from pathlib import Path
 
 from detrace.ladder import LADDER_FILE, LOCATE_FILE, LocateResult
@@ -50,7 +49,7 @@ from detrace.locate.config import (
 from detrace.locate.driver import Ladder
 from detrace.locate.stages import Progress, RunFailed
 from detrace.report.html import write_report
-from detrace.tracefile import write_json_atomic
+from detrace.tracefile import layout, write_json_atomic
 from detrace.tracefile.layout import REPORT_FILE, prepare_out
 from detrace.tracing.launch import Launcher, run_traced
 
@@ -69,15 +68,8 @@ __all__ = [
 
 
 def default_out(base: Path | None = None) -> Path:
-    """A fresh `detrace-locate-<timestamp>` directory name under `base` (the working directory by default)."""
-    base = base or Path.cwd()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = base / f"detrace-locate-{stamp}"
-    n = 1
-    while out.exists():
-        n += 1
-        out = base / f"detrace-locate-{stamp}-{n}"
-    return out
+    """A fresh `detrace-runs/locate-<timestamp>` directory under `base` (the working directory by default)."""
+    return layout.default_out("locate", base)
 
 
 def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False,

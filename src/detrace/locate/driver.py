@@ -230,6 +230,9 @@ class Ladder:
             self.progress.rung(broad.record())
             result.verdict = "deterministic"
             result.message = f"every recorded bit of three runs is identical {over}"
+            if first_pair.unclosed:  # a torn trace holds part of its last step: the verdict covers only that part
+                result.message += (f"; but the traces end inside a step (step {result.steps - 1}): CMD never "
+                                   "closed them (os._exit, a signal), so that step was compared only in part")
             return result
         first = first_pair.first
         broad.found = Finding.of(first)

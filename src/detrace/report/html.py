@@ -40,7 +40,8 @@ code,.mono{font-family:ui-monospace,'SFMono-Regular',Menlo,Consolas,monospace;fo
 .badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:13px;color:#fff;vertical-align:middle}
 .deterministic{background:#2e7d32}.nondeterministic{background:#c62828}.inconclusive{background:#ef6c00}
 .run{background:#455a64}
-table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left}
+table{border-collapse:collapse;margin:6px 0;max-width:100%}
+td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left;overflow-wrap:anywhere}
 th{background:#f2f4f7;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .differ{color:#c62828;font-weight:600}.same{color:#2e7d32}
 ol.path{padding-left:22px}ol.path li{margin:6px 0}.path b{font-family:ui-monospace,Menlo,monospace}
@@ -102,7 +103,7 @@ def _metric_section(curves: Curves, trace_step: int | None) -> list[str]:
     ma, mb = curves.a, curves.b or {}
     parts = ["<h2>Metric curves</h2>",
              f"<p class=\"muted\">Exact values recorded on rank {curves.rank}" + (
-                 ", run A (solid) and run B (dashed); the lower chart of each metric is |A − B| on a log scale."
+                 ", run A (solid) and run B (dashed); beside each metric's chart, its |A − B| on a log scale."
                  if curves.b is not None else ".") + "</p>"]
     notes = []
     charts = []
@@ -142,12 +143,12 @@ def _path_section(ladder: LocateResult) -> list[str]:
                      f"<code>{e(broad.name)}</code> ({e(broad.phase)}, {e(broad.role)}).</li>")
     module = stages["module"].found if "module" in stages else None
     if module:
-        items.append(f"<li>phase <b>{e(module.phase)}</b>, module <b>{e(module.module or '(none)')}"
+        items.append(f"<li>phase <b>{e(module.phase)}</b>, module <b>{e(scope_label(module.module))}"
                      f"</b>: first {'origin' if module.origin else 'divergent'} module record "
                      f"<code>{e(module.name)}</code> ({e(module.role)}).</li>")
     op = stages["op"].found if "op" in stages else None
     if op:
-        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(scope_label(op.module) or '(no module)')}</b>, "
+        items.append(f"<li>op <b>{e(op.name)}</b> in <b>{e(scope_label(op.module))}</b>, "
                      f"{e(op.phase)} of step {e(op.step)} on rank {e(op.rank)}: "
                      + ("its inputs were equal and its output differed (origin)." if op.origin else
                         "its inputs already differed (receiver).") + "</li>")
@@ -207,7 +208,7 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
     if culprit:
         body.append("<h2>Culprit</h2>" + _table(
             ["rank", "step", "phase", "module", "name", "origin"],
-            [[str(culprit.rank), str(culprit.step), str(culprit.phase), str(culprit.module or ""),
+            [[str(culprit.rank), str(culprit.step), str(culprit.phase), scope_label(culprit.module),
               str(culprit.name), str(culprit.origin).lower()]]))
     first = ladder.stages[0].found
     body += _metric_section(curves, first.step if first else None)

@@ -76,7 +76,8 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
            f'<rect x="{left}" y="{top}" width="{width - left - right}" height="{height - top - bottom}" '
            'fill="#fbfcfd" stroke="#c9d0d8"/>']
     # log axes: whole decades only, and none on the bottom edge, where "0 (equal)" sits
-    y_ticks = [t for t in _ticks(y_lo, y_hi, 4) if not log or (float(t).is_integer() and t > y_lo)]
+    # (and none at all when every value is 0: a decade would label an axis that holds no value)
+    y_ticks = [t for t in _ticks(y_lo, y_hi, 4) if not log or (values and float(t).is_integer() and t > y_lo)]
     for t in y_ticks:
         label = f"1e{round(t)}" if log else _fmt(t)
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" stroke="#eceff3"/>'
@@ -89,9 +90,7 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
     out.append(f'<text x="{left - 12}" y="{height - 10}" text-anchor="end">step</text>')
     for step, label, color in marks:
         out.append(f'<line x1="{px(step):.1f}" x2="{px(step):.1f}" y1="{top}" y2="{height - bottom}" '
-                   f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4 3"><title>{e(label)}</title></line>'
-                   f'<text x="{px(step) + 3:.1f}" y="{top + 11}" fill="{color}" style="fill:{color}">'
-                   f'{e(label)}</text>')
+                   f'stroke="{color}" stroke-width="1.5" stroke-dasharray="4 3"><title>{e(label)}</title></line>')
     for label, data, color, dashed in series:
         coords = []
         for s in sorted(data):
@@ -107,6 +106,11 @@ def line_chart(title: str, series: list[tuple[str, dict[int, float], str, bool]]
         for x, y, s, v in coords:
             out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.4" fill="{color}"><title>{e(label)} step {s}: '
                        f'{v!r} ({bits(v)})</title></circle>')
+    # the marks' labels last, on a halo of the plot's colour, so that no line or point covers them; stacked when
+    # two marks share a step
+    for n, (step, label, color) in enumerate(marks):
+        out.append(f'<text x="{px(step) + 3:.1f}" y="{top + 11 + 12 * n}" fill="{color}" style="fill:{color}" '
+                   f'stroke="#fbfcfd" stroke-width="3" paint-order="stroke">{e(label)}</text>')
     out.append("</svg>")
     return "".join(out)
 

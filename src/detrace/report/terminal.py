@@ -109,6 +109,17 @@ def diff_lines(result: DiffResult) -> list[str]:
     return lines
 
 
+PIPE_WIDTH = 1000
+"""Columns of a console that is not a terminal: no line is wrapped and no kernel name cut (rich's default is 80)."""
+
+
+def make_console(file: TextIO | None = None, *, stderr: bool = False) -> Console:
+    """The console every command prints with: styled on a terminal; piped, plain lines that are never wrapped."""
+    stream = file or (sys.stderr if stderr else sys.stdout)
+    piped = not (hasattr(stream, "isatty") and stream.isatty())
+    return Console(file=stream, highlight=False, soft_wrap=piped, width=PIPE_WIDTH if piped else None)
+
+
 def render_diff(result: DiffResult, file: TextIO | None = None) -> None:
     """Print the diff summary: styled on a terminal, plain when `file` is not one."""
     console = Console(file=file or sys.stdout, highlight=False)

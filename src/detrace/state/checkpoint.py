@@ -24,6 +24,7 @@ previous, complete version; the half-written one is never read and is removed by
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from detrace.errors import CheckpointError
+from detrace.errors import CheckpointError, os_error_text
 from detrace.state import dist, manifest, tree
 from detrace.state.storage import (
     FingerprintingSavePlanner,
@@ -109,7 +110,7 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
                 no_dist=not dist.active(),
             )
     except (RuntimeError, OSError, CheckpointException) as err:
-        raise CheckpointError(f"cannot write a checkpoint into {tmp}: {_first_line(err)}") from None
+        raise CheckpointError(f"cannot write a checkpoint into {tmp}: {_write_failure(err, root)}") from None
     # Every rank records its own skeleton of the shared state: under pipeline parallelism no two stages
     # have the same one, and a rank's record is what its resume is checked against.
     write_json(
@@ -208,6 +209,23 @@ def _single_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+FULL_DISK_BYTES = 64 << 20
+"""Free bytes below which torch's torn-write error ("unexpected pos") is read as a full disk."""
+
+
+def _write_failure(err: BaseException, root: Path) -> str:
+    """Why a save failed, in words: torch's stream writer reports a full disk as "[enforce fail at
+    inline_container.cc:...] unexpected pos", which the free space on the device then explains."""
+    cause = next(iter(err.failures.values()))[0] if isinstance(err, CheckpointException) and err.failures else err
+    if isinstance(cause, OSError):
+        return os_error_text(cause, root)
+    if "unexpected pos" in str(cause) or "failed writing" in str(cause):
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(root).free < FULL_DISK_BYTES:
+                return os_error_text(OSError(errno.ENOSPC, "full"), root)
+    return _first_line(err)
 
 
 def _first_line(err: BaseException) -> str:

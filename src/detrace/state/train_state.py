@@ -72,7 +72,10 @@ class TrainState:
     ) -> None:
         for name, value in (("scheduler", scheduler), ("scaler", scaler), ("data", data)):
             if value is not None and not _is_stateful(value):
-                raise UsageError(f"TrainState's {name} needs state_dict() and load_state_dict()")
+                hint = ("; wrap the dataset in detrace.state.ResumableLoader (or use torchdata's "
+                        "StatefulDataLoader), which keeps the data position" if name == "data" else "")
+                raise UsageError(f"TrainState's {name} needs state_dict() and load_state_dict(), which "
+                                 f"{type(value).__name__} lacks{hint}")
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -5,6 +5,9 @@ Nothing else spells these names: a module that looks for rank files, captures or
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
 import re
 import shutil
 from pathlib import Path
@@ -12,6 +15,10 @@ from typing import Literal
 
 from detrace.errors import TraceError, UsageError
 
+RUNS_DIR = "detrace-runs"
+"""Where every command's default output directory goes, in the working directory (one folder to clean)."""
+LATEST = "latest"
+"""`detrace-runs/<kind>-latest`: a link to the newest default output of a kind that completed."""
 RUN_HEADER = "run.json"
 REPORT_FILE = "report.html"
 """The HTML report `detrace report` writes into a run or locate directory by default."""
@@ -21,6 +28,7 @@ RANK_GLOB = "rank-*.arrow"
 """The rank files of a run, as a pattern for messages."""
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 _RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
+_AUX_FILE = re.compile(r"^aux-(\d+)\.(arrow|json)$")
 _CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
 
 
@@ -32,6 +40,27 @@ def rank_path(run_dir: str | Path, rank: int) -> Path:
 def footer_path(run_dir: str | Path, rank: int) -> Path:
     """The footer a rank writes when it closes cleanly; its absence means the rank ended early."""
     return Path(run_dir) / f"rank-{rank:05d}.json"
+
+
+def aux_path(run_dir: str | Path, pid: int) -> Path:
+    """The trace of a process that is not a rank of the job (an eval subprocess, a data preprocessor that a
+    recording process started): it never shares a rank's file, and diff and certify of ranks do not read it."""
+    return Path(run_dir) / f"aux-{pid}.arrow"
+
+
+def aux_footer_path(run_dir: str | Path, pid: int) -> Path:
+    """The footer an auxiliary process writes when it closes cleanly (see `footer_path`)."""
+    return Path(run_dir) / f"aux-{pid}.json"
+
+
+def aux_trace_paths(run_dir: str | Path) -> list[Path]:
+    """The auxiliary traces a run directory holds (`aux_path`), by pid."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _AUX_FILE.match(p.name))
+             and m.group(2) == "arrow"]
+    return [p for _, p in sorted(found)]
 
 
 def run_header_path(run_dir: str | Path) -> Path:
@@ -63,12 +92,49 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 
 def trace_files(run_dir: str | Path) -> list[Path]:
-    """What a traced run wrote into its directory: rank files, footers, run.json, captures (nothing else)."""
+    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, run.json, captures
+    (nothing else)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     return [p for p in run_dir.iterdir() if p.name in (RUN_HEADER, CAPTURE_DIR)
-            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name)]
+            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)]
+
+
+def default_out(kind: str, base: Path | None = None) -> Path:
+    """A fresh `detrace-runs/<kind>-<timestamp>` under `base` (the working directory by default)."""
+    base = (base or Path.cwd()) / RUNS_DIR
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out, n = base / f"{kind}-{stamp}", 1
+    while out.exists():
+        n += 1
+        out = base / f"{kind}-{stamp}-{n}"
+    return out
+
+
+def link_latest(out: Path, kind: str) -> Path | None:
+    """Point `<out's folder>/<kind>-latest` at `out` (a default output that completed); the link, or None where
+    links cannot be made."""
+    link = out.parent / f"{kind}-{LATEST}"
+    try:
+        tmp = out.parent / f".{link.name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(out.name, target_is_directory=True)
+        os.replace(tmp, link)  # atomic: a reader never finds the link missing
+    except OSError:
+        return None
+    return link
+
+
+def remove_empty(out: Path) -> None:
+    """Remove `out` and the folders in it, where they hold nothing (a failed command's directory): never a file."""
+    if not out.is_dir() or out.is_symlink():
+        return
+    for folder in sorted((p for p in out.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    with contextlib.suppress(OSError):
+        out.rmdir()
 
 
 def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | None = None,

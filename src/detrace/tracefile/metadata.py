@@ -173,8 +173,8 @@ class RankFooter:
 
     schema: str
     """The trace format, SCHEMA_VERSION."""
-    rank: int
-    """The rank."""
+    rank: int | None
+    """The rank; None in an auxiliary process's footer (`aux-<pid>.json`, a process that is not a rank)."""
     records: int
     """Records written."""
     batches: int
@@ -205,7 +205,7 @@ class RankFooter:
         first = None if steps is None else steps.get("first")
         if first is not None and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
             raise fields.fail("steps", "an object whose `first` is a non-negative integer")
-        return cls(schema=fields.schema(), rank=fields.count("rank"), records=fields.count("records"),
+        return cls(schema=fields.schema(), rank=fields.count("rank", default=None), records=fields.count("records"),
                    batches=fields.count("batches"), chain=chain, last_step=fields.count("last_step", least=-1),
                    groups=fields.strings("groups", default=None), first_step=first, raw=fields.raw)
 

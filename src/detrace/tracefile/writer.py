@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from detrace.errors import TraceError
 from detrace.tracefile.integrity import chain_start, chain_text, seal
-from detrace.tracefile.layout import footer_path, rank_path
+from detrace.tracefile.layout import aux_footer_path, aux_path, footer_path, rank_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, SCHEMA_VERSION
 
 
@@ -39,30 +39,38 @@ def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> None:
 
 
 class RankWriter:
-    """Writes the records of one rank to `<run_dir>/rank-RRRRR.arrow`."""
+    """Writes the records of one rank to `<run_dir>/rank-RRRRR.arrow` (with `aux_pid`: the records of a process
+    that is not a rank to `<run_dir>/aux-PID.arrow`; `rank` is then None)."""
 
     def __init__(
         self,
         run_dir: str | Path,
-        rank: int,
+        rank: int | None,
         *,
         header: dict[str, Any],
         batch_records: int = 4096,
         flush_seconds: float = 1.0,
         force: bool = False,
+        aux_pid: int | None = None,
     ) -> None:
+        if (rank is None) == (aux_pid is None):
+            raise TraceError("a trace file belongs to a rank or to an auxiliary process, not both or neither")
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.batch_records = batch_records
         self.flush_seconds = flush_seconds
-        self.path = rank_path(self.run_dir, rank)
+        if rank is not None:
+            self.path, self._footer = rank_path(self.run_dir, rank), footer_path(self.run_dir, rank)
+        else:
+            assert aux_pid is not None
+            self.path, self._footer = aux_path(self.run_dir, aux_pid), aux_footer_path(self.run_dir, aux_pid)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise TraceError(f"cannot create trace directory {self.run_dir}: {err.strerror}") from None
         if self.path.exists() and not force:
             raise TraceError(f"{self.path} already holds a trace; choose another directory or pass --force")
-        footer_path(self.run_dir, rank).unlink(missing_ok=True)
+        self._footer.unlink(missing_ok=True)
         header_text = json.dumps(header, sort_keys=True)
         metadata = {"detrace.schema": SCHEMA_VERSION, "detrace.header": header_text}
         try:
@@ -128,4 +136,4 @@ class RankWriter:
         payload = {"schema": SCHEMA_VERSION, "rank": self.rank, "records": self.records,
                    "last_step": self.last_step, "complete": True, **(footer or {}),
                    "batches": self.batches, "chain": chain_text(self._chain)}
-        write_json_atomic(footer_path(self.run_dir, self.rank), payload)
+        write_json_atomic(self._footer, payload)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from detrace import _events
 from detrace.errors import UsageError
-from detrace.tracing.config import TraceConfig
+from detrace.tracing.config import RECORDING_VAR, TraceConfig
 
 __all__ = ["active", "arm_from_env", "checkpoint_io", "metric", "set_step", "step", "trace"]
 
@@ -88,7 +88,11 @@ def _is_torchrun_agent() -> bool:
 def arm_from_env() -> bool:
     """Start the tracer configured by `detrace run` (DETRACE_TRACE); returns whether one was started."""
     config = TraceConfig.from_env()
-    if config is None or _tracer is not None or _is_torchrun_agent():
+    if config is None or _tracer is not None:
+        return False
+    if _is_torchrun_agent():
+        # The agent's workers are the job's ranks, whoever started the agent.
+        os.environ.pop(RECORDING_VAR, None)
         return False
     _start(config, check_out_dir=False)
     atexit.register(_stop)

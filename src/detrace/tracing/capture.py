@@ -35,6 +35,10 @@ class PendingCapture:
     kwargs: Any
 
 
+def _in_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 class Capturer:
     """Matches op calls against the selector and saves the first match."""
 
@@ -44,8 +48,8 @@ class Capturer:
 
     def before(self, call: Call, args: tuple, kwargs: dict) -> PendingCapture | None:
         selector = self.tracer.config.selector
-        if self.done or selector is None:
-            return None
+        if self.done or selector is None or (self.tracer.nested and not _in_group()):
+            return None  # a capture is a rank's, named after it: a nested process is a rank once in a group
         if not selector.matches(step=call.step, rank=self.tracer.rank, phase=call.phase, module=call.module,
                                 name=call.name, occurrence=call.occurrence):
             return None
@@ -60,7 +64,7 @@ class Capturer:
         tracer = self.tracer
         call = pending.call
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        rank = tracer.rank if tracer.rank is not None else 0
+        rank = tracer.rank if tracer.rank is not None else torch.distributed.get_rank() if _in_group() else 0
         assert call.event is not None  # its first record, written before the call ran, set it
         path = capture_path(tracer.config.out, rank, call.event)
         meta = {"rank": rank, "step": call.step, "phase": call.phase, "module": call.module, "name": call.name,

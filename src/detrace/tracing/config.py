@@ -20,6 +20,10 @@ from detrace.windows import Window, parse_window
 
 ENV_VAR = "DETRACE_TRACE"
 """The environment variable that carries a `TraceConfig` (as JSON) into the processes CMD starts."""
+RECORDING_VAR = "DETRACE_RECORDING_PID"
+"""Set by a traced process when it records its first record, to its pid (and removed when it closes its trace):
+a child it starts meanwhile inherits it and knows that its parent's rank file is taken. The torchrun agent
+removes it for its workers, and `detrace run` for CMD: each is the root of a job of its own."""
 
 _SELECTOR_KEYS = ("step", "rank", "phase", "name", "occurrence", "module")
 

@@ -7,6 +7,12 @@ run.json from the ranks' headers when CMD ends. It never raises for a nonzero ex
 
 CMD's whole process tree is killed (SIGKILL) on a timeout, on an exception in the launcher (Ctrl-C), and when
 the launcher itself dies, even by SIGKILL: a watchdog process does it then (see `detrace.tracing.watchdog`).
+SIGTERM to the launcher is passed on to CMD's process group (a second one kills it), and run.json is finished
+as "interrupted". CMD's stdout and stderr stay apart.
+
+run.json's `status` is "finished", "timeout" or "interrupted"; `cut_short` says why the trace holds less than
+CMD ran (a rank that never closed its trace, a full disk). When run.json itself cannot be finished (a full
+disk), it is rewritten in place, where it needs no new block; the problem is returned, never raised.
 """
 
 from __future__ import annotations
@@ -20,18 +26,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.tracefile.layout import footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
+from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
 from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing import watchdog
-from detrace.tracing.config import ENV_VAR, TraceConfig
+from detrace.tracing.config import ENV_VAR, RECORDING_VAR, TraceConfig
 
 TAIL_BYTES = 4096
 """How much of CMD's combined output `LaunchResult.output_tail` keeps."""
@@ -50,6 +56,10 @@ class LaunchResult:
     """Wall-clock seconds CMD ran."""
     output_tail: str
     """The last ~4 KB of CMD's combined stdout and stderr."""
+    cut_short: str | None = None
+    """Why the trace holds less than CMD ran (one sentence), or None."""
+    interrupted: bool = False
+    """The launcher was sent SIGTERM and passed it on to CMD."""
 
 
 Launcher = Callable[..., LaunchResult]
@@ -80,6 +90,9 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
     if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
         header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}
+    aux = aux_trace_paths(out)
+    if aux:  # processes that are not ranks (an eval subprocess, say) traced apart; diff and certify skip them
+        header["aux"] = [path.name for path in aux]
     header.update(facts)
     return header
 
@@ -95,13 +108,36 @@ def _steps_run(out: Path, rank: int) -> tuple[int, int] | None:
     return footer.first_step, footer.last_step
 
 
-def _pump(stream: IO[bytes], tail: collections.deque[bytes], echo: bool) -> None:
-    sink = sys.stdout.buffer if echo else None
+def _unclosed(out: Path) -> list[int]:
+    """The ranks whose file exists but whose footer does not: they never closed their trace."""
+    return [rank for rank in rank_trace_paths(out) if not footer_path(out, rank).exists()]
+
+
+def _finish(path: Path, header: dict[str, Any]) -> str | None:
+    """Write the final run.json; on an OSError (a full disk) overwrite the old one in place, compactly, which needs
+    no new block. Returns the problem in words, or None."""
+    try:
+        write_json_atomic(path, header)
+        return None
+    except OSError as err:
+        problem = f"cannot finish {path}: {os_error_text(err, path.parent)}"
+    try:
+        with open(path, "r+") as handle:
+            text = json.dumps(header, sort_keys=True, separators=(",", ":"))
+            handle.write(text)
+            handle.truncate(len(text.encode()))
+    except OSError:
+        problem += "; it still says the run is running"
+    return problem
+
+
+def _pump(stream: IO[bytes], tail: collections.deque[bytes], lock: threading.Lock, sink: IO[bytes] | None) -> None:
     # mypy, ignored below: Popen's pipes are io.BufferedReader, which has read1; IO[bytes] does not declare it
     while chunk := stream.read1(65536):  # type: ignore[attr-defined]
-        tail.append(chunk)
-        while sum(map(len, tail)) - len(tail[0]) > TAIL_BYTES:
-            tail.popleft()
+        with lock:  # stdout's and stderr's pumps share the tail
+            tail.append(chunk)
+            while sum(map(len, tail)) - len(tail[0]) > TAIL_BYTES:
+                tail.popleft()
         if sink is not None:
             sink.write(chunk)
             sink.flush()
@@ -162,17 +198,18 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     try:
         write_json_atomic(header_path, _run_header(config, out, status="running"))
     except OSError as err:
-        raise TraceError(f"cannot write to output directory {out}: {err.strerror or err}") from None
+        raise TraceError(f"cannot write to output directory {out}: {os_error_text(err, out)}") from None
 
     from detrace.inject import DIRECTORY
 
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env[ENV_VAR] = config.to_env()
+    child_env.pop(RECORDING_VAR, None)  # CMD is the root of a new job, whatever this process records
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
     except OSError as err:
         # Nothing ran, so nothing was traced: the header that said "running" goes, and the directory stays usable.
@@ -184,30 +221,64 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
         raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
     watchdog = _start_watchdog(proc)
     tail: collections.deque[bytes] = collections.deque()
-    assert proc.stdout is not None
-    pump = threading.Thread(target=_pump, args=(proc.stdout, tail, not quiet), daemon=True)
-    pump.start()
+    lock = threading.Lock()
+    assert proc.stdout is not None and proc.stderr is not None
+    pumps = [threading.Thread(target=_pump, args=(stream, tail, lock, None if quiet else sink), daemon=True)
+             for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
+    for pump in pumps:
+        pump.start()
     timed_out = False
-    try:
-        proc.wait(timeout=timeout)
-        _release_watchdog(watchdog, kill=False)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc, watchdog)
-    except BaseException:
-        _kill_group(proc, watchdog)
-        raise
-    finally:
-        pump.join(timeout=5)
+    terms: list[int] = []
+    with _forwarding_sigterm(proc, terms):
+        try:
+            proc.wait(timeout=timeout)
+            _release_watchdog(watchdog, kill=False)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc, watchdog)
+        except BaseException:
+            _kill_group(proc, watchdog)
+            _finish(header_path, _run_header(config, out, status="interrupted", returncode=proc.returncode,
+                                             elapsed=round(time.monotonic() - start, 3)))
+            raise
+        finally:
+            for pump in pumps:
+                pump.join(timeout=5)
     elapsed = time.monotonic() - start
-    status = "timeout" if timed_out else "finished"
-    write_json_atomic(header_path, _run_header(config, out, status=status, returncode=proc.returncode,
-                                               elapsed=round(elapsed, 3)))
+    status = "timeout" if timed_out else "interrupted" if terms else "finished"
+    unclosed = _unclosed(out)
+    cut_short = (f"rank{'s' * (len(unclosed) > 1)} {','.join(map(str, unclosed[:8]))} never closed "
+                 f"{'their traces' if len(unclosed) > 1 else 'its trace'}" if unclosed else None)
+    header = _run_header(config, out, status=status, returncode=proc.returncode, elapsed=round(elapsed, 3))
+    if cut_short:
+        header["cut_short"] = cut_short
+    problem = _finish(header_path, header)
+    cut_short = "; ".join(filter(None, [cut_short, problem])) or None
     if timed_out:
         raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
     output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
     return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
-                        output_tail=output_tail)
+                        output_tail=output_tail, cut_short=cut_short, interrupted=bool(terms))
+
+
+@contextlib.contextmanager
+def _forwarding_sigterm(proc: subprocess.Popen[bytes], terms: list[int]) -> Iterator[None]:
+    """While CMD runs, SIGTERM to the launcher goes to CMD's process group (appended to `terms`); a second one
+    kills the group. Only the main thread may set a handler: elsewhere SIGTERM keeps its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        terms.append(signum)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL if len(terms) > 1 else signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def describe(result: LaunchResult) -> str:
@@ -217,5 +288,10 @@ def describe(result: LaunchResult) -> str:
     except (OSError, ValueError):
         header = {}
     traced = header.get("traced_ranks") or []
-    return (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written to "
+    line = (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written to "
             f"{result.out} ({result.elapsed:.1f} s, exit code {result.returncode})")
+    if result.interrupted:
+        line += "; interrupted by SIGTERM, which was passed on to CMD"
+    if result.cut_short:
+        line += f"; the trace is cut short: {result.cut_short}"
+    return line

@@ -9,6 +9,10 @@ tuples (detrace.tracing.records) until a batch of them is written as Arrow colum
 Rank discovery: `RANK` (torchrun) or `torch.distributed.get_rank()` once the default group exists (mp.spawn sets
 no RANK). Until the rank is known, records stay in memory; a process that records nothing writes nothing.
 A process with neither at the end of a step or at exit is a single-process run: rank 0.
+
+A process that a recording process started (an eval subprocess, a data preprocessor, a compile worker: it
+inherits RECORDING_VAR) is a rank only once it joins a process group (mp.spawn's children do); otherwise it is
+auxiliary and writes `aux-<pid>.arrow`, never a rank's file, whatever RANK it inherited.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ from typing import Any
 
 import torch
 
-from detrace.errors import DetraceError
+from detrace.errors import DetraceError, os_error_text
 from detrace.tracefile.layout import rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.schema import RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
-from detrace.tracing.config import TraceConfig
+from detrace.tracing.config import RECORDING_VAR, TraceConfig
 from detrace.tracing.header import base_header
 from detrace.tracing.records import Call, Record, Snapshot, to_batch
 from detrace.tracing.snapshots import SnapshotMemo
@@ -89,7 +93,11 @@ class Tracer:
         self._writer: RankWriter | None = None
         self._listeners: list[Callable[[], None]] = []
         self._closed = False
-        if os.environ.get("RANK", "").isdigit():
+        self.nested = os.environ.get(RECORDING_VAR, str(os.getpid())) != str(os.getpid())
+        """Started by a process that was recording: not a rank unless it joins a process group."""
+        self.aux = False
+        """Known not to be a rank: its records go to an auxiliary trace (`aux-<pid>.arrow`)."""
+        if not self.nested and os.environ.get("RANK", "").isdigit():
             self._set_rank(int(os.environ["RANK"]))
         self._update_windows()
 
@@ -166,22 +174,30 @@ class Tracer:
             self.enabled = False
         self._update_windows()
 
-    def _discover_rank(self, *, step_ended: bool) -> int | None:
-        """The rank, once known. Once a step has ended (or at exit), a process that has not joined a process
-        group and has no RANK is a single-process run: rank 0. So is one that nothing marks as a future rank
-        (`_alone`), from its first flush on: the flush every FLUSH_RECORDS records or FLUSH_SECONDS holds from
-        the first record, and a single process killed in step 0 keeps its complete batches."""
-        if self.rank is not None:
-            return self.rank
+    def _discover_rank(self, *, step_ended: bool) -> bool:
+        """Whether this process knows which file it writes. Once a step has ended (or at exit), a process that
+        has not joined a process group and has no RANK is a single-process run: rank 0. So is one that nothing
+        marks as a future rank (`_alone`), from its first flush on: the flush every FLUSH_RECORDS records or
+        FLUSH_SECONDS holds from the first record, and a single process killed in step 0 keeps its complete
+        batches. A nested process (see the module's docstring) that has joined no group then is auxiliary."""
+        if self.rank is not None or self.aux:
+            return True
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             self._set_rank(dist.get_rank())
             self.world_size = dist.get_world_size()
-        elif step_ended or _alone():
+        elif self.nested and step_ended:
+            self.aux = True
+        elif step_ended or (not self.nested and _alone()):
             self._set_rank(0)
             self.world_size = 1
-        return self.rank
+        return self.rank is not None or self.aux
+
+    @property
+    def who(self) -> str:
+        """This process in messages: its rank, or that it is not one."""
+        return f"rank {self.rank}" if self.rank is not None else f"process {os.getpid()} (not a rank)"
 
     @property
     def busy(self) -> bool:
@@ -239,6 +255,8 @@ class Tracer:
         self._seq = seq + 1
         if not self._recorded:
             self._recorded = [call.step, call.step]
+            # A process started from here on writes another file (see the module's docstring).
+            os.environ[RECORDING_VAR] = str(os.getpid())
         elif call.step > self._recorded[1]:
             self._recorded[1] = call.step
         if call.event is None:
@@ -264,7 +282,7 @@ class Tracer:
             if self._in_dataloader_worker():
                 self.disable()
                 return
-            if self._discover_rank(step_ended=step_ended) is None or not self.enabled:
+            if not self._discover_rank(step_ended=step_ended) or not self.enabled:
                 return
             self.snapshots.resolve()
             records, self._records = self._records, []
@@ -275,21 +293,26 @@ class Tracer:
                     batch = to_batch(records)
                 writer.add_batch(batch)
             except (DetraceError, OSError) as err:
-                # A failing trace must not take the training run down with it: say so once and stop recording.
-                print(f"detrace: tracing stopped on rank {self.rank}: {err}", file=sys.stderr)
-                self.disable()
+                self._failed(err)
+
+    def _failed(self, err: DetraceError | OSError) -> None:
+        # A failing trace must not take the training run down with it: say so once and stop recording.
+        why = os_error_text(err, self.config.out) if isinstance(err, OSError) else str(err)
+        print(f"detrace: tracing stopped on {self.who}: {why}; the trace is cut short", file=sys.stderr)
+        self.disable()
 
     def _open(self) -> RankWriter:
-        assert self.rank is not None
-        if self.world_size is None:
+        assert self.rank is not None or self.aux
+        if self.world_size is None and not self.aux:
             env = os.environ.get("WORLD_SIZE", "")
             self.world_size = int(env) if env.isdigit() else None
         header = base_header(self.config, world_size=self.world_size)
-        header.update(rank=self.rank, pid=os.getpid())
+        header.update(rank=self.rank, pid=os.getpid(), aux=self.aux)
         # Inside `detrace run` the launcher already refused or cleared an existing trace; a rank file there is
         # this rank's own from an elastic restart of the same run, so it is replaced.
         self._writer = RankWriter(self.config.out, self.rank, header=header, force=self.config.force or
-                                  self.config.launched, batch_records=1 << 30, flush_seconds=float("inf"))
+                                  self.config.launched, batch_records=1 << 30, flush_seconds=float("inf"),
+                                  aux_pid=os.getpid() if self.aux else None)
         return self._writer
 
     def disable(self) -> None:
@@ -317,16 +340,21 @@ class Tracer:
             self.flush(step_ended=True)
             self._closed = True
             writer = self._writer
-            if writer is not None:
+            if writer is not None and self.enabled:
                 footer = {"groups": sorted(self.groups), "step": self.clock.step, "pid": os.getpid(),
                           "world_size": self.world_size, "collectives": self.collectives,
                           "steps": self.clock.steps(self._recorded)}
-                writer.close(footer)
-                if self.rank == 0 and not self.config.launched:
-                    header = base_header(self.config, world_size=self.world_size)
-                    write_json_atomic(run_header_path(self.config.out), header)
+                try:
+                    writer.close(footer)
+                    if self.rank == 0 and not self.config.launched:
+                        header = base_header(self.config, world_size=self.world_size)
+                        write_json_atomic(run_header_path(self.config.out), header)
+                except (DetraceError, OSError) as err:  # at exit too: one sentence, never a traceback
+                    self._failed(err)
             self.enabled = False
             self._update_windows()
+            if os.environ.get(RECORDING_VAR) == str(os.getpid()):  # the file is closed: no child can clash with it
+                del os.environ[RECORDING_VAR]
 
     def check_out_dir(self) -> None:
         """Library form: refuse (before training starts) an out directory that already holds this rank's trace."""

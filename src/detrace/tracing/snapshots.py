@@ -58,6 +58,16 @@ def _snapshot_of(fp: Any) -> Snapshot:
                     components=tuple((name, _snapshot_of(part)) for name, part in fp.components))
 
 
+def _packed_values(nested: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor that packs a nested tensor's elements (`values()`, either layout): what is recorded of it,
+    so its bits are fingerprinted but not how they split into components. None when torch cannot give it: the
+    record then keeps only the dtype (not fingerprinted)."""
+    try:
+        return nested.values()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
 class SnapshotMemo:
     """The fingerprints one tracer takes: reused while a tensor is unchanged, deferred while it is small."""
 
@@ -96,6 +106,12 @@ class SnapshotMemo:
                 if value is not None and has_components(value):
                     todo.append((i, value, None))
                 continue
+            if value.is_nested:
+                packed = _packed_values(value)
+                if packed is None:
+                    out[i] = Snapshot(shape=(), dtype=dtype_name(value.dtype), numel=0)
+                    continue
+                value = packed
             tensor = local_data(value)
             version = _version(tensor)
             if version is not None and not fresh:
