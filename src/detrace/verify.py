@@ -14,6 +14,7 @@ from pathlib import Path
 
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
+from detrace.integrations.advice import advice
 from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
@@ -201,8 +202,8 @@ def _stop_point(cmd: list[str], k: int, out: Path, continuous: Path, *, window: 
             env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
     if not ckpt.exists():
         raise CommandFailed(
-            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use detrace.TrainState "
-            "(resume_if_requested / end_of_step), and does it run more than that many steps?")
+            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use {advice(cmd)}, and "
+            "does it run more than that many steps?")
     resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
     _launch(cmd, resumed, label=f"run resumed after step {k}", progress=progress, timeout=timeout, steps=window,
             env=resume_env)
