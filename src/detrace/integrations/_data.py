@@ -16,6 +16,8 @@ draw from the training loop's own RNG, interleaved with dropout. Both are fixed 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,17 +84,26 @@ class SeededItems:
         return items
 
 
-def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys:
+@functools.cache
+def _warn_unindexed(framework: str) -> None:
+    """Once per process and framework: the data is left as it is."""
+    warnings.warn(
+        f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample index "
+        "to seed its randomness from, and the data position it resumes at is the framework's own",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys | None:
     """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
 
     Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
-    loader returns the sampler installed the first time.
+    loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
+    alone (with one warning) and None is returned; training goes on as without detrace's data handling.
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        raise UsageError(
-            f"detrace's {framework} integration resumes map-style datasets (with __getitem__ and __len__); an "
-            "IterableDataset has no sample index to seed its randomness from"
-        )
+        _warn_unindexed(framework)
+        return None
     holders = []  # every level of (batch) sampler wrappers that holds the index sampler
     level: Any = loader.batch_sampler
     while level is not None:

@@ -141,7 +141,8 @@ class DetraceCallback(pl.Callback):
             raise UsageError("detrace's Lightning integration needs one torch DataLoader for training, "
                              f"not {type(loader).__name__}")
         self._keys = seed_samples(loader, seed=self._seed(), framework="Lightning Trainer")
-        self._keys.epoch = trainer.current_epoch
+        if self._keys is not None:
+            self._keys.epoch = trainer.current_epoch
         if loader.generator is None:
             # Starting an epoch's workers would otherwise draw their base seed from the global torch RNG.
             loader.generator = torch.Generator().manual_seed(self._seed())
@@ -205,7 +206,7 @@ class DetraceCallback(pl.Callback):
     def _load(self, trainer: pl.Trainer, loader: torch.utils.data.DataLoader) -> None:
         """Lightning resumed from `self._resumed_from`: verify detrace's state beside it, restore it over
         Lightning's, and skip the batches of the current epoch that were already trained."""
-        assert self._state is not None and self._keys is not None and self._resumed_from is not None
+        assert self._state is not None and self._resumed_from is not None
         directory = Path(f"{self._resumed_from}{LIGHTNING_STATE_SUFFIX}")
         if not directory.exists():
             raise CheckpointError(f"Lightning resumed from {self._resumed_from}, but there is no detrace state in "
@@ -218,7 +219,8 @@ class DetraceCallback(pl.Callback):
         # as processed, not yet as completed).
         # mypy, ignored below: `current` is annotated as the base tracker; at run time it is a _ProcessedTracker
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        if self._control != "skip-data" and done < trainer.num_training_batches:  # else the epoch is over
+        if self._keys is not None and self._control != "skip-data" and done < trainer.num_training_batches:
+            # (else the epoch is over, or the data is a stream that detrace leaves alone)
             self._keys.skip = done * (loader.batch_size or 1)
 
 
