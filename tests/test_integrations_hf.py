@@ -178,3 +178,51 @@ def test_importing_the_integration_registers_the_detrace_experts() -> None:
     import detrace.integrations.hf  # noqa: F401  (the import registers them)
 
     assert "detrace" in ExpertsInterface().valid_keys()
+
+
+def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataCollatorForLanguageModeling draws its masks from the RNG of the process that collates: the callback seeds
+    each batch's collate_fn from its samples' seeds, so a run stopped after step 2 and resumed (with 2 workers, or
+    with none) ends with the bits of the continuous 2-worker run."""
+    from tokenizers import Tokenizer, models
+    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling,
+                              PreTrainedTokenizerFast, Trainer, TrainingArguments)
+
+    from detrace.integrations.hf import DetraceCallback
+
+    words = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i + 3 for i in range(29)}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="[UNK]")),
+                                        pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+    texts = torch.randint(3, len(words), (24, 8), generator=torch.Generator().manual_seed(1))
+
+    class Texts(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(texts)
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": texts[index]}
+
+    def final_parameters(workers: int, **contract: str) -> list[torch.Tensor]:
+        for name in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in contract.items():
+            monkeypatch.setenv(name, value)
+        torch.manual_seed(0)
+        model = BertForMaskedLM(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=32, max_position_embeddings=8))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, save_strategy="no", dataloader_num_workers=workers,
+                                 report_to="none", disable_tqdm=True, seed=0, use_cpu=True)
+        trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[DetraceCallback()],
+                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3))
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+        return [value.clone() for value in trainer.model.state_dict().values()]
+
+    torch.set_num_threads(1)
+    continuous = final_parameters(2)
+    ckpt = str(tmp_path / "ckpt")
+    final_parameters(2, DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
+    for workers in (2, 0):
+        resumed = final_parameters(workers, DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
+        assert all(torch.equal(a, b) for a, b in zip(resumed, continuous, strict=True)), f"{workers} workers"

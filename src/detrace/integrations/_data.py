@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from detrace.errors import UsageError
-from detrace.state.data import sample_seed, seeded_rngs
+from detrace.state.data import SeededCollate, sample_seed, seeded_rngs
 
 
 class SampleKeys(Sampler[tuple[int, int]]):
@@ -71,8 +71,11 @@ class SeededItems:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        self.last_keys: list[tuple[int, int]] | None = None
+        """The keys of the batch loaded last in this process, for `SeededCollate` (None for plain indices)."""
 
     def __call__(self, keys: list[Any]) -> list[Any]:
+        self.last_keys = list(keys) if keys and all(isinstance(key, tuple) for key in keys) else None
         items = []
         for key in keys:
             if isinstance(key, tuple):
@@ -121,7 +124,15 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys
         if holder.sampler is index_sampler:
             holder.sampler = keys
     dataset = loader.dataset
-    if not isinstance(vars(dataset).get("__getitems__"), SeededItems):
+    items = vars(dataset).get("__getitems__")
+    if not isinstance(items, SeededItems):
         # DataLoader's fetcher looks `__getitems__` up on the dataset object, so an instance attribute is used.
-        dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
+        items = dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
+    # accelerate's prepared DataLoader is an adapter that iterates the DataLoader it wraps, with that one's collate_fn.
+    iterated: Any = loader
+    while getattr(iterated, "base_dataloader", None) is not None:
+        iterated = iterated.base_dataloader
+    if not isinstance(iterated.collate_fn, SeededCollate):
+        # A collator's randomness (a masked-LM collator's masks) is seeded per batch, as each sample's is.
+        iterated.collate_fn = SeededCollate(iterated.collate_fn, items)
     return keys
