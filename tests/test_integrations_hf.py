@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example
+from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example, torchrun_example
 from test_checkpoint import flip_one_bit
 
 import detrace
@@ -186,8 +186,14 @@ def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Pat
     each batch's collate_fn from its samples' seeds, so a run stopped after step 2 and resumed (with 2 workers, or
     with none) ends with the bits of the continuous 2-worker run."""
     from tokenizers import Tokenizer, models
-    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling,
-                              PreTrainedTokenizerFast, Trainer, TrainingArguments)
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        DataCollatorForLanguageModeling,
+        PreTrainedTokenizerFast,
+        Trainer,
+        TrainingArguments,
+    )
 
     from detrace.integrations.hf import DetraceCallback
 
@@ -226,3 +232,17 @@ def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Pat
     for workers in (2, 0):
         resumed = final_parameters(workers, DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
         assert all(torch.equal(a, b) for a, b in zip(resumed, continuous, strict=True)), f"{workers} workers"
+
+
+def test_the_callback_resumes_exactly_at_two_ranks(tmp_path: Path) -> None:
+    """Under torchrun at 2 ranks with 2 DataLoader workers, a run stopped after step 2 and resumed ends with the
+    continuous run's parameters. Compared directly: check-resume still takes the resumed processes'
+    checkpoint-load collectives for a changed run (issue #22's checkpoint I/O phase, the tracer's part)."""
+    report, ckpt = tmp_path / "report.jsonl", str(tmp_path / "ckpt")
+    options = ("--workers", "2", "--report", str(report))
+    torchrun_example(SCRIPT, *options, env={})
+    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_STOP_AT": "2"})
+    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_RESUME": "1"})
+    found = arms(report)
+    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
+    assert found["stopped"].isdisjoint(found["continuous"])

@@ -16,9 +16,11 @@ backward (docs/resume.md has the measurement).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detrace._compat import pin_ddp_bucket_order
@@ -30,12 +32,16 @@ def pin_layout(model: torch.nn.Module) -> None:
     if isinstance(model, DistributedDataParallel):
         pin_ddp_bucket_order(model)
         return
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # no process group: no DDP module can wrap it
+    target = weakref.ref(model)  # the hook must not keep a model alive
 
     def pin_the_wrapper(module: torch.nn.Module, args: Any) -> None:
-        if isinstance(module, DistributedDataParallel) and module.module is model:
+        watched = target()
+        if isinstance(module, DistributedDataParallel) and module.module is watched:
             pin_ddp_bucket_order(module)
             handle.remove()
-        elif module is model:  # it runs unwrapped: nothing to pin, and no need to watch every call
+        elif module is watched or watched is None:  # it runs unwrapped (or is gone): no need to watch every call
             handle.remove()
 
     # A global hook: the wrapper is made after the TrainState, or elsewhere (accelerate, the HF Trainer).
