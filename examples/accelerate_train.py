@@ -1,13 +1,18 @@
-"""A loop written with accelerate directly, made exactly resumable by `detrace.TrainState` beside
-`accelerator.save_state` / `load_state`.
+"""A loop written with accelerate directly, made exactly resumable by detrace, in one of two ways (--mode):
+
+- `register` (the default): `detrace.integrations.accelerate.register(accelerator, data=loader)`, so that
+  `accelerator.save_state` / `load_state` carry a verified TrainState;
+- `beside`: a `detrace.TrainState` of the unwrapped objects kept beside `save_state` / `load_state` by hand.
 
     python examples/accelerate_train.py --steps 6 --workers 2
     detrace check-resume --at 2 -- python examples/accelerate_train.py --steps 6 --workers 2   # exact
+    detrace check-resume --at 2 -- torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py
 
 accelerate saves the model, optimizer, scheduler and RNG states, but not the position inside an epoch nor the
 DataLoader workers' randomness. The TrainState holds all of it, with a verified manifest: `ResumableLoader`
-orders the data and seeds each sample, and `TrainState.load` (after `load_state`) restores the RNGs last.
---report FILE appends one JSON line per run: the contract variables and the final parameters' fingerprint.
+orders the data and seeds each sample, and the TrainState (loaded after `load_state`) restores the RNGs last.
+--report FILE appends one JSON line per run (per rank): the contract variables and the final parameters'
+fingerprint.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
 import detrace
+from detrace.integrations.accelerate import register
 from detrace.state import ResumableLoader, ResumableSampler
 from detrace.state.contract import checkpoint_dir, resume_requested, stop_requested
 
@@ -45,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--mode", choices=("register", "beside"), default="register")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     options = parser.parse_args()
 
@@ -58,13 +66,16 @@ def main() -> None:
     # Not accelerator.prepare'd: ResumableLoader shards by rank itself and resumes mid-epoch.
     sampler = ResumableSampler(24, seed=0, num_replicas=accelerator.num_processes, rank=accelerator.process_index)
     loader = ResumableLoader(NoisyPoints(24), sampler=sampler, batch_size=4, num_workers=options.workers)
-    state = detrace.TrainState(model=accelerator.unwrap_model(model), optimizer=optimizer.optimizer,
-                               scheduler=scheduler.scheduler, data=loader)
-
-    resume, control = resume_requested()
-    if resume and control is None:  # a negative control must not get the RNG states back through accelerate
-        accelerator.load_state(str(checkpoint_dir() / "accelerate"))
-    step = state.resume_if_requested()  # after load_state: verified, and the RNGs restored last
+    if options.mode == "register":
+        contract: Any = register(accelerator, data=loader)  # the one line
+        step = contract.resume_if_requested()  # accelerator.load_state, then the verified TrainState
+    else:
+        contract = detrace.TrainState(model=accelerator.unwrap_model(model), optimizer=optimizer.optimizer,
+                                      scheduler=scheduler.scheduler, data=loader)
+        resume, control = resume_requested()
+        if resume and control is None:  # a negative control must not get the RNG states back through accelerate
+            accelerator.load_state(str(checkpoint_dir() / "accelerate"))
+        step = contract.resume_if_requested()  # after load_state: verified, and the RNGs restored last
     stop = step >= options.steps
     while not stop:
         for x, y in loader:  # the rest of the current epoch
@@ -74,20 +85,20 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             step += 1
-            if step == stop_requested():
+            if options.mode == "beside" and step == stop_requested():
                 accelerator.save_state(str(checkpoint_dir() / "accelerate"))
-            stop = state.end_of_step(step) or step == options.steps  # at DETRACE_STOP_AT: saves the TrainState
+            stop = contract.end_of_step(step) or step == options.steps  # at DETRACE_STOP_AT: saves
             if stop:
                 break
 
     params = detrace.fingerprint_many(list(accelerator.unwrap_model(model).state_dict().values()))
     digest = "".join(f"{p.digest:016x}" for p in params)
     print(f"final parameters: {digest[:32]}")
-    if options.report:
-        contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
+    if options.report and accelerator.is_main_process:
+        variables = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
                                                               "DETRACE_RESUME_CONTROL")}
         with options.report.open("a") as stream:
-            stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")
+            stream.write(json.dumps({**variables, "workers": options.workers, "params": digest}) + "\n")
 
 
 if __name__ == "__main__":

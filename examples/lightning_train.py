@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--plain", action="store_true", help="without DetraceCallback: Lightning's own resume")
     parser.add_argument("--pass-ckpt", action="store_true", help="also pass the checkpoint to fit(ckpt_path=...)")
+    parser.add_argument("--devices", type=int, default=1, help="CPU processes (strategy ddp when more than 1)")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     options = parser.parse_args()
 
@@ -91,7 +92,8 @@ def main() -> None:
 
         callback = DetraceCallback(deterministic=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=options.steps, accumulate_grad_batches=2, callbacks=[callback],
+        accelerator="cpu", devices=options.devices, strategy="ddp" if options.devices > 1 else "auto",
+        max_steps=options.steps, accumulate_grad_batches=2, callbacks=[callback],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=options.workers)

@@ -95,6 +95,7 @@ __all__ = [
     "functional_collectives",
     "is_functorch_wrapped",
     "mark_dynamic",
+    "pin_ddp_bucket_order",
     "pop_mode",
     "push_mode",
     "pytree",
@@ -272,6 +273,19 @@ def unhooked_step(optimizer_cls: type) -> Callable[..., Any] | None:
     way to step without hooks (none)."""
     step = getattr(optimizer_cls, "step", None)
     return getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+
+
+def pin_ddp_bucket_order(ddp: Any) -> None:
+    """Make a DDP module rebuild its gradient buckets in parameter order at its next forward with grad enabled,
+    instead of in the order its first backward made the gradients ready; a no-op once it has rebuilt them, or
+    once a backward has started recording its ready order.
+
+    Why: DDP (without find_unused_parameters) rebuilds its buckets once, after a process's first iteration. A
+    resumed process would run its first step on the initial layout while the continuous run is on the rebuilt
+    one, and a bucket's all-reduce sums in another order in another layout. Pushing every parameter before the
+    first backward gives every process one layout from its first step on; DDP's own Join hook does the same.
+    Replace with: a public DDP option to fix the bucket layout (none)."""
+    ddp.reducer._push_all_rebuilt_params()
 
 
 def dtensor_rng_states() -> dict[str, torch.Tensor] | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
+from detrace.integrations.advice import advice
 from detrace.tracefile import layout
 from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import Launcher, LaunchResult, run_traced
@@ -190,19 +191,19 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     if repeat.verdict != "identical":
         return result
     for k in at:
-        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous))
+        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, cmd))
     return result
 
 
-def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path) -> StopPoint:
+def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str]) -> StopPoint:
     """One stop point's arms; `arm(out, label=..., env=...)` runs CMD traced over the proof's step window."""
     ckpt = out / "checkpoint"
     stopped, resumed = out / "stopped", out / "resumed"
     arm(stopped, label=f"run stopped after step {k}", env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
     if not ckpt.exists():
         raise CommandFailed(
-            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use detrace.TrainState "
-            "(resume_if_requested / end_of_step), and does it run more than that many steps?")
+            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use {advice(cmd)}, and "
+            "does it run more than that many steps?")
     resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
     arm(resumed, label=f"run resumed after step {k}", env=resume_env)
     resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")

@@ -99,3 +99,17 @@ def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: d
         monkeypatch.setenv(name, value)
     with pytest.raises(DetraceError, match=message):
         DetraceCallback().ckpt_path  # noqa: B018 (the property reads the contract)
+
+
+def test_ddp_trains_with_one_warning_and_the_contract_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    """strategy="ddp" on 2 CPU processes: the callback does not support it yet. A plain run trains to its end with
+    one warning per rank; a run asked to stop and save is refused with one sentence per rank and no traceback."""
+    plain = run_example(SCRIPT, "--devices", "2", env={})
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout.count("final parameters:") == 2
+    assert plain.stderr.count("leaves this run of 2 processes (DDPStrategy) alone") == 2
+    refused = run_example(SCRIPT, "--devices", "2",
+                          env={"DETRACE_CKPT_DIR": str(tmp_path / "ckpt"), "DETRACE_STOP_AT": "2"})
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "detrace: the Lightning integration cannot stop, save or resume a run of 2 processes (DDPStrategy) yet; " \
+           "run it in one process" in refused.stderr

@@ -102,12 +102,20 @@ NO_CONTRACT = ("import torch; torch.manual_seed(0); m = torch.nn.Linear(2, 1)\n"
                "for _ in range(3): m(torch.ones(2)).sum().backward(); o.step()")
 
 
-@pytest.mark.parametrize(("code", "message"), [(NO_CONTRACT, "wrote no checkpoint"),
-                                               ("pass", "continuous holds no trace")])
+@pytest.mark.parametrize(("code", "message"), [
+    (NO_CONTRACT, "wrote no checkpoint to {out}/at-1/checkpoint when asked to stop after step 1; does it use "
+                  "detrace.TrainState (resume_if_requested / end_of_step)"),
+    ("import accelerate\n" + NO_CONTRACT, "does it use detrace.integrations.accelerate.register(accelerator)"),
+    ("pass", "continuous holds no trace"),
+])
 def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         code: str, message: str) -> None:
-    assert main(["check-resume", "--at", "1", "--out", str(tmp_path / "o"), "--", sys.executable, "-c", code]) == 2
-    assert message in capsys.readouterr().err
+    """The message names the integration that fits what the script imports (tests/unit/test_advice.py has the rules)."""
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    out = tmp_path / "o"
+    assert main(["check-resume", "--at", "1", "--out", str(out), "--", sys.executable, str(script)]) == 2
+    assert message.format(out=out) in capsys.readouterr().err
 
 
 def test_check_refuses_a_non_empty_output_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -188,6 +188,28 @@ def test_loader_with_two_workers_resumes_samples_and_augmentation_exactly(stop: 
     assert all(not torch.equal(epoch0[index], epoch1[index]) for index in epoch1)
 
 
+def _masking_collate(samples: list[torch.Tensor]) -> torch.Tensor:
+    """A collator with randomness of its own (as a masked-LM collator draws its masks)."""
+    batch = torch.stack(samples)
+    return torch.cat([batch, torch.rand(len(samples), 1, dtype=torch.float64)], dim=1)
+
+
+def test_a_collators_randomness_resumes_exactly_with_any_workers() -> None:
+    """Each batch's collate_fn runs under a seed of (seed, epoch, its samples' indices), as each sample does."""
+    def loader(workers: int) -> ResumableLoader:
+        return ResumableLoader(Augmented(), sampler=ResumableSampler(10, seed=4), batch_size=3, num_workers=workers,
+                               collate_fn=_masking_collate, multiprocessing_context="fork" if workers else None)
+
+    continuous = _epochs(loader(2), 6)
+    first = loader(2)
+    head = _epochs(first, 3)
+    resumed = loader(0)
+    resumed.load_state_dict(first.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(head + _epochs(resumed, 3), continuous, strict=True))
+    masks = [row[-1].item() for batch in continuous for row in batch]
+    assert len(set(masks)) == len(masks)  # drawn per batch and per row, not repeated
+
+
 def test_loader_counts_what_the_loop_consumed_not_what_workers_prefetched() -> None:
     sampler = ResumableSampler(12, seed=0)
     loader = ResumableLoader(Augmented(), sampler=sampler, batch_size=2, num_workers=2,

@@ -39,7 +39,7 @@ def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[
     assert abs(loss - exact) < 1e-5 and 4.0 < exact < 10.0
     # docs/workload.md quotes this run's first step: the line must be the one it prints
     doc = (Path(__file__).parents[1] / "docs" / "workload.md").read_text()
-    assert doc.split("`tests/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
+    assert doc.split("`tests/integration/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
 
 
 def test_fixed_dispatch_runs_are_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:

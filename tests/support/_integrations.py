@@ -30,6 +30,13 @@ def run_example(script: Path, *args: str, env: dict[str, str]) -> subprocess.Com
                           text=True, timeout=600)
 
 
+def torchrun_example(script: Path, *args: str, env: dict[str, str]) -> None:
+    """Run the example under torchrun at 2 ranks (gloo on CPU); it must succeed."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *args], env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def check_resume(script: Path, out: Path, *, at: int) -> tuple[int, Path, dict[str, set[str]]]:
     """`detrace check-resume --at AT` on the example with 2 DataLoader workers: exit code, runs, arms."""
     report = out.parent / "report.jsonl"

@@ -182,6 +182,18 @@ def test_process_groups(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_pin_ddp_bucket_order_rebuilds_at_the_next_forward(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)), bucket_cap_mb=0.01)
+        assert len(ddp.reducer._get_zeros_like_grad_buckets()) == 1
+        _compat.pin_ddp_bucket_order(ddp)
+        ddp(torch.ones(2, 64))
+        assert ddp._has_rebuilt_buckets and len(ddp.reducer._get_zeros_like_grad_buckets()) > 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_is_functorch_wrapped() -> None:
     inside: list[bool] = []
 

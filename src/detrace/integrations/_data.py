@@ -16,6 +16,8 @@ draw from the training loop's own RNG, interleaved with dropout. Both are fixed 
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from detrace.errors import UsageError
-from detrace.state.data import sample_seed, seeded_rngs
+from detrace.state.data import SeededCollate, sample_seed, seeded_rngs
 
 
 class SampleKeys(Sampler[tuple[int, int]]):
@@ -69,8 +71,11 @@ class SeededItems:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        self.last_keys: list[tuple[int, int]] | None = None
+        """The keys of the batch loaded last in this process, for `SeededCollate` (None for plain indices)."""
 
     def __call__(self, keys: list[Any]) -> list[Any]:
+        self.last_keys = list(keys) if keys and all(isinstance(key, tuple) for key in keys) else None
         items = []
         for key in keys:
             if isinstance(key, tuple):
@@ -82,17 +87,26 @@ class SeededItems:
         return items
 
 
-def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys:
+@functools.cache
+def _warn_unindexed(framework: str) -> None:
+    """Once per process and framework: the data is left as it is."""
+    warnings.warn(
+        f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample index "
+        "to seed its randomness from, and the data position it resumes at is the framework's own",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys | None:
     """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
 
     Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
-    loader returns the sampler installed the first time.
+    loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
+    alone (with one warning) and None is returned; training goes on as without detrace's data handling.
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        raise UsageError(
-            f"detrace's {framework} integration resumes map-style datasets (with __getitem__ and __len__); an "
-            "IterableDataset has no sample index to seed its randomness from"
-        )
+        _warn_unindexed(framework)
+        return None
     holders = []  # every level of (batch) sampler wrappers that holds the index sampler
     level: Any = loader.batch_sampler
     while level is not None:
@@ -110,7 +124,15 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys
         if holder.sampler is index_sampler:
             holder.sampler = keys
     dataset = loader.dataset
-    if not isinstance(vars(dataset).get("__getitems__"), SeededItems):
+    items = vars(dataset).get("__getitems__")
+    if not isinstance(items, SeededItems):
         # DataLoader's fetcher looks `__getitems__` up on the dataset object, so an instance attribute is used.
-        dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
+        items = dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
+    # accelerate's prepared DataLoader is an adapter that iterates the DataLoader it wraps, with that one's collate_fn.
+    iterated: Any = loader
+    while getattr(iterated, "base_dataloader", None) is not None:
+        iterated = iterated.base_dataloader
+    if not isinstance(iterated.collate_fn, SeededCollate):
+        # A collator's randomness (a masked-LM collator's masks) is seeded per batch, as each sample's is.
+        iterated.collate_fn = SeededCollate(iterated.collate_fn, items)
     return keys

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ class DetraceCallback(pl.Callback):
         self._state: TrainState | None = None
         self._keys: SampleKeys | None = None
         self._rng_before_data: dict[str, Any] | None = None
+        self._inactive = False
+        """Set where the integration does not support the strategy: the run trains without it."""
 
     @property
     def ckpt_path(self) -> str | None:
@@ -97,19 +100,33 @@ class DetraceCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.world_size > 1:
-            raise UsageError("detrace's Lightning integration runs in one process (Lightning saves checkpoints on "
-                             "rank 0 only, and detrace's checkpoint is written by every rank)")
         if self.deterministic:
             import detrace
 
             detrace.deterministic(self._seed(), strict=self.strict)
+        if trainer.world_size > 1:
+            self._step_aside(trainer)
+            return
         self._trainer = trainer
         # Lightning reads and writes every checkpoint through this plugin: the place to learn the paths.
         if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
         if self._resume:
             self._preload(trainer)
+
+    def _step_aside(self, trainer: pl.Trainer) -> None:
+        """Several processes: Lightning writes checkpoints on rank 0 only, and detrace's is written by every rank,
+        which this integration does not do yet. A run under the stop/resume contract is refused in one sentence
+        (a SystemExit: no traceback, on every rank); any other run trains on, as it would without detrace's
+        resume, after one warning."""
+        strategy = type(trainer.strategy).__name__
+        if self._resume or self._stop_at is not None or self._every is not None:
+            raise SystemExit(f"detrace: the Lightning integration cannot stop, save or resume a run of "
+                             f"{trainer.world_size} processes ({strategy}) yet; run it in one process")
+        self._inactive = True
+        warnings.warn(f"detrace's Lightning integration leaves this run of {trainer.world_size} processes "
+                      f"({strategy}) alone: its resume and data seeding run in one process only", RuntimeWarning,
+                      stacklevel=2)
 
     def _preload(self, trainer: pl.Trainer) -> None:
         """Make a `fit` that was given no `ckpt_path` resume from the contract's checkpoint.
@@ -130,6 +147,8 @@ class DetraceCallback(pl.Callback):
         self._rng_before_data = rng.capture()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._inactive:
+            return
         # Lightning started the epoch's DataLoader iterator before this hook, and its first batch may have drawn
         # from the main RNG (a RandomSampler's order, the augmentation with no workers): that iterator is
         # replaced below, and its draws are undone here.
@@ -141,7 +160,8 @@ class DetraceCallback(pl.Callback):
             raise UsageError("detrace's Lightning integration needs one torch DataLoader for training, "
                              f"not {type(loader).__name__}")
         self._keys = seed_samples(loader, seed=self._seed(), framework="Lightning Trainer")
-        self._keys.epoch = trainer.current_epoch
+        if self._keys is not None:
+            self._keys.epoch = trainer.current_epoch
         if loader.generator is None:
             # Starting an epoch's workers would otherwise draw their base seed from the global torch RNG.
             loader.generator = torch.Generator().manual_seed(self._seed())
@@ -205,7 +225,7 @@ class DetraceCallback(pl.Callback):
     def _load(self, trainer: pl.Trainer, loader: torch.utils.data.DataLoader) -> None:
         """Lightning resumed from `self._resumed_from`: verify detrace's state beside it, restore it over
         Lightning's, and skip the batches of the current epoch that were already trained."""
-        assert self._state is not None and self._keys is not None and self._resumed_from is not None
+        assert self._state is not None and self._resumed_from is not None
         directory = Path(f"{self._resumed_from}{LIGHTNING_STATE_SUFFIX}")
         if not directory.exists():
             raise CheckpointError(f"Lightning resumed from {self._resumed_from}, but there is no detrace state in "
@@ -218,7 +238,8 @@ class DetraceCallback(pl.Callback):
         # as processed, not yet as completed).
         # mypy, ignored below: `current` is annotated as the base tracker; at run time it is a _ProcessedTracker
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        if self._control != "skip-data" and done < trainer.num_training_batches:  # else the epoch is over
+        if self._keys is not None and self._control != "skip-data" and done < trainer.num_training_batches:
+            # (else the epoch is over, or the data is a stream that detrace leaves alone)
             self._keys.skip = done * (loader.batch_size or 1)
 
 

@@ -38,7 +38,8 @@ CONTROLS = {
 }
 
 HF_STATE_DIR = "detrace"
-"""transformers: detrace's verified state lives in `checkpoint-N/detrace/`, beside HF's files."""
+"""transformers and detrace.integrations.accelerate: detrace's verified state lives in `checkpoint-N/detrace/`, beside
+the framework's files."""
 LIGHTNING_STATE_SUFFIX = ".detrace"
 """Lightning: beside `<name>.ckpt`, detrace's verified state lives in `<name>.ckpt.detrace/`."""
 

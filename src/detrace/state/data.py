@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from detrace.errors import CheckpointError, UsageError
 
@@ -143,11 +143,42 @@ def seeded_rngs(seed: int) -> Iterator[None]:
         np.random.set_state(saved[2])
 
 
+def batch_seed(sample_seeds: Sequence[int]) -> int:
+    """The 64-bit seed of a batch: a function of its samples' seeds, so of (seed, epoch, the samples' indices)
+    in their order; independent of worker, rank and position, like `sample_seed`."""
+    words = [part for seed in sample_seeds for part in (seed >> 32, seed & 0xFFFF_FFFF)]
+    high, low = np.random.SeedSequence(words).generate_state(2, dtype=np.uint32)
+    return (int(high) << 32) | int(low)
+
+
+class SeededCollate:
+    """A DataLoader's `collate_fn`, run under `seeded_rngs(batch_seed(...))` of the batch it collates.
+
+    A collator's own randomness (a masked-LM collator's masks) would otherwise come from the worker's RNG stream
+    (or, with no workers, the training loop's), which a resume shifts. `keyed` is the dataset side that loaded
+    the batch: the DataLoader's fetcher calls its `__getitems__` and then this, in the same process, and it
+    notes the batch's `(index, seed)` keys in `last_keys` (None for a batch loaded by plain indices, which is
+    collated as it is)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], keyed: Any) -> None:
+        self.collate_fn = collate_fn
+        self.keyed = keyed
+
+    def __call__(self, batch: list[Any]) -> Any:
+        keys, self.keyed.last_keys = self.keyed.last_keys, None
+        if keys is None:
+            return self.collate_fn(batch)
+        with seeded_rngs(batch_seed([seed for _, seed in keys])):
+            return self.collate_fn(batch)
+
+
 class SeededDataset(Dataset):
     """A dataset indexed by `(index, seed)`: loads `dataset[index]` under `seeded_rngs(seed)`."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        self.last_keys: list[tuple[int, int]] | None = None
+        """The keys of the batch loaded last in this process, for `SeededCollate`."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -156,6 +187,11 @@ class SeededDataset(Dataset):
         index, seed = key
         with seeded_rngs(seed):
             return self.dataset[index]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        """The batched read DataLoader's fetcher uses: the samples, and the keys noted for the collate_fn."""
+        self.last_keys = list(keys)
+        return [self[key] for key in keys]
 
 
 class ResumableLoader:
@@ -202,11 +238,13 @@ class ResumableLoader:
         batches = [keys[at : at + self.batch_size] for at in range(0, len(keys), self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
+        dataset = SeededDataset(self.dataset)
         loader = DataLoader(
-            SeededDataset(self.dataset),
+            dataset,
             batch_sampler=batches,
             num_workers=self.num_workers,
-            collate_fn=self.collate_fn,
+            # A collator's randomness is seeded per batch, as each sample's is.
+            collate_fn=SeededCollate(self.collate_fn or default_collate, dataset),
             # A generator of its own: without one, every iter() would draw its worker base seed from the
             # global torch RNG and so shift the training loop's dropout masks by one draw per epoch.
             generator=torch.Generator().manual_seed(sampler.seed),

@@ -29,6 +29,7 @@ from detrace import _events
 from detrace._compat import unhooked_step
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
+from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     CONTROLS,
     checkpoint_dir,
@@ -86,6 +87,8 @@ class TrainState:
         self.elastic = elastic
         self.step = 0
         """Completed optimizer steps: set by `end_of_step` and `load`."""
+        # A resumed process must reduce gradients in the DDP bucket layout the continuous run uses.
+        pin_layout(model)
 
     def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
         """Write a checkpoint of the current state under `path` (collective); returns the version directory.

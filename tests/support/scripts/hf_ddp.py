@@ -2,8 +2,8 @@
 torchrun (2 ranks on gloo): a tiny GPT-2 from a config, logging every step (HF's logging gathers the loss across
 ranks), 6 steps.
 
-    torchrun --standalone --nproc-per-node 2 tests/scripts/hf_ddp.py
-    detrace check-resume --at 3 -- torchrun --standalone --nproc-per-node 2 tests/scripts/hf_ddp.py
+    torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
+    detrace check-resume --at 3 -- torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
 """
 
 from __future__ import annotations

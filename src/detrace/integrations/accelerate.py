@@ -1,0 +1,146 @@
+"""Exact, verified resume for a loop written with accelerate, by one registration:
+
+    state = detrace.integrations.accelerate.register(accelerator, data=loader)   # after accelerator.prepare
+
+From then on `accelerator.save_state(path)` also writes a `TrainState` (model, optimizer, scheduler, grad scaler,
+every RNG, the data position, the step) with its fingerprint manifest into `path/detrace/`, and
+`accelerator.load_state(path)` verifies it and restores it over what accelerate loaded, the RNGs last. What
+accelerate's own files miss, and this adds: the position inside an epoch (a prepared DataLoader restarts it),
+the DataLoader workers' randomness (with a `ResumableLoader` as `data`), and verification (a flipped bit is
+refused naming the tensor). `state.resume_if_requested()` and `state.end_of_step(step)` give the loop the
+stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), with
+`accelerator.save_state` / `load_state` doing the saving and loading, in the transformers layout
+(`checkpoint-N/`, detrace's state in `checkpoint-N/detrace/`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from detrace.errors import CheckpointError, UsageError
+from detrace.state import TrainState, rng
+from detrace.state.contract import (
+    HF_STATE_DIR,
+    checkpoint_dir,
+    every_requested,
+    resume_requested,
+    resume_source,
+    saved_versions,
+    stop_requested,
+)
+
+
+class AcceleratedState:
+    """The `TrainState` that travels with `accelerator.save_state` / `load_state` (made by `register`)."""
+
+    def __init__(self, accelerator: Accelerator, train_state: TrainState) -> None:
+        self.accelerator = accelerator
+        self.train_state = train_state
+        self._loading: Path | None = None
+        self._control: str | None = None
+        self._fresh_rng: dict[str, Any] | None = None
+        accelerator.register_save_state_pre_hook(self._save)
+        accelerator.register_load_state_pre_hook(self._before_load)
+        # accelerate has no hook after load_state: the TrainState must be restored after what accelerate loads
+        # (its RNG states included), so that the verified copy is the one the run goes on with.
+        load_state = accelerator.load_state
+
+        @functools.wraps(load_state)
+        def load_then_restore(*args: Any, **kwargs: Any) -> Any:
+            loaded = load_state(*args, **kwargs)
+            self._restore()
+            return loaded
+
+        accelerator.load_state = load_then_restore
+
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps: set by `end_of_step` and by loading."""
+        return self.train_state.step
+
+    def resume_if_requested(self) -> int:
+        """Under DETRACE_RESUME_FROM (a checkpoint-N) or DETRACE_RESUME=1 (the last checkpoint-N in DETRACE_CKPT_DIR),
+        `accelerator.load_state` it; the step to continue from (0 otherwise)."""
+        resume, control = resume_requested()
+        if stop_requested() is not None or every_requested() is not None:
+            checkpoint_dir()  # a missing DETRACE_CKPT_DIR is refused now, not after the first step
+        source = resume_source()
+        if source is None and not resume:
+            return 0
+        if source is None:
+            root = checkpoint_dir()
+            versions = saved_versions(root)
+            if not versions:
+                raise CheckpointError(f"DETRACE_RESUME=1, but {root} holds no checkpoint-N written with detrace")
+            source = versions[max(versions)]
+        self._control = control
+        try:
+            self.accelerator.load_state(str(source))
+        finally:
+            self._control = None
+        return self.train_state.step
+
+    def end_of_step(self, step: int) -> bool:
+        """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT (and after every
+        DETRACE_CKPT_EVERY-th step) `accelerator.save_state` into DETRACE_CKPT_DIR/checkpoint-STEP. True when the
+        loop must stop."""
+        self.train_state.step = step
+        stop, every = stop_requested(), every_requested()
+        if step == stop or (every is not None and step % every == 0):
+            self.accelerator.save_state(str(checkpoint_dir() / f"checkpoint-{step}"))
+        return step == stop
+
+    def _save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        self.train_state.save(Path(output_dir) / HF_STATE_DIR)
+
+    def _before_load(self, models: list[Any], input_dir: str) -> None:
+        directory = Path(input_dir) / HF_STATE_DIR
+        if not directory.exists():
+            raise CheckpointError(f"{input_dir} holds no detrace state ({HF_STATE_DIR}/): was it saved by an "
+                                  "accelerator that detrace.integrations.accelerate.register was called on?")
+        self._loading = directory
+        if self._control == "skip-rng":
+            self._fresh_rng = rng.capture(self.train_state.generators)
+
+    def _restore(self) -> None:
+        directory, self._loading = self._loading, None
+        if directory is None:  # load_state failed before the pre-hook; accelerate raised already
+            return
+        self.train_state.load(directory, control=self._control)
+        if self._fresh_rng is not None:
+            # The skip-rng negative control: accelerate restored its own RNG files meanwhile; undo that too.
+            rng.restore(self._fresh_rng, self.train_state.generators)
+            self._fresh_rng = None
+
+
+def register(accelerator: Accelerator, *, data: Any = None, generators: Sequence[torch.Generator] = (),
+             extra: dict[str, Any] | None = None) -> AcceleratedState:
+    """Make `accelerator.save_state` / `load_state` carry a verified `TrainState` of what it prepared (one model,
+    at most one optimizer and one LR scheduler) and of `data` (the data position: a `ResumableLoader`, a
+    torchdata `StatefulDataLoader`, ...), `generators` and `extra` (as `TrainState` takes them).
+
+    Call it after `accelerator.prepare` and before the first training step: the TrainState pins DDP's bucket
+    layout for the whole run (see docs/resume.md)."""
+    # accelerate keeps what it prepared in these lists (save_state reads them the same way).
+    models, optimizers, schedulers = accelerator._models, accelerator._optimizers, accelerator._schedulers
+    if len(models) != 1 or len(optimizers) > 1 or len(schedulers) > 1:
+        raise UsageError(
+            f"detrace.integrations.accelerate.register needs one prepared model and at most one optimizer and one "
+            f"LR scheduler (call it after accelerator.prepare); this accelerator holds {len(models)} models, "
+            f"{len(optimizers)} optimizers and {len(schedulers)} schedulers")
+    train_state = TrainState(
+        model=models[0],
+        optimizer=optimizers[0].optimizer if optimizers else None,  # AcceleratedOptimizer wraps it
+        scheduler=schedulers[0].scheduler if schedulers else None,  # AcceleratedScheduler wraps it
+        scaler=accelerator.scaler,
+        data=data,
+        generators=generators,
+        extra=extra,
+    )
+    return AcceleratedState(accelerator, train_state)
