@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "certify": ("certify", "check a trace's invariants (ranks, steps, dense sequence numbers)"),
     "validate": ("validate", "run the validation matrix of the reference workload"),
     "fingerprint": ("fingerprint", "print the fingerprint of tensors in a .pt/.safetensors file or a demo"),
+    "spikes": ("spikes", "list the steps where a metric jumps above its trailing median + k x MAD"),
     "recheck": ("recheck", "re-execute one step on the same and other devices: transient, persistent or software"),
 }
 

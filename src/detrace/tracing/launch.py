@@ -153,15 +153,19 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
                          command=command, launched=True)
     prepare_out(out, holds="trace", force=force)
     header_path = run_header_path(out)
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    # The resume contract's DETRACE_CKPT_DIR (detrace.state.contract; a literal here, since that module imports
+    # torch): run.json names it so that `detrace spikes` and `detrace ablate` find the run's checkpoints.
+    ckpt_dir = child_env.get("DETRACE_CKPT_DIR")
+    facts = {"checkpoint_dir": str(Path(ckpt_dir).resolve())} if ckpt_dir else {}
     try:
-        write_json_atomic(header_path, _run_header(config, out, status="running"))
+        write_json_atomic(header_path, _run_header(config, out, status="running", **facts))
     except OSError as err:
         raise TraceError(f"cannot write to output directory {out}: {err.strerror or err}") from None
 
     from detrace.inject import DIRECTORY
 
-    child_env = dict(os.environ)
-    child_env.update(env or {})
     child_env[ENV_VAR] = config.to_env()
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
     start = time.monotonic()
@@ -196,7 +200,7 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     elapsed = time.monotonic() - start
     status = "timeout" if timed_out else "finished"
     write_json_atomic(header_path, _run_header(config, out, status=status, returncode=proc.returncode,
-                                               elapsed=round(elapsed, 3)))
+                                               elapsed=round(elapsed, 3), **facts))
     if timed_out:
         raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
     output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
