@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from detrace.errors import UsageError
+from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
 from detrace.state.data import sample_seed, seeded_rngs
 
 
@@ -114,3 +115,18 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys
         # DataLoader's fetcher looks `__getitems__` up on the dataset object, so an instance attribute is used.
         dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
     return keys
+
+
+def skip_for_controls(keys: SampleKeys, step: int, samples_per_step: int, *, framework: str) -> None:
+    """The resume contract's data controls (DETRACE_DATA_SHIFT, DETRACE_SKIP_STEPS) as a framework run starts at
+    global step `step`: the key sampler leaves out the samples of the batches they name.
+
+    A framework's loop prefetches batches, so the integrations apply the controls only where the run starts (0 or
+    the resumed step): a DETRACE_SKIP_STEPS window must begin at or before it (resume from the checkpoint at its
+    first step)."""
+    window = skip_steps_requested()
+    if window is not None and window[0] > step:
+        raise UsageError(f"{ENV_SKIP_STEPS}={window[0]}-{window[1]}: detrace's {framework} integration skips "
+                         f"batches only from the step the run starts at ({step}); resume from a checkpoint at or "
+                         "before the window's first step, or use DETRACE_DATA_SHIFT")
+    keys.skip += batches_to_skip(step, first=True) * samples_per_step
