@@ -28,11 +28,19 @@ import torch
 from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
 from detrace.examples import layouts, parallel
-from detrace.examples.data import SyntheticTokens, split_batch
+from detrace.examples.data import Poisoned, SyntheticTokens, split_batch
 from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
 from detrace.parallel import parameters_fingerprint
+from detrace.state.data import ResumableSampler
 
 PROG = "detrace.examples.train"
+SPIKES = ("data", "state", "both")
+"""The planted spikes' kinds (`TrainConfig.spike`)."""
+STATE_BUMP = 30.0
+"""The learning-rate factor of the "state" spike's one step: alone, it throws the model off."""
+BOTH_BUMP = 8.0
+BOTH_POISONED = 1
+"""The learning-rate factor of the "both" spike's step: harmless on clean data, not on the poisoned batch."""
 WARMUP_STEPS = 10
 # Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
 NUM_SAMPLES = 4096
@@ -70,6 +78,14 @@ class TrainConfig:
     dispatch starts at global step S. None: PyTorch's defaults throughout (or `deterministic`)."""
     microbatches: int | None = None
     """--parallel dp-invariant: the global batch's microbatches M (a multiple of the world size)."""
+    spike: str | None = None
+    """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
+    "data": the batch of that step is poisoned (one repeated token); "state": the optimizer step just before it
+    runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides it); "both": the
+    batch of the step before is poisoned and that step runs at `BOTH_BUMP` x the learning rate, neither of which
+    spikes alone."""
+    spike_step: int | None = None
+    """The global step where the planted spike shows in the loss (steps completed before it)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -86,6 +102,12 @@ class TrainConfig:
             if self.deterministic or self.dispatch != "index":
                 raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
                                  "--dispatch index and no --deterministic")
+        if (self.spike is None) != (self.spike_step is None):
+            raise UsageError("--spike and --spike-step go together")
+        if self.spike is not None and self.spike not in SPIKES:
+            raise UsageError(f"--spike must be one of {', '.join(SPIKES)}, not {self.spike!r}")
+        if self.spike_step is not None and self.spike_step < 1:
+            raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
         if (self.parallel == "dp-invariant") != (self.microbatches is not None):
             raise UsageError("--microbatches goes with --parallel dp-invariant, and dp-invariant needs it")
         if self.parallel == "dp-invariant" and self.dispatch == "index" and not self.deterministic:
@@ -120,6 +142,10 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--nondeterministic-from", type=int, default=None, metavar="S",
                    help="deterministic for the first S steps, then the index dispatch's real race (global step S on)")
     p.add_argument("--microbatches", type=int, default=None, help="dp-invariant: microbatches M of the global batch")
+    p.add_argument("--spike", default=None, choices=SPIKES,
+                   help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
+                        "or a poisoned batch under a smaller bump (both); off by default")
+    p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
     return TrainConfig(**{k: v for k, v in vars(args).items()})
 
@@ -129,10 +155,34 @@ def bits(x: torch.Tensor) -> str:
     return "0x" + struct.pack(">f", float(x)).hex()
 
 
+def _lr_bump(cfg: TrainConfig) -> tuple[int | None, float]:
+    """(global step whose optimizer step runs at a bumped learning rate, the factor) of a planted spike."""
+    if cfg.spike_step is None or cfg.spike == "data":
+        return None, 1.0
+    # The loss of step S is computed before S's optimizer step: a bump at S - 1 shows in it.
+    return cfg.spike_step - 1, STATE_BUMP if cfg.spike == "state" else BOTH_BUMP
+
+
+def _poisoned_step(cfg: TrainConfig) -> int | None:
+    """The global step whose batch (in an unshifted run) the planted spike poisons."""
+    if cfg.spike_step is None or cfg.spike == "state":
+        return None
+    return cfg.spike_step if cfg.spike == "data" else cfg.spike_step - 1
+
+
+def _batch_samples(sampler: ResumableSampler, batch_size: int, step: int) -> list[int]:
+    """The samples of the batch that global step `step` trains on in a run from step 0 (ResumableLoader with
+    drop_last: every epoch holds the same number of whole batches). The poison travels with these samples, so a
+    replay that feeds them at another step feeds the poison there."""
+    per_epoch = len(sampler) // batch_size
+    epoch, index = divmod(step, per_epoch)
+    return sampler.indices(epoch)[index * batch_size:(index + 1) * batch_size]
+
+
 def train(cfg: TrainConfig) -> None:
     """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
     import detrace
-    from detrace.state import ResumableLoader, ResumableSampler
+    from detrace.state import ResumableLoader
 
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
@@ -152,13 +202,21 @@ def train(cfg: TrainConfig) -> None:
                                     microbatches=cfg.microbatches)
         params = [p for p in pm.raw.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
-        dataset = SyntheticTokens(
+        bump_at, bump = _lr_bump(cfg)
+        # The bump is a function of the scheduler's step count, which the checkpoint restores: a state fault.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * (bump if s == bump_at else 1.0))
+        dataset: SyntheticTokens | Poisoned = SyntheticTokens(
             num_samples=NUM_SAMPLES, seq_len=seq_len, vocab_size=model_cfg.vocab_size, seed=cfg.seed
         )
         sampler = ResumableSampler(
             len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
         )
+        poison_at = _poisoned_step(cfg)
+        if poison_at is not None:
+            assert isinstance(dataset, SyntheticTokens)
+            samples = _batch_samples(sampler, batch_size, poison_at)
+            dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED])
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader)
         start = state.resume_if_requested()
