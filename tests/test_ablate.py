@@ -183,3 +183,14 @@ def test_the_directory_holds_json_and_a_report(tmp_path: Path) -> None:
 def test_the_command_refuses_without_a_step(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ablate", "--run", "x", "--", "train"]) == 2
     assert "--step" in capsys.readouterr().err
+
+
+def test_state_only_resumes_from_the_checkpoint_at_s_when_there_is_one(tmp_path: Path) -> None:
+    run = original(tmp_path, "data")
+    version = tmp_path / "ckpt" / f"step-{S:08d}"
+    version.mkdir()
+    (version / MANIFEST_FILE).write_text("{}")
+    result = ablate(config(tmp_path, run), World("data"))
+    only = next(o for o in result.outcomes if o.variant.name == "state-only")
+    assert only.variant.start == S and not only.spiked and result.checkpoint == 8 and result.cause == "data"
+    assert only.departure is not None and only.departure.step == S

@@ -8,7 +8,8 @@ at a time to isolate its cause.
    (exit 0): nothing to isolate.
 2. Variants, each resumed from a checkpoint and changing one thing (the data controls: docs/resume.md):
    - skip-batches: the batches of steps S-w..S are skipped (DETRACE_SKIP_STEPS);
-   - state-only: the batch of step S alone is skipped: the state at S is the baseline's, the data is other;
+   - state-only: the batch of step S alone is skipped: the state at S is the baseline's, the data is other
+     (resumed from the checkpoint after S steps when the run saved one, else from C);
    - data-from-earlier: resumed from the checkpoint C' before C, fed the batches steps C..S saw
      (DETRACE_DATA_SHIFT=C-C'): the batch of S arrives at step S-(C-C'), in another state;
    - user variants: NAME=--extra args (appended to CMD) or NAME=ENV:K=V[,K=V] (an environment change).
@@ -278,8 +279,11 @@ def plan(config: AblateConfig, versions: Mapping[int, Path]) -> tuple[int, list[
         low = max(c, s - config.window)
         runs.append(Variant(name="skip-batches", change=f"skips the batches of steps {low}-{s}", start=c,
                             resume_from=c_path, env={"DETRACE_SKIP_STEPS": f"{low}-{s}"}))
+        # From the checkpoint after S steps where there is one: the state at S exactly, and the skip applies where
+        # the run starts (the framework integrations skip batches only there).
+        at, at_path = (s, str(versions[s])) if s in versions else (c, c_path)
         runs.append(Variant(name="state-only", change=f"the baseline's state at step {s}, the next batch instead "
-                            "of its own", start=c, resume_from=c_path, env={"DETRACE_SKIP_STEPS": f"{s}-{s}"}))
+                            "of its own", start=at, resume_from=at_path, env={"DETRACE_SKIP_STEPS": f"{s}-{s}"}))
         earlier = max((v for v in versions if v < c), default=0)
         if c > 0:
             runs.append(Variant(name="data-from-earlier",
@@ -364,7 +368,7 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
     outcomes = []
     for variant in runs[1:]:
         outcome = execute(variant)
-        if variant.start == c:  # a run from another checkpoint departs where it starts
+        if variant.start >= c:  # an earlier start departs where it starts, with other data
             outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
         outcomes.append(outcome)
     ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None else o.value)

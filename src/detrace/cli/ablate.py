@@ -41,7 +41,7 @@ def render(result: AblateResult) -> None:
         print(f"  baseline           {shown:>10}  {'spikes' if base.spiked else 'no spike'}  ({base.run})")
     for o in result.outcomes:
         shown = "-" if o.value is None else f"{o.value:.6g}"
-        where = "identical" if o.departure is None and o.variant.start == result.checkpoint else (
+        where = "identical" if o.departure is None and o.variant.start >= result.checkpoint else (
             o.departure.where() if o.departure else f"starts from the checkpoint after {o.variant.start} steps")
         at = "" if o.at == config.step else f" at step {o.at}"
         print(f"  {o.variant.name:<18} {shown:>10}  {'spikes' if o.spiked else 'no spike':<8}{at}  "

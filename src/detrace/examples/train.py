@@ -36,11 +36,15 @@ from detrace.state.data import ResumableSampler
 PROG = "detrace.examples.train"
 SPIKES = ("data", "state", "both")
 """The planted spikes' kinds (`TrainConfig.spike`)."""
-STATE_BUMP = 30.0
+STATE_BUMP = 300.0
 """The learning-rate factor of the "state" spike's one step: alone, it throws the model off."""
-BOTH_BUMP = 8.0
-BOTH_POISONED = 1
-"""The learning-rate factor of the "both" spike's step: harmless on clean data, not on the poisoned batch."""
+POISON_TOKEN = 0
+"""The token the poisoned sequences repeat."""
+BOTH_CORRUPTION = -5.0
+"""The "both" spike's factor on the embedding and LM-head rows of `POISON_TOKEN`: on clean batches (where the
+token is rare) the loss barely moves; on sequences made of that token it jumps."""
+BOTH_POISONED = 2
+"""Sequences of the "both" spike's batch that are runs of `POISON_TOKEN` (the whole batch for "data")."""
 WARMUP_STEPS = 10
 # Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
 NUM_SAMPLES = 4096
@@ -80,10 +84,11 @@ class TrainConfig:
     """--parallel dp-invariant: the global batch's microbatches M (a multiple of the world size)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
-    "data": the batch of that step is poisoned (one repeated token); "state": the optimizer step just before it
-    runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides it); "both": the
-    batch of the step before is poisoned and that step runs at `BOTH_BUMP` x the learning rate, neither of which
-    spikes alone."""
+    "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
+    just before it runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides
+    it); "both": right after the step before it, the rows of token `POISON_TOKEN` in the embedding and the LM head
+    are scaled by `BOTH_CORRUPTION` (a parameter fault at a step), and `BOTH_POISONED` sequences of the step's batch
+    are runs of that token: either alone leaves the loss under the spike threshold, together they spike."""
     spike_step: int | None = None
     """The global step where the planted spike shows in the loss (steps completed before it)."""
 
@@ -108,6 +113,8 @@ class TrainConfig:
             raise UsageError(f"--spike must be one of {', '.join(SPIKES)}, not {self.spike!r}")
         if self.spike_step is not None and self.spike_step < 1:
             raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
+        if self.spike == "both" and self.parallel not in ("none", "ddp"):
+            raise UsageError("--spike both scales whole parameter rows: it needs --parallel none or ddp")
         if (self.parallel == "dp-invariant") != (self.microbatches is not None):
             raise UsageError("--microbatches goes with --parallel dp-invariant, and dp-invariant needs it")
         if self.parallel == "dp-invariant" and self.dispatch == "index" and not self.deterministic:
@@ -157,17 +164,17 @@ def bits(x: torch.Tensor) -> str:
 
 def _lr_bump(cfg: TrainConfig) -> tuple[int | None, float]:
     """(global step whose optimizer step runs at a bumped learning rate, the factor) of a planted spike."""
-    if cfg.spike_step is None or cfg.spike == "data":
+    if cfg.spike_step is None or cfg.spike != "state":
         return None, 1.0
     # The loss of step S is computed before S's optimizer step: a bump at S - 1 shows in it.
-    return cfg.spike_step - 1, STATE_BUMP if cfg.spike == "state" else BOTH_BUMP
+    return cfg.spike_step - 1, STATE_BUMP
 
 
 def _poisoned_step(cfg: TrainConfig) -> int | None:
     """The global step whose batch (in an unshifted run) the planted spike poisons."""
     if cfg.spike_step is None or cfg.spike == "state":
         return None
-    return cfg.spike_step if cfg.spike == "data" else cfg.spike_step - 1
+    return cfg.spike_step
 
 
 def _batch_samples(sampler: ResumableSampler, batch_size: int, step: int) -> list[int]:
@@ -177,6 +184,16 @@ def _batch_samples(sampler: ResumableSampler, batch_size: int, step: int) -> lis
     per_epoch = len(sampler) // batch_size
     epoch, index = divmod(step, per_epoch)
     return sampler.indices(epoch)[index * batch_size:(index + 1) * batch_size]
+
+
+def _corrupt_token_rows(model: torch.nn.Module) -> None:
+    """The "both" spike's parameter fault: scale the rows of `POISON_TOKEN` in the embedding and the LM head (on
+    the ranks that hold them)."""
+    with torch.no_grad():
+        for name in ("embedding", "output"):
+            module = getattr(model, name, None)
+            if module is not None:
+                module.weight[POISON_TOKEN] *= BOTH_CORRUPTION
 
 
 def train(cfg: TrainConfig) -> None:
@@ -216,7 +233,8 @@ def train(cfg: TrainConfig) -> None:
         if poison_at is not None:
             assert isinstance(dataset, SyntheticTokens)
             samples = _batch_samples(sampler, batch_size, poison_at)
-            dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED])
+            dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED],
+                               token=POISON_TOKEN)
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader)
         start = state.resume_if_requested()
@@ -239,6 +257,8 @@ def train(cfg: TrainConfig) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if cfg.spike == "both" and step == cfg.spike_step:  # printed step S = global step S - 1 just ended
+                _corrupt_token_rows(pm.raw)
             if layout.rank == 0:
                 print(
                     f"step {step} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
