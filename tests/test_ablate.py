@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from _synthetic import write_metric_run
 
-from detrace.ablate import AblateConfig, ablate, parse_variant, run_ablation
+from detrace.ablate import AblateConfig, ablate, parse_variant
 from detrace.cli import main
+from detrace.cli.ablate import run_ablation
 from detrace.errors import CommandFailed, UsageError
 from detrace.state.manifest import MANIFEST_FILE
 

@@ -407,17 +407,3 @@ def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[Ab
                            f"{', '.join(removed_by_users)} do{'es' * (len(removed_by_users) == 1)}")
     return "undetermined", f"undetermined: the spike at step {s} survives every variant (checkpoint {c})"
 
-
-def run_ablation(config: AblateConfig, launch: Launch, progress: Callable[[str], None] = lambda line: None, *,
-                 force: bool = False) -> AblateResult:
-    """`ablate` into `config.out`, which must be new or empty (or `force`): writes ablate.json and report.html."""
-    from detrace.report.html import write_report  # the page imports this module
-    from detrace.tracefile import write_json_atomic
-    from detrace.tracefile.layout import prepare_out
-
-    config = dataclasses.replace(config, out=config.out.resolve())
-    prepare_out(config.out, holds="runs", force=force, name="--out")
-    result = ablate(config, launch, progress)
-    write_json_atomic(config.out / ABLATE_FILE, result.to_json())
-    write_report(config.out)
-    return result

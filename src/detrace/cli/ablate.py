@@ -7,24 +7,42 @@ replay does not reproduce the original run.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from detrace.ablate import (
+    ABLATE_FILE,
     DEFAULT_AFTER,
     DEFAULT_WINDOW,
     SCHEMA,
     AblateConfig,
     AblateResult,
+    Launch,
+    ablate,
     launcher,
-    run_ablation,
 )
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import DetraceError
+from detrace.report.html import write_report
 from detrace.spikes import DEFAULT_K, DEFAULT_METRIC, SpikeRule
 from detrace.spikes import DEFAULT_WINDOW as DEFAULT_TRAIL
+from detrace.tracefile import write_json_atomic
+from detrace.tracefile.layout import prepare_out
+
+
+def run_ablation(config: AblateConfig, launch: Launch, progress: Callable[[str], None] = lambda line: None, *,
+                 force: bool = False) -> AblateResult:
+    """`ablate` into `config.out`, which must be new or empty (or `force`): writes ablate.json and report.html."""
+    config = dataclasses.replace(config, out=config.out.resolve())
+    prepare_out(config.out, holds="runs", force=force, name="--out")
+    result = ablate(config, launch, progress)
+    write_json_atomic(config.out / ABLATE_FILE, result.to_json())
+    write_report(config.out)
+    return result
 
 
 def render(result: AblateResult) -> None:
