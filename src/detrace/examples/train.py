@@ -2,6 +2,7 @@
 
     python -m detrace.examples.train --preset tiny --steps 20 --seed 0 --threads 2 --dispatch index
     torchrun --standalone --nproc-per-node 2 -m detrace.examples.train --parallel ddp --threads 1
+    python -m detrace.examples.train --deterministic --spike data --spike-step 12   # a planted loss spike
 
 It prints one line per step on rank 0, with the exact bits of the loss and of the gradient norm:
 
@@ -11,7 +12,9 @@ It knows nothing of detrace's tracer: `detrace run -- python -m detrace.examples
 outside. With `--deterministic` it applies `detrace.deterministic(seed)`; without, it seeds torch and leaves
 every other setting at PyTorch's default (and the "index" MoE dispatch is then nondeterministic on CPU with
 2+ threads). Checkpoint/resume goes through `detrace.TrainState` and its environment contract
-(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME).
+(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, and the data controls DETRACE_SKIP_STEPS, DETRACE_DATA_SHIFT).
+`--spike data|state|both --spike-step S` plants a loss spike of that kind at global step S (off by default): the
+workload of `detrace spikes` and `detrace ablate` (docs/ablate.md).
 """
 
 from __future__ import annotations
