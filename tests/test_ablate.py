@@ -195,3 +195,19 @@ def test_state_only_resumes_from_the_checkpoint_at_s_when_there_is_one(tmp_path:
     only = next(o for o in result.outcomes if o.variant.name == "state-only")
     assert only.variant.start == S and not only.spiked and result.checkpoint == 8 and result.cause == "data"
     assert only.departure is not None and only.departure.step == S
+
+
+def test_a_semantic_original_is_held_to_every_record(tmp_path: Path) -> None:
+    from _synthetic import Fault
+
+    from detrace.ablate import reproduces
+
+    values = {t: base(t) for t in range(LAST + 1)}
+    original_run, same, faulty = tmp_path / "o", tmp_path / "same", tmp_path / "faulty"
+    for out, fault in ((original_run, None), (same, None), (faulty, Fault(rank=1, step=10, op=1))):
+        write_metric_run(out, values, ranks=2, fault=fault, first=0 if out == original_run else 8)
+    (original_run / "run.json").write_text(json.dumps({"rung": "semantic"}))
+    assert reproduces(original_run, same, 9, S) is None
+    assert reproduces(original_run, faulty, 9, S) == "rank 0, step 10: collective all_reduce#0 output[0] differs"
+    (original_run / "run.json").write_text(json.dumps({"rung": "metrics"}))
+    assert reproduces(original_run, faulty, 9, S) is None  # the same losses: a metrics-rung original cannot tell

@@ -309,9 +309,10 @@ def _departure(baseline: Path, run: Path) -> Departure | None:
 
 def reproduces(original: Path, baseline: Path, first: int, last: int) -> str | None:
     """Whether the baseline has the original run's records bit for bit over steps first..last: None when it does,
-    else where it first differs. An original traced at the metrics rung only is held to its metrics."""
+    else where it first differs. The baseline records the metrics and semantic rungs: an original traced at the
+    semantic rung is held to every record, any other to its metrics."""
     header = open_run(original).header
-    if header.rung in ("semantic", "module", "op"):
+    if header.rung == "semantic":
         return same_over(original, baseline, first, last)
     ranks = open_run(original).ranks
     for rank in ranks:
