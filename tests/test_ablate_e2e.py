@@ -68,7 +68,7 @@ def test_a_run_that_does_not_reproduce_is_refused(tmp_path: Path, monkeypatch: p
                  *cmd])
     out = capsys.readouterr().out
     assert code == 2 and out.startswith("not-reproducible: not reproducible: the replay from the checkpoint "
-                                        "after 8 steps differs from the original run (rank 0, step 9: loss")
+                                        "after 8 steps differs from the original run (rank 0, step 9: "), out
     assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.is_dir()) == ["baseline", "checkpoints"]
 
 

@@ -315,14 +315,17 @@ def reproduces(original: Path, baseline: Path, first: int, last: int) -> str | N
     if header.rung == "semantic":
         return same_over(original, baseline, first, last)
     ranks = open_run(original).ranks
+    differences = []
     for rank in ranks:
         theirs, ours = metric_series(original, rank), metric_series(baseline, rank)
         for name, values in sorted(theirs.items()):
             for step in range(first, last + 1):
                 if step in values and ours.get(name, {}).get(step) != values[step]:
-                    got = ours.get(name, {}).get(step)
-                    return f"rank {rank}, step {step}: {name} {got!r} against {values[step]!r}"
-    return None
+                    differences.append((step, rank, name, ours.get(name, {}).get(step), values[step]))
+    if not differences:
+        return None
+    step, rank, name, got, want = min(differences, key=lambda d: d[:3])  # the earliest step first
+    return f"rank {rank}, step {step}: {name} {got!r} against {want!r}"
 
 
 def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None] = lambda line: None
