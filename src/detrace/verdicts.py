@@ -29,6 +29,13 @@ TopologyVerdict = Literal["identical", "diverged"]
 """`detrace check-topology`: the same bits at every world size, or not."""
 ValidateVerdict = Literal["green", "failures"]
 """`detrace validate`: every cell of the validation matrix passed, or some failed."""
+SpikesVerdict = Literal["clean", "spikes"]
+"""`detrace spikes`: no step of the metric jumps above its trailing threshold, or some do (listed)."""
+AblateVerdict = Literal["no-spike", "isolated", "not-reproducible"]
+"""`detrace ablate`: the baseline replay does not spike at S (nothing to isolate), the variants gave a verdict,
+or the replay does not reproduce the original run's records (nothing can be isolated on it)."""
+AblateCause = Literal["data", "state", "both", "setting", "undetermined"]
+"""`detrace ablate`'s summary: what the variants' evidence points to as the spike's cause."""
 
 DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
 LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
@@ -42,3 +49,5 @@ REPLAY: Final[dict[ReplayVerdict, int]] = {"deterministic": 0, "nondeterministic
 DOCTOR: Final[dict[DoctorVerdict, int]] = {"ok": 0, "settings-off": 1}
 TOPOLOGY: Final[dict[TopologyVerdict, int]] = {"identical": 0, "diverged": 1}
 VALIDATE: Final[dict[ValidateVerdict, int]] = {"green": 0, "failures": 1}
+SPIKES: Final[dict[SpikesVerdict, int]] = {"clean": 0, "spikes": 1}
+ABLATE: Final[dict[AblateVerdict, int]] = {"no-spike": 0, "isolated": 1, "not-reproducible": 2}

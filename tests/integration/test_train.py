@@ -74,6 +74,8 @@ def test_bits_are_the_float32_encoding() -> None:
         (["--parallel", "ddp"], "--parallel ddp needs 2 or more processes"),
         (["--steps", "0"], "must be positive"),
         (["--lr", "-1"], "--lr must be positive"),
+        (["--spike", "data"], "--spike and --spike-step go together"),
+        (["--spike", "both", "--spike-step", "3", "--parallel", "tp"], "--spike both scales whole parameter rows"),
     ],
 )
 def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -86,3 +88,13 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 def test_config_rejects_unknown_preset() -> None:
     with pytest.raises(UsageError, match="preset"):
         TrainConfig(preset="huge")
+
+
+def test_the_poisoned_samples_are_those_of_the_spike_step() -> None:
+    from detrace.examples.train import _batch_samples
+    from detrace.state import ResumableLoader, ResumableSampler
+
+    sampler = ResumableSampler(40, seed=3)
+    loader = ResumableLoader(list(range(40)), sampler=ResumableSampler(40, seed=3), batch_size=4, drop_last=True)
+    fed = [batch.tolist() for _ in range(2) for batch in loader]  # two epochs of 10 batches
+    assert [_batch_samples(sampler, 4, step) for step in (0, 7, 13)] == [fed[0], fed[7], fed[13]]

@@ -225,3 +225,23 @@ def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *
             add(s.step, "semantic", "optimizer", name, "param", k, digest=digest)
     table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
     write_table(out, rank, table, world_size=world_size)
+
+
+def with_metric(table: pa.Table, values: dict[int, float], *, first: int = 0) -> pa.Table:
+    """`table` with its loss records carrying `values` (step -> value; steps missing there keep theirs) and only
+    the records of steps `first` on: a run resumed from the checkpoint after `first` steps."""
+    steps = table["step"].to_numpy()
+    old = table["value"].to_pylist()
+    metric = (table["role"].to_numpy(zero_copy_only=False) == "metric")
+    new = [values.get(int(s), v) if m else v for s, v, m in zip(steps, old, metric, strict=True)]
+    table = table.set_column(table.schema.get_field_index("value"), "value", pa.array(new, type=pa.float64()))
+    return table.filter(pa.array(steps >= first))
+
+
+def write_metric_run(out: str | Path, values: dict[int, float], *, ranks: int = 1, fault: Fault | None = None,
+                     first: int = 0, ops: int = 2) -> None:
+    """A synthetic run over the steps of `values` (0..max) whose loss on every rank has those values, from step
+    `first` on (a resumed run), with `fault` in it if given."""
+    run = SyntheticRun(ranks=ranks, steps=max(values) + 1, ops=ops)
+    for rank in range(ranks):
+        write_table(out, rank, with_metric(rank_table(run, rank, fault), values, first=first), world_size=ranks)

@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "certify": ("certify", "check a trace's invariants (ranks, steps, dense sequence numbers)"),
     "validate": ("validate", "run the validation matrix of the reference workload"),
     "fingerprint": ("fingerprint", "print the fingerprint of tensors in a .pt/.safetensors file or a demo"),
+    "spikes": ("spikes", "list the steps where a metric jumps above its trailing median + k x MAD"),
+    "ablate": ("ablate", "replay a spike from a checkpoint and change one thing at a time to isolate its cause"),
     "recheck": ("recheck", "re-execute one step on the same and other devices: transient, persistent or software"),
 }
 

@@ -8,6 +8,8 @@ the data position is just the sampler's position.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch.utils.data import Dataset
 
@@ -40,6 +42,21 @@ class SyntheticTokens(Dataset[torch.Tensor]):
         for c in choices:
             tokens.append(int(self.successors[tokens[-1], c]))
         return torch.tensor(tokens)  # [seq_len + 2]
+
+
+class Poisoned(Dataset[torch.Tensor]):
+    """`dataset` with the samples `indices` poisoned: each is one token repeated (the model, taught the grammar's
+    successors, predicts anything but a run of one token). A planted data fault, off unless asked for."""
+
+    def __init__(self, dataset: SyntheticTokens, indices: Collection[int], *, token: int = 0) -> None:
+        self.dataset, self.indices, self.token = dataset, frozenset(indices), token
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        clean = self.dataset[index]
+        return torch.full_like(clean, self.token) if index in self.indices else clean
 
 
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
     python -m detrace.examples.train --preset tiny --steps 20 --seed 0 --threads 2 --dispatch index
     torchrun --standalone --nproc-per-node 2 -m detrace.examples.train --parallel ddp --threads 1
+    python -m detrace.examples.train --deterministic --spike data --spike-step 12   # a planted loss spike
 
 It prints one line per step on rank 0, with the exact bits of the loss and of the gradient norm:
 
@@ -11,7 +12,9 @@ It knows nothing of detrace's tracer: `detrace run -- python -m detrace.examples
 outside. With `--deterministic` it applies `detrace.deterministic(seed)`; without, it seeds torch and leaves
 every other setting at PyTorch's default (and the "index" MoE dispatch is then nondeterministic on CPU with
 2+ threads). Checkpoint/resume goes through `detrace.TrainState` and its environment contract
-(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME).
+(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, and the data controls DETRACE_SKIP_STEPS, DETRACE_DATA_SHIFT).
+`--spike data|state|both --spike-step S` plants a loss spike of that kind at global step S (off by default): the
+workload of `detrace spikes` and `detrace ablate` (docs/ablate.md).
 """
 
 from __future__ import annotations
@@ -29,11 +32,23 @@ import torch
 from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
 from detrace.examples import layouts, parallel
-from detrace.examples.data import SyntheticTokens, split_batch
+from detrace.examples.data import Poisoned, SyntheticTokens, split_batch
 from detrace.examples.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
+from detrace.state.data import ResumableSampler
 from detrace.tensor_parallel import TP_ENV
 
 PROG = "detrace.examples.train"
+SPIKES = ("data", "state", "both")
+"""The planted spikes' kinds (`TrainConfig.spike`)."""
+STATE_BUMP = 300.0
+"""The learning-rate factor of the "state" spike's one step: alone, it throws the model off."""
+POISON_TOKEN = 0
+"""The token the poisoned sequences repeat."""
+BOTH_CORRUPTION = -5.0
+"""The "both" spike's factor on the embedding and LM-head rows of `POISON_TOKEN`: on clean batches (where the
+token is rare) the loss barely moves; on sequences made of that token it jumps."""
+BOTH_POISONED = 2
+"""Sequences of the "both" spike's batch that are runs of `POISON_TOKEN` (the whole batch for "data")."""
 WARMUP_STEPS = 10
 # Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
 NUM_SAMPLES = 4096
@@ -74,6 +89,15 @@ class TrainConfig:
     data-parallel size)."""
     tp: int = 1
     """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
+    spike: str | None = None
+    """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
+    "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
+    just before it runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides
+    it); "both": right after the step before it, the rows of token `POISON_TOKEN` in the embedding and the LM head
+    are scaled by `BOTH_CORRUPTION` (a parameter fault at a step), and `BOTH_POISONED` sequences of the step's batch
+    are runs of that token: either alone leaves the loss under the spike threshold, together they spike."""
+    spike_step: int | None = None
+    """The global step where the planted spike shows in the loss (steps completed before it)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -90,6 +114,14 @@ class TrainConfig:
             if self.deterministic or self.dispatch != "index":
                 raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
                                  "--dispatch index and no --deterministic")
+        if (self.spike is None) != (self.spike_step is None):
+            raise UsageError("--spike and --spike-step go together")
+        if self.spike is not None and self.spike not in SPIKES:
+            raise UsageError(f"--spike must be one of {', '.join(SPIKES)}, not {self.spike!r}")
+        if self.spike_step is not None and self.spike_step < 1:
+            raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
+        if self.spike == "both" and self.parallel not in ("none", "ddp"):
+            raise UsageError("--spike both scales whole parameter rows: it needs --parallel none or ddp")
         if (self.parallel in layouts.INVARIANT) != (self.microbatches is not None):
             raise UsageError(f"--microbatches goes with --parallel {', '.join(layouts.INVARIANT)}, and they need it")
         if self.parallel in layouts.INVARIANT and self.dispatch == "index" and not self.deterministic:
@@ -129,6 +161,10 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                    help="dp-invariant, tp-invariant, tp-plain: microbatches M of the global batch")
     p.add_argument("--tp", type=int, default=None,
                    help=f"tp-invariant, tp-plain: tensor-parallel size T (default: ${TP_ENV} or 1)")
+    p.add_argument("--spike", default=None, choices=SPIKES,
+                   help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
+                        "or a poisoned batch under a smaller bump (both); off by default")
+    p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
     return TrainConfig(**{k: v for k, v in vars(args).items() if k != "tp"}, tp=_tp_size(args.tp))
 
@@ -150,10 +186,44 @@ def bits(x: torch.Tensor) -> str:
     return "0x" + struct.pack(">f", float(x)).hex()
 
 
+def _lr_bump(cfg: TrainConfig) -> tuple[int | None, float]:
+    """(global step whose optimizer step runs at a bumped learning rate, the factor) of a planted spike."""
+    if cfg.spike_step is None or cfg.spike != "state":
+        return None, 1.0
+    # The loss of step S is computed before S's optimizer step: a bump at S - 1 shows in it.
+    return cfg.spike_step - 1, STATE_BUMP
+
+
+def _poisoned_step(cfg: TrainConfig) -> int | None:
+    """The global step whose batch (in an unshifted run) the planted spike poisons."""
+    if cfg.spike_step is None or cfg.spike == "state":
+        return None
+    return cfg.spike_step
+
+
+def _batch_samples(sampler: ResumableSampler, batch_size: int, step: int) -> list[int]:
+    """The samples of the batch that global step `step` trains on in a run from step 0 (ResumableLoader with
+    drop_last: every epoch holds the same number of whole batches). The poison travels with these samples, so a
+    replay that feeds them at another step feeds the poison there."""
+    per_epoch = len(sampler) // batch_size
+    epoch, index = divmod(step, per_epoch)
+    return sampler.indices(epoch)[index * batch_size:(index + 1) * batch_size]
+
+
+def _corrupt_token_rows(model: torch.nn.Module) -> None:
+    """The "both" spike's parameter fault: scale the rows of `POISON_TOKEN` in the embedding and the LM head (on
+    the ranks that hold them)."""
+    with torch.no_grad():
+        for name in ("embedding", "output"):
+            module = getattr(model, name, None)
+            if module is not None:
+                module.weight[POISON_TOKEN] *= BOTH_CORRUPTION
+
+
 def train(cfg: TrainConfig) -> None:
     """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
     import detrace
-    from detrace.state import ResumableLoader, ResumableSampler
+    from detrace.state import ResumableLoader
 
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
@@ -173,13 +243,22 @@ def train(cfg: TrainConfig) -> None:
                                     microbatches=cfg.microbatches)
         params = [p for p in pm.raw.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
-        dataset = SyntheticTokens(
+        bump_at, bump = _lr_bump(cfg)
+        # The bump is a function of the scheduler's step count, which the checkpoint restores: a state fault.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * (bump if s == bump_at else 1.0))
+        dataset: SyntheticTokens | Poisoned = SyntheticTokens(
             num_samples=NUM_SAMPLES, seq_len=seq_len, vocab_size=model_cfg.vocab_size, seed=cfg.seed
         )
         sampler = ResumableSampler(
             len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
         )
+        poison_at = _poisoned_step(cfg)
+        if poison_at is not None:
+            assert isinstance(dataset, SyntheticTokens)
+            samples = _batch_samples(sampler, batch_size, poison_at)
+            dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED],
+                               token=POISON_TOKEN)
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
         # Invariant layouts: every rank reads the global batch and draws alike, so a checkpoint resumes at any
         # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
@@ -207,6 +286,8 @@ def train(cfg: TrainConfig) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if cfg.spike == "both" and step == cfg.spike_step:  # printed step S = global step S - 1 just ended
+                _corrupt_token_rows(pm.raw)
             if layout.rank == 0:
                 print(
                     f"step {step - 1} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"

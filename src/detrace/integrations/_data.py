@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
 from detrace.errors import UsageError
+from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
 from detrace.state.data import SeededCollate, sample_seed, seeded_rngs
 
 
@@ -136,3 +137,23 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys
         # A collator's randomness (a masked-LM collator's masks) is seeded per batch, as each sample's is.
         iterated.collate_fn = SeededCollate(iterated.collate_fn, items)
     return keys
+
+
+def skip_for_controls(keys: SampleKeys | None, step: int, samples_per_step: int, *, framework: str) -> None:
+    """The resume contract's data controls (DETRACE_DATA_SHIFT, DETRACE_SKIP_STEPS) as a framework run starts at
+    global step `step`: the key sampler leaves out the samples of the batches they name.
+
+    A framework's loop prefetches batches, so the integrations apply the controls only where the run starts (0 or
+    the resumed step): a DETRACE_SKIP_STEPS window must begin at or before it (resume from the checkpoint at its
+    first step). `keys` is None for an IterableDataset (left alone), to which no control applies."""
+    window = skip_steps_requested()
+    if window is not None and window[0] > step:
+        raise UsageError(f"{ENV_SKIP_STEPS}={window[0]}-{window[1]}: detrace's {framework} integration skips "
+                         f"batches only from the step the run starts at ({step}); resume from a checkpoint at or "
+                         "before the window's first step, or use DETRACE_DATA_SHIFT")
+    skip = batches_to_skip(step, first=True)
+    if skip and keys is None:
+        raise UsageError(f"the resume contract's data controls ({ENV_SKIP_STEPS}, DETRACE_DATA_SHIFT) skip samples "
+                         f"by index: detrace's {framework} integration cannot apply them to an IterableDataset")
+    if keys is not None:
+        keys.skip += skip * samples_per_step

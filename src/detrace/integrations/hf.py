@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from detrace import tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._data import SampleKeys, seed_samples
+from detrace.integrations._data import SampleKeys, seed_samples, skip_for_controls
 from detrace.ops import hf as experts
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
@@ -122,6 +122,9 @@ class DetraceCallback(TrainerCallback):
                 "DETRACE_RESUME=1, but the Trainer started from step 0: pass the checkpoint on, as in "
                 "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)"
             )
+        batch = getattr(train_dataloader, "batch_size", None) or args.per_device_train_batch_size
+        skip_for_controls(self._keys, state.global_step, batch * args.gradient_accumulation_steps,
+                          framework="transformers")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from detrace import tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._data import SampleKeys, seed_samples
+from detrace.integrations._data import SampleKeys, seed_samples, skip_for_controls
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
     LIGHTNING_STATE_SUFFIX,
@@ -181,6 +181,8 @@ class DetraceCallback(pl.Callback):
         elif self._resume:
             raise UsageError("DETRACE_RESUME=1, but the Trainer did not resume: pass the checkpoint on, as in "
                              "trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
+        skip_for_controls(self._keys, trainer.global_step,
+                          (loader.batch_size or 1) * trainer.accumulate_grad_batches, framework="Lightning")
         # Start the epoch's DataLoader iterator again, so that its batches come through the seeded sampler from
         # the position just restored.
         fetcher = trainer.fit_loop._data_fetcher

@@ -17,9 +17,12 @@ spread map (`detrace.compare`); `write_report` is the one place that reads them 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from detrace.ablate import ABLATE_FILE
 from detrace.compare.metrics import metric_rank, metric_series
 from detrace.compare.pairs import divergence_map
 from detrace.compare.result import scope_label
@@ -244,6 +247,59 @@ def render_run(run_dir: Path, info: RunInfo, traces: list[RankTrace], curves: Cu
     return _page(f"detrace run: {run_dir.name}", body)
 
 
+_VARIANT_COLORS = ("#2e7d32", "#6a1b9a", "#ef6c00", "#00838f", "#ad1457", "#5d4037")
+
+
+def render_ablate(result: dict[str, Any]) -> str:
+    """The report of a `detrace ablate` directory, from its ablate.json (schema detrace.ablate/1): the verdict,
+    and per variant a chart of the metric around S against the baseline and the original run."""
+    step, metric, threshold = result["step"], result["metric"], result.get("threshold")
+    verdict = result["verdict"]
+    badge = {"isolated": "nondeterministic", "no-spike": "deterministic"}.get(verdict, "inconclusive")
+    body = [f"<h1>detrace ablate <span class=\"badge {badge}\">{e(verdict)}</span></h1>",
+            f"<p class=\"answer\">{e(result['summary'])}</p>",
+            f"<p class=\"muted\">spike at step {e(step)} of <code>{e(metric)}</code> in {e(result['run'])}; "
+            f"threshold {e(f'{threshold:.6g}' if threshold is not None else '-')} (median + {e(result['k'])} x MAD "
+            f"of the {e(result['window'])} steps before); replays from the checkpoint after {e(result['checkpoint'])} "
+            f"steps; cost {e(result['cost']['runs'])} runs, {e(result['cost']['steps'])} steps, "
+            f"{e(result['cost']['seconds'])} s</p>"]
+    if result.get("command"):
+        body.append(f"<p>command: <code>{e(' '.join(result['command']))}</code></p>")
+    rows = [[v["name"], v["change"], str(v["at"]), "-" if v["value"] is None else f"{v['value']:.6g}",
+             "yes" if v["spiked"] else "no",
+             "-" if v["effect"] is None else f"{v['effect']:+.4g}",
+             "identical" if v["departure"] is None else
+             f"step {v['departure']['step']}, {v['departure']['phase']} {v['departure']['name']}"
+             + (f" in {v['departure']['module']}" if v["departure"]["module"] else "")]
+            for v in result.get("variants", [])]
+    if rows:
+        body.append("<h2>Variants, by their effect on the spike</h2>"
+                    + _table(["variant", "change", "its step S", metric, "spikes", "vs baseline", "first departure"],
+                             rows))
+
+    def series(data: dict[str, float], shift: int = 0) -> dict[int, float]:
+        return {int(t) + shift: v for t, v in data.items()}
+
+    base = result.get("baseline") or {}
+    original = series(result.get("original_series", {}))
+    marks = [(step, "S", ORIGIN)]
+    charts = []
+    lines = [("original", original, "#9aa4b0", True)] if original else []
+    lines.append(("baseline", series(base.get("series", {})), _ARM_COLORS[0], False))
+    if threshold is not None:
+        lines.append(("threshold", {step - 1: threshold, step + 1: threshold}, "#c62828", True))
+    charts.append(line_chart(f"{metric}: baseline replay", lines, marks=marks))
+    for i, variant in enumerate(result.get("variants", [])):
+        shift = step - variant["at"]  # drawn at the baseline's steps: the batch of S lines up with S
+        label = variant["name"] + (f" (steps +{shift})" if shift else "")
+        charts.append(line_chart(f"{metric}: {variant['name']}", [
+            ("baseline", series(base.get("series", {})), _ARM_COLORS[0], True),
+            (label, series(variant["series"], shift), _VARIANT_COLORS[i % len(_VARIANT_COLORS)], False)],
+            marks=marks))
+    body.append("<h2>The metric around S</h2><div class=\"charts\">" + "".join(charts) + "</div>")
+    return _page(f"detrace ablate: step {step}", body)
+
+
 def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     """Write the HTML report of a run or locate directory to `out` (default `<path>/report.html`).
 
@@ -252,7 +308,12 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise TraceError(f"{path} is not a run or locate directory")
-    if (path / LADDER_FILE).exists():
+    if (path / ABLATE_FILE).exists():
+        try:
+            page = render_ablate(json.loads((path / ABLATE_FILE).read_text()))
+        except (OSError, ValueError, KeyError) as err:
+            raise TraceError(f"{path / ABLATE_FILE} is not a readable detrace.ablate/1 record: {err}") from None
+    elif (path / LADDER_FILE).exists():
         ladder = load_ladder(path)
         run_a, run_b = (Path(p) for p in ladder.stages[0].runs[:2])
         page = render_locate(ladder, Curves.read(run_a, run_b), divergence_map(run_a, run_b))

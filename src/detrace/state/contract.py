@@ -7,6 +7,14 @@ unmodified training script stop, save and resume, and the checkpoint layouts a s
     DETRACE_RESUME=1            load the last checkpoint in DETRACE_CKPT_DIR at start
     DETRACE_RESUME_FROM=path    load this checkpoint at start (one of the versions listed by `saved_versions`)
     DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
+    DETRACE_SKIP_STEPS=a-b      data control: the batches of global steps a..b are never trained on; at step a
+                                the loader advances past them, so steps a, a+1, ... get the batches of b+1, ...
+    DETRACE_DATA_SHIFT=k        data control: from the first step this process runs (the resumed step), every
+                                step gets the batch of the step k later (the loader advances k batches first)
+
+Global steps count as traces count them: global step g runs after g completed steps (a run resumed from the
+checkpoint after K steps runs global step K first). `detrace ablate` uses the data controls to change the data
+of a replay and nothing else.
 
 `TrainState` implements it for a hand-written loop; the framework integrations implement it for transformers'
 and Lightning's trainers, each in its framework's own checkpoint layout (`LAYOUTS`).
@@ -30,6 +38,8 @@ ENV_CKPT_EVERY = "DETRACE_CKPT_EVERY"
 ENV_RESUME = "DETRACE_RESUME"
 ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
 ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
+ENV_SKIP_STEPS = "DETRACE_SKIP_STEPS"
+ENV_DATA_SHIFT = "DETRACE_DATA_SHIFT"
 
 # Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
 CONTROLS = {
@@ -132,3 +142,36 @@ def checkpoint_dir() -> Path:
     if not directory:
         raise UsageError(f"{ENV_CKPT_DIR} must name the checkpoint directory when stopping or resuming")
     return Path(directory)
+
+
+def skip_steps_requested() -> tuple[int, int] | None:
+    """The contract's DETRACE_SKIP_STEPS=a-b (or a single step a): the global steps whose batches are skipped."""
+    text = os.environ.get(ENV_SKIP_STEPS)
+    if not text:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if match is None or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+        raise UsageError(f"{ENV_SKIP_STEPS} must be a global step a or a range a-b with a <= b, not {text!r}")
+    first = int(match.group(1))
+    return first, int(match.group(2) or first)
+
+
+def data_shift_requested() -> int | None:
+    """The contract's DETRACE_DATA_SHIFT=k: batches the loader advances before the first step this process runs."""
+    return _step_variable(ENV_DATA_SHIFT)
+
+
+def batches_to_skip(step: int, *, first: bool) -> int:
+    """How many batches the loader must drop before it hands out the batch of global step `step`, by the data
+    controls; `first`: `step` is the first this process runs (0, or the step it resumed at)."""
+    skipped = 0
+    shift = data_shift_requested()
+    if first and shift is not None:
+        skipped += shift
+    window = skip_steps_requested()
+    if window is not None:
+        low, high = window
+        # At step a the loader advances past a..b; a process resumed inside the window skips what is left of it.
+        if step == low or (first and low < step <= high):
+            skipped += high - step + 1
+    return skipped

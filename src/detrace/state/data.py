@@ -229,6 +229,15 @@ class ResumableLoader:
         self.num_workers = num_workers
         self.collate_fn = collate_fn
         self.dataloader_kwargs = dataloader_kwargs
+        self.pending_skip = 0
+        """Batches the next iterations drop before they hand one out (`skip_batches`)."""
+
+    def skip_batches(self, count: int) -> None:
+        """Drop the next `count` batches: they are loaded and counted as consumed (the data position moves past
+        them, across epochs too) but never handed to the loop. The resume contract's data controls use it."""
+        if count < 0:
+            raise UsageError(f"cannot skip a negative number of batches ({count})")
+        self.pending_skip += count
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
@@ -255,6 +264,9 @@ class ResumableLoader:
             position += len(batch_keys)
             # Consumed as soon as it is handed over: a checkpoint after this step must not replay it.
             sampler.position = position
+            if self.pending_skip:
+                self.pending_skip -= 1
+                continue
             yield batch
         self._roll_over()
 

@@ -32,6 +32,7 @@ from detrace.state import checkpoint, rng
 from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     CONTROLS,
+    batches_to_skip,
     checkpoint_dir,
     every_requested,
     resume_requested,
@@ -118,10 +119,13 @@ class TrainState:
             checkpoint_dir()
         source = resume_source()
         if source is not None:
-            return self._load(source, control=control)
-        if not resume:
-            return 0
-        return self._load(checkpoint_dir(), control=control)
+            start = self._load(source, control=control)
+        elif resume:
+            start = self._load(checkpoint_dir(), control=control)
+        else:
+            start = 0
+        self._skip_data(start, first=True)
+        return start
 
     def end_of_step(self, step: int) -> bool:
         """Record that optimizer step `step` (counted from 1) completed; at DETRACE_STOP_AT, save and
@@ -134,7 +138,21 @@ class TrainState:
             # Periodic checkpoints keep every version: a later run may resume from any of them (detrace
             # locate resumes its narrow rungs from the last one before a divergence).
             self.save(checkpoint_dir(), keep=sys.maxsize if every is not None else 1)
+        if step != stop:
+            self._skip_data(step, first=False)
         return step == stop
+
+    def _skip_data(self, step: int, *, first: bool) -> None:
+        """Apply the contract's data controls (DETRACE_SKIP_STEPS, DETRACE_DATA_SHIFT) before global step `step`:
+        the data object drops the batches they name."""
+        count = batches_to_skip(step, first=first)
+        if not count:
+            return
+        skip = getattr(self.data, "skip_batches", None)
+        if not callable(skip):
+            raise UsageError("DETRACE_SKIP_STEPS and DETRACE_DATA_SHIFT need TrainState's data to skip batches: a "
+                             "ResumableLoader, or anything with skip_batches(count)")
+        skip(count)
 
     def _shared(self) -> dict[str, Any]:
         """Model, optimizer, scheduler and scaler state as this rank holds it: replicated (DDP), sharded

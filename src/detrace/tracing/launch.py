@@ -195,15 +195,19 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
                          command=command, launched=True)
     prepare_out(out, holds="trace", force=force)
     header_path = run_header_path(out)
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    # The resume contract's DETRACE_CKPT_DIR (detrace.state.contract; a literal here, since that module imports
+    # torch): run.json names it so that `detrace spikes` and `detrace ablate` find the run's checkpoints.
+    ckpt_dir = child_env.get("DETRACE_CKPT_DIR")
+    facts = {"checkpoint_dir": str(Path(ckpt_dir).resolve())} if ckpt_dir else {}
     try:
-        write_json_atomic(header_path, _run_header(config, out, status="running"))
+        write_json_atomic(header_path, _run_header(config, out, status="running", **facts))
     except OSError as err:
         raise TraceError(f"cannot write to output directory {out}: {os_error_text(err, out)}") from None
 
     from detrace.inject import DIRECTORY
 
-    child_env = dict(os.environ)
-    child_env.update(env or {})
     child_env[ENV_VAR] = config.to_env()
     child_env.pop(RECORDING_VAR, None)  # CMD is the root of a new job, whatever this process records
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
@@ -249,7 +253,8 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     unclosed = _unclosed(out)
     cut_short = (f"rank{'s' * (len(unclosed) > 1)} {','.join(map(str, unclosed[:8]))} never closed "
                  f"{'their traces' if len(unclosed) > 1 else 'its trace'}" if unclosed else None)
-    header = _run_header(config, out, status=status, returncode=proc.returncode, elapsed=round(elapsed, 3))
+    header = _run_header(config, out, status=status, returncode=proc.returncode, elapsed=round(elapsed, 3),
+                         **facts)
     if cut_short:
         header["cut_short"] = cut_short
     problem = _finish(header_path, header)

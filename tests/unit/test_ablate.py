@@ -1,0 +1,213 @@
+"""`detrace ablate`'s decision logic in process: a fake launcher writes synthetic traces of a world whose spike
+has a known cause, and the verdict must name it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+from _synthetic import write_metric_run
+
+from detrace.ablate import AblateConfig, ablate, parse_variant
+from detrace.cli import main
+from detrace.cli.ablate import run_ablation
+from detrace.errors import CommandFailed, UsageError
+from detrace.state.manifest import MANIFEST_FILE
+
+S, LAST = 12, 14
+SPIKE = 3.0
+
+
+def base(step: int) -> float:
+    return 7.0 - 0.05 * step + (0.01 if step % 3 == 0 else -0.01)
+
+
+def batch_of(step: int, start: int, env: Mapping[str, str]) -> int:
+    """Which batch (by the step that trains on it in the original run) global step `step` gets, by the data
+    controls, in a run that started at `start`."""
+    batch = step + int(env.get("DETRACE_DATA_SHIFT", "0"))
+    if "DETRACE_SKIP_STEPS" in env:
+        low, high = (int(x) for x in env["DETRACE_SKIP_STEPS"].split("-"))
+        if step >= low:
+            batch += high - low + 1
+    return batch
+
+
+def loss(kind: str, step: int, batch: int, args: Sequence[str], env: Mapping[str, str]) -> float:
+    """The world: a spike at S caused by the batch of S (data), by step S whatever its batch (state), by both
+    together, or by a setting that --lr or ENV FIX=1 turns off."""
+    spiked = {"data": batch == S, "state": step == S, "both": step == S and batch == S,
+              "setting": step == S and "--lr" not in args and env.get("FIX") != "1", "none": False}[kind]
+    return base(step) + (SPIKE if spiked else 0.0)
+
+
+class World:
+    """A fake launcher: each call writes the synthetic trace a run of the world would record."""
+
+    def __init__(self, kind: str, *, drift: int | None = None) -> None:
+        self.kind, self.drift = kind, drift
+        self.calls: list[tuple[tuple[str, ...], dict[str, str]]] = []
+
+    def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        self.calls.append((tuple(cmd), dict(env)))
+        start = int(Path(env["DETRACE_RESUME_FROM"]).name.split("-")[1]) if "DETRACE_RESUME_FROM" in env else 0
+        stop = int(env["DETRACE_STOP_AT"])
+        args = tuple(cmd[1:])
+        values = {t: base(t) for t in range(stop)}
+        for t in range(start, stop):
+            values[t] = loss(self.kind, t, batch_of(t, start, env), args, env)
+            if t == self.drift:
+                values[t] += 1e-6  # the replay does not reproduce the original run here
+        write_metric_run(out, values, first=start)
+        return 1.5
+
+
+def original(tmp_path: Path, kind: str) -> Path:
+    """The original traced run (global steps 0..LAST) and its checkpoints after 4 and 8 steps."""
+    run, ckpts = tmp_path / "original", tmp_path / "ckpt"
+    write_metric_run(run, {t: loss(kind, t, t, (), {}) for t in range(LAST + 1)})
+    for step in (4, 8):
+        version = ckpts / f"step-{step:08d}"
+        version.mkdir(parents=True)
+        (version / MANIFEST_FILE).write_text("{}")
+    (run / "run.json").write_text(json.dumps({"rung": "metrics", "checkpoint_dir": str(ckpts)}))
+    return run
+
+
+def config(tmp_path: Path, run: Path, **kwargs: object) -> AblateConfig:
+    return AblateConfig(command=("train",), run=run, step=S, out=tmp_path / "ablate", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["data", "state", "both"])
+def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
+    world = World(kind)
+    result = ablate(config(tmp_path, original(tmp_path, kind)), world)
+    assert result.verdict == "isolated" and result.exit_code == 1
+    assert result.cause == kind, result.summary
+    assert result.summary.startswith(f"{kind}: ")
+    assert result.checkpoint == 8
+    spiked = {o.variant.name: o.spiked for o in result.outcomes}
+    expected = {"data": {"skip-batches": False, "state-only": False, "data-from-earlier": True},
+                "state": {"skip-batches": True, "state-only": True, "data-from-earlier": False},
+                "both": {"skip-batches": False, "state-only": False, "data-from-earlier": False}}[kind]
+    assert spiked == expected
+    # The runs: the baseline and skip-batches from C = 8, data-from-earlier from C' = 4 fed 4 batches ahead.
+    envs = {call[1].get("DETRACE_SKIP_STEPS") or call[1].get("DETRACE_DATA_SHIFT") or "base": call[1]
+            for call in world.calls}
+    assert envs["10-12"]["DETRACE_RESUME_FROM"].endswith("step-00000008")
+    assert envs["4"]["DETRACE_RESUME_FROM"].endswith("step-00000004") and envs["4"]["DETRACE_STOP_AT"] == "11"
+    assert envs["base"]["DETRACE_STOP_AT"] == "15"
+    earlier = next(o for o in result.outcomes if o.variant.name == "data-from-earlier")
+    assert earlier.at == 8 and earlier.departure is None
+    skip = next(o for o in result.outcomes if o.variant.name == "skip-batches")
+    if kind != "state":  # the first record that differs: the loss of step S
+        assert skip.departure is not None and (skip.departure.step, skip.departure.name) == (S, "loss")
+    else:
+        assert skip.departure is None  # this world's loss ignores the batch except at S
+
+
+def test_the_variants_are_ranked_by_their_effect(tmp_path: Path) -> None:
+    result = ablate(config(tmp_path, original(tmp_path, "data")), World("data"))
+    values = [o.value for o in result.outcomes]
+    assert values == sorted(values)  # type: ignore[type-var]
+    assert not result.outcomes[0].spiked and result.outcomes[-1].spiked
+
+
+def test_a_user_variant_that_removes_the_spike_is_a_setting(tmp_path: Path) -> None:
+    world = World("setting")
+    result = ablate(config(tmp_path, original(tmp_path, "setting"), builtins=False,
+                           variants=("lr_half=--lr 1.5e-3", "fixed=ENV:FIX=1", "noop=ENV:OTHER=1")), world)
+    assert result.cause == "setting", result.summary
+    assert result.summary == "setting: no change of data or state removes the spike at step 12, but lr_half, fixed do"
+    by_name = {o.variant.name: o for o in result.outcomes}
+    assert not by_name["lr_half"].spiked and not by_name["fixed"].spiked and by_name["noop"].spiked
+    assert ("train", "--lr", "1.5e-3") in [call[0] for call in world.calls]
+    assert by_name["fixed"].variant.env == {"FIX": "1"} and len(world.calls) == 4  # baseline + 3
+
+
+def test_a_step_bound_setting_reads_as_state_and_names_the_user_variants(tmp_path: Path) -> None:
+    result = ablate(config(tmp_path, original(tmp_path, "setting"), variants=("fixed=ENV:FIX=1",)), World("setting"))
+    assert result.cause == "state" and result.summary.endswith("; fixed also removes it")
+
+
+def test_no_spike_in_the_baseline_exits_0_after_one_run(tmp_path: Path) -> None:
+    world = World("none")
+    result = ablate(config(tmp_path, original(tmp_path, "none")), world)
+    assert (result.verdict, result.exit_code, len(world.calls)) == ("no-spike", 0, 1)
+    assert "under the threshold" in result.summary
+
+
+def test_a_replay_that_does_not_reproduce_is_refused(tmp_path: Path) -> None:
+    world = World("data", drift=10)
+    result = ablate(config(tmp_path, original(tmp_path, "data")), world)
+    assert (result.verdict, result.exit_code, len(world.calls)) == ("not-reproducible", 2, 1)
+    assert "rank 0, step 10: loss" in result.summary and "nothing can be isolated" in result.summary
+
+
+def test_from_overrides_the_checkpoint(tmp_path: Path) -> None:
+    run = original(tmp_path, "data")
+    result = ablate(config(tmp_path, run, checkpoint=tmp_path / "ckpt" / "step-00000004"), World("data"))
+    assert result.checkpoint == 4 and result.cause == "data"
+    earlier = next(o for o in result.outcomes if o.variant.name == "data-from-earlier")
+    assert earlier.variant.start == 0 and earlier.variant.resume_from is None  # a fresh start fed 4 batches ahead
+
+
+def test_errors_are_usage_errors(tmp_path: Path) -> None:
+    run = original(tmp_path, "data")
+    with pytest.raises(UsageError, match="no checkpoint before step 3"):
+        ablate(AblateConfig(command=("t",), run=run, step=3, out=tmp_path / "x"), World("data"))
+    for spec in ("novalue", "baseline=--x", "x=ENV:1=2", "x="):
+        with pytest.raises(UsageError):
+            parse_variant(spec)
+    assert parse_variant("fp32=ENV:DTYPE=fp32,A=b") == ("fp32", {"DTYPE": "fp32", "A": "b"}, ())
+
+    def failing(cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        raise CommandFailed("CMD exited with status 1")
+
+    with pytest.raises(CommandFailed):
+        ablate(config(tmp_path, run), failing)
+
+
+def test_the_directory_holds_json_and_a_report(tmp_path: Path) -> None:
+    result = run_ablation(config(tmp_path, original(tmp_path, "state")), World("state"))
+    record = json.loads((result.config.out / "ablate.json").read_text())
+    assert record["schema"] == "detrace.ablate/1" and record["cause"] == "state" and record["exit_code"] == 1
+    assert record["cost"] == {"runs": 4, "steps": 7 + 7 + 7 + 7, "seconds": 6.0}
+    assert record["variants"][0]["name"] == "data-from-earlier"
+    page = (result.config.out / "report.html").read_text()
+    assert "detrace ablate" in page and page.count("<svg") == 4 and "state: the spike survives" in page
+    assert main(["report", str(result.config.out)]) == 0
+
+
+def test_the_command_refuses_without_a_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ablate", "--run", "x", "--", "train"]) == 2
+    assert "--step" in capsys.readouterr().err
+
+
+def test_state_only_resumes_from_the_checkpoint_at_s_when_there_is_one(tmp_path: Path) -> None:
+    run = original(tmp_path, "data")
+    version = tmp_path / "ckpt" / f"step-{S:08d}"
+    version.mkdir()
+    (version / MANIFEST_FILE).write_text("{}")
+    result = ablate(config(tmp_path, run), World("data"))
+    only = next(o for o in result.outcomes if o.variant.name == "state-only")
+    assert only.variant.start == S and not only.spiked and result.checkpoint == 8 and result.cause == "data"
+    assert only.departure is not None and only.departure.step == S
+
+
+def test_a_semantic_original_is_held_to_every_record(tmp_path: Path) -> None:
+    from _synthetic import Fault
+
+    from detrace.ablate import reproduces
+
+    values = {t: base(t) for t in range(LAST + 1)}
+    original_run, same, faulty = tmp_path / "o", tmp_path / "same", tmp_path / "faulty"
+    for out, fault in ((original_run, None), (same, None), (faulty, Fault(rank=1, step=10, op=1))):
+        write_metric_run(out, values, ranks=2, fault=fault, first=0 if out == original_run else 8)
+    (original_run / "run.json").write_text(json.dumps({"rung": "semantic"}))
+    assert reproduces(original_run, same, 9, S) is None
+    assert reproduces(original_run, faulty, 9, S) == "rank 0, step 10: collective all_reduce#0 output[0] differs"
+    (original_run / "run.json").write_text(json.dumps({"rung": "metrics"}))
+    assert reproduces(original_run, faulty, 9, S) is None  # the same losses: a metrics-rung original cannot tell
