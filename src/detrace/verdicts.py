@@ -29,6 +29,8 @@ TopologyVerdict = Literal["identical", "diverged"]
 """`detrace check-topology`: the same bits at every world size, or not."""
 ValidateVerdict = Literal["green", "failures"]
 """`detrace validate`: every cell of the validation matrix passed, or some failed."""
+AuditVerdict = Literal["clean", "hazards"]
+"""`detrace audit`: no certain determinism hazard in the run, or some (possible ones alone leave it clean)."""
 
 DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
 LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
@@ -42,3 +44,4 @@ REPLAY: Final[dict[ReplayVerdict, int]] = {"deterministic": 0, "nondeterministic
 DOCTOR: Final[dict[DoctorVerdict, int]] = {"ok": 0, "settings-off": 1}
 TOPOLOGY: Final[dict[TopologyVerdict, int]] = {"identical": 0, "diverged": 1}
 VALIDATE: Final[dict[ValidateVerdict, int]] = {"green": 0, "failures": 1}
+AUDIT: Final[dict[AuditVerdict, int]] = {"clean": 0, "hazards": 1}

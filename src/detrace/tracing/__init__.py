@@ -90,7 +90,12 @@ def arm_from_env() -> bool:
     config = TraceConfig.from_env()
     if config is None or _tracer is not None or _is_torchrun_agent():
         return False
-    _start(config, check_out_dir=False)
+    tracer = _start(config, check_out_dir=False)
+    steps = os.environ.get("DETRACE_AUDIT")  # detrace.hazards.probe.ENV_AUDIT, set by `detrace audit`
+    if steps:
+        from detrace.hazards.probe import install
+
+        _undo.extend(install(tracer, int(steps)))  # type: ignore[arg-type]  # _start returns the Tracer
     atexit.register(_stop)
     return True
 
