@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -352,3 +353,93 @@ def test_the_probe_scans_loaded_output_code_and_notes_where_it_first_runs(tmp_pa
         ("possible", "cpp_fused_expand_index_put_mul_new_zeros_unsqueeze_0", None, None)]
     assert "aten.index_put" in kernels[0].aten and "loaded but not run" in kernels[1].what
     assert "deterministic mode off" in kernels[0].what
+
+
+# -- one real run per case (slow) ---------------------------------------------------------------------------------
+
+def _audit_cli(tmp_path: Path, *command: str) -> tuple[int, dict]:
+    proc = subprocess.run([PY, "-m", "detrace", "audit", "--json", "--out", str(tmp_path / "run"), "--", *command],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_the_reference_trainers_moe_backward_index_put_is_certain(tmp_path: Path) -> None:
+    code, report = _audit_cli(tmp_path, PY, "-m", "detrace.examples.train", "--preset", "tiny", "--dispatch",
+                              "index", "--threads", "2", "--steps", "2")
+    assert code == 1
+    [op] = [h for h in report["certain"] if h["kind"] == "op"]
+    assert op["subject"] == "aten.index_put.default" and op["phase"] == "backward"
+    assert op["module"].endswith(".moe") and op["step"] == 0 and "indices repeat an earlier one" in op["what"]
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_with_fixed_dispatch_under_the_recipe_is_clean(tmp_path: Path) -> None:
+    from detrace.examples.train import main as train
+
+    with _audited(tmp_path / "run", steps=2):
+        assert train(["--preset", "tiny", "--dispatch", "fixed", "--deterministic", "--threads", "2",
+                      "--steps", "2"]) == 0
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    assert [h for h in hazards if h.certainty == "certain" or h.fixed_by != "code"] == []
+
+
+@pytest.mark.slow
+def test_a_nanogpt_script_under_ddp_x2_shows_the_resume_parallel_and_data_hazards(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "scripts" / "audit_nanogpt.py"
+    code, report = _audit_cli(tmp_path, PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script))
+    assert code == 1 and report["ranks"] == [0, 1]
+    [rebuild] = report["certain"]
+    assert rebuild["subject"] == "DistributedDataParallel #0 (GPT)" and rebuild["ranks"] == [0, 1]
+    assert "rebuilds its gradient buckets" in rebuild["what"]
+    possible = {(h["kind"], h["subject"]) for h in report["possible"]}
+    assert {("parallel", "DistributedDataParallel #0 (GPT)"), ("data", "DataLoader #0 (Tokens)"),
+            ("data", "DataLoader #0 (Tokens) sampler RandomSampler"),
+            ("data", "collate_fn random_crop")} <= possible  # random_crop draws in the DataLoader's worker
+
+
+@pytest.mark.slow
+def test_the_compiled_examples_atomic_backward_kernel_is_named_with_its_aten_ops(tmp_path: Path) -> None:
+    import importlib.util
+
+    import torch._dynamo
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
+    spec = importlib.util.spec_from_file_location("train_compiled", example)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_compiled"] = module  # Dynamo imports a function's module to read its globals
+    spec.loader.exec_module(module)
+    torch._dynamo.reset()
+    try:
+        with _audited(tmp_path / "run", steps=2):
+            module.train(steps=2, threads=2)
+    finally:
+        torch._dynamo.reset()
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    [kernel] = [h for h in hazards if h.kind == "kernel"]
+    assert kernel.certainty == "certain" and kernel.phase == "backward" and kernel.subject.startswith("cpp_fused_")
+    assert "aten.index_put" in kernel.aten and "atomic_add" in kernel.what
+    assert "torch.use_deterministic_algorithms was off and Inductor's deterministic mode off" in kernel.what
+
+
+@pytest.mark.slow
+def test_hf_mixtrals_batched_mm_experts_accumulate_with_repeated_indices(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=128)
+    config._experts_implementation = "batched_mm"
+    torch.set_num_threads(2)
+    with _audited(tmp_path / "run"):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config)
+        ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    [op] = [h for h in hazards if h.kind == "op"]
+    assert (op.subject, op.certainty, op.phase, op.module) == (
+        "aten.index_put.default", "certain", "backward", "model.layers.0.mlp.experts")
