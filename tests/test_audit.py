@@ -32,8 +32,8 @@ from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.hazards import judge, probe
 from detrace.hazards.catalog import BY_OP, ENTRIES, OpEntry
 from detrace.hazards.kernels import scan
-from detrace.hazards.records import SCHEMA, Hazard, merge
-from detrace.hazards.report import Launch, audit_command, read_ranks
+from detrace.hazards.records import ENV_AUDIT, SCHEMA, Hazard, merge, rank_file
+from detrace.hazards.report import Launch, audit_command, prediction, read_ranks
 from detrace.recipe import Finding
 from detrace.tracing.launch import LaunchResult
 
@@ -206,10 +206,10 @@ def test_a_collate_fn_that_draws_from_a_global_rng_is_seen() -> None:
 
 def _launch_writing(ranks: dict[int, list[Hazard]], returncode: int = 0) -> Launch:
     def launch(cmd: list[str], out: Path, **options: object) -> LaunchResult:
-        assert options["rung"] == "module" and options["env"] == {probe.ENV_AUDIT: "2"}
+        assert options["rung"] == "module" and options["env"] == {ENV_AUDIT: "2"}
         assert options["steps"] == "0-1"
         for rank, hazards in ranks.items():
-            path = probe.rank_file(Path(out), rank)
+            path = rank_file(Path(out), rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"schema": SCHEMA, "rank": rank, "world_size": len(ranks), "steps": 2,
                                         "hazards": [h.to_json() for h in hazards]}))
@@ -258,7 +258,7 @@ def test_a_failed_command_keeps_what_its_ranks_wrote_with_a_note(tmp_path: Path)
 
 
 def test_an_audit_file_of_another_schema_is_refused(tmp_path: Path) -> None:
-    path = probe.rank_file(tmp_path, 0)
+    path = rank_file(tmp_path, 0)
     path.parent.mkdir()
     path.write_text(json.dumps({"schema": "detrace.audit/0", "rank": 0}))
     with pytest.raises(TraceError, match=r"not an audit file of schema detrace\.audit/1"):
@@ -443,3 +443,19 @@ def test_hf_mixtrals_batched_mm_experts_accumulate_with_repeated_indices(tmp_pat
     [op] = [h for h in hazards if h.kind == "op"]
     assert (op.subject, op.certainty, op.phase, op.module) == (
         "aten.index_put.default", "certain", "backward", "model.layers.0.mlp.experts")
+
+
+def test_locate_is_told_whether_the_audit_of_its_first_run_predicted_the_culprit(tmp_path: Path) -> None:
+    run = tmp_path / "1-semantic-a"
+    path = rank_file(run, 0)
+    path.parent.mkdir(parents=True)
+    kernel = _hazard(kind="kernel", subject="cpp_fused_index_put_0", ranks=(0,), step=0, phase="backward")
+    path.write_text(json.dumps({"schema": SCHEMA, "rank": 0, "steps": 2, "hazards": [
+        _hazard(ranks=(0,), step=0, phase="backward").to_json(), kernel.to_json()]}))
+    said = prediction(run, "aten.index_put_.default")
+    assert said is not None and said.startswith("the audit of the first run predicted it: a certain hazard at "
+                                                "rank 0, step 0, backward")
+    assert (prediction(run, "inductor.cpp_fused_index_put_0") or "").startswith("the audit of the first run predicted")
+    assert prediction(run, "aten.mm.default") == ("the audit of the first run did not predict it; it found 2 certain "
+                                                  "hazards: aten.index_put_.default, cpp_fused_index_put_0")
+    assert prediction(tmp_path / "unaudited", "aten.mm.default") is None

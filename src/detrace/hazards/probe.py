@@ -2,8 +2,8 @@
 DETRACE_TRACE) in every process the tracer arms, it watches the audited steps and writes
 `<run>/audit/rank-<r>.json` when they are over (or at exit, for a shorter run).
 
-The tracer (at the module rung, over the audited steps) keeps the place: step, phase, module scope, rank. The
-probe adds:
+The tracer keeps the place: step, phase, rank, and the module scope where it records the module rung (which
+`detrace audit` asks for over the audited steps). The probe adds:
 - a dispatch mode that judges every call of a catalogued ATen op (`catalog.BY_OP`) as it happens, with its
   indices (only those ops cost anything);
 - a wrapper of Inductor's output-code loading that scans each loaded module's kernels for atomics
@@ -39,21 +39,12 @@ from detrace._compat import (
 from detrace.hazards import judge
 from detrace.hazards.catalog import BY_OP
 from detrace.hazards.kernels import KernelScan, scan
-from detrace.hazards.records import SCHEMA, Hazard
+from detrace.hazards.records import AUDIT_DIR, SCHEMA, Hazard, rank_file
 from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing.patch import replace as patch
 from detrace.tracing.session import Tracer
 
-ENV_AUDIT = "DETRACE_AUDIT"
-"""Set by `detrace audit` to the number of steps to audit; the tracer arms the probe where it is set."""
-AUDIT_DIR = "audit"
-"""The folder of the run directory that holds the probe's files."""
-
 Undo = Callable[[], None]
-
-
-def rank_file(out: Path, rank: int) -> Path:
-    return Path(out) / AUDIT_DIR / f"rank-{rank}.json"
 
 
 @dataclass
@@ -156,7 +147,9 @@ class AuditProbe:
 
     @property
     def watching(self) -> bool:
-        return self.tracer.on.get("module", False) and not self.tracer.busy
+        """In an audited step (global steps 0 to steps - 1) of a traced rank, outside the tracer's own code."""
+        tracer = self.tracer
+        return tracer.enabled and tracer.clock.step < self.steps and not tracer.busy
 
     def place(self) -> dict[str, Any]:
         tracer = self.tracer
@@ -234,12 +227,15 @@ class AuditProbe:
     # -- the end of the audited steps -----------------------------------------------------------------------------
 
     def switch(self) -> None:
-        """Tracer listener: the dispatch mode is on while the steps are audited; the report is written after."""
-        on = self.tracer.on.get("module", False)
-        if on and not self.started:
+        """Tracer listener (called when the rungs recording change): the report is written once the audited
+        steps are over, while the program's objects are alive. `detrace audit` records the module rung over
+        exactly those steps, so this is called at their end; under a tracer whose windows do not end there
+        (`detrace locate`'s first run), the report is written at exit."""
+        if not self.started:
             self.started = True
             push_mode(self.mode)
-        elif not on and self.started and not self.written and os.getpid() == self.pid:
+        over = self.tracer.clock.step >= self.steps or not self.tracer.enabled
+        if over and not self.written and os.getpid() == self.pid:
             self.remove_mode()
             self.write()
 

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final, Literal
 
 from detrace.errors import TraceError
 
 SCHEMA: Final = "detrace.audit/1"
 """The schema of `detrace audit --json` and of the per-rank files the probe writes."""
+ENV_AUDIT: Final = "DETRACE_AUDIT"
+"""Set by `detrace audit` (and for `detrace locate`'s first run) to the number of steps to audit: the tracer arms
+the probe (`detrace.hazards.probe`) in every process where it is set."""
+AUDIT_DIR: Final = "audit"
+"""The folder of a run directory that holds the probe's files."""
+
+
+def rank_file(out: Path, rank: int) -> Path:
+    """Where one rank's probe writes its hazards."""
+    return Path(out) / AUDIT_DIR / f"rank-{rank}.json"
 
 Certainty = Literal["certain", "possible"]
 Kind = Literal["op", "kernel", "communication", "parallel", "data", "setting"]

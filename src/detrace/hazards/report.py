@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.hazards.probe import AUDIT_DIR, ENV_AUDIT
-from detrace.hazards.records import FIXERS, SCHEMA, AuditReport, Hazard, merge
+from detrace.hazards.records import AUDIT_DIR, ENV_AUDIT, FIXERS, SCHEMA, AuditReport, Hazard, merge
 from detrace.tracing.launch import LaunchResult, run_traced
 from detrace.verdicts import AUDIT, AuditVerdict
 
@@ -61,6 +60,26 @@ def audit_command(command: Sequence[str], *, out: Path, steps: int = 2, timeout:
         notes.append(f"CMD exited with code {result.returncode}: the audit covers what ran before")
     return AuditReport(hazards=tuple(merge(hazards)), command=tuple(command), returncode=result.returncode,
                        ranks=tuple(ranks), steps=audited or steps, out=str(result.out), notes=tuple(notes))
+
+
+def prediction(run: Path, culprit: str) -> str | None:
+    """What the audit of a run (written when the run was armed with DETRACE_AUDIT, as `detrace locate` arms its
+    first run) says of a culprit op or kernel (`aten.index_put.default`, `inductor.cpp_fused_...`): one sentence,
+    or None when that run has no audit."""
+    try:
+        hazards = merge(read_ranks(run)[0])
+    except TraceError:
+        return None
+    if not (run / AUDIT_DIR).is_dir():
+        return None
+    name = culprit.removeprefix("inductor.")
+    for hazard in hazards:
+        if hazard.kind in ("op", "kernel") and hazard.subject == name:
+            return (f"the audit of the first run predicted it: a {hazard.certainty} hazard at {hazard.place} "
+                    f"({hazard.what}); fix: {hazard.fix}")
+    certain = [h.subject for h in hazards if h.certainty == "certain"]
+    return (f"the audit of the first run did not predict it; it found {len(certain)} certain "
+            f"hazard{'s' * (len(certain) != 1)}{': ' + ', '.join(certain) if certain else ''}")
 
 
 def settings_report() -> AuditReport:

@@ -91,7 +91,7 @@ def arm_from_env() -> bool:
     if config is None or _tracer is not None or _is_torchrun_agent():
         return False
     tracer = _start(config, check_out_dir=False)
-    steps = os.environ.get("DETRACE_AUDIT")  # detrace.hazards.probe.ENV_AUDIT, set by `detrace audit`
+    steps = os.environ.get("DETRACE_AUDIT")  # detrace.hazards.records.ENV_AUDIT: `detrace audit` arms its probe
     if steps:
         from detrace.hazards.probe import install
 
