@@ -314,6 +314,7 @@ def test_the_probe_places_the_gather_backward_at_its_step_phase_and_module(tmp_p
         "aten.index_put.default", "certain", 0, "backward", "0", 1)
     assert "3 of its 6 indices repeat" in op.what
     assert any(h.subject.startswith("torch.use_deterministic_algorithms") for h in hazards)
+    assert "torch._dynamo" in sys.modules and not any(h.subject.startswith("torch.compile") for h in hazards)
 
 
 def test_the_probe_sees_nothing_to_fix_under_the_recipe(tmp_path: Path) -> None:

@@ -140,6 +140,8 @@ class AuditProbe:
         self.started = False
         self.written = False
         self.inductor = False
+        self.compiled = False
+        """Inductor loaded compiled code in this process."""
         self.pid = os.getpid()
         """The process that armed it: a forked child (a DataLoader worker) writes no report of its own."""
         self.mode = _OpProbe(self)
@@ -167,6 +169,7 @@ class AuditProbe:
 
     def loaded(self, module: Any) -> None:
         """An output code module was loaded: scan its kernels; note where it first runs."""
+        self.compiled = True
         path = getattr(module, "__file__", None)
         try:
             found = scan(Path(path).read_text()) if path else []
@@ -251,7 +254,9 @@ class AuditProbe:
         ranks = (rank,)
         found = [replace(seen.hazard, count=seen.count, ranks=ranks) for seen in self.seen.values()]
         found += self._kernel_hazards(ranks)
-        found += judge.settings_hazards(audit())
+        # doctor's "torch.compile in use" only sees that Dynamo is imported (torch.optim imports it): here it
+        # counts only when Inductor loaded compiled code.
+        found += judge.settings_hazards(f for f in audit() if f.name != "torch.compile" or self.compiled)
         found += judge.communication_hazards(os.environ, backend, world_size, rank)
         found += judge.parallel_hazards(_live(_ddp_type()), world_size, rank)
         draws = set(self.collate_draws)
