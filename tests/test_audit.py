@@ -23,7 +23,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import detrace
 from detrace import tracing
@@ -34,6 +34,7 @@ from detrace.hazards.catalog import BY_OP, ENTRIES, OpEntry
 from detrace.hazards.kernels import scan
 from detrace.hazards.records import ENV_AUDIT, SCHEMA, Hazard, merge, rank_file
 from detrace.hazards.report import Launch, audit_command, prediction, read_ranks
+from detrace.integrations._data import SampleKeys
 from detrace.recipe import Finding
 from detrace.tracing.launch import LaunchResult
 
@@ -182,7 +183,9 @@ def test_data_hazards_of_unseeded_workers_stateless_samplers_and_streams() -> No
     unseeded = DataLoader(_Squares(), shuffle=True, num_workers=2)
     seeded = DataLoader(_Squares(), num_workers=2, generator=torch.Generator().manual_seed(0))
     stream = DataLoader(_Stream())
-    subjects = [h.subject for h in judge.data_hazards([unseeded, seeded, stream], ["crop"])]
+    # the keys detrace's Lightning/HF integrations install: their epoch and skip are restored by the integration
+    keyed = DataLoader(_Squares(), sampler=SampleKeys(RandomSampler(_Squares()), seed=0))
+    subjects = [h.subject for h in judge.data_hazards([unseeded, seeded, stream, keyed], ["crop"])]
     assert subjects == ["DataLoader #0 (_Squares)", "DataLoader #0 (_Squares) sampler RandomSampler",
                         "DataLoader #2 (_Stream)", "collate_fn crop"]
 

@@ -13,6 +13,7 @@ import torch
 
 from detrace.hazards.catalog import OpEntry
 from detrace.hazards.records import Certainty, Fixer, Hazard
+from detrace.integrations._data import SampleKeys
 from detrace.recipe import Finding
 
 
@@ -146,12 +147,14 @@ def data_hazards(loaders: Sequence[Any], collate_draws: Iterable[str]) -> list[H
                       "restarted run draws another base seed than the run that never stopped"),
                 fix=("pass generator=torch.Generator().manual_seed(seed) and a worker_init_fn that seeds numpy "
                      "and random from torch.initial_seed()"), fixed_by="code", source="torch DataLoader"))
-        # The order's source: the sampler inside a BatchSampler, else a custom batch sampler itself (a list of
-        # batches, as detrace.state.data.ResumableLoader passes, is an order fixed in advance).
+        # The order's source: the sampler inside a BatchSampler, else a custom batch sampler itself. Resumable:
+        # one with state_dict; an order fixed in advance (sequential, or the list of batches that
+        # detrace.state.data.ResumableLoader passes); one set by (seed, epoch): set_epoch (DistributedSampler), or
+        # the keys detrace's framework integrations install, whose epoch and skip the integration restores.
         sampler = getattr(loader.batch_sampler, "sampler", loader.batch_sampler)
         iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
-        if not iterable and not isinstance(sampler, (torch.utils.data.SequentialSampler, list, tuple)) \
-                and not hasattr(sampler, "state_dict"):
+        if not iterable and not isinstance(sampler, (torch.utils.data.SequentialSampler, SampleKeys, list, tuple)) \
+                and not hasattr(sampler, "state_dict") and not hasattr(sampler, "set_epoch"):
             hazards.append(Hazard(
                 kind="data", certainty="possible", subject=f"{subject} sampler {type(sampler).__name__}",
                 what=("the sampler has no state_dict: a run resumed mid-epoch cannot continue its order, and "
