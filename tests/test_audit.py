@@ -463,3 +463,11 @@ def test_locate_is_told_whether_the_audit_of_its_first_run_predicted_the_culprit
     assert prediction(run, "aten.mm.default") == ("the audit of the first run did not predict it; it found 2 certain "
                                                   "hazards: aten.index_put_.default, cpp_fused_index_put_0")
     assert prediction(tmp_path / "unaudited", "aten.mm.default") is None
+
+
+def test_a_command_that_cannot_start_is_one_sentence_and_exit_2(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from detrace.cli import main
+
+    assert main(["audit", "--out", str(tmp_path / "a"), "--", "detrace-no-such-command"]) == 2
+    assert capsys.readouterr().err == "detrace audit: error: command not found: detrace-no-such-command\n"
