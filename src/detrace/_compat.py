@@ -88,11 +88,13 @@ __all__ = [
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
+    "dataset_fetchers",
     "default_group",
     "disable_dispatch",
     "disable_torch_function_subclass",
     "dtensor_rng_states",
     "functional_collectives",
+    "inductor_code_cache",
     "is_functorch_wrapped",
     "mark_dynamic",
     "pin_ddp_bucket_order",
@@ -308,3 +310,25 @@ def run_exit_handlers() -> None:
     Why: a distributed process may have to end with os._exit (see detrace._exit), which skips them; a tracer's
     last write is one. Replace with: nothing public in the standard library."""
     atexit._run_exitfuncs()
+
+
+def inductor_code_cache() -> Any:
+    """torch._inductor.codecache.PyCodeCache: the loader of Inductor's output code modules (fresh compile or
+    cache hit), whose `load_by_key_path` the audit wraps to scan each module's kernels.
+
+    Why: there is no public hook on compiled-code loading. Imports Inductor (call it only once the program
+    compiles). Replace with: a public Inductor callback on output code, if one is added."""
+    from torch._inductor.codecache import PyCodeCache
+
+    return PyCodeCache
+
+
+def dataset_fetchers() -> tuple[type, ...]:
+    """The classes whose `fetch` calls a DataLoader's `collate_fn` (map-style and iterable datasets), in the main
+    process and in workers.
+
+    Why: the audit watches collate_fn for random draws without replacing the user's DataLoader. Replace with:
+    nothing public (DataLoader hands collate_fn to these private fetchers)."""
+    from torch.utils.data._utils import fetch
+
+    return fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher

@@ -36,6 +36,8 @@ AblateVerdict = Literal["no-spike", "isolated", "not-reproducible"]
 or the replay does not reproduce the original run's records (nothing can be isolated on it)."""
 AblateCause = Literal["data", "state", "both", "setting", "undetermined"]
 """`detrace ablate`'s summary: what the variants' evidence points to as the spike's cause."""
+AuditVerdict = Literal["clean", "hazards"]
+"""`detrace audit`: no certain determinism hazard in the run, or some (possible ones alone leave it clean)."""
 
 DIFF: Final[dict[DiffVerdict, int]] = {"identical": 0, "diverged": 1, "incomparable": 2}
 LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic": 1, "inconclusive": 2}
@@ -51,3 +53,4 @@ TOPOLOGY: Final[dict[TopologyVerdict, int]] = {"identical": 0, "diverged": 1}
 VALIDATE: Final[dict[ValidateVerdict, int]] = {"green": 0, "failures": 1}
 SPIKES: Final[dict[SpikesVerdict, int]] = {"clean": 0, "spikes": 1}
 ABLATE: Final[dict[AblateVerdict, int]] = {"no-spike": 0, "isolated": 1, "not-reproducible": 2}
+AUDIT: Final[dict[AuditVerdict, int]] = {"clean": 0, "hazards": 1}

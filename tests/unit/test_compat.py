@@ -266,3 +266,14 @@ def test_pytree_leaves_in_torch_order() -> None:
     a, b, c = torch.ones(1), torch.zeros(1), torch.ones(2)
     leaves = _compat.pytree.tree_leaves({"y": [a, (b, 3)], "x": c})
     assert [id(t) for t in leaves if isinstance(t, torch.Tensor)] == [id(a), id(b), id(c)]
+
+
+def test_inductor_code_cache_loads_output_code_by_key_and_path() -> None:
+    cache = _compat.inductor_code_cache()
+    assert isinstance(inspect.getattr_static(cache, "load_by_key_path"), classmethod)
+    assert list(inspect.signature(cache.load_by_key_path).parameters)[:2] == ["key", "path"]
+
+
+def test_dataset_fetchers_call_collate_fn_in_fetch() -> None:
+    for fetcher in _compat.dataset_fetchers():
+        assert "self.collate_fn(" in inspect.getsource(fetcher.fetch)

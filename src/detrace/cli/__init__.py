@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report", "write a self-contained HTML report of a run or locate directory"),
     "compare": ("compare", "measure an intentional change against the run-to-run variation of a baseline"),
     "verify-checkpoint": ("verify_checkpoint", "check a checkpoint against its fingerprint manifest"),
+    "audit": ("audit", "run CMD once and report every determinism hazard it shows, with its place and fix"),
     "doctor": ("doctor", "audit this environment's determinism settings"),
     "certify": ("certify", "check a trace's invariants (ranks, steps, dense sequence numbers)"),
     "validate": ("validate", "run the validation matrix of the reference workload"),

@@ -10,6 +10,8 @@ from detrace.compare import DiffResult, Divergence, diff, first_divergent_step, 
 from detrace.compare.pairs import first_origin_call, ranks_spec, same_over
 from detrace.compare.result import scope_label
 from detrace.errors import CommandFailed, TraceError
+from detrace.hazards.records import ENV_AUDIT
+from detrace.hazards.report import prediction
 from detrace.ladder import (
     Cost,
     Finding,
@@ -26,6 +28,8 @@ from detrace.tracing.launch import Launcher, run_traced
 
 REFERENCE_RUN = "1-semantic-a"
 """Run A of the broad rung: the narrow runs resume from its checkpoints, and the resume proof is held against it."""
+AUDIT_STEPS = 2
+"""Steps of run A that `detrace audit`'s probe judges (DETRACE_AUDIT): the report says if it predicted the culprit."""
 CHECKPOINTS = "checkpoints"
 """Subdirectory of `out` where the broad run A keeps its checkpoints (and other runs their scratch saves)."""
 
@@ -102,6 +106,8 @@ class Ladder:
         elif contract is None:
             stop = self._stop(stage)
             contract = {} if stop is None else self._contract_env(name, stop=stop, resume_from=stage.resume_from)
+        if name == REFERENCE_RUN:  # the first run is audited for free: the report says if it predicted the culprit
+            contract = {**contract, ENV_AUDIT: str(AUDIT_STEPS)}
         stop_at = contract.get("DETRACE_STOP_AT")
         start = stage.start if "DETRACE_RESUME_FROM" in contract else 0
         # The capture run is not compared with anything: it fingerprints nothing (max_numel 0), which halves
@@ -195,6 +201,8 @@ class Ladder:
                          "from a checkpoint next to the divergence")
         elif narrowed and self.resume == "inexact":
             notes.append(next(s.note for s in self.stages if s.rung == "resume"))
+        if answer.culprit is not None and (said := prediction(self.config.out / REFERENCE_RUN, answer.culprit.name)):
+            notes.append(said)
         cost = Cost(per_run=tuple(spent.record(answer.steps) for spent in self.spent),
                     seconds=sum(spent.seconds for spent in self.spent),
                     checkpoint_every=self.every if self.checkpoints else None, resume=self.resume)

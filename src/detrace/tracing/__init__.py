@@ -94,7 +94,12 @@ def arm_from_env() -> bool:
         # The agent's workers are the job's ranks, whoever started the agent.
         os.environ.pop(RECORDING_VAR, None)
         return False
-    _start(config, check_out_dir=False)
+    tracer = _start(config, check_out_dir=False)
+    steps = os.environ.get("DETRACE_AUDIT")  # detrace.hazards.records.ENV_AUDIT: `detrace audit` arms its probe
+    if steps:
+        from detrace.hazards.probe import install
+
+        _undo.extend(install(tracer, int(steps)))  # type: ignore[arg-type]  # _start returns the Tracer
     atexit.register(_stop)
     return True
 

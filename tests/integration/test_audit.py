@@ -1,0 +1,473 @@
+"""detrace audit: the op catalog and its judging, the Inductor kernel scanner, the live-object checks and the
+report, in process; the probe in process on small models; one real run per case (slow).
+
+The Inductor sources in tests/support/data/inductor/ are output code Inductor generated on this machine (torch 2.13,
+CPU) for one graph, the gather `(table[idx] * 2).sum(-1)` of a 16x16 parameter and its backward:
+- gather_backward_cpp.txt: the default CPU backend (C++), TORCHINDUCTOR_CACHE_DIR kept after a run;
+- gather_backward_triton.txt: the same graph with `torch._inductor.config.cpu_backend = "triton"` and
+  `torch.utils._triton.triton_hash_with_backend` patched to a constant (Triton finds no CPU driver here, so
+  Inductor wrote the module and failed to load it; the source is what it generates for a GPU, device aside).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+
+import detrace
+from detrace import tracing
+from detrace.cli import audit as audit_cli
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.hazards import judge, probe
+from detrace.hazards.catalog import BY_OP, ENTRIES, OpEntry
+from detrace.hazards.kernels import scan
+from detrace.hazards.records import ENV_AUDIT, SCHEMA, Hazard, merge, rank_file
+from detrace.hazards.report import Launch, audit_command, prediction, read_ranks
+from detrace.integrations._data import SampleKeys
+from detrace.recipe import Finding
+from detrace.tracing.launch import LaunchResult
+
+DATA = Path(__file__).parents[1] / "support" / "data" / "inductor"
+PY = sys.executable
+INDEX_PUT = BY_OP["index_put_"]
+
+
+# -- the catalog and judging one call -----------------------------------------------------------------------------
+
+def test_every_catalog_entry_is_an_aten_op_with_the_arguments_it_names() -> None:
+    for entry in ENTRIES:
+        packet = getattr(torch.ops.aten, entry.op)
+        arguments = {a.name for overload in packet.overloads() for a in getattr(packet, overload)._schema.arguments}
+        for name in filter(None, (entry.indices, entry.requires)):
+            assert name in arguments, (entry.op, name)
+
+
+def test_a_catalog_entry_refuses_indices_without_a_way_to_read_them() -> None:
+    with pytest.raises(ValueError, match="go together"):
+        OpEntry(op="index_add", devices=("cuda",), indices="index", source="torch-alert", why="atomics")
+
+
+def test_repeated_counts_destinations_hit_twice() -> None:
+    rows = torch.tensor([0, 1, 1, 3, 3, 3])
+    assert judge.repeated([rows], "index-list") == (3, 6)
+    # two index tensors: a destination is a (row, column) pair
+    assert judge.repeated([torch.tensor([0, 0, 1]), torch.tensor([2, 2, 2])], "index-list") == (1, 3)
+    assert judge.repeated([None, torch.tensor([1, 2])], "index-list") == (0, 2)
+    assert judge.repeated([torch.tensor([True, False, True])], "index-list") == (0, 0)
+    assert judge.repeated(torch.tensor([[4, 4], [5, 6]]), "flat") == (1, 4)
+    # scatter along dim 1: the same index in two lines is two destinations
+    assert judge.repeated(torch.tensor([[0, 1], [0, 1]]), "along-dim", dim=1) == (0, 4)
+    assert judge.repeated(torch.tensor([[0, 0], [1, 1]]), "along-dim", dim=1) == (2, 4)
+
+
+def test_index_accumulation_is_certain_on_cpu_at_two_threads_only_when_indices_repeat() -> None:
+    repeats = {"indices": [torch.tensor([0, 0, 1])], "accumulate": True}
+    certainty, why = judge.judge_op(INDEX_PUT, device="cpu", arguments=repeats, deterministic=False,
+                                    threads=2) or ("", "")
+    assert certainty == "certain" and "1 of its 3 indices repeat" in why and "2 threads" in why
+    certainty, why = judge.judge_op(INDEX_PUT, device="cpu", arguments=repeats, deterministic=False,
+                                    threads=1) or ("", "")
+    assert certainty == "possible" and "this run used 1" in why
+    distinct = {"indices": [torch.tensor([0, 1, 2])], "accumulate": True}
+    assert judge.judge_op(INDEX_PUT, device="cpu", arguments=distinct, deterministic=False, threads=2) is None
+    assert judge.judge_op(INDEX_PUT, device="cpu", arguments={**repeats, "accumulate": False}, deterministic=False,
+                          threads=2) is None
+    assert judge.judge_op(INDEX_PUT, device="cpu", arguments=repeats, deterministic=True, threads=2) is None
+    # scatter_add races on CUDA (atomics), not on the CPU
+    scatter = {"index": torch.tensor([[0, 0]]), "dim": 1}
+    assert judge.judge_op(BY_OP["scatter_add"], device="cpu", arguments=scatter, deterministic=False,
+                          threads=2) is None
+    assert (judge.judge_op(BY_OP["scatter_add"], device="cuda", arguments=scatter, deterministic=False,
+                           threads=1) or ("",))[0] == "certain"
+
+
+# -- the kernel scanner -------------------------------------------------------------------------------------------
+
+def test_scanner_names_the_atomic_kernel_of_generated_cpp_with_its_aten_ops() -> None:
+    [kernel] = scan((DATA / "gather_backward_cpp.txt").read_text())
+    assert kernel.name == "cpp_fused_expand_index_put_mul_new_zeros_unsqueeze_0"
+    assert kernel.backend == "cpp" and kernel.device == "cpu" and kernel.atomics == ("atomic_add_vec",)
+    assert "aten.index_put" in kernel.aten and not kernel.split_reduction
+
+
+def test_scanner_finds_tl_atomic_add_in_triton_and_skips_kernels_without_atomics() -> None:
+    source = (DATA / "gather_backward_triton.txt").read_text()
+    assert "triton_poi_fused_new_zeros_0 = async_compile.triton(" in source  # a kernel with no atomic
+    [kernel] = scan(source)
+    assert kernel.name == "triton_poi_fused_expand_index_put_mul_new_zeros_unsqueeze_1"
+    assert kernel.backend == "triton" and kernel.device == "cuda" and kernel.atomics == ("tl.atomic_add",)
+    assert "aten.index_put" in kernel.aten
+
+
+def test_scanner_calls_a_reduction_with_atomics_a_split_reduction() -> None:
+    source = ("triton_red_fused_sum_0 = async_compile.triton('triton_red_fused_sum_0', '''\n"
+              "def triton_red_fused_sum_0(in_ptr0, out_ptr0):\n    tl.atomic_add(out_ptr0, tmp3, None)\n"
+              "    tl.atomic_max(out_ptr0 + 1, tmp3, None)\n''', device_str='cuda')\n")
+    [kernel] = scan(source)
+    assert kernel.split_reduction and kernel.atomics == ("tl.atomic_add", "tl.atomic_max")
+    assert kernel.aten == ("aten.sum",)
+
+
+# -- records, settings, parallelism, data -----------------------------------------------------------------------
+
+def _hazard(**fields: object) -> Hazard:
+    base: dict[str, object] = {"kind": "op", "certainty": "certain", "subject": "aten.index_put_.default",
+                               "what": "w", "fix": "f", "fixed_by": "deterministic"}
+    return Hazard(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_hazards_merge_across_ranks_and_calls_certain_first() -> None:
+    merged = merge([_hazard(kind="setting", certainty="possible", subject="s", ranks=(0,)),
+                    _hazard(ranks=(1,), step=3, count=2), _hazard(ranks=(0,), step=2)])
+    assert [h.certainty for h in merged] == ["certain", "possible"]
+    assert merged[0].ranks == (0, 1) and merged[0].count == 3 and merged[0].step == 2
+    assert Hazard.from_json(merged[0].to_json()) == merged[0]
+    with pytest.raises(ValueError, match="unknown certainty"):
+        _hazard(certainty="likely")
+
+
+def test_doctors_findings_become_possible_hazards_and_ok_ones_vanish() -> None:
+    findings = [Finding(name="a", value="1", status="ok", detail="fine"),
+                Finding(name="torch.use_deterministic_algorithms", value="False", status="pending", detail="d"),
+                Finding(name="OMP_NUM_THREADS", value="<unset>", status="risk", detail="r")]
+    hazards = judge.settings_hazards(findings)
+    assert [(h.subject, h.certainty, h.fixed_by) for h in hazards] == [
+        ("torch.use_deterministic_algorithms = False", "possible", "deterministic"),
+        ("OMP_NUM_THREADS = <unset>", "possible", "code")]
+
+
+def test_ddp_bucket_rebuild_is_certain_and_the_world_size_order_possible() -> None:
+    rebuilds = SimpleNamespace(module=nn.Linear(2, 2), find_unused_parameters=False, static_graph=False)
+    keeps = SimpleNamespace(module=nn.Linear(2, 2), find_unused_parameters=True, static_graph=False)
+    hazards = judge.parallel_hazards([rebuilds, keeps], world_size=2, rank=1)
+    assert [(h.subject, h.certainty) for h in hazards] == [
+        ("DistributedDataParallel #0 (Linear)", "certain"), ("DistributedDataParallel #0 (Linear)", "possible"),
+        ("DistributedDataParallel #1 (Linear)", "possible")]
+    assert "InvariantDataParallel" in hazards[1].fix and hazards[0].ranks == (1,)
+    assert judge.parallel_hazards([keeps], world_size=1, rank=0) == []
+
+
+def test_nccl_protocol_and_nvls_are_possible_hazards_on_nccl_only() -> None:
+    environ = {"NCCL_PROTO": "LL128"}
+    assert [h.subject for h in judge.communication_hazards(environ, "nccl", 8, 0)] == [
+        "NCCL_PROTO = LL128", "NCCL_NVLS_ENABLE = <unset>"]
+    assert judge.communication_hazards({"NCCL_PROTO": "Simple", "NCCL_NVLS_ENABLE": "0"}, "nccl", 8, 0) == []
+    assert judge.communication_hazards(environ, "gloo", 8, 0) == []
+
+
+class _Squares(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(4))
+
+
+def test_data_hazards_of_unseeded_workers_stateless_samplers_and_streams() -> None:
+    unseeded = DataLoader(_Squares(), shuffle=True, num_workers=2)
+    seeded = DataLoader(_Squares(), num_workers=2, generator=torch.Generator().manual_seed(0))
+    stream = DataLoader(_Stream())
+    # the keys detrace's Lightning/HF integrations install: their epoch and skip are restored by the integration
+    keyed = DataLoader(_Squares(), sampler=SampleKeys(RandomSampler(_Squares()), seed=0))
+    subjects = [h.subject for h in judge.data_hazards([unseeded, seeded, stream, keyed], ["crop"])]
+    assert subjects == ["DataLoader #0 (_Squares)", "DataLoader #0 (_Squares) sampler RandomSampler",
+                        "DataLoader #2 (_Stream)", "collate_fn crop"]
+
+
+def test_a_collate_fn_that_draws_from_a_global_rng_is_seen() -> None:
+    seen: list[str] = []
+
+    def crop(batch: list[int]) -> list[int]:
+        return batch[random.randint(0, 1):]
+
+    def stack(batch: list[int]) -> torch.Tensor:
+        return torch.tensor(batch)
+
+    probe._WatchedCollate(stack, seen.append)([1, 2])
+    assert seen == []
+    probe._WatchedCollate(crop, seen.append)([1, 2])
+    assert seen == ["test_a_collate_fn_that_draws_from_a_global_rng_is_seen.<locals>.crop"]
+
+
+# -- the report and the command, with a launch seam ---------------------------------------------------------------
+
+def _launch_writing(ranks: dict[int, list[Hazard]], returncode: int = 0) -> Launch:
+    def launch(cmd: list[str], out: Path, **options: object) -> LaunchResult:
+        assert options["rung"] == "module" and options["env"] == {ENV_AUDIT: "2"}
+        assert options["steps"] == "0-1"
+        for rank, hazards in ranks.items():
+            path = rank_file(Path(out), rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"schema": SCHEMA, "rank": rank, "world_size": len(ranks), "steps": 2,
+                                        "hazards": [h.to_json() for h in hazards]}))
+        return LaunchResult(returncode=returncode, out=Path(out), command=tuple(cmd), elapsed=0.1,
+                            output_tail="Traceback ...\nValueError: boom\n")
+    return launch
+
+
+def test_audit_merges_the_ranks_and_exits_1_on_a_certain_hazard(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    launch = _launch_writing({0: [_hazard(ranks=(0,), step=1, phase="backward")],
+                              1: [_hazard(ranks=(1,), step=0, phase="backward")]})
+    code = audit_cli.main(["--out", str(tmp_path / "a"), "--json", "--", "python", "train.py"],
+                          launch=launch)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["schema"] == "detrace.audit/1" and report["verdict"] == "hazards"
+    assert report["ranks"] == [0, 1] and report["possible"] == []
+    [hazard] = report["certain"]
+    assert (hazard["ranks"], hazard["count"], hazard["step"]) == ([0, 1], 2, 0)
+
+
+def test_audit_with_only_possible_hazards_exits_0_and_says_what_fixes_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    launch = _launch_writing({0: [_hazard(certainty="possible", kind="data", subject="DataLoader #0 (X)",
+                                          fixed_by="code", ranks=(0,))]})
+    code = audit_cli.main(["--out", str(tmp_path / "a"), "--", "python", "train.py"],
+                          launch=launch)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "possible hazards (1):" in out and "[data] DataLoader #0 (X)" in out
+    assert "needing a code change: 1" in out
+    assert out.strip().endswith("detrace audit: 0 certain hazards, 1 possible (1 rank, 2 steps audited, "
+                                f"{tmp_path / 'a'})")
+
+
+def test_a_command_that_fails_before_any_rank_wrote_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CommandFailed, match=r"exited with code 1 before any rank wrote its audit .*boom"):
+        audit_command(["python", "x.py"], out=tmp_path / "a", launch=_launch_writing({}, returncode=1))
+    with pytest.raises(UsageError, match="at least 1"):
+        audit_command(["python", "x.py"], out=tmp_path / "a", steps=0, launch=_launch_writing({}))
+
+
+def test_a_failed_command_keeps_what_its_ranks_wrote_with_a_note(tmp_path: Path) -> None:
+    report = audit_command(["python", "x.py"], out=tmp_path / "a", launch=_launch_writing({0: []}, returncode=3))
+    assert report.notes == ("CMD exited with code 3: the audit covers what ran before",)
+
+
+def test_an_audit_file_of_another_schema_is_refused(tmp_path: Path) -> None:
+    path = rank_file(tmp_path, 0)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"schema": "detrace.audit/0", "rank": 0}))
+    with pytest.raises(TraceError, match=r"not an audit file of schema detrace\.audit/1"):
+        read_ranks(tmp_path)
+
+
+def test_audit_without_a_command_reports_this_processs_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    torch.use_deterministic_algorithms(False)
+    assert audit_cli.main([]) == 0  # settings are possible hazards
+    out = capsys.readouterr().out
+    assert "[setting] torch.use_deterministic_algorithms = False" in out and "(settings only)" in out
+
+
+# -- the probe in process -----------------------------------------------------------------------------------------
+
+@contextmanager
+def _audited(out: Path, steps: int = 1) -> Iterator[probe.AuditProbe]:
+    """The probe as `detrace audit` arms it, in this process."""
+    with detrace.trace(out, rung="module", steps=f"0-{steps - 1}"):
+        undo = probe.install(tracing.active(), steps)  # type: ignore[arg-type]
+        try:
+            yield undo[0].__self__  # type: ignore[attr-defined]  # the bound AuditProbe.close
+        finally:
+            for step in undo:
+                step()
+
+
+class _Gather(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx].sum()
+
+
+def _train_gather(steps: int) -> None:
+    model = nn.Sequential(_Gather())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.tensor([1, 1, 1, 2, 5, 5])).backward()
+        opt.step()
+
+
+def test_the_probe_places_the_gather_backward_at_its_step_phase_and_module(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    with _audited(tmp_path / "run"):
+        _train_gather(steps=2)  # the second step is not audited
+    hazards, ranks, steps = read_ranks(tmp_path / "run")
+    [op] = [h for h in hazards if h.kind == "op"]
+    assert ranks == [0] and steps == 1
+    assert (op.subject, op.certainty, op.step, op.phase, op.module, op.count) == (
+        "aten.index_put.default", "certain", 0, "backward", "0", 1)
+    assert "3 of its 6 indices repeat" in op.what
+    assert any(h.subject.startswith("torch.use_deterministic_algorithms") for h in hazards)
+    assert "torch._dynamo" in sys.modules and not any(h.subject.startswith("torch.compile") for h in hazards)
+
+
+def test_the_probe_sees_nothing_to_fix_under_the_recipe(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    detrace.deterministic(0)
+    with _audited(tmp_path / "run"):
+        _train_gather(steps=1)
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    assert [h for h in hazards if h.kind in ("op", "kernel") or h.fixed_by == "deterministic"] == []
+
+
+def test_the_probe_scans_loaded_output_code_and_notes_where_it_first_runs(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    ran, idle = ModuleType("ran"), ModuleType("idle")  # as Inductor loads them: the source file, and `call`
+    for module in (ran, idle):
+        module.__file__ = str(DATA / "gather_backward_cpp.txt")
+        module.call = lambda args: args  # type: ignore[attr-defined]
+
+    class CallsTheKernels(torch.autograd.Function):  # a compiled backward, as AOTAutograd runs it
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            ran.call([grad])  # type: ignore[attr-defined]
+            return grad
+
+    with _audited(tmp_path / "run") as active:
+        active.loaded(ran)
+        active.loaded(idle)
+        CallsTheKernels.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    kernels = [h for h in hazards if h.kind == "kernel"]
+    assert [(h.certainty, h.subject, h.step, h.phase) for h in kernels] == [
+        ("certain", "cpp_fused_expand_index_put_mul_new_zeros_unsqueeze_0", 0, "backward"),
+        ("possible", "cpp_fused_expand_index_put_mul_new_zeros_unsqueeze_0", None, None)]
+    assert "aten.index_put" in kernels[0].aten and "loaded but not run" in kernels[1].what
+    assert "deterministic mode off" in kernels[0].what
+
+
+# -- one real run per case (slow) ---------------------------------------------------------------------------------
+
+def _audit_cli(tmp_path: Path, *command: str) -> tuple[int, dict]:
+    proc = subprocess.run([PY, "-m", "detrace", "audit", "--json", "--out", str(tmp_path / "run"), "--", *command],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_the_reference_trainers_moe_backward_index_put_is_certain(tmp_path: Path) -> None:
+    code, report = _audit_cli(tmp_path, PY, "-m", "detrace.examples.train", "--preset", "tiny", "--dispatch",
+                              "index", "--threads", "2", "--steps", "2")
+    assert code == 1
+    [op] = [h for h in report["certain"] if h["kind"] == "op"]
+    assert op["subject"] == "aten.index_put.default" and op["phase"] == "backward"
+    assert op["module"].endswith(".moe") and op["step"] == 0 and "indices repeat an earlier one" in op["what"]
+
+
+@pytest.mark.slow
+def test_the_reference_trainer_with_fixed_dispatch_under_the_recipe_is_clean(tmp_path: Path) -> None:
+    from detrace.examples.train import main as train
+
+    with _audited(tmp_path / "run", steps=2):
+        assert train(["--preset", "tiny", "--dispatch", "fixed", "--deterministic", "--threads", "2",
+                      "--steps", "2"]) == 0
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    assert [h for h in hazards if h.certainty == "certain" or h.fixed_by != "code"] == []
+
+
+@pytest.mark.slow
+def test_a_nanogpt_script_under_ddp_x2_shows_the_resume_parallel_and_data_hazards(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "support" / "scripts" / "audit_nanogpt.py"
+    code, report = _audit_cli(tmp_path, PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script))
+    assert code == 1 and report["ranks"] == [0, 1]
+    [rebuild] = report["certain"]
+    assert rebuild["subject"] == "DistributedDataParallel #0 (GPT)" and rebuild["ranks"] == [0, 1]
+    assert "rebuilds its gradient buckets" in rebuild["what"]
+    possible = {(h["kind"], h["subject"]) for h in report["possible"]}
+    assert {("parallel", "DistributedDataParallel #0 (GPT)"), ("data", "DataLoader #0 (Tokens)"),
+            ("data", "DataLoader #0 (Tokens) sampler RandomSampler"),
+            ("data", "collate_fn random_crop")} <= possible  # random_crop draws in the DataLoader's worker
+
+
+@pytest.mark.slow
+def test_the_compiled_examples_atomic_backward_kernel_is_named_with_its_aten_ops(tmp_path: Path) -> None:
+    import importlib.util
+
+    import torch._dynamo
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
+    spec = importlib.util.spec_from_file_location("train_compiled", example)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_compiled"] = module  # Dynamo imports a function's module to read its globals
+    spec.loader.exec_module(module)
+    torch._dynamo.reset()
+    try:
+        with _audited(tmp_path / "run", steps=2):
+            module.train(steps=2, threads=2)
+    finally:
+        torch._dynamo.reset()
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    [kernel] = [h for h in hazards if h.kind == "kernel"]
+    assert kernel.certainty == "certain" and kernel.phase == "backward" and kernel.subject.startswith("cpp_fused_")
+    assert "aten.index_put" in kernel.aten and "atomic_add" in kernel.what
+    assert "torch.use_deterministic_algorithms was off and Inductor's deterministic mode off" in kernel.what
+
+
+@pytest.mark.slow
+def test_hf_mixtrals_batched_mm_experts_accumulate_with_repeated_indices(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                        num_experts_per_tok=2, max_position_embeddings=128)
+    config._experts_implementation = "batched_mm"
+    torch.set_num_threads(2)
+    with _audited(tmp_path / "run"):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config)
+        ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    [op] = [h for h in hazards if h.kind == "op"]
+    assert (op.subject, op.certainty, op.phase, op.module) == (
+        "aten.index_put.default", "certain", "backward", "model.layers.0.mlp.experts")
+
+
+def test_locate_is_told_whether_the_audit_of_its_first_run_predicted_the_culprit(tmp_path: Path) -> None:
+    run = tmp_path / "1-semantic-a"
+    path = rank_file(run, 0)
+    path.parent.mkdir(parents=True)
+    kernel = _hazard(kind="kernel", subject="cpp_fused_index_put_0", ranks=(0,), step=0, phase="backward")
+    path.write_text(json.dumps({"schema": SCHEMA, "rank": 0, "steps": 2, "hazards": [
+        _hazard(ranks=(0,), step=0, phase="backward").to_json(), kernel.to_json()]}))
+    said = prediction(run, "aten.index_put_.default")
+    assert said is not None and said.startswith("the audit of the first run predicted it: a certain hazard at "
+                                                "rank 0, step 0, backward")
+    assert (prediction(run, "inductor.cpp_fused_index_put_0") or "").startswith("the audit of the first run predicted")
+    assert prediction(run, "aten.mm.default") == ("the audit of the first run did not predict it; it found 2 certain "
+                                                  "hazards: aten.index_put_.default, cpp_fused_index_put_0")
+    assert prediction(tmp_path / "unaudited", "aten.mm.default") is None
+
+
+def test_a_command_that_cannot_start_is_one_sentence_and_exit_2(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from detrace.cli import main
+
+    assert main(["audit", "--out", str(tmp_path / "a"), "--", "detrace-no-such-command"]) == 2
+    assert capsys.readouterr().err == "detrace audit: error: command not found: detrace-no-such-command\n"
