@@ -17,7 +17,9 @@ re-serializes the batch it decoded, which gives the same bytes whenever nothing 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +55,16 @@ def checksum(data: bytes | pa.Buffer) -> int:
     if tail:
         total += int.from_bytes(tail.ljust(8, b"\0"), "little") * int(_word_keys(n + 1)[n])
     return (total + len(view)) & _M64
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex: for files a reader must trust whole (checkpoint files, code a trace
+    names), where a cryptographic hash, not a checksum against accidents, is the point."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _after(chain: int, value: int) -> int:
