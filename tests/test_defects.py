@@ -9,12 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from _synthetic import Fault, SyntheticRun, write_run
 from torch import nn
 
 from detrace.errors import UsageError
-from detrace.faults import FaultInjector, FaultSpec, flip_bit, global_step
+from detrace.faults import ENV_DEVICE_SHIFT, FaultInjector, FaultSpec, flip_bit, global_step
 from detrace.recheck import judge, recheck
 from detrace.replica_guard import Guard, Mismatch, _digests, parse_env, vote
+from detrace.tracefile.layout import run_header_path
+from detrace.tracefile.writer import write_json_atomic
+from detrace.tracing.launch import LaunchResult
+from detrace.verdicts import RECHECK
 
 PY = sys.executable
 
@@ -188,3 +193,55 @@ def test_recheck_error_paths(tmp_path: Path) -> None:
     proc = subprocess.run([PY, "-m", "detrace", "recheck", str(tmp_path / "missing")], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--step" in proc.stderr and "Traceback" not in proc.stderr
+
+
+RUN = SyntheticRun(ranks=1, steps=3, ops=2)
+FLIP = Fault(rank=0, step=2, op=0)
+"""An injected fault, named as such: it gives step 2 other bits."""
+
+
+def _fake_launcher(faults: dict[str, Fault | None], launched: list[str]):  # type: ignore[no-untyped-def]
+    """Stands in for run_traced: writes the synthetic trace each kind of run would record ("prepare", "same",
+    "other", "uninterrupted": the run directory's name), with the fault given for it."""
+    def launch(command, directory, *, rung, steps, env, timeout, quiet):  # type: ignore[no-untyped-def]
+        directory = Path(directory)
+        launched.append(directory.name)
+        assert env.get(ENV_DEVICE_SHIFT, "0") == ("1" if directory.name == "other" else "0")
+        Path(env["DETRACE_CKPT_DIR"]).mkdir(parents=True, exist_ok=True)
+        write_run(directory, RUN, faults.get(directory.name))
+        return LaunchResult(returncode=0, out=directory, command=tuple(command), elapsed=0.0, output_tail="")
+    return launch
+
+
+def _original(tmp_path: Path, fault: Fault | None) -> Path:
+    run = tmp_path / "run"
+    write_run(run, RUN, fault)
+    write_json_atomic(run_header_path(run), {"command": ["python", "train.py"], "world_size": 1})
+    return run
+
+
+def test_recheck_calls_an_inexact_resume_by_its_name_not_a_transient_fault(tmp_path: Path) -> None:
+    # The re-executions resume from the checkpoint and agree with each other, but an uninterrupted run gives the
+    # original's bits: the checkpoint misses some state. Before the resume proof this was "transient".
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out",
+                     launcher=_fake_launcher({"same": FLIP, "other": FLIP}, launched))
+    assert launched == ["prepare", "same", "other", "uninterrupted"]
+    assert result.verdict == "inexact-resume" and result.resume_exact is False
+    assert "inexact resume" in result.sentence() and "check-resume" in result.sentence()
+    assert RECHECK["inexact-resume"] == 2
+
+
+def test_recheck_blames_a_transient_fault_only_after_the_resume_is_proven(tmp_path: Path) -> None:
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, FLIP), step=2, out=tmp_path / "out", launcher=_fake_launcher({}, launched))
+    assert launched == ["prepare", "same", "other", "uninterrupted"]
+    assert result.verdict == "transient" and result.resume_exact is True
+
+
+def test_recheck_needs_no_proof_when_the_step_is_reproduced(tmp_path: Path) -> None:
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out",
+                     launcher=_fake_launcher({"other": FLIP}, launched))
+    assert launched == ["prepare", "same", "other"]
+    assert result.verdict == "persistent" and result.resume_exact is None

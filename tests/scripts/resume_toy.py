@@ -7,6 +7,8 @@
 --unrepeatable      an injected fault, named as such: the loss is scaled by bits from os.urandom in every step,
                     so no two runs are equal
 --unrepeatable-after-resume  the same injected fault in resumed processes only (DETRACE_RESUME=1)
+--unregistered-numpy-rng  a resume bug: the loss is scaled by draws from an np.random.default_rng that TrainState
+                    does not hold, so a resumed process draws from its start again
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--no-random", action="store_true")
     parser.add_argument("--unrepeatable", action="store_true")
     parser.add_argument("--unrepeatable-after-resume", action="store_true")
+    parser.add_argument("--unregistered-numpy-rng", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -36,12 +40,15 @@ def main() -> None:
     state = detrace.TrainState(model=model, optimizer=None if args.forget_optimizer else optimizer)
     start = state.resume_if_requested()
     data = torch.Generator().manual_seed(1)
+    noise = np.random.default_rng(0)  # not given to TrainState: the resume bug of --unregistered-numpy-rng
     batches = [(torch.randn(8, 16, generator=data), torch.randn(8, 1, generator=data)) for _ in range(args.steps)]
     for step in range(start + 1, args.steps + 1):
         x, y = batches[step - 1]
         loss = nn.functional.mse_loss(model(x), y)
         if args.unrepeatable or (args.unrepeatable_after_resume and os.environ.get("DETRACE_RESUME") == "1"):
             loss = loss * (1 + int.from_bytes(os.urandom(2), "little") * 2.0**-20)  # the injected fault
+        if args.unregistered_numpy_rng:
+            loss = loss * (1 + noise.random() * 1e-3)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
