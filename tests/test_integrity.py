@@ -140,3 +140,25 @@ def test_other_format_versions_are_refused_in_one_sentence(tmp_path: Path, versi
     for argv in (["certify", str(run)], ["diff", str(run), str(run)], ["report", str(run)]):
         err = refusal(capsys, *argv)
         assert f"in trace format {version}" in err and words in err and "detrace.trace/2" in err
+
+
+def test_every_flip_in_the_arrow_file_footer_is_caught_never_raised(tmp_path: Path) -> None:
+    # The Arrow file footer (a copy of the schema with the rank header, the batch offsets) is what open_file
+    # readers read, and detrace's stream reader does not: its checksum in the rank footer must catch every flip.
+    run = tmp_path / "run"
+    write_run(run, SyntheticRun(ranks=1, steps=2, ops=2, batch_records=16))
+    path = rank_path(run, 0)
+    clean = path.read_bytes()
+    length = int.from_bytes(clean[-10:-6], "little")
+    region = range(len(clean) - 10 - length, len(clean))
+    assert certify(run).ok
+    # 60 random places in the footer, its length and closing magic, and size-12 (which once raised)
+    for position in sorted({*random.Random(5).sample(region, 60), *range(len(clean) - 10, len(clean)),
+                            len(clean) - 12}):
+        data = bytearray(clean)
+        data[position] ^= 1 << (position % 8)
+        path.write_bytes(bytes(data))
+        violations = certify(run).violations  # ArrowNotImplementedError at size-12 before: never raised now
+        assert len(violations) == 1 and "Arrow file footer" in violations[0], position
+    path.write_bytes(clean)
+    assert certify(run).ok
