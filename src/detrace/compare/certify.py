@@ -177,6 +177,11 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
         violations = [f"rank {r}: no trace file" for lo, hi in runs for r in range(lo, hi + 1)]
     else:
         violations = [f"{absent} expected ranks have no trace file ({describe_runs(absent, runs)})"]
+    if next(iter(steps), None) is None:  # not len(): a window's count may not fit an index
+        # Certifying no step at all would be vacuous: a window that starts past the run's end says nothing about it.
+        held = f"steps 0-{last}" if last >= 0 else "no step"
+        violations.append(f"no expected step is in the run: it holds {held}, and the expected steps "
+                          f"{step_window.spec} begin after them")
     for fact in facts:
         # By default a rank owes the steps it ran: a resumed run's first global step is K, not 0.
         start = fact.first_step if expected_steps is None else 0
