@@ -115,7 +115,14 @@ class Ladder:
         self.spent.append(SpentRun(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
                                  seconds=result.elapsed))
         if result.returncode != 0:
-            if self.completed:
+            from detrace.state.contract import resume_problem  # torch: only once CMD has failed
+
+            resumed = contract.get("DETRACE_RESUME_FROM")
+            problem = resume_problem(Path(resumed)) if resumed is not None else None
+            if problem is not None:
+                # Something outside locate changed run A's checkpoint between the runs: not a rung's doing.
+                cause = f"{problem}, so CMD could not resume, whatever the rung"
+            elif self.completed:
                 cause = (f"CMD ran to completion at the {self.completed[0]} rung, so detrace's "
                          f"{'capture' if capture else rung} rung made it fail")
             else:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from detrace.errors import CheckpointError, UsageError
+from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
 from detrace.state import checkpoint
 from detrace.state.manifest import MANIFEST_FILE
 
@@ -77,6 +77,23 @@ def saved_versions(root: Path) -> dict[int, Path]:
             if match and _complete(layout.state(entry)):
                 found.setdefault(int(match.group(1)), entry)
     return found
+
+
+def resume_problem(path: Path) -> str | None:
+    """Why a checkpoint the contract resumes from (DETRACE_RESUME_FROM, any of the `LAYOUTS`) cannot be resumed,
+    as a clause naming the cause, or None when it is there and matches its manifest."""
+    from detrace.state import verify_checkpoint  # the package's own __init__: imported when needed
+
+    if not path.exists():
+        return f"the checkpoint it resumes from, {path}, is gone (no checkpoint)"
+    state = next((layout.state(path) for layout in LAYOUTS if layout.pattern.fullmatch(path.name)), path)
+    try:
+        verify_checkpoint(state)
+    except CheckpointCorrupted as err:
+        return f"the checkpoint it resumes from is corrupted (CheckpointCorrupted: {err})"
+    except CheckpointError as err:
+        return f"the checkpoint it resumes from cannot be read (CheckpointError: {err})"
+    return None
 
 
 def _complete(state: Path) -> bool:
