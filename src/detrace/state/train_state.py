@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from detrace import _events
 from detrace._compat import unhooked_step
+from detrace.arming import arm_from_env
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 from detrace.state.contract import (
@@ -77,6 +78,7 @@ class TrainState:
         self.extra = extra if extra is not None else {}
         self.step = 0
         """Completed optimizer steps: set by `end_of_step` and `load`."""
+        arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
 
     def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
         """Write a checkpoint of the current state under `path` (collective); returns the version directory.
