@@ -43,6 +43,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from detrace.errors import UsageError
+from detrace.numbers import parse_count
 
 ENV_FAULT = "DETRACE_FAULT"
 ENV_REEXEC = "DETRACE_REEXEC"
@@ -94,8 +95,8 @@ class FaultSpec:
                 values["repeat"] = True
             elif key == "tensor":
                 values[key] = value.strip()
-            elif value.strip().isdigit():
-                values[key] = int(value)
+            elif (number := parse_count(value)) is not None:
+                values[key] = number
             else:
                 raise UsageError(f"{ENV_FAULT}: {key} must be a non-negative integer, not {value!r}")
         missing = [key for key in ("step", "rank", "tensor", "bit") if key not in values]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from detrace.errors import TraceError, UntrustedCode, UsageError
+from detrace.numbers import parse_count
 from detrace.replay_records import (
     ADVICE_COMPILED,
     ADVICE_EAGER,
@@ -281,12 +282,13 @@ def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) ->
         if not path.is_file():
             raise TraceError(f"capture file {event} does not exist")
         return path
-    if not event.isdigit():
+    if parse_count(event) is None:
         raise UsageError(f"--event must be a capture's seq number or a capture file path, not {event!r}")
     folder = Path(run_dir) / CAPTURE_DIR
     if not folder.is_dir():
         raise TraceError(f"{run_dir} holds no capture (run it with a capture selector first, see 'detrace locate')")
-    found = [path for r, seq, path in capture_paths(run_dir) if seq == int(event) and (rank is None or r == rank)]
+    wanted = parse_count(event)
+    found = [path for r, seq, path in capture_paths(run_dir) if seq == wanted and (rank is None or r == rank)]
     if not found:
         held = sorted(p.name for p in folder.glob("*.safetensors"))
         raise TraceError(f"{folder} holds no capture of event {event}" + (f" (it holds {', '.join(held)})"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from detrace.compare import DiffResult, diff
 from detrace.errors import CommandFailed, UsageError
+from detrace.numbers import parse_count
 from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
@@ -152,11 +153,11 @@ def parse_stop_points(text: str) -> list[int]:
     """`--at 2,5`: the stop points, ascending, each a step of at least 1."""
     points = set()
     for item in text.split(","):
-        item = item.strip()
-        if not item.isdigit() or int(item) < 1:
+        point = parse_count(item)
+        if point is None or point < 1:
             raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), or several "
                              f"such as 2,5; not {text!r}")
-        points.add(int(item))
+        points.add(point)
     return sorted(points)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
+from detrace.numbers import parse_count
 from detrace.state import checkpoint
 from detrace.state.manifest import MANIFEST_FILE
 
@@ -108,9 +109,10 @@ def _step_variable(name: str) -> int | None:
     text = os.environ.get(name)
     if not text:
         return None
-    if not text.strip().isdigit() or int(text) < 1:
+    step = parse_count(text)
+    if step is None or step < 1:
         raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
-    return int(text)
+    return step
 
 
 def resume_requested() -> tuple[bool, str | None]:

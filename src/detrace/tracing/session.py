@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from detrace.errors import DetraceError
+from detrace.numbers import parse_count
 from detrace.tracefile.layout import rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.schema import RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
@@ -89,8 +90,8 @@ class Tracer:
         self._writer: RankWriter | None = None
         self._listeners: list[Callable[[], None]] = []
         self._closed = False
-        if os.environ.get("RANK", "").isdigit():
-            self._set_rank(int(os.environ["RANK"]))
+        if (rank := parse_count(os.environ.get("RANK", ""))) is not None:
+            self._set_rank(rank)
         self._update_windows()
 
     # -- windows and the steps --------------------------------------------------------------------------------
@@ -280,8 +281,7 @@ class Tracer:
     def _open(self) -> RankWriter:
         assert self.rank is not None
         if self.world_size is None:
-            env = os.environ.get("WORLD_SIZE", "")
-            self.world_size = int(env) if env.isdigit() else None
+            self.world_size = parse_count(os.environ.get("WORLD_SIZE", ""))
         header = base_header(self.config, world_size=self.world_size)
         header.update(rank=self.rank, pid=os.getpid())
         # Inside `detrace run` the launcher already refused or cleared an existing trace; a rank file there is
