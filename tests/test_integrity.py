@@ -4,6 +4,7 @@ cut batch are reported as corruption by certify and refused by diff and report, 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import struct
@@ -162,3 +163,14 @@ def test_every_flip_in_the_arrow_file_footer_is_caught_never_raised(tmp_path: Pa
         assert len(violations) == 1 and "Arrow file footer" in violations[0], position
     path.write_bytes(clean)
     assert certify(run).ok
+
+
+@pytest.mark.parametrize("name", ["rank-00000.arrow", "run.json", "rank-00001.json"])
+def test_a_fifo_in_place_of_a_trace_file_is_refused_not_waited_on(runs: tuple[Path, Path], name: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    (b / name).unlink(missing_ok=True)
+    os.mkfifo(b / name)  # opening it for reading would block until a writer comes: forever
+    for argv in (["diff", str(a), str(b)], ["certify", str(b)]):
+        err = refusal(capsys, *argv)
+        assert f"{b / name} is not a regular file" in err

@@ -256,3 +256,12 @@ def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
     assert proc.returncode == 2
     # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
     assert "detrace check-topology: error: CMD at world size 1 exited with code 1" in proc.stderr
+
+
+def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixture[str]) -> None:
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    with pytest.raises(UsageError, match="pass --force to start them"):
+        parse_worlds(f"{too_many},2")
+    assert parse_worlds(f"{too_many},2", force=True) == (too_many, 2)
+    assert cli(["check-topology", "--worlds", f"{too_many},2", "--", "true"]) == 2  # before torchrun starts
+    assert "pass --force" in capsys.readouterr().err

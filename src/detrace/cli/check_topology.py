@@ -1,5 +1,5 @@
-"""`detrace check-topology [--worlds 1,2,4] [--threads N] [--out DIR] [--timeout S] [--json] -- CMD...`: CMD run
-under torchrun at each world size must give the same losses and parameters, bit for bit, at every step.
+"""`detrace check-topology [--worlds 1,2,4] [--threads N] [--out DIR] [--timeout S] [--json] [--force] -- CMD...`:
+CMD run under torchrun at each world size must give the same losses and parameters, bit for bit, at every step.
 Exit 0 the same bits at every world size, 1 not (the first step and tensor are named), 2 error."""
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-topology-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
+    parser.add_argument("--force", action="store_true",
+                        help="start world sizes above 4 processes per CPU core (refused without it)")
     args = parser.parse_args(options)
-    worlds = parse_worlds(args.worlds)
+    worlds = parse_worlds(args.worlds, force=args.force)
     result = check_topology(cmd, worlds=worlds, out=args.out or default_out("topology"), threads=args.threads,
                             timeout=args.timeout,
                             progress=lambda line: print(f"detrace check-topology: {line}", file=sys.stderr))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from detrace.errors import TraceError, UsageError
+from detrace.tracefile.layout import require_regular
 from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
 from detrace.windows import parse_window
 
@@ -223,6 +224,7 @@ def _checksum_text(fields: Fields, key: str, **default: Any) -> Any:
 def load_json(path: Path, what: str) -> object:
     """Parse a metadata file, one sentence when it cannot be read; FileNotFoundError passes through."""
     try:
+        require_regular(path, what)
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise
