@@ -162,8 +162,16 @@ def verify(directory: Path, *, collective: bool) -> Manifest:
     return manifest
 
 
+def rank_file(rank: int) -> str:
+    """The name of the state file every rank writes into a checkpoint version."""
+    return f"rank-{rank}.json"
+
+
 def _check_files(directory: Path, manifest: Manifest) -> list[str]:
-    problems = []
+    # Every rank of the saving job wrote its state file: a manifest that lists fewer has lost a rank.
+    problems = [f"rank {rank}'s state file {rank_file(rank)} is missing (the manifest says world size "
+                f"{manifest.world_size})"
+                for rank in range(manifest.world_size) if rank_file(rank) not in manifest.files]
     for name, digest in manifest.files.items():
         path = directory / name
         if Path(name).name != name or not path.is_file():
