@@ -41,7 +41,7 @@ from detrace.errors import CommandFailed, UsageError
 from detrace.faults import ENV_DEVICE_SHIFT, ENV_REEXEC
 from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import prepare_out
-from detrace.tracing.launch import LaunchResult, run_traced
+from detrace.tracing.launch import Launcher, run_traced
 from detrace.verdicts import RecheckVerdict
 
 Results = dict[int, dict[tuple[str, str, int, int], int | None]]
@@ -128,8 +128,6 @@ def judge(original: Results, same: Results, other: Results,
 
 _ROLES = pa.array(["param", "state"])
 Progress = Callable[[str], None]
-Launcher = Callable[..., LaunchResult]
-"""Runs CMD traced: `run_traced`, or a test's stand-in that writes the traces a run would."""
 
 
 def _checkpoint_step(path: Path) -> int:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace.compare import DiffResult, diff
-from detrace.errors import CommandFailed, UsageError
+from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.numbers import parse_count
+from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
-from detrace.tracing.launch import LaunchResult, run_traced
+from detrace.tracing.launch import Launcher, LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
 
 # The rung both checks record: exact metrics plus every collective, recompute and optimizer tensor. It is
@@ -121,9 +122,9 @@ Progress = Callable[[str], None]
 
 
 def _launch(cmd: list[str], out: Path, *, label: str, progress: Progress, timeout: float | None,
-            steps: str = "all", env: dict[str, str] | None = None) -> LaunchResult:
+            steps: str = "all", env: dict[str, str] | None = None, launcher: Launcher = run_traced) -> LaunchResult:
     progress(f"{label}: {out}")
-    result = run_traced(cmd, out, rung=CHECK_RUNG, steps=steps, env=env, timeout=timeout, quiet=True)
+    result = launcher(cmd, out, rung=CHECK_RUNG, steps=steps, env=env, timeout=timeout, quiet=True)
     if result.returncode != 0:
         raise CommandFailed(
             f"{label} exited with code {result.returncode}; its output ends with:\n{result.output_tail.rstrip()}")
@@ -136,8 +137,9 @@ def default_out(kind: str) -> Path:
 
 
 def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = None,
-          progress: Progress = lambda _: None) -> CheckResult:
-    """Run CMD `runs` times from the same state and compare every run with the first."""
+          progress: Progress = lambda _: None, launcher: Launcher = run_traced) -> CheckResult:
+    """Run CMD `runs` times from the same state and compare every run with the first (`launcher`: the launch
+    seam, see `detrace.tracing.launch.Launcher`)."""
     if runs < 2:
         raise UsageError(f"--runs must be at least 2 to compare anything, got {runs}")
     if not cmd:
@@ -145,7 +147,7 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
     out = prepare_out(out, holds="runs")
     dirs = [out / f"run-{i}" for i in range(runs)]
     for i, run_dir in enumerate(dirs):
-        _launch(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout)
+        _launch(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout, launcher=launcher)
     return CheckResult(runs=dirs, diffs=[diff(dirs[0], other) for other in dirs[1:]])
 
 
@@ -168,7 +170,7 @@ def _comparable(result: DiffResult, what: str) -> DiffResult:
 
 
 def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | None = None,
-                 progress: Progress = lambda _: None) -> ResumeResult:
+                 progress: Progress = lambda _: None, launcher: Launcher = run_traced) -> ResumeResult:
     """The four-arm resume proof: a continuous run, a second continuous run (equal to the first, or the run is
     nondeterministic and no resume can be judged), for each stop point K a run stopped after step K and resumed
     (equal to the continuous run from step K on), and a negative control that must diverge. A resumed run that
@@ -182,43 +184,62 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     # Records before the first stop point are never compared: the resumed processes start there or later.
     window = f"{at[0]}::1"
     continuous, again = out / "continuous", out / "continuous-again"
-    _launch(cmd, continuous, label="continuous run", progress=progress, timeout=timeout, steps=window)
-    _launch(cmd, again, label="continuous run, again", progress=progress, timeout=timeout, steps=window)
+    _launch(cmd, continuous, label="continuous run", progress=progress, timeout=timeout, steps=window,
+            launcher=launcher)
+    last = _last_step(continuous)
+    if last is None or last < at[-1]:
+        # Checked after the first run, not after both: a stop point at or past the end leaves nothing to resume.
+        ran = f"no step from {at[0]} on" if last is None else f"its last step at {last}"
+        raise UsageError(f"the continuous run ended with {ran} (steps count from 0), so stopping after "
+                         f"{at[-1]} steps leaves no step to resume; give --at below the run's step count")
+    _launch(cmd, again, label="continuous run, again", progress=progress, timeout=timeout, steps=window,
+            launcher=launcher)
     repeat = _comparable(diff(continuous, again), "the two continuous runs")
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
     if repeat.verdict != "identical":
         return result
     for k in at:
         result.points.append(_stop_point(cmd, k, out / f"at-{k}", continuous, window=window, timeout=timeout,
-                                         progress=progress))
+                                         progress=progress, launcher=launcher))
     return result
 
 
+def _last_step(run: Path) -> int | None:
+    """The last global step a finished run recorded (run.json's `steps`, from its ranks' footers), or None."""
+    try:
+        steps = open_run(run).header.raw.get("steps")
+    except TraceError:
+        return None
+    last = steps.get("last") if isinstance(steps, dict) else None
+    return last if isinstance(last, int) and not isinstance(last, bool) else None
+
+
 def _stop_point(cmd: list[str], k: int, out: Path, continuous: Path, *, window: str, timeout: float | None,
-                progress: Progress) -> StopPoint:
+                progress: Progress, launcher: Launcher) -> StopPoint:
     ckpt = out / "checkpoint"
     stopped, resumed = out / "stopped", out / "resumed"
     _launch(cmd, stopped, label=f"run stopped after step {k}", progress=progress, timeout=timeout, steps=window,
-            env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
+            launcher=launcher, env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
     if not ckpt.exists():
         raise CommandFailed(
             f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use detrace.TrainState "
             "(resume_if_requested / end_of_step), and does it run more than that many steps?")
     resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
     _launch(cmd, resumed, label=f"run resumed after step {k}", progress=progress, timeout=timeout, steps=window,
-            env=resume_env)
+            launcher=launcher, env=resume_env)
     resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
     if resume_diff.verdict != "identical":
         again = out / "resumed-again"
         _launch(cmd, again, label=f"run resumed after step {k}, again", progress=progress, timeout=timeout,
-                steps=window, env=resume_env)
+                steps=window, env=resume_env, launcher=launcher)
         again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
         verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
                          resumed_again=again, again_diff=again_diff)
     control = out / "control"
     _launch(cmd, control, label=f"negative control after step {k} ({NEGATIVE_CONTROL})", progress=progress,
-            timeout=timeout, steps=window, env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
+            timeout=timeout, steps=window, env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL},
+            launcher=launcher)
     control_diff = _comparable(diff(continuous, control), f"the continuous run and the negative control after "
                                                           f"step {k}")
     verdict = "exact" if control_diff.verdict == "diverged" else "inconclusive"

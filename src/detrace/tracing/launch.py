@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -249,6 +249,11 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
     return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
                         output_tail=output_tail)
+
+
+Launcher = Callable[..., LaunchResult]
+"""What runs CMD for a command that launches it: `run_traced`, or a test's stand-in with its signature that writes
+the traces a run would (the launch seam: verdict logic tested in process on synthetic traces)."""
 
 
 def describe(result: LaunchResult) -> str:
