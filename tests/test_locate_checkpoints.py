@@ -13,7 +13,7 @@ import torch
 from test_locate import locate_cli
 
 from detrace import TrainState
-from detrace.errors import UsageError
+from detrace.errors import CheckpointError, UsageError
 from detrace.examples.train import TrainConfig, parse_args
 from detrace.state import ResumableSampler
 from detrace.state.contract import saved_versions
@@ -220,3 +220,16 @@ def test_locate_names_a_corrupted_or_deleted_checkpoint_not_its_own_rung(tmp_pat
     message = _failed_resume(tmp_path, monkeypatch, tmp_path / "ckpt" / "step-00000009")
     assert f"{tmp_path / 'ckpt' / 'step-00000009'}, is gone (no checkpoint)" in message
     assert "rung made it fail" not in message
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_when_the_train_state_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(blocker / "ckpt"))
+    monkeypatch.setenv("DETRACE_STOP_AT", "3")
+    with pytest.raises(CheckpointError, match=r"DETRACE_CKPT_DIR=.*cannot be written \(.*a-file is not a directory"):
+        _state()  # before: the run trained 3 steps, then failed at its first save
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "new" / "ckpt"))
+    _state()  # a directory still to be made is fine
+    assert not (tmp_path / "new").exists()

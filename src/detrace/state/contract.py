@@ -144,6 +144,19 @@ def every_requested() -> int | None:
     return _step_variable(ENV_CKPT_EVERY)
 
 
+def check_checkpoint_dir() -> None:
+    """At start, when the contract asks for saves (DETRACE_STOP_AT, DETRACE_CKPT_EVERY): DETRACE_CKPT_DIR must be
+    a directory this process can write, or create. Else a CheckpointError now, not at the first save, after the
+    steps before it were spent."""
+    if stop_requested() is None and every_requested() is None:
+        return
+    directory = checkpoint_dir()
+    existing = next(path for path in (directory, *directory.absolute().parents) if path.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{ENV_CKPT_DIR}={directory} cannot be written ({existing} is not a directory this "
+                              "process may write), so the checkpoint the run is asked to save would fail")
+
+
 def checkpoint_dir() -> Path:
     """The contract's DETRACE_CKPT_DIR (required when stopping or resuming)."""
     directory = os.environ.get(ENV_CKPT_DIR)

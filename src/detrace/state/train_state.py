@@ -32,6 +32,7 @@ from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 from detrace.state.contract import (
     CONTROLS,
+    check_checkpoint_dir,
     checkpoint_dir,
     every_requested,
     resume_requested,
@@ -79,6 +80,7 @@ class TrainState:
         self.step = 0
         """Completed optimizer steps: set by `end_of_step` and `load`."""
         arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
+        check_checkpoint_dir()
 
     def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
         """Write a checkpoint of the current state under `path` (collective); returns the version directory.
