@@ -14,7 +14,6 @@ every process it starts) costs next to nothing:
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -48,17 +47,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-def _arm_from_env() -> None:
-    """Install what the environment asks for in this process: the replica guard (DETRACE_GUARD) and an
-    injected fault (DETRACE_FAULT, a test tool). Both cost nothing when unset; they import torch when set."""
-    if os.environ.get("DETRACE_GUARD"):
-        importlib.import_module("detrace.replica_guard").arm_from_env()
-    if os.environ.get("DETRACE_FAULT"):
-        importlib.import_module("detrace.faults").arm_from_env()
-
-
-# A training script that imports detrace (TrainState, say) is guarded, or meets its injected fault, without an
-# edit; under `detrace run` the start-up hook imports detrace as torch loads.
-_arm_from_env()

@@ -22,6 +22,11 @@ class TraceError(DetraceError):
     """A trace directory or file that is missing, empty, malformed or of another schema version."""
 
 
+class UntrustedCode(DetraceError):
+    """A trace names code to execute (a compiled kernel's output code) that the user did not trust, or whose
+    bytes no longer match the hash recorded when the trace was made."""
+
+
 class IncomparableError(DetraceError):
     """Two runs that cannot be compared (different world sizes, schemas or parallel layouts)."""
 

@@ -20,13 +20,19 @@ replica guard, `detrace recheck`, `detrace locate`); it never runs in a real job
   is `DETRACE_DEVICE_ID` when set, else the rank plus `DETRACE_DEVICE_SHIFT` (0 by default). So re-executing
   rank R's step on another device (recheck shifts the devices) does not carry the fault along.
 
+A fault that can never strike is said on stderr, once, as soon as the process can tell: at its first optimizer
+step for a tensor no optimizer holds (or a module that does not exist) and for a rank outside the job; at its exit
+for a step past the last one it ran.
+
 Steps are global steps: a process resumed from a checkpoint counts on from the optimizer's restored step count
 (`state["step"]` of Adam, AdamW, SGD with momentum...), or from `DETRACE_STEP_OFFSET` for optimizers without one.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +43,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from detrace.errors import UsageError
+from detrace.numbers import parse_count
 
 ENV_FAULT = "DETRACE_FAULT"
 ENV_REEXEC = "DETRACE_REEXEC"
@@ -88,8 +95,8 @@ class FaultSpec:
                 values["repeat"] = True
             elif key == "tensor":
                 values[key] = value.strip()
-            elif value.strip().isdigit():
-                values[key] = int(value)
+            elif (number := parse_count(value)) is not None:
+                values[key] = number
             else:
                 raise UsageError(f"{ENV_FAULT}: {key} must be a non-negative integer, not {value!r}")
         missing = [key for key in ("step", "rank", "tensor", "bit") if key not in values]
@@ -171,6 +178,8 @@ class FaultInjector:
         """The activation's module, found once (a scan of every live module)."""
         self._depth = 0
         """Module forwards running now (`output` alone: a forward that ends at depth 0 is an outermost call)."""
+        self._checked = False
+        """Whether the first optimizer step checked that the fault can strike at all."""
 
     @property
     def activation(self) -> str | None:
@@ -203,8 +212,38 @@ class FaultInjector:
         return (step == spec.step and process_rank() == spec.rank and os.environ.get(ENV_REEXEC) != "1"
                 and step not in self.struck)
 
+    def _never(self, why: str) -> None:
+        print(f"detrace: {ENV_FAULT} {why}: it can never strike", file=sys.stderr)
+
+    def _check_once(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the first optimizer step, when the model and the job are known: can the fault strike at all?"""
+        self._checked = True
+        spec = self.spec
+        world = (torch.distributed.get_world_size() if torch.distributed.is_available()
+                 and torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if not spec.repeat and spec.rank >= world:
+            self._never(f"strikes rank {spec.rank}, and the job has {world} rank{'s' * (world != 1)}")
+        names, modules = named_tensors()
+        if self.activation:
+            if self.activation not in modules:
+                self._never(f"flips the output of module {self.activation}, which this program does not hold")
+        elif self.activation is None:
+            held = {names.get(id(p)) for group in optimizer.param_groups for p in group["params"]}
+            if spec.tensor not in held and spec.tensor.removesuffix(".grad") not in held:
+                self._never(f"names tensor {spec.tensor}, which is no parameter of the optimizer")
+
+    def report_at_exit(self) -> None:
+        """At the process's end: a fault for this process that never struck because its step never came."""
+        spec = self.spec
+        last = None if self.upcoming is None else self.upcoming - 1
+        mine = device_id() == spec.rank if spec.repeat else process_rank() == spec.rank
+        if mine and not self.struck and last is not None and last < spec.step and os.environ.get(ENV_REEXEC) != "1":
+            self._never(f"strikes at step {spec.step}, and this process's last step was {last}")
+
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step = global_step(optimizer, self.completed)
+        if not self._checked:
+            self._check_once(optimizer)
         if self.activation is not None or not self._strikes(self.step):
             return
         target, _, attribute = self.spec.tensor.rpartition(".")
@@ -262,4 +301,5 @@ def arm_from_env() -> FaultInjector | None:
         return _injector
     _injector = FaultInjector(FaultSpec.parse(text))
     _injector.install()
+    atexit.register(_injector.report_at_exit)
     return _injector

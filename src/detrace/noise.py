@@ -113,8 +113,8 @@ def noise_test(base_a: str | Path, base_b: str | Path, candidate: str | Path, *,
                rank: int | None = None) -> NoiseResult:
     """Set `candidate` against the variation between `base_a` and `base_b` (two runs of the unchanged program),
     on the metrics of `rank` (default: the lowest rank that recorded metrics)."""
-    if not factor > 0:
-        raise UsageError(f"--factor must be positive, not {factor}")
+    if not 0 < factor < math.inf:  # an infinite factor would call any effect noise, even over identical baselines
+        raise UsageError(f"--factor must be a positive finite number, not {factor}")
     runs = (Path(base_a), Path(base_b), Path(candidate))
     for run in runs:
         open_run(run)

@@ -8,11 +8,19 @@ twice from the checkpoint before it, each in a fresh process of RUN's command:
 - on other devices (each rank's device shifted past the ones the run used): a rank whose result comes back on
   its own device but not on another carries a fault of that device.
 
+A re-execution resumes from a checkpoint, so before it blames a device it must know that resuming reproduces the
+step: when the same devices do not reproduce some rank, recheck runs the command once more, uninterrupted from
+step 0 through step K (the resume proof, as `detrace locate` makes one). Resuming is exact when the re-execution
+on the same devices gives the uninterrupted run's bits.
+
 Verdicts (`detrace.verdicts.RecheckVerdict`): `clean` (both re-executions reproduce every rank), `transient` (the
-same devices do not reproduce some ranks, and the two re-executions agree with each other), `persistent` (the same
-devices reproduce everything, other devices do not reproduce some ranks: the fault follows the device),
-`software-nondeterminism` (the re-executions disagree with each other, or the same devices reproduce no rank at
-all: the program itself is not deterministic; `detrace locate` finds why).
+same devices do not reproduce some ranks, the two re-executions agree with each other, and the resume is exact),
+`persistent` (the same devices reproduce everything, other devices do not reproduce some ranks: the fault follows
+the device), `inexact-resume` (the two re-executions agree with each other but not with the uninterrupted run:
+resuming from the checkpoint changes the step, a software bug that `detrace check-resume` pins down, and nothing
+can be said about the devices), `software-nondeterminism` (the re-executions disagree with each other or with the
+uninterrupted run, or the same devices reproduce no rank at all: the program itself is not deterministic;
+`detrace locate` finds why).
 
 The command must follow the resume contract of `detrace.TrainState`. The checkpoint is `--checkpoint DIR` (a
 checkpoint root or version of the run, taken at or before step K), or, by default, one made by running the
@@ -33,7 +41,7 @@ from detrace.errors import CommandFailed, UsageError
 from detrace.faults import ENV_DEVICE_SHIFT, ENV_REEXEC
 from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import prepare_out
-from detrace.tracing.launch import run_traced
+from detrace.tracing.launch import Launcher, run_traced
 from detrace.verdicts import RecheckVerdict
 
 Results = dict[int, dict[tuple[str, str, int, int], int | None]]
@@ -54,7 +62,11 @@ class RecheckResult:
     other_device: dict[int, bool]
     """Per rank: the re-execution on another device reproduced the run's result."""
     runs: dict[str, Path]
-    """The re-executions' run directories ("same", "other") and "checkpoint"."""
+    """The re-executions' run directories ("same", "other"), "checkpoint", and "uninterrupted" when the resume
+    proof ran."""
+    resume_exact: bool | None = None
+    """The re-execution on the same devices gave the uninterrupted run's bits; None when no proof was needed (it
+    reproduced the run, or it started at step 0 from no checkpoint)."""
 
     def sentence(self) -> str:
         ranks = ", ".join(map(str, self.ranks))
@@ -66,6 +78,11 @@ class RecheckResult:
         if self.verdict == "persistent":
             return (f"persistent on rank {ranks}: its result of step {self.step} comes back on its own device and "
                     "not on another: a fault of that device")
+        if self.verdict == "inexact-resume":
+            return (f"inexact resume: step {self.step} re-executed from the checkpoint gives the same bits on every "
+                    "device but not those of an uninterrupted run of the command, so resuming changes the run and "
+                    "no device can be judged; run 'detrace check-resume' on the command to find what the "
+                    "checkpoint misses")
         return (f"software nondeterminism: the re-executions of step {self.step} do not agree with the run or "
                 "with each other on any device; run 'detrace locate' on the command to find the op")
 
@@ -73,7 +90,7 @@ class RecheckResult:
         return {"schema": "detrace.recheck/1", "verdict": self.verdict, "step": self.step, "ranks": list(self.ranks),
                 "same_device": {str(r): ok for r, ok in self.same_device.items()},
                 "other_device": {str(r): ok for r, ok in self.other_device.items()},
-                "runs": {name: str(path) for name, path in self.runs.items()}}
+                "runs": {name: str(path) for name, path in self.runs.items()}, "resume_exact": self.resume_exact}
 
 
 def step_results(run_dir: Path, step: int) -> Results:
@@ -88,8 +105,10 @@ def step_results(run_dir: Path, step: int) -> Results:
     return results
 
 
-def judge(original: Results, same: Results, other: Results) -> tuple[RecheckVerdict, tuple[int, ...]]:
-    """The verdict from the run's results and the two re-executions' (see the module docstring)."""
+def judge(original: Results, same: Results, other: Results,
+          uninterrupted: Results | None = None) -> tuple[RecheckVerdict, tuple[int, ...]]:
+    """The verdict from the run's results, the two re-executions' and, when the resume proof ran, the
+    uninterrupted run's (see the module docstring)."""
     ranks = sorted(original)
     same_ok = [r for r in ranks if same.get(r) == original[r]]
     other_ok = [r for r in ranks if other.get(r) == original[r]]
@@ -98,6 +117,10 @@ def judge(original: Results, same: Results, other: Results) -> tuple[RecheckVerd
             return "clean", ()
         return "persistent", tuple(r for r in ranks if r not in other_ok)
     missed = tuple(r for r in ranks if r not in same_ok)
+    if uninterrupted is not None and same != uninterrupted:
+        # Re-executed from the checkpoint, the step is not what an uninterrupted run makes of it: the resume, not a
+        # device, decides, unless the re-executions cannot even agree with each other.
+        return ("inexact-resume" if same == other else "software-nondeterminism"), missed
     if same != other or (len(ranks) > 1 and not same_ok):
         return "software-nondeterminism", missed
     return "transient", missed
@@ -114,8 +137,11 @@ def _checkpoint_step(path: Path) -> int:
 
 
 def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = None, timeout: float | None = None,
-            progress: Progress = lambda _: None) -> RecheckResult:
-    """Re-execute step `step` of RUN's command on the same and on other devices, and judge (see above)."""
+            progress: Progress = lambda _: None, launch: Launcher = run_traced) -> RecheckResult:
+    """Re-execute step `step` of RUN's command on the same and on other devices, and judge (see above).
+
+    `launch` runs the command (`run_traced`'s signature): the seam through which tests judge synthetic runs.
+    """
     run_dir = Path(run)
     if step < 0:
         raise UsageError(f"--step must be a step of the run (0 or more), not {step}")
@@ -133,10 +159,9 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
     # Every process here re-executes steps the run already took: a transient fault does not strike again.
     base = {ENV_REEXEC: "1"}
 
-    def launch(label: str, directory: Path, env: dict[str, str], *, rung: str, steps: str) -> None:
+    def execute(label: str, directory: Path, env: dict[str, str], *, rung: str, steps: str) -> None:
         progress(f"{label}: {directory}")
-        result = run_traced(command, directory, rung=rung, steps=steps, env={**base, **env},
-                            timeout=timeout, quiet=True)
+        result = launch(command, directory, rung=rung, steps=steps, env={**base, **env}, timeout=timeout, quiet=True)
         if result.returncode != 0:
             raise CommandFailed(f"{label} exited with code {result.returncode}; its output ends with:\n"
                                 f"{result.output_tail.rstrip()}")
@@ -148,9 +173,9 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
                              f"taken at or before step {step}")
         shutil.copytree(checkpoint, runs["checkpoint"])
     elif step > 0:
-        launch(f"checkpoint run (steps 0-{step - 1})", out / "prepare",
-               {"DETRACE_CKPT_DIR": str(runs["checkpoint"]), "DETRACE_STOP_AT": str(step)}, rung="metrics",
-               steps="all")
+        execute(f"checkpoint run (steps 0-{step - 1})", out / "prepare",
+                {"DETRACE_CKPT_DIR": str(runs["checkpoint"]), "DETRACE_STOP_AT": str(step)}, rung="metrics",
+                steps="all")
     world = info.world_size
     results: dict[str, Results] = {}
     for arm, shift in (("same", 0), ("other", world)):
@@ -162,10 +187,18 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
             env["DETRACE_RESUME"] = "1"
         where = "the same devices" if shift == 0 else "other devices"
         runs[arm] = out / arm
-        launch(f"step {step} on {where}", runs[arm], env, rung="semantic", steps=str(step))
+        execute(f"step {step} on {where}", runs[arm], env, rung="semantic", steps=str(step))
         results[arm] = step_results(runs[arm], step)
-    verdict, ranks = judge(original, results["same"], results["other"])
+    uninterrupted: Results | None = None
+    if runs["checkpoint"].exists() and any(results["same"].get(r) != original[r] for r in original):
+        # The resume proof: without it, a checkpoint that misses some state would pass for a device fault.
+        runs["uninterrupted"] = out / "uninterrupted"
+        execute(f"resume proof: steps 0-{step} uninterrupted", runs["uninterrupted"],
+                {"DETRACE_CKPT_DIR": str(out / "checkpoint-uninterrupted"), "DETRACE_STOP_AT": str(step + 1)},
+                rung="semantic", steps=str(step))
+        uninterrupted = step_results(runs["uninterrupted"], step)
+    verdict, ranks = judge(original, results["same"], results["other"], uninterrupted)
     return RecheckResult(step=step, verdict=verdict, ranks=ranks,
                          same_device={r: results["same"].get(r) == original[r] for r in sorted(original)},
                          other_device={r: results["other"].get(r) == original[r] for r in sorted(original)},
-                         runs=runs)
+                         runs=runs, resume_exact=None if uninterrupted is None else results["same"] == uninterrupted)

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from detrace.errors import TraceError, UsageError
+from detrace.errors import TraceError, UntrustedCode, UsageError
+from detrace.numbers import parse_count
 from detrace.replay_records import (
     ADVICE_COMPILED,
     ADVICE_EAGER,
@@ -40,7 +41,8 @@ from detrace.replay_records import (
     ReplayConfig,
     ReplayResult,
 )
-from detrace.tracefile.capture import Capture, load_capture, resolve_op  # not the lazy package names: typed
+from detrace.tracefile.capture import CODE_HASH, Capture, load_capture, resolve_op  # not the lazy names: typed
+from detrace.tracefile.integrity import file_sha256
 from detrace.tracefile.layout import CAPTURE_DIR, capture_paths
 
 # ATen ops whose Inductor CPU/Triton lowerings accumulate with atomic adds (in the order threads get there).
@@ -112,12 +114,26 @@ def _call(op: Any, capture: Capture, device: torch.device) -> list[torch.Tensor]
     return [t.detach().to("cpu") for t in outputs]
 
 
-def _kernel(capture: Capture) -> Any:
-    """The compiled kernel a capture names, loaded from the output code module Inductor wrote for it."""
-    name, code = capture.meta["kernel"], Path(capture.meta["code"])
+def _kernel(capture: Capture, *, trust_code: bool) -> Any:
+    """The compiled kernel a capture names, loaded from the output code module Inductor wrote for it.
+
+    Loading it executes that Python file, and a trace is data that people share: it runs only when the caller
+    trusts the trace's code, and only while the file's SHA-256 is the one recorded when the capture was made.
+    """
+    name, code, recorded = capture.meta["kernel"], Path(str(capture.meta["code"])), capture.meta.get(CODE_HASH)
+    if not trust_code:
+        raise UntrustedCode(f"replaying compiled kernel {name} would execute the Python file {code} that the "
+                            "capture names, and code named in a trace runs only with --trust-code "
+                            "(trust_code=True), after its SHA-256 is checked against the capture's")
     if not code.is_file():
         raise TraceError(f"the compiled code of kernel {name} ({code}) is gone (Inductor's cache was cleared); "
                          "capture it again")
+    if not isinstance(recorded, str):
+        raise UntrustedCode(f"the capture of compiled kernel {name} records no SHA-256 of {code}, so detrace "
+                            "cannot tell that the file is the one the run compiled and does not execute it")
+    if file_sha256(code) != recorded:
+        raise UntrustedCode(f"{code} is not the file the capture of compiled kernel {name} recorded (its SHA-256 "
+                            "differs), so detrace does not execute it")
     spec = importlib.util.spec_from_file_location(f"detrace_replay_{code.stem}", code)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -208,11 +224,13 @@ def _run_arm(op: Any, capture: Capture, device: torch.device, *, threads: int, d
                      differing_elements=differing, max_ulp=max_ulp, matches_capture=matches, error=error)
 
 
-def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str | None = None) -> ReplayResult:
-    """Run the kernel rung on one captured call (see the module docstring)."""
+def replay(capture: Capture, config: ReplayConfig | None = None, *, device: str | None = None,
+           trust_code: bool = False) -> ReplayResult:
+    """Run the kernel rung on one captured call (see the module docstring). A compiled kernel's code is executed
+    only with `trust_code` (see `_kernel`)."""
     config = config or ReplayConfig()
     compiled = "kernel" in capture.meta
-    op = _kernel(capture) if compiled else resolve_op(capture.op)
+    op = _kernel(capture, trust_code=trust_code) if compiled else resolve_op(capture.op)
     target = torch.device(device or capture.meta.get("device") or "cpu")
     if target.type == "cuda" and not torch.cuda.is_available():
         target = torch.device("cpu")
@@ -264,12 +282,13 @@ def find_capture(run_dir: str | Path, event: str, *, rank: int | None = None) ->
         if not path.is_file():
             raise TraceError(f"capture file {event} does not exist")
         return path
-    if not event.isdigit():
+    if parse_count(event) is None:
         raise UsageError(f"--event must be a capture's seq number or a capture file path, not {event!r}")
     folder = Path(run_dir) / CAPTURE_DIR
     if not folder.is_dir():
         raise TraceError(f"{run_dir} holds no capture (run it with a capture selector first, see 'detrace locate')")
-    found = [path for r, seq, path in capture_paths(run_dir) if seq == int(event) and (rank is None or r == rank)]
+    wanted = parse_count(event)
+    found = [path for r, seq, path in capture_paths(run_dir) if seq == wanted and (rank is None or r == rank)]
     if not found:
         held = sorted(p.name for p in folder.glob("*.safetensors"))
         raise TraceError(f"{folder} holds no capture of event {event}" + (f" (it holds {', '.join(held)})"
@@ -285,6 +304,6 @@ def list_captures(run_dir: str | Path) -> list[Path]:
     return [path for *_, path in capture_paths(run_dir)]
 
 
-def replay_file(path: str | Path, config: ReplayConfig | None = None) -> ReplayResult:
+def replay_file(path: str | Path, config: ReplayConfig | None = None, *, trust_code: bool = False) -> ReplayResult:
     """Load a capture file and replay it."""
-    return replay(load_capture(path), config)
+    return replay(load_capture(path), config, trust_code=trust_code)

@@ -40,6 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from detrace.errors import UsageError
 from detrace.faults import global_step
+from detrace.numbers import parse_count
 
 ENV_GUARD = "DETRACE_GUARD"
 GUARD_EXIT_CODE = 3
@@ -268,10 +269,11 @@ def guard(*, every: int = 1, mode: Mode = "stop") -> Guard:
 
 def parse_env(text: str) -> tuple[int, Mode]:
     """`N` or `N:warn` (DETRACE_GUARD, what `detrace run --guard` sets)."""
-    every, _, mode = text.partition(":")
-    if not every.strip().isdigit() or int(every) < 1 or mode not in ("", "stop", "warn"):
+    every_text, _, mode = text.partition(":")
+    every = parse_count(every_text)
+    if every is None or every < 1 or mode not in ("", "stop", "warn"):
         raise UsageError(f"{ENV_GUARD}={text!r} must be N or N:warn with N a positive integer")
-    return int(every), "warn" if mode == "warn" else "stop"
+    return every, "warn" if mode == "warn" else "stop"
 
 
 def arm_from_env() -> Guard | None:

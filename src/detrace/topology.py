@@ -23,6 +23,7 @@ and the verdict can be tested on synthetic traces.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.numbers import parse_count
 from detrace.tensor_parallel import TP_ENV
 from detrace.tracefile.layout import prepare_out
 from detrace.tracefile.reader import open_run, read_rank
@@ -147,15 +149,24 @@ class TopologyResult:
                 "first_param": param}
 
 
-def parse_worlds(text: str) -> tuple[int, ...]:
-    """`1,2,4` -> (1, 2, 4): at least two distinct positive world sizes."""
-    try:
-        worlds = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise UsageError(f"--worlds must be comma-separated world sizes such as 1,2,4, not {text!r}") from None
-    if len(worlds) < 2 or len(set(worlds)) != len(worlds) or min(worlds) < 1:
+def max_world() -> int:
+    """The most processes this machine runs at once for check-topology: 4 per CPU core (gloo ranks on CPU; more
+    only thrash, and a typo such as 64 would start 64 trainings)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4): at least two distinct positive world sizes, none above `max_world()` unless `force`."""
+    worlds = tuple(parse_count(part) for part in text.split(","))
+    if any(world is None for world in worlds):
+        raise UsageError(f"--worlds must be comma-separated world sizes such as 1,2,4, not {text!r}")
+    sizes = tuple(world for world in worlds if world is not None)
+    if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) < 1:
         raise UsageError(f"--worlds needs two or more distinct positive world sizes, not {text!r}")
-    return worlds
+    if max(sizes) > max_world() and not force:
+        raise UsageError(f"--worlds {text} would start {max(sizes)} processes, more than this machine's "
+                         f"{os.cpu_count()} CPU cores run well (at most {max_world()}); pass --force to start them")
+    return sizes
 
 
 def parse_layouts(text: str) -> tuple[Mesh, ...]:

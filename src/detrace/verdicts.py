@@ -17,8 +17,9 @@ ResumeVerdict = Literal["exact", "resume-changed-the-run", "nondeterministic", "
 """`detrace check-resume`: whether stopping and resuming reproduces the uninterrupted run."""
 NoiseVerdict = Literal["identical", "noise", "real"]
 """`detrace compare`: a candidate run against two baselines."""
-RecheckVerdict = Literal["clean", "transient", "persistent", "software-nondeterminism"]
-"""`detrace recheck`: a step re-executed on the same devices and on others (a fault follows the device)."""
+RecheckVerdict = Literal["clean", "transient", "persistent", "inexact-resume", "software-nondeterminism"]
+"""`detrace recheck`: a step re-executed on the same devices and on others (a fault follows the device); an
+inexact resume leaves no answer about the devices (2)."""
 CertifyVerdict = Literal["certified", "violations"]
 """`detrace certify`: every invariant of one trace holds, or some are violated (listed)."""
 ReplayVerdict = Literal["deterministic", "nondeterministic"]
@@ -44,7 +45,7 @@ LOCATE: Final[dict[LocateVerdict, int]] = {"deterministic": 0, "nondeterministic
 RESUME: Final[dict[ResumeVerdict, int]] = {"exact": 0, "resume-changed-the-run": 1, "nondeterministic": 3,
                                            "inconclusive": 4}
 NOISE: Final[dict[NoiseVerdict, int]] = {"identical": 0, "noise": 0, "real": 1}
-RECHECK: Final[dict[RecheckVerdict, int]] = {"clean": 0, "transient": 1, "persistent": 1,
+RECHECK: Final[dict[RecheckVerdict, int]] = {"clean": 0, "transient": 1, "persistent": 1, "inexact-resume": 2,
                                              "software-nondeterminism": 1}
 CERTIFY: Final[dict[CertifyVerdict, int]] = {"certified": 0, "violations": 1}
 REPLAY: Final[dict[ReplayVerdict, int]] = {"deterministic": 0, "nondeterministic": 1}

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace.compare import DiffResult, diff
-from detrace.errors import CommandFailed, UsageError
+from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.integrations.advice import advice
-from detrace.tracefile import layout
+from detrace.numbers import parse_count
+from detrace.tracefile import layout, open_run
 from detrace.tracefile.layout import prepare_out
 from detrace.tracing.launch import Launcher, LaunchResult, run_traced
 from detrace.verdicts import DIFF, RESUME, ResumeVerdict
@@ -154,11 +155,11 @@ def parse_stop_points(text: str) -> list[int]:
     """`--at 2,5`: the stop points, ascending, each a step of at least 1."""
     points = set()
     for item in text.split(","):
-        item = item.strip()
-        if not item.isdigit() or int(item) < 1:
+        point = parse_count(item)
+        if point is None or point < 1:
             raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), or several "
                              f"such as 2,5; not {text!r}")
-        points.add(int(item))
+        points.add(point)
     return sorted(points)
 
 
@@ -185,6 +186,12 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     continuous, again = out / "continuous", out / "continuous-again"
     arm = functools.partial(_launch, cmd, progress=progress, timeout=timeout, launch=launch, steps=window)
     arm(continuous, label="continuous run")
+    last = _last_step(continuous)
+    if last is None or last < at[-1]:
+        # Checked after the first run, not after both: a stop point at or past the end leaves nothing to resume.
+        ran = f"no step from {at[0]} on" if last is None else f"its last step at {last}"
+        raise UsageError(f"the continuous run ended with {ran} (steps count from 0), so stopping after "
+                         f"{at[-1]} steps leaves no step to resume; give --at below the run's step count")
     arm(again, label="continuous run, again")
     repeat = _comparable(diff(continuous, again), "the two continuous runs")
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
@@ -193,6 +200,16 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     for k in at:
         result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, cmd))
     return result
+
+
+def _last_step(run: Path) -> int | None:
+    """The last global step a finished run recorded (run.json's `steps`, from its ranks' footers), or None."""
+    try:
+        steps = open_run(run).header.raw.get("steps")
+    except TraceError:
+        return None
+    last = steps.get("last") if isinstance(steps, dict) else None
+    return last if isinstance(last, int) and not isinstance(last, bool) else None
 
 
 def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str]) -> StopPoint:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from detrace.errors import UsageError
+from detrace.numbers import parse_count
 
 MAX_STRIDES = 8
 """Stride items per SPEC: counting members combines every subset of them (inclusion-exclusion)."""
@@ -204,10 +205,10 @@ def describe_runs(count: int, runs: list[tuple[int, int]]) -> str:
 
 
 def _int(text: str, spec: str) -> int:
-    text = text.strip()
-    if not text.isdigit():
-        raise UsageError(f"malformed SPEC {spec!r}: {text!r} is not a non-negative integer")
-    return int(text)
+    value = parse_count(text)
+    if value is None:
+        raise UsageError(f"malformed SPEC {spec!r}: {text.strip()!r} is not a non-negative integer")
+    return value
 
 
 def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

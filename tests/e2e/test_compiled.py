@@ -23,6 +23,8 @@ from detrace.errors import TraceError
 from detrace.locate import LocateConfig, locate
 from detrace.replay import ReplayConfig, replay
 from detrace.tracefile import Capture, read_rank
+from detrace.tracefile.capture import CODE_HASH
+from detrace.tracefile.integrity import file_sha256
 from detrace.tracing.rungs.compiled import REGION, aten_ops
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
@@ -70,11 +72,12 @@ def test_replaying_a_kernel_whose_compiled_code_is_gone_says_so(tmp_path: Path) 
     capture = Capture(op="inductor.cpp_fused_index_put_0", args=[torch.zeros(4)], kwargs={}, outputs=[],
                       meta={"kernel": "cpp_fused_index_put_0", "code": str(tmp_path / "gone.py"), "writes": [0]})
     with pytest.raises(TraceError, match="is gone"):
-        replay(capture)
+        replay(capture, trust_code=True)
     (tmp_path / "other.py").write_text("call = None\n")
     capture.meta["code"] = str(tmp_path / "other.py")
+    capture.meta[CODE_HASH] = file_sha256(tmp_path / "other.py")
     with pytest.raises(TraceError, match="holds no kernel cpp_fused_index_put_0"):
-        replay(capture)
+        replay(capture, trust_code=True)
 
 
 @pytest.mark.slow
@@ -141,6 +144,7 @@ def test_locate_names_the_racing_kernel_of_a_compiled_backward(tmp_path: Path) -
     assert any(op in culprit.name for op in ("index_put", "scatter_add", "index_add")), culprit.name
     assert culprit.module == ""
     assert result.replay is not None and result.replay.nondeterministic
+    assert result.replay.meta[CODE_HASH] == file_sha256(Path(result.replay.meta["code"]))
     assert any(op in result.replay.meta["aten"] for op in ("aten.index_put", "aten.scatter_add", "aten.index_add"))
     assert "torch.use_deterministic_algorithms(True) before torch.compile" in result.replay.advice[0]
 

@@ -83,3 +83,14 @@ def test_recheck_tells_a_transient_flip_from_a_clean_step(tmp_path: Path) -> Non
     proc = detrace(["recheck", "clean", "--step", "1", "--out", "recheck-late", "--checkpoint",
                     "recheck-faulty/checkpoint"], tmp_path)
     assert proc.returncode == 2 and "taken after 2 steps, past step 1" in proc.stderr
+
+
+def test_recheck_names_an_inexact_resume_instead_of_blaming_the_device(tmp_path: Path) -> None:
+    # A real resume bug (no injected fault): an np.random.default_rng outside TrainState restarts on resume.
+    toy = [PY, str(Path(__file__).parent / "scripts" / "resume_toy.py"), "--steps", "3", "--unregistered-numpy-rng"]
+    assert detrace(["run", "--out", "run", "--rung", "semantic", "--", *toy], tmp_path).returncode == 0
+    proc = detrace(["recheck", "run", "--step", "2", "--out", "recheck", "--json"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["verdict"] == "inexact-resume" and result["resume_exact"] is False
+    assert result["same_device"] == {"0": False} and result["other_device"] == {"0": False}

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +21,7 @@ import detrace
 from detrace.cli import main as cli
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.tracefile import open_run, read_rank
-from detrace.tracing.launch import run_traced
+from detrace.tracing.launch import run_traced, shared_stdin
 
 SUPPORT = Path(__file__).parents[1] / "support"
 PY = sys.executable
@@ -459,3 +459,45 @@ def test_sigkill_in_step_0_of_one_process_keeps_its_flushed_batches(tmp_path: Pa
     trace = read_rank(tmp_path / "run", 0)
     assert trace.table.num_rows >= 9000 - 4096 and not trace.complete  # all but what came after the last flush
     assert set(trace.table.column("step").to_pylist()) == {0}
+
+
+@contextlib.contextmanager
+def _stdin_from(read_end: int) -> Iterator[None]:
+    """detrace's fd 0 taken from `read_end` for the block, with shared_stdin's one read forgotten around it."""
+    saved = os.dup(0)
+    os.dup2(read_end, 0)
+    os.close(read_end)
+    shared_stdin.cache_clear()
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        shared_stdin.cache_clear()
+
+
+ECHO_STDIN = "import sys; open(sys.argv[1], 'w').write(sys.stdin.read())"
+
+
+def test_every_run_gets_the_same_stdin(tmp_path: Path) -> None:
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"3\n")
+    os.close(write_end)
+    with _stdin_from(read_end):
+        for n in (1, 2):
+            result = run_traced([sys.executable, "-c", ECHO_STDIN, str(tmp_path / f"in{n}")], tmp_path / f"r{n}",
+                                quiet=True)
+            assert result.returncode == 0, result.output_tail
+    assert (tmp_path / "in1").read_text() == (tmp_path / "in2").read_text() == "3\n"
+
+
+def test_a_pipe_without_data_gives_every_run_an_empty_stdin(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    read_end, write_end = os.pipe()  # kept open and silent: reading it to its end would hang
+    try:
+        with _stdin_from(read_end):
+            result = run_traced([sys.executable, "-c", ECHO_STDIN, str(tmp_path / "in")], tmp_path / "r", quiet=True)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0 and (tmp_path / "in").read_text() == ""
+    assert "stdin is a pipe that gave no data" in capsys.readouterr().err

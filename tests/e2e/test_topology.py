@@ -517,3 +517,12 @@ def test_elastic_checkpoints_need_the_same_state_on_every_rank_and_resume_at_any
 def _seeded(seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
     return torch.get_rng_state()
+
+
+def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixture[str]) -> None:
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    with pytest.raises(UsageError, match="pass --force to start them"):
+        parse_worlds(f"{too_many},2")
+    assert parse_worlds(f"{too_many},2", force=True) == (too_many, 2)
+    assert cli(["check-topology", "--worlds", f"{too_many},2", "--", "true"]) == 2  # before torchrun starts
+    assert "pass --force" in capsys.readouterr().err

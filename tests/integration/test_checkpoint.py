@@ -366,3 +366,12 @@ def test_the_docs_state_what_the_distcp_files_hold(tmp_path: Path) -> None:
     docs = (Path(__file__).parents[2] / "docs" / "resume.md").read_text()
     assert "each `.distcp` file holds `torch.save` records" in docs and "restricted unpickler" in docs
     assert "nothing is written or read with pickle" not in docs
+
+
+def test_a_manifest_of_two_ranks_with_one_rank_file_names_the_missing_rank(tmp_path: Path) -> None:
+    version = make_state().save(tmp_path)
+    path = version / "manifest.json"
+    path.write_text(path.read_text().replace('"world_size": 1', '"world_size": 2'))  # said "ok" before
+    with pytest.raises(CheckpointCorrupted, match=r"rank 1's state file rank-1\.json is missing \(the manifest "
+                                                  r"says world size 2\)"):
+        verify_checkpoint(tmp_path)

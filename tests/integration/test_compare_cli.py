@@ -90,7 +90,7 @@ def test_rule_majority_of_differing_steps() -> None:
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--factor", "0"], "--factor must be positive"),
+        (["--factor", "0"], "--factor must be a positive finite number"),
         (["--rank", "3"], "holds no trace of rank 3"),
     ],
 )
@@ -99,6 +99,15 @@ def test_bad_input_is_one_sentence(steady: dict[str, Path], extra: list[str], me
     assert main(["compare", str(steady["a"]), str(steady["b"]), str(steady["lr"]), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("factor", ["inf", "nan", "-1"])
+def test_an_infinite_or_nonpositive_factor_is_a_usage_error(tmp_path: Path, factor: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # inf called every effect noise, even over bit-identical baselines; refused before any run is read.
+    assert main(["compare", *(str(tmp_path / n) for n in "abc"), "--factor", factor]) == 2
+    err = capsys.readouterr().err
+    assert "--factor must be a positive finite number" in err and err.count("\n") == 1
 
 
 def test_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

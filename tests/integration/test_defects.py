@@ -3,18 +3,25 @@ their error paths. The multi-process cases (DDP, dp-ep) are in test_defects_e2e.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _synthetic import Fault, SyntheticRun, write_run
 from torch import nn
 
+from detrace.arming import arm_from_env
 from detrace.errors import UsageError
-from detrace.faults import FaultInjector, FaultSpec, flip_bit, global_step
+from detrace.faults import ENV_DEVICE_SHIFT, FaultInjector, FaultSpec, flip_bit, global_step
 from detrace.recheck import judge, recheck
 from detrace.replica_guard import Guard, Mismatch, _digests, parse_env, vote
+from detrace.tracefile.layout import run_header_path
+from detrace.tracefile.writer import write_json_atomic
+from detrace.tracing.launch import LaunchResult
+from detrace.verdicts import RECHECK
 
 PY = sys.executable
 
@@ -188,3 +195,129 @@ def test_recheck_error_paths(tmp_path: Path) -> None:
     proc = subprocess.run([PY, "-m", "detrace", "recheck", str(tmp_path / "missing")], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "--step" in proc.stderr and "Traceback" not in proc.stderr
+
+
+RUN = SyntheticRun(ranks=1, steps=3, ops=2)
+FLIP = Fault(rank=0, step=2, op=0)
+"""An injected fault, named as such: it gives step 2 other bits."""
+
+
+def _fake_launcher(faults: dict[str, Fault | None], launched: list[str]):  # type: ignore[no-untyped-def]
+    """Stands in for run_traced: writes the synthetic trace each kind of run would record ("prepare", "same",
+    "other", "uninterrupted": the run directory's name), with the fault given for it."""
+    def launch(command, directory, *, rung, steps, env, timeout, quiet):  # type: ignore[no-untyped-def]
+        directory = Path(directory)
+        launched.append(directory.name)
+        assert env.get(ENV_DEVICE_SHIFT, "0") == ("1" if directory.name == "other" else "0")
+        Path(env["DETRACE_CKPT_DIR"]).mkdir(parents=True, exist_ok=True)
+        write_run(directory, RUN, faults.get(directory.name))
+        return LaunchResult(returncode=0, out=directory, command=tuple(command), elapsed=0.0, output_tail="")
+    return launch
+
+
+def _original(tmp_path: Path, fault: Fault | None) -> Path:
+    run = tmp_path / "run"
+    write_run(run, RUN, fault)
+    write_json_atomic(run_header_path(run), {"command": ["python", "train.py"], "world_size": 1})
+    return run
+
+
+def test_recheck_calls_an_inexact_resume_by_its_name_not_a_transient_fault(tmp_path: Path) -> None:
+    # The re-executions resume from the checkpoint and agree with each other, but an uninterrupted run gives the
+    # original's bits: the checkpoint misses some state. Before the resume proof this was "transient".
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out",
+                     launch=_fake_launcher({"same": FLIP, "other": FLIP}, launched))
+    assert launched == ["prepare", "same", "other", "uninterrupted"]
+    assert result.verdict == "inexact-resume" and result.resume_exact is False
+    assert "inexact resume" in result.sentence() and "check-resume" in result.sentence()
+    assert RECHECK["inexact-resume"] == 2
+
+
+def test_recheck_blames_a_transient_fault_only_after_the_resume_is_proven(tmp_path: Path) -> None:
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, FLIP), step=2, out=tmp_path / "out", launch=_fake_launcher({}, launched))
+    assert launched == ["prepare", "same", "other", "uninterrupted"]
+    assert result.verdict == "transient" and result.resume_exact is True
+
+
+def test_recheck_needs_no_proof_when_the_step_is_reproduced(tmp_path: Path) -> None:
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out",
+                     launch=_fake_launcher({"other": FLIP}, launched))
+    assert launched == ["prepare", "same", "other"]
+    assert result.verdict == "persistent" and result.resume_exact is None
+
+
+def _sgd_steps(steps: int) -> None:
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ("bitflip:step=0,rank=0,tensor=no.such.weight,bit=1",
+     "names tensor no.such.weight, which is no parameter of the optimizer"),
+    ("bitflip:step=0,rank=5,tensor=weight,bit=1", "strikes rank 5, and the job has 1 rank"),
+    ("bitflip:step=0,rank=0,tensor=nowhere.output,bit=1", "module nowhere, which this program does not hold"),
+    ("bitflip:step=9,rank=0,tensor=weight,bit=1", "strikes at step 9, and this process's last step was 1"),
+])
+def test_a_fault_that_can_never_strike_is_said(spec: str, words: str, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    injector = FaultInjector(FaultSpec.parse(spec))
+    injector.install()
+    try:
+        _sgd_steps(2)
+        injector.report_at_exit()
+    finally:
+        injector.remove()
+    err = capsys.readouterr().err
+    assert f"{words}: it can never strike" in err and err.count("\n") == 1 and not injector.struck
+
+
+def test_a_fault_that_strikes_is_not_warned_about(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    injector = FaultInjector(FaultSpec.parse("bitflip:step=1,rank=0,tensor=weight,bit=1"))
+    injector.install()
+    try:
+        _sgd_steps(2)
+        injector.report_at_exit()
+    finally:
+        injector.remove()
+    assert injector.struck == [1] and capsys.readouterr().err == ""
+
+
+def test_bad_guard_or_fault_variables_never_break_a_detrace_command(tmp_path: Path) -> None:
+    env = {**os.environ, "DETRACE_GUARD": "often", "DETRACE_FAULT": "bitflip:step=²,rank=0,tensor=w,bit=1"}
+    proc = subprocess.run([PY, "-m", "detrace", "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "check" in proc.stdout
+
+
+def test_bad_variables_in_a_training_process_are_one_sentence_each_and_the_program_runs_on(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_GUARD", "often")
+    monkeypatch.setenv("DETRACE_FAULT", "bitflip:step=x")
+    arm_from_env()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"detrace: DETRACE_GUARD='often' must be N or N:warn with N a positive integer; the replica guard "
+                   f"is off in process {os.getpid()}",
+                   f"detrace: DETRACE_FAULT: step must be a non-negative integer, not 'x'; the injected fault is off "
+                   f"in process {os.getpid()}"]
+
+
+@pytest.mark.parametrize(("variable", "value"), [("DETRACE_FINGERPRINT_BACKEND", "bogus"),
+                                                 ("DETRACE_STEP_OFFSET", "x")])
+def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
+    import detrace
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(UsageError, match=variable), detrace.trace(tmp_path / "t"):
+        pass
+    assert detrace.tracing.active() is None

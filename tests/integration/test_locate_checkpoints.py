@@ -14,7 +14,7 @@ import torch
 from _tools import locate_cli
 
 from detrace import TrainState
-from detrace.errors import UsageError
+from detrace.errors import CheckpointError, UsageError
 from detrace.examples.train import TrainConfig, parse_args
 from detrace.state import ResumableSampler
 from detrace.state.contract import saved_versions
@@ -196,3 +196,48 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
                                                                           ["the audit of the first run did n"])
     narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
     assert narrow and all(run["start"] == 0 and run["steps"] == 5 for run in narrow)
+
+
+def _failed_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_from: Path) -> str:
+    """The message of a narrow run that resumes from `resume_from` and fails (its launch stands in: CMD exits 1)."""
+    from detrace.locate import driver
+    from detrace.locate.config import LocateConfig
+    from detrace.locate.stages import RunFailed, StageRun
+    from detrace.tracing.launch import LaunchResult
+
+    monkeypatch.setattr(driver, "run_traced", lambda cmd, out, **_: LaunchResult(
+        returncode=1, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="CheckpointCorrupted: ..."))
+    ladder = driver.Ladder(LocateConfig(command=("python", "train.py"), out=tmp_path / "out"))
+    ladder.completed.append("module")  # the module rung ran to completion before: the old verdict blamed it
+    stage = StageRun(rung="module", steps="3", ranks="all", start=2, resume_from=str(resume_from))
+    with pytest.raises(RunFailed) as failed:
+        ladder._run(stage, "3-module-a", rung="module",
+                    contract={"DETRACE_CKPT_DIR": str(tmp_path / "c"), "DETRACE_RESUME_FROM": str(resume_from)})
+    return str(failed.value)
+
+
+def test_locate_names_a_corrupted_or_deleted_checkpoint_not_its_own_rung(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    version = state.save(tmp_path / "ckpt")
+    state_file = version / "rank-0.json"
+    state_file.write_text(state_file.read_text() + " ")  # edited after the save (an injected fault)
+    message = _failed_resume(tmp_path, monkeypatch, version)
+    assert "the checkpoint it resumes from is corrupted (CheckpointCorrupted:" in message
+    assert "rung made it fail" not in message
+    message = _failed_resume(tmp_path, monkeypatch, tmp_path / "ckpt" / "step-00000009")
+    assert f"{tmp_path / 'ckpt' / 'step-00000009'}, is gone (no checkpoint)" in message
+    assert "rung made it fail" not in message
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_when_the_train_state_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(blocker / "ckpt"))
+    monkeypatch.setenv("DETRACE_STOP_AT", "3")
+    with pytest.raises(CheckpointError, match=r"DETRACE_CKPT_DIR=.*cannot be written \(.*a-file is not a directory"):
+        _state()  # before: the run trained 3 steps, then failed at its first save
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "new" / "ckpt"))
+    _state()  # a directory still to be made is fine
+    assert not (tmp_path / "new").exists()

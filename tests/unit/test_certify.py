@@ -37,6 +37,15 @@ def test_a_clean_run_is_certified(run: Path, capsys: pytest.CaptureFixture[str])
     assert capsys.readouterr().out.startswith(f"certified: {run}: 2 ranks x 4 steps")
 
 
+def test_expected_steps_past_the_run_are_not_certified_vacuously(run: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    result = certify(run, expected_steps="5::1")  # the run holds steps 0-3: "certified ... 0 steps" before
+    assert result.violations == ["no expected step is in the run: it holds steps 0-3, and the expected steps 5::1 "
+                                 "begin after them"]
+    assert main(["certify", str(run), "--expected-steps", "5::1"]) == 1
+    assert certify(run, expected_steps="2::1").ok
+
+
 def test_missing_ranks_and_steps_are_listed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["certify", str(run), "--expected-ranks", "0-3", "--expected-steps", "0-5"]) == 1
     out = capsys.readouterr().out.splitlines()

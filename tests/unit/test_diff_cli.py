@@ -138,3 +138,13 @@ def test_console_script_end_to_end(runs: tuple[Path, Path, Path]) -> None:
     done = subprocess.run([sys.executable, "-m", "detrace", "diff", str(a), str(c)], capture_output=True, text=True,
                           check=False, timeout=120)
     assert done.returncode == 1 and done.stdout.startswith("diverged:") and not done.stderr
+
+
+def test_a_trace_still_being_written_is_said_to_be_running(runs: tuple[Path, Path, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, _ = runs
+    (b / "run.json").write_text(json.dumps({"command": ["python", "t.py"], "status": "running"}))
+    assert main(["diff", str(a), str(b)]) == 0
+    assert f"{b} is still running (its run.json says so)" in capsys.readouterr().out
+    assert main(["diff", str(a), str(a)]) == 0
+    assert "still running" not in capsys.readouterr().out

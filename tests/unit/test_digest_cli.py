@@ -88,3 +88,16 @@ def test_errors_exit_2_with_one_line(tmp_path, capsys):
         code, _, err = run(capsys, *argv)
         assert code == 2, argv
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_a_header_length_past_the_end_and_a_dim_no_tensor_has_are_errors(tmp_path, capsys):
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 2**63 - 1) + b"{}")  # "0 tensors", exit 0 before
+    code, _, err = run(capsys, str(huge))
+    assert code == 2 and "its header length 9223372036854775807 runs past the end of the file" in err
+    weights = tmp_path / "w.safetensors"
+    write_safetensors(weights, {"a": torch.randn(6, 2), "s": torch.randn(3)})
+    code, _, err = run(capsys, str(weights), "--chunks", "3", "--dim", "99")  # the chunks were dropped silently
+    assert code == 2 and "--dim 99 is a dimension of no tensor" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run(capsys, str(weights), "--chunks", "3", "--dim", "1", "--json")
+    assert code == 0 and [r["chunks"] is not None for r in map(json.loads, out.splitlines())] == [True, False]

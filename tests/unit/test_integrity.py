@@ -4,6 +4,7 @@ cut batch are reported as corruption by certify and refused by diff and report, 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import struct
@@ -140,3 +141,36 @@ def test_other_format_versions_are_refused_in_one_sentence(tmp_path: Path, versi
     for argv in (["certify", str(run)], ["diff", str(run), str(run)], ["report", str(run)]):
         err = refusal(capsys, *argv)
         assert f"in trace format {version}" in err and words in err and "detrace.trace/2" in err
+
+
+def test_every_flip_in_the_arrow_file_footer_is_caught_never_raised(tmp_path: Path) -> None:
+    # The Arrow file footer (a copy of the schema with the rank header, the batch offsets) is what open_file
+    # readers read, and detrace's stream reader does not: its checksum in the rank footer must catch every flip.
+    run = tmp_path / "run"
+    write_run(run, SyntheticRun(ranks=1, steps=2, ops=2, batch_records=16))
+    path = rank_path(run, 0)
+    clean = path.read_bytes()
+    length = int.from_bytes(clean[-10:-6], "little")
+    region = range(len(clean) - 10 - length, len(clean))
+    assert certify(run).ok
+    # 60 random places in the footer, its length and closing magic, and size-12 (which once raised)
+    for position in sorted({*random.Random(5).sample(region, 60), *range(len(clean) - 10, len(clean)),
+                            len(clean) - 12}):
+        data = bytearray(clean)
+        data[position] ^= 1 << (position % 8)
+        path.write_bytes(bytes(data))
+        violations = certify(run).violations  # ArrowNotImplementedError at size-12 before: never raised now
+        assert len(violations) == 1 and "Arrow file footer" in violations[0], position
+    path.write_bytes(clean)
+    assert certify(run).ok
+
+
+@pytest.mark.parametrize("name", ["rank-00000.arrow", "run.json", "rank-00001.json"])
+def test_a_fifo_in_place_of_a_trace_file_is_refused_not_waited_on(runs: tuple[Path, Path], name: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    (b / name).unlink(missing_ok=True)
+    os.mkfifo(b / name)  # opening it for reading would block until a writer comes: forever
+    for argv in (["diff", str(a), str(b)], ["certify", str(b)]):
+        err = refusal(capsys, *argv)
+        assert f"{b / name} is not a regular file" in err

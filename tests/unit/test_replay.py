@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from detrace.cli import main
+from detrace.errors import UntrustedCode
 from detrace.replay import (
     FIX_DETERMINISTIC,
     FIX_ONE_THREAD,
@@ -20,6 +24,10 @@ from detrace.replay import (
     replay_file,
 )
 from detrace.tracefile import load_capture, save_capture
+from detrace.tracefile.capture import CAPTURE_VERSION, CODE_HASH
+from detrace.tracefile.integrity import file_sha256
+from detrace.tracing.capture import Capturer, PendingCapture
+from detrace.tracing.records import Call
 
 # Big enough that the accumulating CPU kernel splits across 2 threads, and long enough (~0.1 s a call) that the
 # two threads overlap in time even on a loaded machine, where a short call often runs its threads one after the
@@ -150,3 +158,67 @@ def test_corrupt_capture_is_a_trace_error(tmp_path: Path, capsys: pytest.Capture
     bad.write_bytes(b"not a safetensors file")
     assert main(["replay", str(tmp_path), "--event", "1"]) == 2
     assert "not a readable detrace capture" in capsys.readouterr().err
+
+
+def _planted_capture(run: Path, marker: Path, *, record_hash: bool = True) -> tuple[Path, Path]:
+    """A capture of a 'compiled kernel' whose output code is a planted .py that writes `marker` when imported."""
+    code = run / "planted.py"
+    code.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                    "def cpp_fused_index_put_0(out):\n    out.add_(1)\n")
+    meta = {"rank": 0, "step": 0, "phase": "forward", "seq": 5, "threads": 1, "deterministic": False,
+            "kernel": "cpp_fused_index_put_0", "code": str(code), "writes": [0]}
+    if record_hash:
+        meta[CODE_HASH] = file_sha256(code)
+    path = save_capture(run / "capture" / "rank-00000-seq00000005.safetensors", op="inductor.cpp_fused_index_put_0",
+                        args=[torch.zeros(4)], kwargs={}, outputs=[torch.ones(4)], meta=meta)
+    return path, code
+
+
+def test_code_named_in_a_capture_never_runs_without_trust_code(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    marker = tmp_path / "marker"
+    _planted_capture(tmp_path, marker)
+    assert main(["replay", str(tmp_path), "--event", "5", "--repeats", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "would execute the Python file" in err and "--trust-code" in err and err.count("\n") == 1
+    assert not marker.exists()
+    with pytest.raises(UntrustedCode):
+        replay_file(find_capture(tmp_path, "5"))
+    assert not marker.exists()
+
+
+def test_trusted_code_runs_only_when_its_recorded_hash_matches(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    marker = tmp_path / "marker"
+    _, code = _planted_capture(tmp_path, marker, record_hash=False)
+    assert main(["replay", str(tmp_path), "--event", "5", "--trust-code", "--repeats", "2"]) == 2
+    assert "records no SHA-256" in capsys.readouterr().err and not marker.exists()
+    _, code = _planted_capture(tmp_path, marker)
+    code.write_text(code.read_text() + "# changed after the capture\n")
+    assert main(["replay", str(tmp_path), "--event", "5", "--trust-code", "--repeats", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "SHA-256 differs" in err and err.count("\n") == 1 and not marker.exists()
+    _planted_capture(tmp_path, marker)
+    assert main(["replay", str(tmp_path), "--event", "5", "--trust-code", "--repeats", "2"]) == 0
+    assert marker.read_text() == "ran"
+
+
+def test_the_tracer_records_the_hash_of_the_code_it_captures(tmp_path: Path) -> None:
+    code = tmp_path / "output_code.py"
+    code.write_text("def k(out):\n    pass\n")
+    tracer = SimpleNamespace(rank=0, config=SimpleNamespace(out=tmp_path), own=contextlib.nullcontext)
+    call = Call(rung="op", phase="forward", name="inductor.k", module=None, occurrence=0, step=0, event=3)
+    Capturer(tracer).after(PendingCapture(call=call, args=(torch.zeros(2),), kwargs={}), [torch.zeros(2)],
+                           meta={"kernel": "k", "code": str(code), "writes": [0]})
+    assert load_capture(find_capture(tmp_path, "3")).meta[CODE_HASH] == file_sha256(code)
+
+
+def test_a_call_of_the_wrong_shape_is_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "capture" / "rank-00000-seq00000001.safetensors"
+    path.parent.mkdir()
+    header = {"schema": CAPTURE_VERSION, "op": "aten.mm.default", "call": {"args": [3], "kwargs": {}},
+              "outputs": [], "layout": {}, "meta": {}}
+    save_file({"x": torch.zeros(1, dtype=torch.uint8)}, str(path), metadata={"detrace": json.dumps(header)})
+    assert main(["replay", str(tmp_path), "--event", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable detrace capture" in err and "{\"args\"" not in err and err.count("\n") == 1

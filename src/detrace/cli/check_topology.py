@@ -1,5 +1,5 @@
 """`detrace check-topology [--worlds 1,2,4 | --layouts 1x1,1x2,2x2] [--resume-at K] [--threads N] [--out DIR]
-[--timeout S] [--json] -- CMD...`: CMD run under torchrun at each layout must give the same losses and
+[--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same losses and
 parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world size and
 resumed at each other must give the bits of the run that never stopped.
 Exit 0 the same bits, 1 not (the first step and tensor are named), 2 error."""
@@ -31,11 +31,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
+    parser.add_argument("--force", action="store_true",
+                        help="start world sizes above 4 processes per CPU core (refused without it)")
     args = parser.parse_args(options)
     if args.worlds and args.layouts:
         raise UsageError("give --worlds or --layouts, not both")
     meshes = parse_layouts(args.layouts) if args.layouts else \
-        tuple(Mesh(dp=w) for w in parse_worlds(args.worlds or "1,2,4"))
+        tuple(Mesh(dp=w) for w in parse_worlds(args.worlds or "1,2,4", force=args.force))
     result = check_topology(cmd, meshes=meshes, out=args.out or default_out("topology"), threads=args.threads,
                             timeout=args.timeout, resume_at=args.resume_at, tp_env=bool(args.layouts),
                             progress=lambda line: print(f"detrace check-topology: {line}", file=sys.stderr))

@@ -58,6 +58,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if mapped.size < 8:
         raise CheckpointError(f"{path} is too short to be a safetensors file")
     (size,) = struct.unpack("<Q", mapped[:8].tobytes())
+    if size > mapped.size - 8:  # a slice past the end would be empty: "0 tensors" for a broken file
+        raise CheckpointError(f"{path} has no valid safetensors header: its header length {size} runs past the "
+                              f"end of the file ({mapped.size} bytes)")
     try:
         header = json.loads(mapped[8 : 8 + size].tobytes())
         entries = {name: info for name, info in header.items() if name != "__metadata__"}
@@ -107,6 +110,9 @@ def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -
     values = [value for _, value in named]
     # --chunks reaches the tensors that have dimension --dim; the others (scalars, say) get plain digests
     chunked = [chunks is not None and -v.dim() <= dim < v.dim() for v in values]
+    if chunks is not None and values and not any(chunked):
+        raise UsageError(f"--dim {dim} is a dimension of no tensor in {path} (they have at most "
+                         f"{max(v.dim() for v in values)}); --chunks needs one they have")
     with_chunks = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if c], chunks=chunks, dim=dim))
     plain = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if not c]))
     fingerprints = [next(with_chunks) if c else next(plain) for c in chunked]

@@ -1,6 +1,7 @@
 """`detrace recheck RUN --step K [--checkpoint DIR] [--out DIR] [--timeout S] [--json]`: re-execute step K of a
 deterministic run on the same and on other devices, and tell a transient fault from a persistent one or from
-software nondeterminism (see detrace/recheck.py). Exit 0 clean, 1 a fault or nondeterminism, 2 error."""
+software nondeterminism (see detrace/recheck.py). Exit 0 clean, 1 a fault or nondeterminism, 2 an inexact resume
+(no answer about the devices) or an error."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from detrace.verify import default_out
 
 def main(argv: list[str]) -> int:
     parser = ArgumentParser("recheck", "Re-execute one step of a deterministic run on the same and on other "
-                            "devices: transient fault, persistent fault, or software nondeterminism.")
+                            "devices: transient fault, persistent fault, software nondeterminism, or an inexact "
+                            "resume. "
+                            "Exit 0 clean, 1 a fault or nondeterminism, 2 an inexact resume or an error.")
     parser.add_argument("run", type=Path, help="the run's trace directory (semantic rung over step K)")
     parser.add_argument("--step", type=int, required=True, help="the global step to re-execute")
     parser.add_argument("--checkpoint", type=Path, help="the run's checkpoint at or before step K (default: make "

@@ -36,7 +36,8 @@ def render(result: ReplayResult, console: Console) -> None:
 
 def main(argv: list[str]) -> int:
     parser = ArgumentParser("replay", "Kernel rung: re-execute one captured op call many times, with 1 and N "
-                            "threads and deterministic algorithms off and on. Exit 0 deterministic, 1 not.")
+                            "threads and deterministic algorithms off and on. A compiled kernel's capture names Python "
+                            "code, which runs only with --trust-code. Exit 0 deterministic, 1 not, 2 no answer.")
     parser.add_argument("run", metavar="RUN", help="run directory holding capture/rank-*-seq*.safetensors")
     parser.add_argument("--event", required=True, metavar="ID",
                         help="the captured call: its seq number, or the path of its capture file")
@@ -44,6 +45,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=ReplayConfig().repeats, help="executions per arm")
     parser.add_argument("--threads", default=None, metavar="N[,N...]",
                         help="thread counts to try (default: 1 and the traced run's count)")
+    parser.add_argument("--trust-code", action="store_true",
+                        help="execute the compiled kernel's output code file that a capture names (Python code; "
+                        "only for traces you trust), and only while its SHA-256 matches the one recorded at capture")
     parser.add_argument("--json", action="store_true", help="print the detrace.replay/1 object on stdout")
     args = parser.parse_args(argv)
     threads = None
@@ -55,7 +59,8 @@ def main(argv: list[str]) -> int:
     config = ReplayConfig(repeats=args.repeats, threads=threads)
     from detrace.replay import find_capture, replay_file  # torch: after the arguments are known to be good
 
-    result = replay_file(find_capture(args.run, args.event, rank=args.rank), config)
+    result = replay_file(find_capture(args.run, args.event, rank=args.rank), config,
+                         trust_code=args.trust_code)
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from detrace.compare.classify import COMMUNICATION, INPUT_ROLES
 from detrace.compare.pool import default_workers, map_ranks
 from detrace.tracefile import footer_path, iter_batches, open_run, rank_path
+from detrace.tracefile.integrity import arrow_footer_checksum, chain_text
 from detrace.tracefile.metadata import RunHeader
 from detrace.tracefile.reader import CorruptTrace, load_footer
 from detrace.windows import Members, describe_runs, parse_window
@@ -66,14 +67,27 @@ def _open_call(row: dict[str, Any]) -> str:
     return f"{row['name']}#{row['group_seq']}{group}{peer} (seq {row['event']}, step {row['step']})"
 
 
-def _arrow_file_intact(path: Path) -> bool:
-    """Whether a closed rank file still ends in its Arrow IPC file footer (what file readers need)."""
+def _arrow_footer_problem(path: Path, recorded: str | None) -> str | None:
+    """What is wrong with a closed rank file's Arrow IPC file footer (what Arrow's file readers read), or None.
+    Its checksum, recorded at close, covers every byte of it; a trace without one gets Arrow's own check."""
+    lost = (f"{path.name} lost the end of its Arrow file footer: detrace and pyarrow.ipc.open_stream (after the "
+            "file's 8-byte magic) still read every record, but pyarrow.ipc.open_file, pandas.read_feather, Polars "
+            "and DuckDB cannot open it")
+    if recorded is not None:
+        actual = arrow_footer_checksum(path)
+        if actual is None:
+            return lost
+        if chain_text(actual) != recorded:
+            return (f"{path.name} in {path.parent} is corrupted in its Arrow file footer (the copy of the header and "
+                    "the batch offsets that pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB read): its "
+                    "bytes do not match its checksum; detrace's own reader still reads every sealed record")
+        return None
     try:
         with pa.OSFile(str(path), "rb") as handle:
             pa.ipc.open_file(handle)
-    except (pa.ArrowInvalid, OSError):
-        return False
-    return True
+    except (pa.ArrowException, OSError):
+        return lost
+    return None
 
 
 def check_rank(task: tuple[str, int]) -> _RankFacts:
@@ -128,10 +142,8 @@ def check_rank(task: tuple[str, int]) -> _RankFacts:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
     elif footer.records != records:
         violations.append(f"rank {rank}: the footer counts {footer.records} records, the file holds {records}")
-    elif not _arrow_file_intact(stream.path):
-        violations.append(f"rank {rank}: {stream.path.name} lost the end of its Arrow file footer: detrace and "
-                          "pyarrow.ipc.open_stream (after the file's 8-byte magic) still read every record, but "
-                          "pyarrow.ipc.open_file, pandas.read_feather, Polars and DuckDB cannot open it")
+    elif (problem := _arrow_footer_problem(stream.path, footer.arrow_footer)) is not None:
+        violations.append(f"rank {rank}: {problem}")
     first_step = footer.first_step if footer is not None and footer.first_step is not None else 0
     return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
 
@@ -165,6 +177,11 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
         violations = [f"rank {r}: no trace file" for lo, hi in runs for r in range(lo, hi + 1)]
     else:
         violations = [f"{absent} expected ranks have no trace file ({describe_runs(absent, runs)})"]
+    if next(iter(steps), None) is None:  # not len(): a window's count may not fit an index
+        # Certifying no step at all would be vacuous: a window that starts past the run's end says nothing about it.
+        held = f"steps 0-{last}" if last >= 0 else "no step"
+        violations.append(f"no expected step is in the run: it holds {held}, and the expected steps "
+                          f"{step_window.spec} begin after them")
     for fact in facts:
         # By default a rank owes the steps it ran: a resumed run's first global step is K, not 0.
         start = fact.first_step if expected_steps is None else 0

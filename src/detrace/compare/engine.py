@@ -183,8 +183,11 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         if strict_command and reason is None:
             reason = f"the runs are of different commands: {said} (--strict-command)."
         notes.append(f"the runs are of different commands: {said}")
+    # A trace still being written may yet grow (or end torn): whatever the verdict, it is of the records so far.
+    notes += [f"{run.path} is still running (its run.json says so): its trace may not be complete yet"
+              for run in (run_a, run_b) if run.header.status == "running"]
     if reason is not None:
-        return DiffResult(verdict="incomparable", reason=reason, a=str(a), b=str(b))
+        return DiffResult(verdict="incomparable", reason=reason, a=str(a), b=str(b), notes=notes)
     ranks = sorted(set(run_a.ranks) | set(run_b.ranks))
     if rank is not None:
         if rank not in ranks:

@@ -124,7 +124,14 @@ class Ladder:
         self.spent.append(SpentRun(run=name, rung=rung, start=start, stop=None if stop_at is None else int(stop_at),
                                  seconds=result.elapsed))
         if result.returncode != 0:
-            if self.completed:
+            from detrace.state.contract import resume_problem  # torch: only once CMD has failed
+
+            resumed = contract.get("DETRACE_RESUME_FROM")
+            problem = resume_problem(Path(resumed)) if resumed is not None else None
+            if problem is not None:
+                # Something outside locate changed run A's checkpoint between the runs: not a rung's doing.
+                cause = f"{problem}, so CMD could not resume, whatever the rung"
+            elif self.completed:
                 cause = (f"CMD ran to completion at the {self.completed[0]} rung, so detrace's "
                          f"{'capture' if capture else rung} rung made it fail")
             else:
@@ -366,7 +373,9 @@ class Ladder:
             return None
         from detrace.replay import replay_file  # executes ops: torch, imported in the one process that replays
 
-        replayed = replay_file(captures[0], self.config.replay)
+        # The capture was made just now by the CMD locate runs (code the user already runs), so its kernel's code
+        # is trusted; the hash check still makes sure it is the file that run compiled.
+        replayed = replay_file(captures[0], self.config.replay, trust_code=True)
         stage.note = (f"replayed {replayed.base.repeats} times: " + (
             f"nondeterministic, up to {replayed.base.differing_elements} elements differ by up to "
             f"{replayed.base.max_ulp} ULP; fixed by {', '.join(replayed.fixed_by) or 'no switch tried'}"

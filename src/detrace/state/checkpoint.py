@@ -114,7 +114,7 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     # Every rank records its own skeleton of the shared state: under pipeline parallelism no two stages
     # have the same one, and a rank's record is what its resume is checked against.
     write_json(
-        tmp / _rank_file(rank), {"rank": rank, "step": step, "shared": shared_skeleton, "local": local_skeleton}
+        tmp / manifest.rank_file(rank), {"rank": rank, "step": step, "shared": shared_skeleton, "local": local_skeleton}
     )
     write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks()))
     dist.barrier()  # every rank's part is on disk before rank 0 commits
@@ -155,12 +155,13 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
-    document = manifest.verify(directory, collective=True)
-    if document.world_size != world and not elastic:
+    saved_world = manifest.read(directory).world_size  # first: another world size is refused as such
+    if saved_world != world and not elastic:
         raise CheckpointError(
-            f"{directory} was saved by {document.world_size} ranks and cannot resume {world}: "
+            f"{directory} was saved by {saved_world} ranks and cannot resume {world}: "
             "each rank's RNG and data position belong to one rank"
         )
+    document = manifest.verify(directory, collective=True)
     _, template_tensors = tree.split(shared, "")
 
     def fits() -> tuple[Any, Any]:
@@ -250,7 +251,7 @@ def _state_digest(shared: dict[str, Any], local: dict[str, Any]) -> int:
 
 def _rank_document(directory: Path, rank: int, *, step: int) -> dict[str, Any]:
     """What rank `rank` saved beside its tensors: the skeletons of its shared and its own state."""
-    path = directory / _rank_file(rank)
+    path = directory / manifest.rank_file(rank)
     document = read_json(path)
     # The manifest's checksum vouches for the bytes; this guards against a file of another layout.
     if (
@@ -344,10 +345,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank}.json"
 
 
 def _fingerprint_file(rank: int) -> str:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from detrace.errors import CheckpointError, UsageError
+from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
+from detrace.numbers import parse_count
 from detrace.state import checkpoint
 from detrace.state.manifest import MANIFEST_FILE
 
@@ -90,6 +91,23 @@ def saved_versions(root: Path) -> dict[int, Path]:
     return found
 
 
+def resume_problem(path: Path) -> str | None:
+    """Why a checkpoint the contract resumes from (DETRACE_RESUME_FROM, any of the `LAYOUTS`) cannot be resumed,
+    as a clause naming the cause, or None when it is there and matches its manifest."""
+    from detrace.state import verify_checkpoint  # the package's own __init__: imported when needed
+
+    if not path.exists():
+        return f"the checkpoint it resumes from, {path}, is gone (no checkpoint)"
+    state = next((layout.state(path) for layout in LAYOUTS if layout.pattern.fullmatch(path.name)), path)
+    try:
+        verify_checkpoint(state)
+    except CheckpointCorrupted as err:
+        return f"the checkpoint it resumes from is corrupted (CheckpointCorrupted: {err})"
+    except CheckpointError as err:
+        return f"the checkpoint it resumes from cannot be read (CheckpointError: {err})"
+    return None
+
+
 def _complete(state: Path) -> bool:
     try:
         return (checkpoint.resolve(state) / MANIFEST_FILE).is_file()
@@ -102,9 +120,10 @@ def _step_variable(name: str) -> int | None:
     text = os.environ.get(name)
     if not text:
         return None
-    if not text.strip().isdigit() or int(text) < 1:
+    step = parse_count(text)
+    if step is None or step < 1:
         raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
-    return int(text)
+    return step
 
 
 def resume_requested() -> tuple[bool, str | None]:
@@ -134,6 +153,19 @@ def stop_requested() -> int | None:
 def every_requested() -> int | None:
     """The contract's DETRACE_CKPT_EVERY: save after every K-th step as well (keeping every version), or None."""
     return _step_variable(ENV_CKPT_EVERY)
+
+
+def check_checkpoint_dir() -> None:
+    """At start, when the contract asks for saves (DETRACE_STOP_AT, DETRACE_CKPT_EVERY): DETRACE_CKPT_DIR must be
+    a directory this process can write, or create. Else a CheckpointError now, not at the first save, after the
+    steps before it were spent."""
+    if stop_requested() is None and every_requested() is None:
+        return
+    directory = checkpoint_dir()
+    existing = next(path for path in (directory, *directory.absolute().parents) if path.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{ENV_CKPT_DIR}={directory} cannot be written ({existing} is not a directory this "
+                              "process may write), so the checkpoint the run is asked to save would fail")
 
 
 def checkpoint_dir() -> Path:

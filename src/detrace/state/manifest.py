@@ -8,7 +8,6 @@ corrupted checkpoint is never trained on silently.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from detrace import __version__
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
+from detrace.tracefile.integrity import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 # The version of the whole checkpoint layout, not only of this file. 2: every rank's file holds the skeleton
@@ -57,7 +57,7 @@ def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], file
         "world_size": world_size,
         "detrace": __version__,
         "torch": torch.__version__,
-        "files": {path.name: _sha256(path) for path in sorted(files)},
+        "files": {path.name: file_sha256(path) for path in sorted(files)},
         "tensors": dict(sorted(tensors.items())),
     }
 
@@ -162,13 +162,21 @@ def verify(directory: Path, *, collective: bool) -> Manifest:
     return manifest
 
 
+def rank_file(rank: int) -> str:
+    """The name of the state file every rank writes into a checkpoint version."""
+    return f"rank-{rank}.json"
+
+
 def _check_files(directory: Path, manifest: Manifest) -> list[str]:
-    problems = []
+    # Every rank of the saving job wrote its state file: a manifest that lists fewer has lost a rank.
+    problems = [f"rank {rank}'s state file {rank_file(rank)} is missing (the manifest says world size "
+                f"{manifest.world_size})"
+                for rank in range(manifest.world_size) if rank_file(rank) not in manifest.files]
     for name, digest in manifest.files.items():
         path = directory / name
         if Path(name).name != name or not path.is_file():
             problems.append(f"file {name} is missing")
-        elif _sha256(path) != digest:
+        elif file_sha256(path) != digest:
             problems.append(f"file {name} does not match its checksum in the manifest")
     return problems
 
@@ -232,11 +240,3 @@ def _record(print_: Any) -> dict[str, Any]:
         "shape": list(print_.shape),
         "numel": int(print_.numel),
     }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()

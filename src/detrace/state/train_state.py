@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from detrace import _events
 from detrace._compat import unhooked_step
+from detrace.arming import arm_from_env
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     CONTROLS,
     batches_to_skip,
+    check_checkpoint_dir,
     checkpoint_dir,
     every_requested,
     resume_requested,
@@ -90,6 +92,8 @@ class TrainState:
         """Completed optimizer steps: set by `end_of_step` and `load`."""
         # A resumed process must reduce gradients in the DDP bucket layout the continuous run uses.
         pin_layout(model)
+        arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
+        check_checkpoint_dir()
 
     def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
         """Write a checkpoint of the current state under `path` (collective); returns the version directory.

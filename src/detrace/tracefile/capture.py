@@ -21,6 +21,10 @@ from safetensors.torch import load_file, save_file
 from detrace.errors import TraceError
 
 CAPTURE_VERSION = "detrace.capture/1"
+CODE_HASH = "code_sha256"
+"""The meta key of the SHA-256 of a compiled kernel's output code file, taken when the capture was made:
+`detrace replay --trust-code` runs that file only while its bytes still have this hash."""
+_KINDS = frozenset({"tensor", "list", "tuple", "dict", "dtype", "device", "torch", "value"})
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,10 @@ def load_capture(path: str | Path) -> Capture:
             return torch.empty(spec["shape"], dtype=dtype)
         return flat.view(dtype).reshape(spec["shape"])
 
-    def decode(node: dict[str, Any]) -> Any:
+    def decode(node: Any) -> Any:
+        if not isinstance(node, dict) or len(node) != 1 or next(iter(node)) not in _KINDS:
+            raise TraceError(f"{path} is not a readable detrace capture: its call holds {json.dumps(node)}, "
+                             f"not an object with one key of {', '.join(sorted(_KINDS))}")
         (kind, value), = node.items()
         if kind == "tensor":
             return tensor(value)
@@ -132,10 +139,15 @@ def load_capture(path: str | Path) -> Capture:
             return getattr(torch, value)
         return value
 
-    call = header["call"]
-    return Capture(op=header["op"], args=[decode(a) for a in call["args"]],
-                   kwargs={k: decode(v) for k, v in call["kwargs"].items()},
-                   outputs=[tensor(k) for k in header["outputs"]], meta=header["meta"])
+    try:
+        call = header["call"]
+        return Capture(op=str(header["op"]), args=[decode(a) for a in call["args"]],
+                       kwargs={str(k): decode(v) for k, v in call["kwargs"].items()},
+                       outputs=[tensor(k) for k in header["outputs"]], meta=dict(header["meta"]))
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+        # A header of the right schema whose parts have the wrong shape or type (a shared file, edited by hand).
+        raise TraceError(f"{path} is not a readable detrace capture: its header is malformed "
+                         f"({type(err).__name__}: {err})") from None
 
 
 def resolve_op(name: str) -> Any:

@@ -11,13 +11,20 @@ written in the same message as the batch it seals, so a batch is either read who
 at all. The footer, written atomically last, holds the final chain and the batch count, so a file cut
 cleanly at a batch boundary is caught too.
 
+Arrow's file readers (pyarrow.ipc.open_file, pandas, Polars, DuckDB) read more than the stream: the file footer,
+which holds a copy of the schema with the rank header and the offsets of every batch. Its checksum
+(`arrow_footer_checksum`), taken when the file is closed, is kept in the rank footer, so `detrace certify` catches
+a flip there too, though detrace's own reader never reads it.
+
 Checksums cover `RecordBatch.serialize()`: the writer seals the bytes the IPC writer puts on disk, the reader
 re-serializes the batch it decoded, which gives the same bytes whenever nothing changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +60,36 @@ def checksum(data: bytes | pa.Buffer) -> int:
     if tail:
         total += int.from_bytes(tail.ljust(8, b"\0"), "little") * int(_word_keys(n + 1)[n])
     return (total + len(view)) & _M64
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, hex: for files a reader must trust whole (checkpoint files, code a trace
+    names), where a cryptographic hash, not a checksum against accidents, is the point."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_ARROW_END = b"ARROW1"
+_ARROW_TRAILER = 4 + len(_ARROW_END)  # the footer's length (int32, little-endian), then the magic
+
+
+def arrow_footer_checksum(path: Path) -> int | None:
+    """The checksum of a closed Arrow IPC file's footer, its length and the closing magic; None when the file
+    does not end in a footer (no closing magic, or a length that does not fit the file)."""
+    with path.open("rb") as stream:
+        size = stream.seek(0, 2)
+        if size < 2 * _ARROW_TRAILER:
+            return None
+        stream.seek(size - _ARROW_TRAILER)
+        trailer = stream.read(_ARROW_TRAILER)
+        length = int.from_bytes(trailer[:4], "little", signed=True)
+        if trailer[4:] != _ARROW_END or not 0 < length <= size - 2 * _ARROW_TRAILER:
+            return None
+        stream.seek(size - _ARROW_TRAILER - length)
+        return checksum(stream.read(length + _ARROW_TRAILER))
 
 
 def _after(chain: int, value: int) -> int:

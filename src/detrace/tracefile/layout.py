@@ -10,6 +10,7 @@ import datetime
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Literal
 
@@ -66,6 +67,15 @@ def aux_trace_paths(run_dir: str | Path) -> list[Path]:
 def run_header_path(run_dir: str | Path) -> Path:
     """The run header written by `detrace run` (command, world size, rung, windows, versions)."""
     return Path(run_dir) / RUN_HEADER
+
+
+def require_regular(path: Path, what: str) -> None:
+    """Refuse a trace file that is not a regular file (a FIFO would block its reader forever, a device never
+    ends); FileNotFoundError passes through, for the caller to say what a missing file means."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise TraceError(f"{what} {path} is not a regular file (a FIFO, a device or a directory); detrace reads "
+                         "traces only from regular files")
 
 
 def rank_trace_paths(run_dir: str | Path) -> dict[int, Path]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from detrace.errors import TraceError, UsageError
+from detrace.tracefile.layout import require_regular
 from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
 from detrace.windows import parse_window
 
@@ -187,6 +188,9 @@ class RankFooter:
     """The process groups the rank used: its parallel layout."""
     first_step: int | None
     """The first global step the rank ran (`steps.first`: K for a run resumed after step K); None when absent."""
+    arrow_footer: str | None
+    """The checksum of the rank file's Arrow file footer (tracefile.integrity.arrow_footer_checksum), 16 hex
+    digits; None in traces written before it was recorded."""
     raw: dict[str, Any] = field(repr=False)
     """The object as read (validated)."""
 
@@ -194,9 +198,7 @@ class RankFooter:
     def from_json(cls, raw: object, source: str) -> RankFooter:
         """Validate a parsed footer; raises TraceError naming `source` and the field."""
         fields = Fields(raw, source)
-        chain = fields.get("chain", str, "16 hexadecimal digits")
-        if len(chain) != 16 or any(c not in "0123456789abcdef" for c in chain):
-            raise fields.fail("chain", "16 hexadecimal digits")
+        chain, arrow_footer = _checksum_text(fields, "chain"), _checksum_text(fields, "arrow_footer", default=None)
         fields.get("complete", bool, "true or false", default=None)
         for key in ("step", "pid", "collectives"):
             fields.count(key, default=None)
@@ -207,12 +209,22 @@ class RankFooter:
             raise fields.fail("steps", "an object whose `first` is a non-negative integer")
         return cls(schema=fields.schema(), rank=fields.count("rank", default=None), records=fields.count("records"),
                    batches=fields.count("batches"), chain=chain, last_step=fields.count("last_step", least=-1),
-                   groups=fields.strings("groups", default=None), first_step=first, raw=fields.raw)
+                   groups=fields.strings("groups", default=None), first_step=first, arrow_footer=arrow_footer,
+                   raw=fields.raw)
+
+
+def _checksum_text(fields: Fields, key: str, **default: Any) -> Any:
+    """A checksum field: 16 lowercase hexadecimal digits (tracefile.integrity.chain_text)."""
+    value = fields.get(key, str, "16 hexadecimal digits", **default)
+    if value is not None and (len(value) != 16 or any(c not in "0123456789abcdef" for c in value)):
+        raise fields.fail(key, "16 hexadecimal digits")
+    return value
 
 
 def load_json(path: Path, what: str) -> object:
     """Parse a metadata file, one sentence when it cannot be read; FileNotFoundError passes through."""
     try:
+        require_regular(path, what)
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise

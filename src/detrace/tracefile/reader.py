@@ -22,7 +22,14 @@ import pyarrow as pa
 
 from detrace.errors import TraceError
 from detrace.tracefile.integrity import chain_start, chain_text, verify
-from detrace.tracefile.layout import RANK_GLOB, footer_path, rank_path, rank_trace_paths, run_header_path
+from detrace.tracefile.layout import (
+    RANK_GLOB,
+    footer_path,
+    rank_path,
+    rank_trace_paths,
+    require_regular,
+    run_header_path,
+)
 from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
 from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
 from detrace.windows import parse_window
@@ -54,6 +61,7 @@ class BatchStream:
         # A plain file read sequentially (not a memory map): resident memory stays bounded by one batch
         # however long the rank's trace is.
         try:
+            require_regular(self.path, "trace file")
             self._file = pa.OSFile(str(self.path), "rb")
         except FileNotFoundError:
             raise TraceError(f"trace file {self.path} does not exist") from None

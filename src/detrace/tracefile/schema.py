@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from detrace.numbers import parse_count
+
 SCHEMA_VERSION = "detrace.trace/2"
 """Version 2 seals every record batch with a checksum and a running chain (tracefile.integrity); version 1 had
 none, so its traces cannot be trusted bit for bit and are refused."""
@@ -81,11 +83,11 @@ COLUMN_NAMES = tuple(name for name, *_ in FIELDS)
 def format_refusal(source: object, version: object) -> str:
     """The sentence refusing a file of another trace format version than SCHEMA_VERSION."""
     number = version[len(_FORMAT):] if isinstance(version, str) and version.startswith(_FORMAT) else ""
-    ours = int(SCHEMA_VERSION[len(_FORMAT):])
-    if number.isdigit() and int(number) < ours:
+    ours, theirs = int(SCHEMA_VERSION[len(_FORMAT):]), parse_count(number)
+    if theirs is not None and theirs < ours:
         return (f"{source} was written by an older detrace in trace format {version}, which has no batch "
                 f"checksums; this detrace reads only {SCHEMA_VERSION}: record the run again")
-    if number.isdigit():
+    if theirs is not None:
         return (f"{source} was written by a newer detrace in trace format {version}; this detrace reads only "
                 f"{SCHEMA_VERSION}: upgrade detrace to read it")
     return f"{source} is not a detrace trace: its format is {version!r}, not {SCHEMA_VERSION}"

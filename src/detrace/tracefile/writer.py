@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from detrace.errors import TraceError
-from detrace.tracefile.integrity import chain_start, chain_text, seal
+from detrace.tracefile.integrity import arrow_footer_checksum, chain_start, chain_text, seal
 from detrace.tracefile.layout import aux_footer_path, aux_path, footer_path, rank_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, SCHEMA_VERSION
 
@@ -136,4 +136,7 @@ class RankWriter:
         payload = {"schema": SCHEMA_VERSION, "rank": self.rank, "records": self.records,
                    "last_step": self.last_step, "complete": True, **(footer or {}),
                    "batches": self.batches, "chain": chain_text(self._chain)}
+        arrow_footer = arrow_footer_checksum(self.path)
+        if arrow_footer is not None:  # what Arrow's file readers read beyond the sealed batches
+            payload["arrow_footer"] = chain_text(arrow_footer)
         write_json_atomic(self._footer, payload)

@@ -42,9 +42,17 @@ def active() -> object | None:
 
 def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     global _tracer
+    from detrace.arming import arm_from_env as arm_guard_and_fault
+    from detrace.digest.kernels import selected_backend
     from detrace.tracing.rungs import install
     from detrace.tracing.session import Tracer
+    from detrace.tracing.steps import step_offset
 
+    arm_guard_and_fault()
+    # The variables the tracer reads later, checked now: a bad one refuses the tracer at start in one sentence
+    # (the start-up hook prints it and the program runs on), never at its first flush.
+    selected_backend()
+    step_offset()
     tracer = Tracer(config)
     if check_out_dir:
         tracer.check_out_dir()

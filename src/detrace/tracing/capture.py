@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from detrace._compat import pytree
-from detrace.tracefile.capture import save_capture
+from detrace.tracefile.capture import CODE_HASH, save_capture
+from detrace.tracefile.integrity import file_sha256
 from detrace.tracefile.layout import capture_path
 from detrace.tracefile.writer import write_json_atomic
 from detrace.tracing.records import Call
@@ -71,6 +73,9 @@ class Capturer:
                 "occurrence": call.occurrence, "seq": call.event, "threads": torch.get_num_threads(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(), **(meta or {})}
         try:
+            if "code" in meta:
+                # Replay runs this code only on the user's say-so, and only if it is still these exact bytes.
+                meta[CODE_HASH] = file_sha256(Path(meta["code"]))
             with tracer.own():
                 save_capture(path, op=call.name, args=pending.args, kwargs=pending.kwargs, outputs=outputs,
                              meta=meta)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from detrace.errors import UsageError
+from detrace.numbers import parse_count
 from detrace.tracefile.schema import RUNGS
 from detrace.windows import Window, parse_window
 
@@ -66,9 +67,10 @@ class CaptureSelector:
                 raise UsageError(f"malformed capture selector {spec!r}: {item!r} is not one of "
                                  f"{', '.join(k + '=...' for k in _SELECTOR_KEYS)}")
             if key in ("step", "rank", "occurrence"):
-                if not value.strip().isdigit():
+                number = parse_count(value)
+                if number is None:
                     raise UsageError(f"malformed capture selector {spec!r}: {key} must be a non-negative integer")
-                values[key] = int(value)
+                values[key] = number
             else:
                 values[key] = value.strip()
         return cls(spec=spec, name=values.pop("name", ""), **values)

@@ -3,7 +3,9 @@
 `run_traced` refuses (or, with force, clears) a directory that already holds a trace, writes a preliminary
 run.json (which also proves the directory writable), starts CMD in its own process group with DETRACE_TRACE
 and the inject directory on PYTHONPATH, streams its output while keeping the last few KB, and completes
-run.json from the ranks' headers when CMD ends. It never raises for a nonzero exit: that is `returncode`.
+run.json from the ranks' headers when CMD ends. Commands that run CMD several times (check, check-resume,
+locate, recheck, check-topology) give every run the same stdin: detrace's own, read once (`shared_stdin`).
+It never raises for a nonzero exit: that is `returncode`.
 
 CMD's whole process tree is killed (SIGKILL) on a timeout, on an exception in the launcher (Ctrl-C), and when
 the launcher itself dies, even by SIGKILL: a watchdog process does it then (see `detrace.tracing.watchdog`).
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
+import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -41,6 +46,8 @@ from detrace.tracing.config import ENV_VAR, RECORDING_VAR, TraceConfig
 
 TAIL_BYTES = 4096
 """How much of CMD's combined output `LaunchResult.output_tail` keeps."""
+STDIN_WAIT = 1.0
+"""Seconds to wait for a pipe on detrace's stdin to hold data (or be closed) before every run gets none."""
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,8 @@ class LaunchResult:
 
 Launcher = Callable[..., LaunchResult]
 """What runs CMD traced, with `run_traced`'s signature: `run_traced` itself, or (tests) a function that writes traces
-of its own, so that the commands that launch CMD (check, check-resume, locate) have their verdicts tested in process
-on traces with a known answer."""
+of its own, so that the commands that launch CMD (check, check-resume, locate, recheck) have their verdicts tested in
+process on traces with a known answer (the launch seam)."""
 
 
 def _rank_headers(out: Path) -> dict[int, dict[str, Any]]:
@@ -143,6 +150,38 @@ def _pump(stream: IO[bytes], tail: collections.deque[bytes], lock: threading.Loc
             sink.flush()
 
 
+@functools.cache
+def shared_stdin() -> bytes | None:
+    """detrace's own stdin, read once, for every run of CMD: a command that runs CMD several times must give each
+    run the same input (else run 2 reads nothing and differs from run 1). None for a terminal, which every run
+    reads from itself; b"" where there is no input (none, /dev/null, or a pipe with no data after STDIN_WAIT)."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return b""
+    if os.isatty(0):
+        return None
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        ready, _, _ = select.select([0], [], [], STDIN_WAIT)
+        if not ready:
+            print(f"detrace: stdin is a pipe that gave no data in {STDIN_WAIT:g} s; every run of the command gets "
+                  "an empty stdin", file=sys.stderr)
+            return b""
+    elif not stat.S_ISREG(mode):
+        return b""
+    chunks = []
+    while chunk := os.read(0, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _feed(stream: IO[bytes], data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, OSError):  # CMD may exit or close stdin before reading it all
+        stream.write(data)
+    with contextlib.suppress(BrokenPipeError, OSError):
+        stream.close()
+
+
 def _start_watchdog(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
     """The watchdog of CMD's tree (see detrace/tracing/watchdog.py, run isolated by its path: no site, no package
     import); None where it cannot be started (CMD then runs unwatched)."""
@@ -179,8 +218,10 @@ def _kill_group(proc: subprocess.Popen[bytes], watchdog: subprocess.Popen[bytes]
 def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
                steps: str | Mapping[str, str] = "all", ranks: str = "all", max_numel: int | None = None,
                capture: str | None = None, force: bool = False, env: Mapping[str, str] | None = None,
-               timeout: float | None = None, quiet: bool = False) -> LaunchResult:
-    """Run `cmd` traced into `out`. `env` adds variables to this process's environment for CMD.
+               timeout: float | None = None, quiet: bool = False, share_stdin: bool = True) -> LaunchResult:
+    """Run `cmd` traced into `out`. `env` adds variables to this process's environment for CMD. With
+    `share_stdin`, CMD reads `shared_stdin()` (the same bytes in every run this process launches); without,
+    it inherits detrace's stdin (a single run, which may stream it).
 
     Raises UsageError for bad options, TraceError for an output directory that cannot be used, CommandFailed
     when CMD cannot be started or runs past `timeout` (its whole process tree is killed).
@@ -211,9 +252,11 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     child_env[ENV_VAR] = config.to_env()
     child_env.pop(RECORDING_VAR, None)  # CMD is the root of a new job, whatever this process records
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
+    given = shared_stdin() if share_stdin else None
     start = time.monotonic()
     try:
         proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=None if given is None else subprocess.PIPE if given else subprocess.DEVNULL,
                                 start_new_session=True)
     except OSError as err:
         # Nothing ran, so nothing was traced: the header that said "running" goes, and the directory stays usable.
@@ -224,6 +267,10 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
             raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
         raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
     watchdog = _start_watchdog(proc)
+    if given:
+        assert proc.stdin is not None
+        # A thread: CMD may read its input only as it writes output, and a full pipe must not block the launcher.
+        threading.Thread(target=_feed, args=(proc.stdin, given), daemon=True).start()
     tail: collections.deque[bytes] = collections.deque()
     lock = threading.Lock()
     assert proc.stdout is not None and proc.stderr is not None
@@ -284,6 +331,7 @@ def _forwarding_sigterm(proc: subprocess.Popen[bytes], terms: list[int]) -> Iter
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
 
 
 def describe(result: LaunchResult) -> str:

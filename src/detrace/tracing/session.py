@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from detrace.errors import DetraceError, os_error_text
+from detrace.numbers import parse_count
 from detrace.tracefile.layout import rank_path, rank_trace_paths, run_header_path
 from detrace.tracefile.schema import RUNGS
 from detrace.tracefile.writer import RankWriter, write_json_atomic
@@ -97,8 +98,8 @@ class Tracer:
         """Started by a process that was recording: not a rank unless it joins a process group."""
         self.aux = False
         """Known not to be a rank: its records go to an auxiliary trace (`aux-<pid>.arrow`)."""
-        if not self.nested and os.environ.get("RANK", "").isdigit():
-            self._set_rank(int(os.environ["RANK"]))
+        if not self.nested and (rank := parse_count(os.environ.get("RANK", ""))) is not None:
+            self._set_rank(rank)
         self._update_windows()
 
     # -- windows and the steps --------------------------------------------------------------------------------
@@ -304,8 +305,7 @@ class Tracer:
     def _open(self) -> RankWriter:
         assert self.rank is not None or self.aux
         if self.world_size is None and not self.aux:
-            env = os.environ.get("WORLD_SIZE", "")
-            self.world_size = int(env) if env.isdigit() else None
+            self.world_size = parse_count(os.environ.get("WORLD_SIZE", ""))
         header = base_header(self.config, world_size=self.world_size)
         header.update(rank=self.rank, pid=os.getpid(), aux=self.aux)
         # Inside `detrace run` the launcher already refused or cleared an existing trace; a rank file there is

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from detrace.numbers import parse_count
 from detrace.tracing.records import Call
 
 STEP_OFFSET_ENV = "DETRACE_STEP_OFFSET"
@@ -43,11 +44,12 @@ def step_offset(environ: Any = os.environ) -> int:
     text = environ.get(STEP_OFFSET_ENV, "").strip()
     if not text:
         return 0
-    if not text.isdigit():
+    offset = parse_count(text)
+    if offset is None:
         from detrace.errors import UsageError
 
         raise UsageError(f"{STEP_OFFSET_ENV} must be a non-negative integer (a global step), not {text!r}")
-    return int(text)
+    return offset
 
 
 class StepClock:

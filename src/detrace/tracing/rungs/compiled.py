@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detrace.numbers import parse_count
 from detrace.tracing.capture import Capturer
 from detrace.tracing.names import named_modules, roots
 from detrace.tracing.patch import replace
@@ -72,7 +73,7 @@ def aten_ops(kernel: str) -> list[str]:
         if tuple(words[:len(prefix)]) == prefix:
             words = words[len(prefix):]
             break
-    if words and words[-1].isdigit():
+    if words and parse_count(words[-1]) is not None:
         words = words[:-1]
     found: list[str] = []
     i = 0
