@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from detrace.compare.align import align_rank
-from detrace.compare.pool import cores, map_ranks
+from detrace.analyze.align import align_rank
+from detrace.analyze.pool import cores, map_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic traces are a test fixture
 from _synthetic import Fault, SyntheticRun, write_rank

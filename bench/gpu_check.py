@@ -227,7 +227,7 @@ def check_kernels(quick: bool) -> list[str]:
 
 def _small_step(device: str, compiled: bool = False,
                 preset: str = "small") -> tuple[Callable[[], None], torch.nn.Module]:
-    from detrace.examples.model import PRESETS, HybridLM, ModelConfig, objective
+    from detrace.workload.model import PRESETS, HybridLM, ModelConfig, objective
 
     config = PRESETS[preset]["model"]
     assert isinstance(config, ModelConfig)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 def _worker(args: argparse.Namespace) -> None:
     from detrace._exit import leave
-    from detrace.examples import layouts, parallel
-    from detrace.examples.model import PRESETS
-    from detrace.replica_guard import Guard
+    from detrace.defects.guard import Guard
+    from detrace.workload import layouts
+    from detrace.workload import sharding as parallel
+    from detrace.workload.model import PRESETS
 
     torch.set_num_threads(args.threads)
     layout = layouts.setup("ddp")

@@ -117,7 +117,7 @@ def op_variants(n: int, k: int, d: int, experts: int) -> dict[str, list[Variant]
 
 
 def small_step(dispatch: str) -> Callable[[], None]:
-    from detrace.examples.model import PRESETS, HybridLM, ModelConfig, objective
+    from detrace.workload.model import PRESETS, HybridLM, ModelConfig, objective
 
     preset = PRESETS["small"]
     config = preset["model"]
@@ -142,7 +142,7 @@ def small_step(dispatch: str) -> Callable[[], None]:
 def mixtral_step(implementation: str, tokens: int = 1024) -> Callable[[], None]:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from detrace.ops import hf
+    from detrace.ops import hf_experts as hf
 
     hf.register()
     config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

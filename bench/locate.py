@@ -32,7 +32,7 @@ EVERY = 8
 
 
 def command(steps: int) -> list[str]:
-    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2",
+    return [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--threads", "2",
             "--steps", str(steps), "--nondeterministic-from", str(steps - 8)]
 
 

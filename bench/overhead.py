@@ -1,6 +1,6 @@
 """Tracer overhead: step time of the reference model at each rung, relative to the same step untraced.
 
-The reference model runs at one of its presets (`detrace.examples.model.PRESETS`): `small` (the default) is a
+The reference model runs at one of its presets (`detrace.workload.model.PRESETS`): `small` (the default) is a
 small transformer-style training step (dim 256, 8 layers, 16 experts, batch 16 x 128 tokens); `tiny` (dim 64,
 4 layers, batch 8 x 32 tokens) is the stress case, where thousands of sub-millisecond ops make the tracer's
 fixed cost per record show.
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import detrace
-from detrace.examples.model import PRESETS, HybridLM, ModelConfig, objective
+from detrace.workload.model import PRESETS, HybridLM, ModelConfig, objective
 
 VARIANTS = ("untraced", "metrics", "semantic", "module", "op", "outside window")
 

@@ -1,4 +1,4 @@
-"""Invariant data parallelism (`detrace.parallel`) against DDP on gloo: step time and memory, as ratios.
+"""Invariant data parallelism (`detrace.parallel.data`) against DDP on gloo: step time and memory, as ratios.
 
 Both train the reference model on the same global batch of M microbatches; each rank computes its M / W
 microbatches one at a time (DDP accumulates them under `no_sync` and all-reduces with the last; the invariant
@@ -13,9 +13,9 @@ Memory: a separate set of ranks per method (peak RSS cannot be separated within 
 rank 0's peak resident set over the training steps, invariant / DDP.
 
 Exchange: the two ways of completing the tree (recursive doubling over p2p, all-gather of the partial sums),
-timed interleaved on flat buffers of several sizes: what `detrace.parallel.GATHER_MAX_BYTES` is chosen from.
+timed interleaved on flat buffers of several sizes: what `detrace.parallel.data.GATHER_MAX_BYTES` is chosen from.
 
-Tensor parallelism (`--part tp`): `detrace.tensor_parallel`'s invariant layers against plain tensor parallelism
+Tensor parallelism (`--part tp`): `detrace.parallel.tensor`'s invariant layers against plain tensor parallelism
 on the same chunked parameters (one product per rank over its block, an all-reduce), on T ranks of gloo, one
 set of ranks running both interleaved (the starting method alternates): the reference model's step (forward,
 backward, AdamW; attention and MLP projections split over T, one microbatch of the preset's batch), and the
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from detrace.examples.model import PRESETS, HybridLM, ModelConfig, lm_losses
-from detrace.parallel import InvariantDataParallel
+from detrace.parallel.data import InvariantDataParallel
+from detrace.workload.model import PRESETS, HybridLM, ModelConfig, lm_losses
 
 SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes of the exchanged partial sum
 
@@ -132,7 +132,7 @@ def _timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvou
 
 def _exchange_sweep(world: int, repeats: int) -> dict[str, list[float]]:
     """doubling / gather time ratios per size (median over repeats, interleaved)."""
-    from detrace.parallel import _exchange
+    from detrace.parallel.data import _exchange
 
     rank = dist.get_rank()
     result = {}
@@ -179,7 +179,7 @@ class _ReduceForward(torch.autograd.Function):
 
 def _tp_step(layout, preset: str):  # type: ignore[no-untyped-def]
     """One training step of the reference model with its projections split over tp (the layout's mode)."""
-    from detrace.examples.parallel import _chunked_tensor_parallel
+    from detrace.workload.sharding import _chunked_tensor_parallel
 
     spec = PRESETS[preset]
     cfg = spec["model"]
@@ -204,7 +204,7 @@ def _tp_step(layout, preset: str):  # type: ignore[no-untyped-def]
 
 def _tp_block(mode: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Forward and backward of one MLP block split over the world: column [width -> 4 width], row back."""
-    from detrace.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
     w, h = args.width, 4 * args.width
@@ -239,7 +239,7 @@ def _interleaved(fns: dict[str, object], repeats: int) -> list[float]:
 def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from detrace.examples.layouts import Layout
+    from detrace.workload.layouts import Layout
 
     _setup(rank, world, rendezvous, args.threads)
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))

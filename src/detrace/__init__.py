@@ -24,13 +24,13 @@ _API = {
     "fingerprint": "detrace.digest",
     "fingerprint_many": "detrace.digest",
     "Fingerprint": "detrace.digest",
-    "trace": "detrace.tracing",
-    "step": "detrace.tracing",
-    "metric": "detrace.tracing",
+    "trace": "detrace.record",
+    "step": "detrace.record",
+    "metric": "detrace.record",
     "deterministic": "detrace.recipe",
     "TrainState": "detrace.state",
-    "diff": "detrace.compare",
-    "guard": "detrace.replica_guard",
+    "diff": "detrace.analyze",
+    "guard": "detrace.defects.guard",
 }
 
 __all__ = [*sorted(_API), "__version__"]

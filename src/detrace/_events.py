@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 step_restored: list[Callable[[int], None]] = []
 """Called with `n` when a training state was restored from a checkpoint taken after step n-1 (TrainState.load):
-a recording tracer counts steps on from n (detrace.tracing registers `set_step` when imported)."""
+a recording tracer counts steps on from n (detrace.record registers `set_step` when imported)."""
 
 
 def restored(step: int) -> None:
@@ -29,7 +29,7 @@ everything is restored, so what the restore records stays with the set-up, in no
 checkpoint_running: list[Callable[[bool], None]] = []
 """Called with True when a checkpoint starts to be saved or loaded and with False when it is done: a tracer records
 what runs meanwhile (DCP's own collectives, the manifest's fingerprints) in phase "checkpoint", apart from the
-training (detrace.tracing registers its listener when imported)."""
+training (detrace.record registers its listener when imported)."""
 
 
 @contextlib.contextmanager

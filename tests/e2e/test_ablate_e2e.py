@@ -18,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def trainer(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "1", *extra]
+    return [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--threads", "1", *extra]
 
 
 def traced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cmd: list[str], *, every: int) -> Path:

@@ -20,12 +20,12 @@ import torch
 
 import detrace
 from detrace.errors import TraceError
-from detrace.locate import LocateConfig, locate
-from detrace.replay import ReplayConfig, replay
+from detrace.investigate.locate import LocateConfig, locate
+from detrace.investigate.replay import ReplayConfig, replay
+from detrace.record.rungs.compiled import REGION, aten_ops
 from detrace.tracefile import Capture, read_rank
 from detrace.tracefile.capture import CODE_HASH
 from detrace.tracefile.integrity import file_sha256
-from detrace.tracing.rungs.compiled import REGION, aten_ops
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
 SMALL = {"steps": 2, "tokens": 4096}

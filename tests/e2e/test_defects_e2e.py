@@ -18,7 +18,7 @@ from detrace.tracefile import read_rank
 PY = sys.executable
 pytestmark = pytest.mark.slow
 
-TRAIN = ["-m", "detrace.examples.train", "--preset", "tiny", "--deterministic", "--threads", "1"]
+TRAIN = ["-m", "detrace.workload.train", "--preset", "tiny", "--deterministic", "--threads", "1"]
 NORM = "layers.0.norm.weight"  # replicated on every rank in ddp and dp-ep (not an expert)
 
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import detrace
+from detrace.analyze import DiffResult, diff
 from detrace.cli import main
-from detrace.compare import DiffResult, diff
 
 pytestmark = pytest.mark.slow
 

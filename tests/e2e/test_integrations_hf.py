@@ -153,7 +153,7 @@ def test_an_iterable_dataset_trains_with_one_warning(tmp_path: Path) -> None:
     and the continuous run trains to its last step."""
     from transformers import Trainer
 
-    from detrace.integrations._data import _warn_unindexed
+    from detrace.integrations._seeding import _warn_unindexed
     from detrace.integrations.hf import DetraceCallback
 
     _warn_unindexed.cache_clear()  # once per process: whichever test ran before

@@ -14,9 +14,9 @@ import pytest
 from _scenarios import GATHER
 from _tools import dump_dom, locate_cli
 
+from detrace.analyze.locate_result import load_ladder
 from detrace.cli.locate import render
-from detrace.ladder import load_ladder
-from detrace.replay import FIX_DETERMINISTIC
+from detrace.investigate.replay import FIX_DETERMINISTIC
 from detrace.report.terminal import make_console
 
 pytestmark = pytest.mark.slow

@@ -16,16 +16,16 @@ import sys
 import pytest
 
 from detrace.errors import UsageError
-from detrace.examples.layouts import Layout, setup
-from detrace.examples.model import PRESETS, HybridLM, ModelConfig
-from detrace.examples.parallel import _pipeline_stage
+from detrace.workload.layouts import Layout, setup
+from detrace.workload.model import PRESETS, HybridLM, ModelConfig
+from detrace.workload.sharding import _pipeline_stage
 
 TIMEOUT_S = 180
 
 
 def _train(nproc: int, *args: str) -> list[dict[str, str]]:
     """Run the trainer (under torchrun when nproc > 1) for 2 steps; the fields of each step line."""
-    train = ["-m", "detrace.examples.train", "--steps", "2", "--threads", "1", *args]
+    train = ["-m", "detrace.workload.train", "--steps", "2", "--threads", "1", *args]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

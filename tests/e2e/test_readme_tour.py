@@ -28,9 +28,9 @@ EXPECTED: dict[str, set[int]] = {
     "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 2": {1},
     "detrace report detrace-runs/locate-latest": {0},
     "python examples/plain_moe_train.py --steps 3 --threads 2 --deterministic": {0},
-    "detrace check-resume --at 2 -- python -m detrace.examples.train --preset tiny --steps 4 --deterministic": {0},
+    "detrace check-resume --at 2 -- python -m detrace.workload.train --preset tiny --steps 4 --deterministic": {0},
     "detrace run --out runs/ddp --rung semantic -- torchrun --standalone --nproc-per-node 2 "
-    "-m detrace.examples.train --preset tiny --steps 3 --parallel ddp": {0},
+    "-m detrace.workload.train --preset tiny --steps 3 --parallel ddp": {0},
 }
 
 

@@ -104,7 +104,7 @@ def _train(tmp_path: Path, name: str, **env: str) -> list[str]:
     """The reference workload, 2 pipeline stages; the lines it printed for its steps."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "detrace.examples.train", "--parallel", "pp", "--threads", "1", "--steps", "4",
+        "-m", "detrace.workload.train", "--parallel", "pp", "--threads", "1", "--steps", "4",
     ]
     done = subprocess.run(
         command, capture_output=True, text=True, timeout=120, cwd=tmp_path,

@@ -20,8 +20,8 @@ import pytest
 import detrace
 from detrace.cli import main as cli
 from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.launch.launcher import run_traced, shared_stdin
 from detrace.tracefile import open_run, read_rank
-from detrace.tracing.launch import run_traced, shared_stdin
 
 SUPPORT = Path(__file__).parents[1] / "support"
 PY = sys.executable

@@ -19,15 +19,15 @@ from _synthetic import SyntheticRun, rank_table, write_table
 import detrace
 from detrace.cli import main as cli
 from detrace.errors import CheckpointError
-from detrace.locate import LocateConfig, driver, locate
+from detrace.investigate.locate import LocateConfig, driver, locate
+from detrace.launch import launcher as launch
+from detrace.launch.launcher import LaunchResult
+from detrace.record.config import RECORDING_VAR
 from detrace.report.terminal import diff_lines
 from detrace.state import checkpoint
 from detrace.tracefile import RankWriter, open_run, writer
 from detrace.tracefile.layout import aux_trace_paths, rank_path
 from detrace.tracefile.reader import iter_batches
-from detrace.tracing import launch
-from detrace.tracing.config import RECORDING_VAR
-from detrace.tracing.launch import LaunchResult
 
 PY = sys.executable
 ONE_RANK = SyntheticRun(ranks=1, steps=2, ops=2)

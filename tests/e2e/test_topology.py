@@ -1,4 +1,4 @@
-"""Same bits at any data-parallel world size: detrace.parallel's fixed-tree reduction, the trainer's
+"""Same bits at any data-parallel world size: detrace.parallel.data's fixed-tree reduction, the trainer's
 --parallel dp-invariant, and `detrace check-topology`."""
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ from torch import nn
 
 from detrace.cli import main as cli
 from detrace.errors import CommandFailed, UsageError
-from detrace.examples.validate import _topology_row
-from detrace.parallel import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
-from detrace.tensor_parallel import TP_ENV
-from detrace.topology import (
+from detrace.investigate.check_topology import (
     Mesh,
     TopologyResult,
     check_topology,
@@ -35,7 +32,10 @@ from detrace.topology import (
     plan_runs,
     torchrun_command,
 )
-from detrace.tracing.launch import LaunchResult
+from detrace.investigate.validate import _topology_row
+from detrace.launch.launcher import LaunchResult
+from detrace.parallel.data import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
+from detrace.parallel.tensor import TP_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "examples" / "invariant_dp.py"
@@ -159,7 +159,7 @@ def test_world_sizes_1_2_4_and_both_exchanges_give_the_same_bits(tmp_path: Path)
 
 
 def _train_lines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str, **env: str) -> list[str]:
-    from detrace.examples.train import main
+    from detrace.workload.train import main
 
     for key in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_CONTROL"):
         monkeypatch.delenv(key, raising=False)
@@ -185,7 +185,7 @@ def test_trainer_resumes_exactly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 def test_trainer_refuses_bad_options() -> None:
-    from detrace.examples.train import main
+    from detrace.workload.train import main
 
     assert main(["--parallel", "dp-invariant", "--dispatch", "fixed"]) == 2  # no --microbatches
     assert main(["--microbatches", "2"]) == 2  # without dp-invariant
@@ -200,7 +200,7 @@ def test_trainer_refuses_bad_options() -> None:
 
 def test_trainer_takes_the_tp_size_from_check_topology(monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from detrace.examples.train import main, parse_args
+    from detrace.workload.train import main, parse_args
 
     monkeypatch.setenv(TP_ENV, "4")
     assert parse_args(["--parallel", "tp-invariant", "--microbatches", "4", "--dispatch", "fixed"]).tp == 4
@@ -219,11 +219,11 @@ def _check_topology(tmp_path: Path, name: str, worlds: str, *cmd: str) -> tuple[
 
 @pytest.mark.slow
 def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -> None:
-    code, report = _check_topology(tmp_path, "tiny", "1,2,4", sys.executable, "-m", "detrace.examples.train",
+    code, report = _check_topology(tmp_path, "tiny", "1,2,4", sys.executable, "-m", "detrace.workload.train",
                                    "--parallel", "dp-invariant", "--microbatches", "4", "--dispatch", "fixed",
                                    "--deterministic", "--steps", "2", "--threads", "1")
     assert code == 0, report
-    from detrace.examples.model import PRESETS, HybridLM
+    from detrace.workload.model import PRESETS, HybridLM
 
     model = HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]
     assert report["steps"] == 2 and report["tensors"] == len(list(model.parameters()))
@@ -265,7 +265,7 @@ def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
     import detrace
     from detrace.errors import TraceError
-    from detrace.topology import compare_runs
+    from detrace.investigate.check_topology import compare_runs
 
     with detrace.trace(tmp_path / "run", rung="semantic"):
         (torch.ones(3, requires_grad=True) * 2).sum().backward()  # a loss, but no optimizer step
@@ -423,7 +423,7 @@ def test_layout_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 # real runs: one per question, tiny preset
 
 
-TRAIN = [sys.executable, "-m", "detrace.examples.train", "--microbatches", "4", "--dispatch", "fixed",
+TRAIN = [sys.executable, "-m", "detrace.workload.train", "--microbatches", "4", "--dispatch", "fixed",
          "--deterministic", "--threads", "1"]
 
 

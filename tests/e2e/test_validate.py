@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from detrace.cli.validate import main
-from detrace.examples import validate
-from detrace.examples.validate import CONFIGS, FAST, Cell, Config, table
+from detrace.investigate import validate
+from detrace.investigate.validate import CONFIGS, FAST, Cell, Config, table
 
 SINGLE = Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=2)
 DDP = Config(name="ddp x2, one thread", nproc=2, args=("--parallel", "ddp"), threads=1)
@@ -19,7 +19,7 @@ DDP = Config(name="ddp x2, one thread", nproc=2, args=("--parallel", "ddp"), thr
 
 def test_commands_launch_the_trainer_directly_or_under_torchrun() -> None:
     single = SINGLE.command(steps=3, deterministic=False)
-    assert single[1:] == ["-m", "detrace.examples.train", "--steps", "3", "--threads", "2",
+    assert single[1:] == ["-m", "detrace.workload.train", "--steps", "3", "--threads", "2",
                           "--dispatch", "index", "--no-deterministic"]  # fmt: skip
     ddp = DDP.command(steps=3, deterministic=True)
     assert ddp[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -75,12 +75,12 @@ def test_a_failed_command_is_explained_by_the_cause_it_quotes() -> None:
     stderr = """detrace check-resume: continuous run: out/continuous
 detrace check-resume: error: resumed run exited with code 1; its output ends with:
 W1129 13:31:11 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 11627 closing signal SIGTERM
-detrace.examples.train: error: checkpoint/step-00000002 does not fit: Connection reset. ... a remote worker ...
-detrace.examples.train: error: checkpoint/step-00000002 holds tensor 'model.embedding.weight' that ...
+detrace.workload.train: error: checkpoint/step-00000002 does not fit: Connection reset. ... a remote worker ...
+detrace.workload.train: error: checkpoint/step-00000002 holds tensor 'model.embedding.weight' that ...
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 """
     assert validate._reason(stderr) == (
-        "resumed run exited with code 1: detrace.examples.train: error: checkpoint/step-00000002 holds tensor "
+        "resumed run exited with code 1: detrace.workload.train: error: checkpoint/step-00000002 holds tensor "
         "'model.embedding.weight' that ..."
     )
     assert validate._reason("Traceback (most recent call last):\nValueError: bad\n") == "ValueError: bad"

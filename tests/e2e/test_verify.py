@@ -59,7 +59,7 @@ def test_check_resume_exact_on_a_real_command(tmp_path: Path, capsys: pytest.Cap
 def test_check_resume_exact_on_ddp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The reference workload on 2 gloo ranks under torchrun: every arm is a 2-rank job.
     code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, "-m",
-                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.examples.train",
+                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.workload.train",
                  "--preset", "tiny", "--steps", "3", "--parallel", "ddp", "--deterministic"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report

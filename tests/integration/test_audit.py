@@ -26,17 +26,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 import detrace
-from detrace import tracing
+from detrace import record as tracing
 from detrace.cli import audit as audit_cli
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.hazards import judge, probe
-from detrace.hazards.catalog import BY_OP, ENTRIES, OpEntry
-from detrace.hazards.kernels import scan
-from detrace.hazards.records import ENV_AUDIT, SCHEMA, Hazard, merge, rank_file
-from detrace.hazards.report import Launch, audit_command, prediction, read_ranks
-from detrace.integrations._data import SampleKeys
+from detrace.integrations._seeding import SampleKeys
+from detrace.investigate.audit import judge, probe
+from detrace.investigate.audit.catalog import BY_OP, ENTRIES, OpEntry
+from detrace.investigate.audit.kernels import scan
+from detrace.investigate.audit.records import ENV_AUDIT, SCHEMA, Hazard, merge, rank_file
+from detrace.investigate.audit.report import Launch, audit_command, prediction, read_ranks
+from detrace.launch.launcher import LaunchResult
 from detrace.recipe import Finding
-from detrace.tracing.launch import LaunchResult
 
 DATA = Path(__file__).parents[1] / "support" / "data" / "inductor"
 PY = sys.executable
@@ -370,7 +370,7 @@ def _audit_cli(tmp_path: Path, *command: str) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_the_reference_trainers_moe_backward_index_put_is_certain(tmp_path: Path) -> None:
-    code, report = _audit_cli(tmp_path, PY, "-m", "detrace.examples.train", "--preset", "tiny", "--dispatch",
+    code, report = _audit_cli(tmp_path, PY, "-m", "detrace.workload.train", "--preset", "tiny", "--dispatch",
                               "index", "--threads", "2", "--steps", "2")
     assert code == 1
     [op] = [h for h in report["certain"] if h["kind"] == "op"]
@@ -380,7 +380,7 @@ def test_the_reference_trainers_moe_backward_index_put_is_certain(tmp_path: Path
 
 @pytest.mark.slow
 def test_the_reference_trainer_with_fixed_dispatch_under_the_recipe_is_clean(tmp_path: Path) -> None:
-    from detrace.examples.train import main as train
+    from detrace.workload.train import main as train
 
     with _audited(tmp_path / "run", steps=2):
         assert train(["--preset", "tiny", "--dispatch", "fixed", "--deterministic", "--threads", "2",

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import detrace
-from detrace.compare import diff
+from detrace.analyze import diff
 from detrace.tracefile import read_rank
 
 

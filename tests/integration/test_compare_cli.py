@@ -9,8 +9,8 @@ import pytest
 from _scenarios import traced_runs
 
 from detrace import diff
+from detrace.analyze.noise import compare_metric, noise_test
 from detrace.cli import main
-from detrace.noise import compare_metric, noise_test
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 from _synthetic import SyntheticRun, rank_table, write_table
 
-from detrace.compare import diff
+from detrace.analyze import diff
 from detrace.tracefile import ARROW_SCHEMA
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)

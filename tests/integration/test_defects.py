@@ -13,14 +13,14 @@ import torch
 from _synthetic import Fault, SyntheticRun, write_run
 from torch import nn
 
-from detrace.arming import arm_from_env
+from detrace.defects.arming import arm_from_env
+from detrace.defects.faults import ENV_DEVICE_SHIFT, FaultInjector, FaultSpec, flip_bit, global_step
+from detrace.defects.guard import Guard, Mismatch, _digests, parse_env, vote
+from detrace.defects.recheck import judge, recheck
 from detrace.errors import UsageError
-from detrace.faults import ENV_DEVICE_SHIFT, FaultInjector, FaultSpec, flip_bit, global_step
-from detrace.recheck import judge, recheck
-from detrace.replica_guard import Guard, Mismatch, _digests, parse_env, vote
+from detrace.launch.launcher import LaunchResult
 from detrace.tracefile.layout import run_header_path
 from detrace.tracefile.writer import write_json_atomic
-from detrace.tracing.launch import LaunchResult
 from detrace.verdicts import RECHECK
 
 PY = sys.executable
@@ -320,4 +320,4 @@ def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
     monkeypatch.setenv(variable, value)
     with pytest.raises(UsageError, match=variable), detrace.trace(tmp_path / "t"):
         pass
-    assert detrace.tracing.active() is None
+    assert detrace.record.active() is None

@@ -95,7 +95,7 @@ def test_audit_warns_that_inductor_reads_the_deterministic_flag_when_it_compiles
     import torch
     import torch._dynamo  # the program compiles
 
-    from detrace.audit import audit
+    from detrace.recipe.doctor import audit
 
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
     found = [f for f in audit() if f.name == "torch.compile"]

@@ -16,10 +16,10 @@ from torch import nn
 import detrace
 from detrace.cli import main
 from detrace.errors import UsageError
+from detrace.launch.launcher import run_traced
+from detrace.record import set_step
+from detrace.record.steps import STEP_OFFSET_ENV, StepClock
 from detrace.tracefile import read_rank
-from detrace.tracing import set_step
-from detrace.tracing.launch import run_traced
-from detrace.tracing.steps import STEP_OFFSET_ENV, StepClock
 
 
 class Model(nn.Module):
@@ -157,7 +157,7 @@ def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_p
     state.save(tmp_path / "ckpt")
     with detrace.trace(tmp_path / "t", rung="semantic"):
         model, optimizer = _fresh()
-        tracer = detrace.tracing.active()
+        tracer = detrace.record.active()
         assert detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt") == 3
         assert tracer.clock.detecting  # turned off only while TrainState restored
         _train(model, optimizer, _batches(5), range(3, 5))

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import detrace.tracing
-from detrace.inject import DIRECTORY
-from detrace.tracing.config import ENV_VAR, TraceConfig
+import detrace.record
+from detrace.launch.inject import DIRECTORY
+from detrace.record.config import ENV_VAR, TraceConfig
 
 
 def python(code: str, *, config: str | None = None, extra_path: Path | None = None) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def test_armed_only_when_the_program_imports_torch(tmp_path: Path) -> None:
     assert before.stdout.strip() == "False False"
     # A setting the program makes before importing torch still takes effect: torch is not imported earlier.
     after = python("import os; os.environ['OMP_NUM_THREADS'] = '1'\n"
-                   "import torch, detrace.tracing as t; print(t.active() is not None, torch.get_num_threads())",
+                   "import torch, detrace.record as t; print(t.active() is not None, torch.get_num_threads())",
                    config=config)
     assert after.stdout.strip() == "True 1", after.stderr
 
@@ -62,4 +62,4 @@ def test_bad_configuration_is_reported_and_the_program_runs() -> None:
 ])
 def test_torchrun_agent_is_recognised(monkeypatch: pytest.MonkeyPatch, argv: list[str], agent: bool) -> None:
     monkeypatch.setattr(sys, "orig_argv", argv)
-    assert detrace.tracing._is_torchrun_agent() is agent
+    assert detrace.record._is_torchrun_agent() is agent

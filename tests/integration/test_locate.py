@@ -14,10 +14,10 @@ import pytest
 from _scenarios import GATHER
 from _tools import locate_cli
 
+from detrace.analyze.locate_result import LOCATE_FILE, load_ladder
 from detrace.cli import main
 from detrace.errors import TraceError, UsageError
-from detrace.ladder import LOCATE_FILE, load_ladder
-from detrace.locate import BASE_RUNS, MAX_RUNS, LocateConfig, default_command, default_out
+from detrace.investigate.locate import BASE_RUNS, MAX_RUNS, LocateConfig, default_command, default_out
 
 
 def test_config_checks() -> None:
@@ -35,7 +35,7 @@ def test_run_budget_is_stated() -> None:
 
 def test_default_command_is_the_index_dispatch_on_two_threads() -> None:
     command = default_command()
-    assert command[:3] == [sys.executable, "-m", "detrace.examples.train"]
+    assert command[:3] == [sys.executable, "-m", "detrace.workload.train"]
     assert command[command.index("--dispatch") + 1] == "index"
     assert command[command.index("--threads") + 1] == "2"
 

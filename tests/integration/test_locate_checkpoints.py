@@ -15,9 +15,9 @@ from _tools import locate_cli
 
 from detrace import TrainState
 from detrace.errors import CheckpointError, UsageError
-from detrace.examples.train import TrainConfig, parse_args
 from detrace.state import ResumableSampler
 from detrace.state.contract import saved_versions
+from detrace.workload.train import TrainConfig, parse_args
 
 
 def _state() -> TrainState:
@@ -147,7 +147,7 @@ def test_every_error_is_one_json_object_with_json(tmp_path: Path, args: list[str
 
 # The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
 # race.
-PLANTED = [sys.executable, "-m", "detrace.examples.train", "--preset", "tiny", "--threads", "2",
+PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--threads", "2",
            "--nondeterministic-from", "4"]
 
 
@@ -191,7 +191,7 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
     proof = next(stage for stage in ladder["stages"] if stage["rung"] == "resume")
     assert "run A" in proof["note"] and "every narrow run is a full run" in proof["note"]
     assert ladder["notes"][0] == proof["note"]
-    # then what the audit of run A said of the culprit (detrace.hazards.report.prediction)
+    # then what the audit of run A said of the culprit (detrace.investigate.audit.report.prediction)
     assert [note.split(":")[0][:32] for note in ladder["notes"][1:]] in ([], ["the audit of the first run predi"],
                                                                           ["the audit of the first run did n"])
     narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
@@ -200,10 +200,10 @@ def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
 
 def _failed_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_from: Path) -> str:
     """The message of a narrow run that resumes from `resume_from` and fails (its launch stands in: CMD exits 1)."""
-    from detrace.locate import driver
-    from detrace.locate.config import LocateConfig
-    from detrace.locate.stages import RunFailed, StageRun
-    from detrace.tracing.launch import LaunchResult
+    from detrace.investigate.locate import driver
+    from detrace.investigate.locate.config import LocateConfig
+    from detrace.investigate.locate.stages import RunFailed, StageRun
+    from detrace.launch.launcher import LaunchResult
 
     monkeypatch.setattr(driver, "run_traced", lambda cmd, out, **_: LaunchResult(
         returncode=1, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="CheckpointCorrupted: ..."))

@@ -1,4 +1,4 @@
-"""detrace.ops.hf: the "detrace" experts implementation of transformers' MoE models, against HF's "eager"
+"""detrace.ops.hf_experts: the "detrace" experts implementation of transformers' MoE models, against HF's "eager"
 experts (same function to float tolerance) and bit-identical across runs without torch's global switch."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("transformers.integrations.moe")
 from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 
 from detrace.errors import UsageError  # noqa: E402
-from detrace.ops import hf  # noqa: E402
+from detrace.ops import hf_experts as hf  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

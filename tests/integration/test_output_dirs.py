@@ -9,10 +9,9 @@ import pytest
 from _synthetic import SyntheticRun, rank_table, write_table
 
 from detrace.cli import main as cli
-from detrace.locate import driver
-from detrace.tracefile.layout import RUNS_DIR
-from detrace.tracing.launch import LaunchResult
-from detrace.verify import default_out
+from detrace.investigate.locate import driver
+from detrace.launch.launcher import LaunchResult
+from detrace.tracefile.layout import RUNS_DIR, default_out
 
 
 def test_every_default_output_goes_under_one_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,8 +79,8 @@ def test_a_plain_dataloader_in_trainstate_names_resumable_loader() -> None:
 def test_a_compiled_kernels_advice_reaches_the_terminal() -> None:
     import io
 
+    from detrace.analyze.replay_result import ADVICE_COMPILED, ArmResult, ReplayResult
     from detrace.cli.replay import render
-    from detrace.replay_records import ADVICE_COMPILED, ArmResult, ReplayResult
     from detrace.report.terminal import make_console
 
     base = ArmResult(threads=2, deterministic=False, repeats=5, distinct=2, differing_elements=3, max_ulp=1,

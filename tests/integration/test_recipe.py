@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from detrace import recipe
-from detrace.audit import audit
 from detrace.errors import DeterminismError, UsageError
 from detrace.recipe import deterministic
+from detrace.recipe.doctor import audit
 
 ENV = (
     "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from _tools import dump_dom
 
+from detrace.analyze.locate_result import LADDER_FILE, LADDER_SCHEMA, load_ladder
+from detrace.analyze.metrics import metric_rank, metric_series
+from detrace.analyze.pairs import divergence_map
 from detrace.cli import main
-from detrace.compare.metrics import metric_rank, metric_series
-from detrace.compare.pairs import divergence_map
-from detrace.ladder import LADDER_FILE, LADDER_SCHEMA, load_ladder
 from detrace.report.html import write_report
 from detrace.report.svg import line_chart, spread_map
 from detrace.tracefile import RankWriter
@@ -207,8 +207,8 @@ def test_piped_output_is_never_wrapped_or_cut() -> None:
 
 
 def test_code_outside_every_named_module_has_one_name_everywhere(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    from detrace.analyze.diff_result import TOP_LEVEL
     from detrace.cli.locate import render
-    from detrace.compare.result import TOP_LEVEL
     from detrace.report.terminal import make_console
 
     ladder = _ladder(runs)

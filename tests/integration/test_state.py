@@ -312,12 +312,12 @@ def test_stop_at_is_validated_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_resume_continues_the_tracers_step_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import detrace.tracing
+    import detrace.record
     from detrace import _events
 
     assert _events.step_restored  # importing the tracer registers its clock
     clock: list[tuple[int, str]] = []
-    monkeypatch.setattr(detrace.tracing, "set_step", lambda n, *, source: clock.append((n, source)))
+    monkeypatch.setattr(detrace.record, "set_step", lambda n, *, source: clock.append((n, source)))
     state = _state()
     state.step = 5
     state.save(tmp_path)

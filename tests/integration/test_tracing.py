@@ -17,12 +17,12 @@ from torch import nn
 
 import detrace
 from detrace.errors import TraceError, UsageError
-from detrace.formats import MXFP8Tensor, mxfp8_encode
+from detrace.ops.formats import MXFP8Tensor, mxfp8_encode
+from detrace.record import set_step
+from detrace.record.config import CaptureSelector, TraceConfig, parse_steps_option
+from detrace.record.rungs.op import op_info
 from detrace.report.terminal import diff_lines
 from detrace.tracefile import load_capture, open_run, read_rank
-from detrace.tracing import set_step
-from detrace.tracing.config import CaptureSelector, TraceConfig, parse_steps_option
-from detrace.tracing.rungs.op import op_info
 
 
 class Net(nn.Module):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from detrace.errors import UsageError
-from detrace.examples.train import TrainConfig, bits, main
+from detrace.workload.train import TrainConfig, bits, main
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def _restore_torch_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _steps(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[str]:
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("detrace.examples.train: preset=tiny")
+    assert out[0].startswith("detrace.workload.train: preset=tiny")
     return [line for line in out if line.startswith("step ")]
 
 
@@ -81,7 +81,7 @@ def test_bits_are_the_float32_encoding() -> None:
 def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("detrace.examples.train: error: ") and message in err
+    assert err.startswith("detrace.workload.train: error: ") and message in err
     assert "\n" not in err and "Traceback" not in err
 
 
@@ -91,8 +91,8 @@ def test_config_rejects_unknown_preset() -> None:
 
 
 def test_the_poisoned_samples_are_those_of_the_spike_step() -> None:
-    from detrace.examples.train import _batch_samples
     from detrace.state import ResumableLoader, ResumableSampler
+    from detrace.workload.train import _batch_samples
 
     sampler = ResumableSampler(40, seed=3)
     loader = ResumableLoader(list(range(40)), sampler=ResumableSampler(40, seed=3), batch_size=4, drop_last=True)

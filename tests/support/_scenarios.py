@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from detrace.tracing.launch import run_traced
+from detrace.launch.launcher import run_traced
 
 GATHER = Path(__file__).parent / "scripts" / "train_gather.py"
 """A small training loop that gathers rows with repeated indices (its backward races at 2 threads)."""

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from _synthetic import write_metric_run
 
-from detrace.ablate import AblateConfig, ablate, parse_variant
 from detrace.cli import main
 from detrace.cli.ablate import run_ablation
 from detrace.errors import CommandFailed, UsageError
+from detrace.investigate.ablate import AblateConfig, ablate, parse_variant
 from detrace.state.manifest import MANIFEST_FILE
 
 S, LAST = 12, 14
@@ -200,7 +200,7 @@ def test_state_only_resumes_from_the_checkpoint_at_s_when_there_is_one(tmp_path:
 def test_a_semantic_original_is_held_to_every_record(tmp_path: Path) -> None:
     from _synthetic import Fault
 
-    from detrace.ablate import reproduces
+    from detrace.investigate.ablate import reproduces
 
     values = {t: base(t) for t in range(LAST + 1)}
     original_run, same, faulty = tmp_path / "o", tmp_path / "same", tmp_path / "faulty"

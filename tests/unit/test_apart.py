@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from _synthetic import Fault, SyntheticRun, rank_table, write_table
 
 import detrace
-from detrace.compare import diff
+from detrace.analyze import diff
 from detrace.tracefile import ARROW_SCHEMA, read_rank
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
@@ -115,7 +115,7 @@ def test_the_tracer_records_checkpoint_io_and_bookkeeping_in_their_phases(tmp_pa
             dist.all_reduce(torch.ones(2))  # the user's own: training
             state = detrace.TrainState(model=model, optimizer=optimizer)
             state.save(tmp_path / "ckpt")
-            with detrace.tracing.checkpoint_io():
+            with detrace.record.checkpoint_io():
                 dist.broadcast(torch.ones(2), 0)
             dcp.save({"w": model.weight.detach().clone()}, checkpoint_id=tmp_path / "dcp")  # DCP called directly
     finally:

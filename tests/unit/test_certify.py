@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 from _synthetic import SyntheticRun, rank_table, write_run, write_table
 
+from detrace.analyze import certify
+from detrace.analyze.certify import recorded_steps
 from detrace.cli import main
-from detrace.compare import certify
-from detrace.compare.certify import recorded_steps
 from detrace.tracefile import footer_path, rank_path
 from detrace.tracefile.metadata import RunHeader
 

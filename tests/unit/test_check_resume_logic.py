@@ -19,8 +19,9 @@ from _synthetic import Fault, SyntheticRun, write_run
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed
-from detrace.tracing.launch import LaunchResult
-from detrace.verify import check, check_resume
+from detrace.investigate.check import check
+from detrace.investigate.check_resume import check_resume
+from detrace.launch.launcher import LaunchResult
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 

@@ -15,7 +15,7 @@ from _synthetic import Fault, SyntheticRun, rank_table, write_run, write_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detrace.compare import align, diff, first_divergent_step, first_origin
+from detrace.analyze import align, diff, first_divergent_step, first_origin
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile import ARROW_SCHEMA, footer_path, rank_path
 
@@ -343,7 +343,7 @@ def test_any_edit_is_found_and_never_crashes(tmp_path_factory: pytest.TempPathFa
 def test_memory_does_not_grow_with_trace_length(tmp_path: Path) -> None:
     # Peak Arrow allocations and peak Python heap while diffing diverged runs of 4 and of 40 steps, each in a
     # fresh process: a diff that held the run in memory would need ten times more for the longer one.
-    script = ("import sys, tracemalloc, pyarrow as pa; from detrace.compare import diff; tracemalloc.start(); "
+    script = ("import sys, tracemalloc, pyarrow as pa; from detrace.analyze import diff; tracemalloc.start(); "
               "r = diff(sys.argv[1], sys.argv[2], workers=1); "
               "print(r.compared.records, pa.default_memory_pool().max_memory(), tracemalloc.get_traced_memory()[1])")
     peaks = []

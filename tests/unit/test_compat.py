@@ -38,7 +38,7 @@ def test_a_private_api_missing_from_an_unchecked_release_is_named(monkeypatch: p
 
 
 def test_doctor_flags_an_unchecked_torch_release(monkeypatch: pytest.MonkeyPatch) -> None:
-    from detrace.audit import audit
+    from detrace.recipe.doctor import audit
 
     (checked,) = [finding for finding in audit() if finding.name == "torch"]
     assert checked.status == "ok"

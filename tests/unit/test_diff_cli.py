@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 from _synthetic import Fault, SyntheticRun, write_run
 
+from detrace.analyze import diff
 from detrace.cli import main
-from detrace.compare import diff
 from detrace.report.terminal import render_diff
 from detrace.tracefile import ARROW_SCHEMA, rank_path
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from detrace import fingerprint
 from detrace.errors import UsageError
-from detrace.formats import (
+from detrace.ops.formats import (
     FORMATS,
     MXFP8Tensor,
     NVFP4Tensor,
@@ -20,7 +20,7 @@ from detrace.formats import (
     nvfp4_decode,
     nvfp4_encode,
 )
-from detrace.formats.elements import e2m1_codes, e2m1_values, exp2i, pack_fp4, unpack_fp4
+from detrace.ops.formats.elements import e2m1_codes, e2m1_values, exp2i, pack_fp4, unpack_fp4
 
 
 def block(*values: float, size: int = 32) -> torch.Tensor:

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 from _synthetic import SyntheticRun, write_run
 
+from detrace.analyze import certify
 from detrace.cli import main
-from detrace.compare import certify
 from detrace.tracefile import footer_path, rank_path, read_rank
 from detrace.tracefile.schema import ARROW_SCHEMA
 

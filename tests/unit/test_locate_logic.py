@@ -11,9 +11,9 @@ import pyarrow.compute as pc
 import pytest
 from _synthetic import Fault, SyntheticRun, rank_table, write_table
 
-from detrace.ladder import LocateResult, load_ladder
-from detrace.locate import LocateConfig, locate
-from detrace.tracing.launch import LaunchResult
+from detrace.analyze.locate_result import LocateResult, load_ladder
+from detrace.investigate.locate import LocateConfig, locate
+from detrace.launch.launcher import LaunchResult
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=8)
 RUNGS = {"semantic": ("metrics", "semantic"), "module": ("metrics", "semantic"), "op": ("metrics", "semantic", "op")}

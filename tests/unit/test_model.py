@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from detrace.errors import UsageError
-from detrace.examples.model import PRESETS, HybridLM, ModelConfig, lm_losses, objective, qmatmul
-from detrace.formats import fake_quantize
+from detrace.ops.formats import fake_quantize
+from detrace.workload.model import PRESETS, HybridLM, ModelConfig, lm_losses, objective, qmatmul
 
 TINY = PRESETS["tiny"]["model"]
 assert isinstance(TINY, ModelConfig)

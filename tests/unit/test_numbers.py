@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from detrace._numbers import parse_count
 from detrace.cli import main
+from detrace.defects.faults import FaultSpec
+from detrace.defects.guard import parse_env
 from detrace.errors import UsageError
-from detrace.faults import FaultSpec
-from detrace.numbers import parse_count
-from detrace.replica_guard import parse_env
+from detrace.investigate.check_resume import parse_stop_points
+from detrace.record.config import TraceConfig
+from detrace.record.steps import step_offset
 from detrace.state.contract import stop_requested
-from detrace.tracing.config import TraceConfig
-from detrace.tracing.steps import step_offset
-from detrace.verify import parse_stop_points
-from detrace.windows import parse_window
+from detrace.tracefile.selection import parse_window
 
 
 def test_only_ascii_digits_are_a_number() -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from detrace.cli import main
 from detrace.errors import UntrustedCode
-from detrace.replay import (
+from detrace.investigate.replay import (
     FIX_DETERMINISTIC,
     FIX_ONE_THREAD,
     ReplayConfig,
@@ -23,11 +23,11 @@ from detrace.replay import (
     replay,
     replay_file,
 )
+from detrace.record.capture import Capturer, PendingCapture
+from detrace.record.records import Call
 from detrace.tracefile import load_capture, save_capture
 from detrace.tracefile.capture import CAPTURE_VERSION, CODE_HASH
 from detrace.tracefile.integrity import file_sha256
-from detrace.tracing.capture import Capturer, PendingCapture
-from detrace.tracing.records import Call
 
 # Big enough that the accumulating CPU kernel splits across 2 threads, and long enough (~0.1 s a call) that the
 # two threads overlap in time even on a loaded machine, where a short call often runs its threads one after the

@@ -10,7 +10,7 @@ from _synthetic import write_metric_run
 
 from detrace.cli import main
 from detrace.errors import UsageError
-from detrace.spikes import SpikeRule, checkpoint_before, find_spikes, spikes
+from detrace.investigate.spikes import SpikeRule, checkpoint_before, find_spikes, spikes
 
 
 def falling(steps: int, *, noise: float = 0.01) -> dict[int, float]:

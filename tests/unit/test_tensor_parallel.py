@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detrace.errors import UsageError
-from detrace.parallel import _tree_sum
-from detrace.tensor_parallel import ColumnParallelLinear, Combine, RowParallelLinear, owned_chunks
+from detrace.parallel.data import _tree_sum
+from detrace.parallel.tensor import ColumnParallelLinear, Combine, RowParallelLinear, owned_chunks
 
 
 class _SimulatedGroup:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from detrace.errors import UsageError
-from detrace.examples.data import SyntheticTokens, split_batch
+from detrace.workload.corpus import SyntheticTokens, split_batch
 
 
 def _data(seed: int = 0) -> SyntheticTokens:

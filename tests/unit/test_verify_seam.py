@@ -9,10 +9,11 @@ import pytest
 from _synthetic import Fault, SyntheticRun, write_run
 
 from detrace.errors import UsageError
+from detrace.investigate.check import check
+from detrace.investigate.check_resume import check_resume
+from detrace.launch.launcher import LaunchResult
 from detrace.tracefile.layout import run_header_path
 from detrace.tracefile.writer import write_json_atomic
-from detrace.tracing.launch import LaunchResult
-from detrace.verify import check, check_resume
 
 RUN = SyntheticRun(ranks=2, steps=3, ops=2)
 

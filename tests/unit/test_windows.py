@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detrace.errors import UsageError
-from detrace.windows import Members, describe_runs, parse_window
+from detrace.tracefile.selection import Members, describe_runs, parse_window
 
 
 def test_all_contains_every_non_negative_integer() -> None:

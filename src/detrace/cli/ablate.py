@@ -1,5 +1,5 @@
 """`detrace ablate --step S --run RUN [--from CKPT] [--metric loss] [--variant NAME=SPEC ...] [--window W] [--json]
--- CMD`: replay the spike at step S from a checkpoint and change one thing at a time (`detrace.ablate`).
+-- CMD`: replay the spike at step S from a checkpoint and change one thing at a time (`detrace.investigate.ablate`).
 
 Exit 0 when the baseline replay does not spike at S, 1 when the variants gave a verdict, 2 on error or when the
 replay does not reproduce the original run.
@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from detrace.ablate import (
-    ABLATE_FILE,
+from detrace.cli._args import ArgumentParser, split_command
+from detrace.errors import DetraceError
+from detrace.investigate.ablate import (
     DEFAULT_AFTER,
     DEFAULT_WINDOW,
     SCHEMA,
@@ -25,13 +26,11 @@ from detrace.ablate import (
     ablate,
     launcher,
 )
-from detrace.cli._args import ArgumentParser, split_command
-from detrace.errors import DetraceError
+from detrace.investigate.spikes import DEFAULT_K, DEFAULT_METRIC, SpikeRule
+from detrace.investigate.spikes import DEFAULT_WINDOW as DEFAULT_TRAIL
 from detrace.report.html import write_report
-from detrace.spikes import DEFAULT_K, DEFAULT_METRIC, SpikeRule
-from detrace.spikes import DEFAULT_WINDOW as DEFAULT_TRAIL
 from detrace.tracefile import write_json_atomic
-from detrace.tracefile.layout import prepare_out
+from detrace.tracefile.layout import ABLATE_FILE, prepare_out
 
 
 def run_ablation(config: AblateConfig, launch: Launch, progress: Callable[[str], None] = lambda line: None, *,

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.hazards.report import Launch, audit_command, exit_code, render, settings_report
-from detrace.tracing.launch import run_traced
+from detrace.investigate.audit.report import Launch, audit_command, exit_code, render, settings_report
+from detrace.launch.launcher import run_traced
 
 
 def _parser() -> ArgumentParser:

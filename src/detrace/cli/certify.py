@@ -5,8 +5,8 @@ Exit codes: 0 every invariant holds, 1 violations (listed), 2 unreadable run dir
 
 from __future__ import annotations
 
+from detrace.analyze import certify
 from detrace.cli._args import ArgumentParser
-from detrace.compare import certify
 from detrace.report.terminal import render_certify
 from detrace.verdicts import CERTIFY
 

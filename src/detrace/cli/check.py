@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
+from detrace.investigate.check import check
 from detrace.report.terminal import render_diff
-from detrace.verify import check, default_out
+from detrace.tracefile.layout import default_out
 
 
 def main(argv: list[str]) -> int:

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from detrace.analyze import DiffResult
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.compare import DiffResult
+from detrace.investigate.check_resume import NEGATIVE_CONTROL, ResumeResult, StopPoint, check_resume, parse_stop_points
 from detrace.report.terminal import diff_lines, render_diff
-from detrace.verify import NEGATIVE_CONTROL, ResumeResult, StopPoint, check_resume, default_out, parse_stop_points
+from detrace.tracefile.layout import default_out
 
 SCHEMA = "detrace.check-resume/1"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import UsageError
-from detrace.topology import Mesh, check_topology, parse_layouts, parse_worlds
+from detrace.investigate.check_topology import Mesh, check_topology, parse_layouts, parse_worlds
+from detrace.tracefile.layout import default_out
 from detrace.verdicts import TOPOLOGY
-from detrace.verify import default_out
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """`detrace compare BASE_A BASE_B CANDIDATE`: is an intentional change's effect real, or run-to-run noise?
 
-The noise model is `detrace.noise` (this module parses the arguments and renders its result). Exit codes: 0
+The noise model is `detrace.analyze.noise` (this module parses the arguments and renders its result). Exit codes: 0
 identical or noise, 1 real, 2 when a run cannot be compared with BASE_A record by record (other world size, rung
 or windows): metrics of such runs say nothing about the change.
 """
@@ -13,9 +13,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from detrace.analyze import Divergence
+from detrace.analyze.noise import DEFAULT_FACTOR, NoiseResult, noise_test
 from detrace.cli._args import ArgumentParser
-from detrace.compare import Divergence
-from detrace.noise import DEFAULT_FACTOR, NoiseResult, noise_test
 from detrace.report.terminal import make_console
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
+from detrace.analyze import diff
 from detrace.cli._args import ArgumentParser
-from detrace.compare import diff
 from detrace.errors import IncomparableError
 from detrace.report.terminal import render_diff
 

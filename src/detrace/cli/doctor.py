@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from detrace.audit import audit
 from detrace.cli._args import ArgumentParser
 from detrace.recipe import Finding
+from detrace.recipe.doctor import audit
 from detrace.report.terminal import make_console
 from detrace.verdicts import DOCTOR
 

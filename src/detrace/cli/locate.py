@@ -15,11 +15,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from detrace.analyze.diff_result import scope_label
+from detrace.analyze.locate_result import LOCATE_SCHEMA, LocateResult, Stage
+from detrace.analyze.replay_result import ReplayConfig
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.compare.result import scope_label
 from detrace.errors import CommandFailed, DetraceError
-from detrace.ladder import LOCATE_SCHEMA, LocateResult, Stage
-from detrace.locate import (
+from detrace.investigate.locate import (
     BASE_RUNS,
     DEFAULT_CHECKPOINT_EVERY,
     MAX_RUNS,
@@ -28,8 +29,7 @@ from detrace.locate import (
     default_out,
     locate,
 )
-from detrace.locate import Progress as LadderProgress
-from detrace.replay_records import ReplayConfig
+from detrace.investigate.locate import Progress as LadderProgress
 from detrace.report.terminal import make_console
 from detrace.tracefile.layout import link_latest, remove_empty
 

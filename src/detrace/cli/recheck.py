@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser
-from detrace.recheck import recheck
+from detrace.defects.recheck import recheck
+from detrace.tracefile.layout import default_out
 from detrace.verdicts import RECHECK
-from detrace.verify import default_out
 
 
 def main(argv: list[str]) -> int:

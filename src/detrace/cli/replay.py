@@ -7,8 +7,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from detrace.analyze.replay_result import ReplayConfig, ReplayResult
 from detrace.cli._args import ArgumentParser
-from detrace.replay_records import ReplayConfig, ReplayResult
 from detrace.report.terminal import make_console
 from detrace.verdicts import REPLAY
 
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
         except ValueError:
             parser.error(f"--threads takes comma-separated integers, not {args.threads!r}")
     config = ReplayConfig(repeats=args.repeats, threads=threads)
-    from detrace.replay import find_capture, replay_file  # torch: after the arguments are known to be good
+    from detrace.investigate.replay import find_capture, replay_file  # torch: after the arguments are known to be good
 
     result = replay_file(find_capture(args.run, args.event, rank=args.rank), config,
                          trust_code=args.trust_code)

@@ -13,9 +13,9 @@ import time
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import UsageError
+from detrace.launch.launcher import describe, run_traced
+from detrace.record.config import parse_steps_option
 from detrace.tracefile.schema import RUNGS
-from detrace.tracing.config import parse_steps_option
-from detrace.tracing.launch import describe, run_traced
 
 
 def _parser() -> ArgumentParser:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     env = {}
     if args.guard is not None:
         # imported here: replica_guard needs torch, which the launcher itself does not (3 s saved per run)
-        from detrace.replica_guard import ENV_GUARD, parse_env
+        from detrace.defects.guard import ENV_GUARD, parse_env
 
         parse_env(args.guard)  # a bad value is refused here, before CMD starts
         env[ENV_GUARD] = args.guard

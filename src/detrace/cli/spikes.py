@@ -1,6 +1,6 @@
 """`detrace spikes RUN [--metric loss] [--k K] [--window W] [--checkpoints DIR] [--json]`: the steps where a metric
 jumps above median + k * MAD of its trailing window, each with the checkpoint to replay it from
-(`detrace.spikes`). Exit 0 when there is none, 1 when there are spikes, 2 on error."""
+(`detrace.investigate.spikes`). Exit 0 when there is none, 1 when there are spikes, 2 on error."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from detrace.cli._args import ArgumentParser
-from detrace.spikes import DEFAULT_K, DEFAULT_METRIC, DEFAULT_WINDOW, SpikeRule, SpikesResult, spikes
+from detrace.investigate.spikes import DEFAULT_K, DEFAULT_METRIC, DEFAULT_WINDOW, SpikeRule, SpikesResult, spikes
 
 
 def render(result: SpikesResult) -> None:

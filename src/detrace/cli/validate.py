@@ -1,5 +1,5 @@
 """`detrace validate [--fast | --only NAMES] [--steps N] [--at K] [--out DIR] [--timeout S] [--list]`:
-the validation matrix of the reference workload (see `detrace.examples.validate`)."""
+the validation matrix of the reference workload (see `detrace.investigate.validate`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser
 from detrace.errors import DetraceError, UsageError
-from detrace.examples.validate import CONFIGS, FAST, table, validate
+from detrace.investigate.validate import CONFIGS, FAST, table, validate
 from detrace.verdicts import VALIDATE
 
 

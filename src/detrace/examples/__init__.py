@@ -1,5 +1,2 @@
-"""The reference workload: a hybrid SSM/attention/MoE model (`model`), its synthetic data (`data`), its
-trainer under every parallelism (`train`, `parallel`) and the validation matrix (`validate`).
-
-See docs/workload.md.
-"""
+"""The old name of `detrace.workload`, kept for one release: `python -m detrace.examples.train` still runs the
+reference trainer (`detrace.workload.train`). New code uses `detrace.workload`."""

@@ -7,7 +7,7 @@ this callback adds:
 - dataset-side randomness: a sample's augmentation comes from the RNG of whichever DataLoader worker loads
   it (another worker, at another point of its stream, after a mid-epoch resume) or, with no workers, from
   the main RNG before HF has restored it. Each sample is loaded under its own seed instead
-  (`detrace.integrations._data`), so its randomness no longer depends on workers or on the resume;
+  (`detrace.integrations._seeding`), so its randomness no longer depends on workers or on the resume;
 - the order of an epoch when accelerate's seedable sampler is turned off (pinned to `seed + epoch`);
 - verification: a detrace checkpoint (`TrainState`) beside HF's files in `checkpoint-N/detrace/`, with the
   fingerprint manifest of every tensor, is verified on resume and restored over what HF loaded; a flipped bit
@@ -28,10 +28,10 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from detrace import tracing
+from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._data import SampleKeys, seed_samples, skip_for_controls
-from detrace.ops import hf as experts
+from detrace.integrations._seeding import SampleKeys, seed_samples, skip_for_controls
+from detrace.ops import hf_experts as experts
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
     HF_STATE_DIR,

@@ -9,7 +9,7 @@ adds:
 - the data position inside an epoch: a DataLoader without `state_dict` restarts the epoch from its first
   batch (Lightning warns); the callback skips the batches already trained;
 - dataset-side randomness and the epoch's order: each sample is loaded under its own seed and a shuffling
-  sampler's order is pinned to `seed + epoch` (`detrace.integrations._data`);
+  sampler's order is pinned to `seed + epoch` (`detrace.integrations._seeding`);
 - verification: a detrace checkpoint (`TrainState`) beside each `.ckpt`, in `<file>.ckpt.detrace/`, with the
   fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
 - the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
@@ -35,9 +35,9 @@ except ImportError:  # the standalone package
 
 import torch
 
-from detrace import tracing
+from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._data import SampleKeys, seed_samples, skip_for_controls
+from detrace.integrations._seeding import SampleKeys, seed_samples, skip_for_controls
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
     LIGHTNING_STATE_SUFFIX,

@@ -7,7 +7,7 @@
 - Index accumulation (`detrace.ops.index`): `index_add`, `index_put_`, `scatter_add`, sort once then a
   segmented fixed-order reduction; `detrace.deterministic(seed, kernels="detrace")` routes torch's own ops there
   where they beat torch's deterministic implementation (`detrace.ops.routing`).
-- `detrace.ops.hf.register()`: a "detrace" experts implementation for transformers' MoE models.
+- `detrace.ops.hf_experts.register()`: a "detrace" experts implementation for transformers' MoE models.
 
 On CUDA the kernels are Triton kernels (`detrace.ops._triton`) that keep the same order; elsewhere PyTorch ops.
 Every function takes `backend=` ("auto", "torch" or "triton") to choose explicitly.

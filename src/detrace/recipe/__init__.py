@@ -5,7 +5,7 @@ pins the collective algorithm, seeds every global RNG, and fails closed: a setti
 contradicts the recipe is an error naming it, and an environment variable that can no longer take effect
 (because CUDA or NCCL already started) is an error in strict mode and a warning otherwise.
 
-`judge()` says where each switch stands (ok, pending, conflict, too late); `detrace.audit` adds the risks the
+`judge()` says where each switch stands (ok, pending, conflict, too late); `detrace.recipe.doctor` adds the risks the
 recipe cannot remove and `detrace doctor` prints both. `settings()` is the flat snapshot stored in every
 trace header; it is cheap and never initialises CUDA. The switches themselves, one record each with what it
 prevents, are the table of `detrace.recipe.switches`.

@@ -11,8 +11,8 @@ For a locate directory (`detrace locate --out DIR`) it draws, from the runs the 
 
 For a plain run directory it draws the run's metric curves and what each rank recorded.
 Every number on the page comes from the trace files and ladder.json; nothing is estimated. The page functions
-(`render_locate`, `render_run`) take typed data: the ladder record (`detrace.ladder`), the metric `Curves` and the
-spread map (`detrace.compare`); `write_report` is the one place that reads them from disk.
+(`render_locate`, `render_run`) take typed data: the ladder record (`detrace.analyze.locate_result`), the metric
+`Curves` and the spread map (`detrace.analyze`); `write_report` is the one place that reads them from disk.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detrace.ablate import ABLATE_FILE
-from detrace.compare.metrics import metric_rank, metric_series
-from detrace.compare.pairs import divergence_map
-from detrace.compare.result import scope_label
+from detrace.analyze.diff_result import scope_label
+from detrace.analyze.locate_result import LADDER_FILE, LocateResult, Stage, load_ladder
+from detrace.analyze.metrics import metric_rank, metric_series
+from detrace.analyze.pairs import divergence_map
+from detrace.analyze.replay_result import ReplayResult
 from detrace.errors import TraceError
-from detrace.ladder import LADDER_FILE, LocateResult, Stage, load_ladder
-from detrace.replay_records import ReplayResult
 from detrace.report.svg import ORIGIN, bits, e, line_chart, spread_map
 from detrace.tracefile import RankTrace, RunInfo, open_run, read_rank
-from detrace.tracefile.layout import RANK_GLOB, REPORT_FILE, rank_trace_paths, run_header_path
+from detrace.tracefile.layout import ABLATE_FILE, RANK_GLOB, REPORT_FILE, rank_trace_paths, run_header_path
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1d232b;max-width:1040px;margin:24px auto;
@@ -201,7 +200,7 @@ def _replay_section(replay: ReplayResult | None, stages: tuple[Stage, ...]) -> l
 
 def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[int, tuple[int, int]]]) -> str:
     """The report of a locate directory: its ladder, the broad pair's metric curves and where their records differ
-    (`detrace.compare.pairs.divergence_map`)."""
+    (`detrace.analyze.pairs.divergence_map`)."""
     verdict = ladder.verdict
     body = [f"<h1>detrace locate <span class=\"badge {e(verdict)}\">{e(verdict)}</span></h1>",
             f"<p class=\"answer\">{e(ladder.message)}</p>",

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from detrace.compare.certify import CertifyResult
-from detrace.compare.result import DiffResult, Divergence, RankResult
+from detrace.analyze.certify import CertifyResult
+from detrace.analyze.diff_result import DiffResult, Divergence, RankResult
 
 MAX_RANK_ROWS = 16
 """Divergent ranks listed one per row; the rest are counted."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from detrace.state.data import ResumableLoader, ResumableSampler, SeededDataset, sample_seed, seeded_rngs
+from detrace.state.loader import ResumableLoader, ResumableSampler, SeededDataset, sample_seed, seeded_rngs
 from detrace.state.train_state import TrainState
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from detrace._numbers import parse_count
 from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
-from detrace.numbers import parse_count
 from detrace.state import checkpoint
 from detrace.state.manifest import MANIFEST_FILE
 

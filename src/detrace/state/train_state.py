@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from detrace import _events
 from detrace._compat import unhooked_step
-from detrace.arming import arm_from_env
+from detrace.defects.arming import arm_from_env
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import checkpoint, rng
 from detrace.state.buckets import pin_layout

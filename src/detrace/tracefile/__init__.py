@@ -1,4 +1,4 @@
-"""The trace format: where the recording wing (detrace.tracing) and the analysis wing (detrace.compare) meet.
+"""The trace format: where the recording wing (detrace.record) and the analysis wing (detrace.analyze) meet.
 
 A run directory holds one append-only Apache Arrow IPC file per rank (`rank-00000.arrow`), a per-rank footer
 written atomically when the rank closes cleanly (`rank-00000.json`), and optionally a run header written by the

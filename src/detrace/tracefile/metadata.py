@@ -17,7 +17,7 @@ from typing import Any
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile.layout import require_regular
 from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
-from detrace.windows import parse_window
+from detrace.tracefile.selection import parse_window
 
 _MISSING = object()
 

@@ -32,7 +32,7 @@ from detrace.tracefile.layout import (
 )
 from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
 from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
-from detrace.windows import parse_window
+from detrace.tracefile.selection import parse_window
 
 _MAGIC = b"ARROW1\x00\x00"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from detrace.numbers import parse_count
+from detrace._numbers import parse_count
 
 SCHEMA_VERSION = "detrace.trace/2"
 """Version 2 seals every record batch with a checksum and a running chain (tracefile.integrity); version 1 had
@@ -22,7 +22,7 @@ PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", 
           "other")
 """`checkpoint`: anything recorded while a checkpoint is saved or loaded; `bookkeeping`: a collective a training
 framework makes for itself (HF Trainer's logging gathers, Lightning's `self.log(sync_dist=True)`). The diff compares
-both apart from the training, by identity (detrace.compare.apart)."""
+both apart from the training, by identity (detrace.analyze.apart)."""
 ROLES = (
     "input",  # argument of a module/op/collective call
     "output",  # result of a call

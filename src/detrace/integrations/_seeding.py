@@ -1,0 +1,159 @@
+"""Per-sample seeded randomness and a pinned order for a DataLoader that a framework built.
+
+A framework resumes the data position (which batch comes next) but not the randomness of the samples: a
+DataLoader worker draws a sample's augmentation from the worker's own RNG stream, and after a mid-epoch
+restart each sample lands on another worker at another point of that stream; with no workers, the samples
+draw from the training loop's own RNG, interleaved with dropout. Both are fixed here the way
+`detrace.state.ResumableLoader` fixes them, on a DataLoader that already exists (the framework holds it):
+
+- the index sampler is wrapped so it yields `(index, seed)` keys, the seed being `sample_seed(seed, epoch,
+  index)`; a `RandomSampler` that would draw its order from the global RNG gets a generator seeded from
+  `seed + epoch` instead, so an epoch's order does not depend on where the run was resumed;
+- the dataset gets a `__getitems__` (the batched read DataLoader's fetcher uses when present) that loads each
+  keyed sample under `seeded_rngs(seed)`: the same augmentation on any worker, in any process, with any
+  `num_workers`, and the training loop's RNG streams untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
+
+from detrace.errors import UsageError
+from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
+from detrace.state.loader import SeededCollate, sample_seed, seeded_rngs
+
+
+class SampleKeys(Sampler[tuple[int, int]]):
+    """Yields the wrapped sampler's indices as `(index, sample seed)` keys of the current `epoch`."""
+
+    def __init__(self, sampler: Sampler[int], *, seed: int) -> None:
+        self.sampler = sampler
+        self.seed = seed
+        self.epoch = 0
+        """Set by the integration at each epoch start, from the framework's own epoch count."""
+        self.skip = 0
+        """Samples of the epoch that the next iteration leaves out (a framework that does not skip the batches
+        already trained when it resumes mid-epoch); back to 0 once used."""
+        # A plain RandomSampler without a generator draws its order from the global torch RNG when an epoch
+        # starts: a run resumed mid-epoch would draw it from another state than the run that never stopped.
+        self._pin_order = (
+            isinstance(sampler, RandomSampler) and sampler.generator is None and not hasattr(sampler, "set_epoch")
+        )
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        if self._pin_order:
+            self.sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
+        skip, self.skip = self.skip, 0
+        for position, index in enumerate(self.sampler):
+            if position >= skip:
+                yield index, sample_seed(self.seed, epoch, index)
+
+    def __len__(self) -> int:
+        """The whole epoch's length, also while skipping: the framework counts the skipped batches itself."""
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the wrapped sampler (accelerate's seedable sampler orders each epoch by it)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+class SeededItems:
+    """The dataset's `__getitems__`: each `(index, seed)` key is loaded under `seeded_rngs(seed)`; a plain
+    index (another DataLoader over the same dataset, such as an evaluation loader) is loaded as it is."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.last_keys: list[tuple[int, int]] | None = None
+        """The keys of the batch loaded last in this process, for `SeededCollate` (None for plain indices)."""
+
+    def __call__(self, keys: list[Any]) -> list[Any]:
+        self.last_keys = list(keys) if keys and all(isinstance(key, tuple) for key in keys) else None
+        items = []
+        for key in keys:
+            if isinstance(key, tuple):
+                index, seed = key
+                with seeded_rngs(seed):
+                    items.append(self.dataset[index])
+            else:
+                items.append(self.dataset[key])
+        return items
+
+
+@functools.cache
+def _warn_unindexed(framework: str) -> None:
+    """Once per process and framework: the data is left as it is."""
+    warnings.warn(
+        f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample index "
+        "to seed its randomness from, and the data position it resumes at is the framework's own",
+        RuntimeWarning, stacklevel=3,
+    )
+
+
+def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys | None:
+    """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
+
+    Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
+    loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
+    alone (with one warning) and None is returned; training goes on as without detrace's data handling.
+    """
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+        _warn_unindexed(framework)
+        return None
+    holders = []  # every level of (batch) sampler wrappers that holds the index sampler
+    level: Any = loader.batch_sampler
+    while level is not None:
+        if isinstance(getattr(level, "sampler", None), Sampler):
+            holders.append(level)
+        level = getattr(level, "batch_sampler", None)
+    if not holders:
+        raise UsageError(f"the {framework} DataLoader's batch sampler {type(loader.batch_sampler).__name__} "
+                         "exposes no index sampler for detrace to seed")
+    index_sampler = holders[-1].sampler
+    if isinstance(index_sampler, SampleKeys):
+        return index_sampler
+    keys = SampleKeys(index_sampler, seed=seed)
+    for holder in holders:
+        if holder.sampler is index_sampler:
+            holder.sampler = keys
+    dataset = loader.dataset
+    items = vars(dataset).get("__getitems__")
+    if not isinstance(items, SeededItems):
+        # DataLoader's fetcher looks `__getitems__` up on the dataset object, so an instance attribute is used.
+        items = dataset.__getitems__ = SeededItems(dataset)  # type: ignore[attr-defined]
+    # accelerate's prepared DataLoader is an adapter that iterates the DataLoader it wraps, with that one's collate_fn.
+    iterated: Any = loader
+    while getattr(iterated, "base_dataloader", None) is not None:
+        iterated = iterated.base_dataloader
+    if not isinstance(iterated.collate_fn, SeededCollate):
+        # A collator's randomness (a masked-LM collator's masks) is seeded per batch, as each sample's is.
+        iterated.collate_fn = SeededCollate(iterated.collate_fn, items)
+    return keys
+
+
+def skip_for_controls(keys: SampleKeys | None, step: int, samples_per_step: int, *, framework: str) -> None:
+    """The resume contract's data controls (DETRACE_DATA_SHIFT, DETRACE_SKIP_STEPS) as a framework run starts at
+    global step `step`: the key sampler leaves out the samples of the batches they name.
+
+    A framework's loop prefetches batches, so the integrations apply the controls only where the run starts (0 or
+    the resumed step): a DETRACE_SKIP_STEPS window must begin at or before it (resume from the checkpoint at its
+    first step). `keys` is None for an IterableDataset (left alone), to which no control applies."""
+    window = skip_steps_requested()
+    if window is not None and window[0] > step:
+        raise UsageError(f"{ENV_SKIP_STEPS}={window[0]}-{window[1]}: detrace's {framework} integration skips "
+                         f"batches only from the step the run starts at ({step}); resume from a checkpoint at or "
+                         "before the window's first step, or use DETRACE_DATA_SHIFT")
+    skip = batches_to_skip(step, first=True)
+    if skip and keys is None:
+        raise UsageError(f"the resume contract's data controls ({ENV_SKIP_STEPS}, DETRACE_DATA_SHIFT) skip samples "
+                         f"by index: detrace's {framework} integration cannot apply them to an IterableDataset")
+    if keys is not None:
+        keys.skip += skip * samples_per_step

@@ -1,0 +1,412 @@
+"""`detrace ablate --step S --run RUN -- CMD`: reproduce the loss spike at step S bit for bit, then change one thing
+at a time to isolate its cause.
+
+1. Baseline: CMD resumed from the last checkpoint C before S (the resume contract's DETRACE_RESUME_FROM) runs
+   through S plus a few steps, traced at the metrics and semantic rungs. It must reproduce the original traced
+   run RUN over steps C+1..S bit for bit (every record RUN has there), or nothing can be isolated: the verdict is
+   then "not-reproducible" (exit 2). A baseline whose metric at S is under the spike threshold is "no-spike"
+   (exit 0): nothing to isolate.
+2. Variants, each resumed from a checkpoint and changing one thing (the data controls: docs/resume.md):
+   - skip-batches: the batches of steps S-w..S are skipped (DETRACE_SKIP_STEPS);
+   - state-only: the batch of step S alone is skipped: the state at S is the baseline's, the data is other
+     (resumed from the checkpoint after S steps when the run saved one, else from C);
+   - data-from-earlier: resumed from the checkpoint C' before C, fed the batches steps C..S saw
+     (DETRACE_DATA_SHIFT=C-C'): the batch of S arrives at step S-(C-C'), in another state;
+   - user variants: NAME=--extra args (appended to CMD) or NAME=ENV:K=V[,K=V] (an environment change).
+3. Per variant: the metric at (its) S against the baseline, whether it still spikes by the same threshold (the
+   original run's median + k x MAD over the window before S), and where its trace first departs from the
+   baseline's (`detrace.diff`: step, phase, module, op).
+4. The summary: data (the spike needs the batches: skipping them removes it, and they spike in another state too),
+   state (it survives other data, and the batches do not spike in another state), both (each removal removes
+   it), setting (only a user variant removes it), or undetermined.
+
+The function that runs CMD is a parameter (`Launch`): the decision logic is tested on synthetic traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from detrace.analyze import diff
+from detrace.analyze.metrics import metric_series
+from detrace.analyze.pairs import same_over
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.investigate.spikes import DEFAULT_METRIC, SpikeRule, checkpoint_before, checkpoints_of, series_of
+from detrace.tracefile import open_run
+from detrace.verdicts import ABLATE, AblateCause, AblateVerdict
+
+SCHEMA = "detrace.ablate/1"
+BUILTINS = ("skip-batches", "state-only", "data-from-earlier")
+DEFAULT_WINDOW = 2
+"""w: skip-batches skips the batches of steps S-w..S."""
+DEFAULT_AFTER = 2
+"""Steps each replay runs past S."""
+
+Launch = Callable[[Sequence[str], Path, Mapping[str, str]], float]
+"""Runs CMD traced (metrics and semantic rungs) into a run directory with extra environment; returns the seconds
+it took. Raises CommandFailed when CMD fails."""
+
+
+def launcher(timeout: float | None = None) -> Launch:
+    """The real launcher: `detrace.launch.launcher.run_traced` (torchrun included), quiet; a nonzero exit fails."""
+    from detrace.launch.launcher import run_traced
+
+    def launch(cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        result = run_traced(list(cmd), out, rung="semantic", env=dict(env), timeout=timeout, quiet=True)
+        if result.returncode != 0:
+            raise CommandFailed(f"CMD exited with status {result.returncode} in {out.name} (kept in {out}); the end "
+                                f"of its output: {result.output_tail.strip()[-600:]}")
+        return result.elapsed
+
+    return launch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One run of the ablation: where it starts and the one thing it changes."""
+
+    name: str
+    """baseline, a built-in's name, or the user's NAME."""
+    change: str
+    """What it changes, in words."""
+    start: int
+    """Completed steps of the checkpoint it resumes from (0: a fresh start)."""
+    resume_from: str | None
+    """That checkpoint's path (DETRACE_RESUME_FROM); None for a fresh start."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment it adds (the data controls, a user's ENV:K=V)."""
+    args: tuple[str, ...] = ()
+    """Arguments appended to CMD."""
+    shift: int = 0
+    """Its step that sees the batch of the baseline's S is S - shift."""
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str], tuple[str, ...]]:
+    """NAME=--extra args or NAME=ENV:K=V[,K=V...] -> (name, env, args)."""
+    name, sep, body = spec.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not body.strip():
+        raise UsageError(f"--variant {spec!r} must be NAME=--extra args or NAME=ENV:K=V")
+    if name in ("baseline", *BUILTINS):
+        raise UsageError(f"--variant {name!r} is the name of a built-in run; choose another")
+    if body.startswith("ENV:"):
+        env = {}
+        for item in body[4:].split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
+                raise UsageError(f"--variant {spec!r}: {item!r} is not K=V")
+            env[key.strip()] = value
+        return name, env, ()
+    return name, {}, tuple(shlex.split(body))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblateConfig:
+    """One `detrace ablate`."""
+
+    command: tuple[str, ...]
+    """CMD, as the original run was started (without `detrace run`)."""
+    run: Path
+    """The original traced run (its run.json names its checkpoint directory)."""
+    step: int
+    """S: the global step of the spike."""
+    out: Path
+    """Directory for every run, ablate.json and report.html."""
+    metric: str = DEFAULT_METRIC
+    """The metric that spikes."""
+    rule: SpikeRule = field(default_factory=SpikeRule)
+    """The spike threshold: median + k x MAD of the original run's window before S."""
+    window: int = DEFAULT_WINDOW
+    """w of skip-batches."""
+    after: int = DEFAULT_AFTER
+    """Steps each replay runs past S."""
+    checkpoint: Path | None = None
+    """--from: the checkpoint C (else the last one before S that the run saved)."""
+    checkpoints: Path | None = None
+    """The original run's checkpoint directory (else the one its run.json names)."""
+    variants: tuple[str, ...] = ()
+    """User variants, NAME=SPEC."""
+    builtins: bool = True
+    """Run the built-in variants."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise UsageError("ablate needs the training command after '--'")
+        if self.step < 1:
+            raise UsageError(f"--step must be a global step of at least 1, not {self.step}")
+        if self.window < 0 or self.after < 0:
+            raise UsageError("--window and --after must be 0 or more")
+        for spec in self.variants:
+            parse_variant(spec)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Departure:
+    """Where a variant's trace first departs from the baseline's (the diff's first record)."""
+
+    step: int
+    phase: str
+    module: str | None
+    name: str
+    rank: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "module": self.module, "name": self.name, "rank": self.rank}
+
+    def where(self) -> str:
+        return f"step {self.step}, {self.phase} {self.name}" + (f" in {self.module}" if self.module else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """One variant's evidence."""
+
+    variant: Variant
+    run: Path
+    at: int
+    """Its step that sees the baseline's S batch: S - shift."""
+    value: float | None
+    """The metric there (None: the run did not record it)."""
+    spiked: bool
+    """value > the threshold."""
+    departure: Departure | None
+    """The first record that differs from the baseline (None: identical, or not compared since it starts
+    elsewhere)."""
+    series: dict[int, float]
+    """Its metric by step."""
+    seconds: float
+    steps: int
+    """Steps it executed."""
+
+    def to_json(self, baseline: float) -> dict[str, Any]:
+        v = self.variant
+        return {"name": v.name, "change": v.change, "start": v.start, "env": v.env, "args": list(v.args),
+                "run": str(self.run), "at": self.at, "value": self.value, "spiked": self.spiked,
+                "effect": None if self.value is None else self.value - baseline,
+                "departure": self.departure.to_json() if self.departure else None,
+                "seconds": round(self.seconds, 3), "steps": self.steps, "series": _series_json(self.series)}
+
+
+def _series_json(series: Mapping[int, float]) -> dict[str, float]:
+    return {str(step): value for step, value in sorted(series.items())}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AblateResult:
+    """What `detrace ablate` found."""
+
+    verdict: AblateVerdict
+    cause: AblateCause | None
+    summary: str
+    """One sentence."""
+    config: AblateConfig
+    checkpoint: int
+    """C."""
+    threshold: float | None
+    original: dict[int, float]
+    """The original run's metric by step."""
+    baseline: Outcome | None
+    outcomes: tuple[Outcome, ...] = ()
+    """The variants, ranked by their effect on the spike (the largest fall of the metric at S first)."""
+
+    @property
+    def exit_code(self) -> int:
+        return ABLATE[self.verdict]
+
+    @property
+    def seconds(self) -> float:
+        runs = ([self.baseline] if self.baseline else []) + list(self.outcomes)
+        return sum(o.seconds for o in runs)
+
+    @property
+    def steps(self) -> int:
+        runs = ([self.baseline] if self.baseline else []) + list(self.outcomes)
+        return sum(o.steps for o in runs)
+
+    def to_json(self) -> dict[str, Any]:
+        base = self.baseline
+        value = base.value if base and base.value is not None else float("nan")
+        return {"schema": SCHEMA, "verdict": self.verdict, "exit_code": self.exit_code, "cause": self.cause,
+                "summary": self.summary, "step": self.config.step, "metric": self.config.metric,
+                "run": str(self.config.run), "command": list(self.config.command), "checkpoint": self.checkpoint,
+                "threshold": self.threshold, "k": self.config.rule.k, "window": self.config.rule.window,
+                "original": self.original.get(self.config.step),
+                "baseline": None if base is None else {"run": str(base.run), "value": base.value,
+                                                       "spiked": base.spiked, "seconds": round(base.seconds, 3),
+                                                       "steps": base.steps, "series": _series_json(base.series)},
+                "original_series": _series_json({t: v for t, v in self.original.items()
+                                                 if abs(t - self.config.step) <= 2 * self.config.rule.window}),
+                "variants": [o.to_json(value) for o in self.outcomes],
+                "cost": {"runs": (1 if base else 0) + len(self.outcomes), "steps": self.steps,
+                         "seconds": round(self.seconds, 3)}}
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The completed steps of a checkpoint named as the resume contract's layouts name them."""
+    from detrace.state.contract import LAYOUTS
+
+    for layout in LAYOUTS:
+        match = layout.pattern.fullmatch(path.name)
+        if match:
+            return int(match.group(1))
+    raise UsageError(f"--from {path}: not a checkpoint of the resume contract (step-0000000K, checkpoint-K or "
+                     "step-0000000K.ckpt)")
+
+
+def plan(config: AblateConfig, versions: Mapping[int, Path]) -> tuple[int, list[Variant]]:
+    """C and the runs: the baseline first, then the variants."""
+    s = config.step
+    if config.checkpoint is not None:
+        c, c_path = _checkpoint_step(config.checkpoint), str(config.checkpoint)
+        if c >= s:
+            raise UsageError(f"--from {config.checkpoint} holds {c} completed steps: it must be before step {s}")
+    else:
+        found = checkpoint_before(versions, s)
+        if found is None:
+            raise UsageError(f"the run saved no checkpoint before step {s}: run it with DETRACE_CKPT_DIR and "
+                             "DETRACE_CKPT_EVERY (docs/resume.md), or name one with --from")
+        c, c_path = found, str(versions[found])
+    runs = [Variant(name="baseline", change=f"none: resumed from the checkpoint after {c} steps", start=c,
+                    resume_from=c_path)]
+    if config.builtins:
+        low = max(c, s - config.window)
+        runs.append(Variant(name="skip-batches", change=f"skips the batches of steps {low}-{s}", start=c,
+                            resume_from=c_path, env={"DETRACE_SKIP_STEPS": f"{low}-{s}"}))
+        # From the checkpoint after S steps where there is one: the state at S exactly, and the skip applies where
+        # the run starts (the framework integrations skip batches only there).
+        at, at_path = (s, str(versions[s])) if s in versions else (c, c_path)
+        runs.append(Variant(name="state-only", change=f"the baseline's state at step {s}, the next batch instead "
+                            "of its own", start=at, resume_from=at_path, env={"DETRACE_SKIP_STEPS": f"{s}-{s}"}))
+        earlier = max((v for v in versions if v < c), default=0)
+        if c > 0:
+            runs.append(Variant(name="data-from-earlier",
+                                change=f"the batches of steps {c}-{s} fed from the state at step {earlier}",
+                                start=earlier, resume_from=str(versions[earlier]) if earlier else None,
+                                env={"DETRACE_DATA_SHIFT": str(c - earlier)}, shift=c - earlier))
+    for spec in config.variants:
+        name, env, args = parse_variant(spec)
+        change = " ".join(args) if args else ", ".join(f"{k}={v}" for k, v in env.items())
+        runs.append(Variant(name=name, change=change, start=c, resume_from=c_path, env=env, args=args))
+    return c, runs
+
+
+def _departure(baseline: Path, run: Path) -> Departure | None:
+    result = diff(baseline, run)
+    if result.verdict == "incomparable":
+        raise TraceError(f"{run} cannot be compared with the baseline: {result.reason}")
+    first = result.first
+    if first is None:
+        return None
+    return Departure(step=first.step, phase=first.phase, module=first.module, name=first.name, rank=first.rank)
+
+
+def reproduces(original: Path, baseline: Path, first: int, last: int) -> str | None:
+    """Whether the baseline has the original run's records bit for bit over steps first..last: None when it does,
+    else where it first differs. The baseline records the metrics and semantic rungs: an original traced at the
+    semantic rung is held to every record, any other to its metrics."""
+    header = open_run(original).header
+    if header.rung == "semantic":
+        return same_over(original, baseline, first, last)
+    ranks = open_run(original).ranks
+    differences = []
+    for rank in ranks:
+        theirs, ours = metric_series(original, rank), metric_series(baseline, rank)
+        for name, values in sorted(theirs.items()):
+            for step in range(first, last + 1):
+                if step in values and ours.get(name, {}).get(step) != values[step]:
+                    differences.append((step, rank, name, ours.get(name, {}).get(step), values[step]))
+    if not differences:
+        return None
+    step, rank, name, got, want = min(differences, key=lambda d: d[:3])  # the earliest step first
+    return f"rank {rank}, step {step}: {name} {got!r} against {want!r}"
+
+
+def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None] = lambda line: None
+           ) -> AblateResult:
+    """Run the ablation of `config` with `launch`; see the module docstring."""
+    s = config.step
+    rank, original = series_of(config.run, config.metric)
+    versions = checkpoints_of(config.run, config.checkpoints)
+    c, runs = plan(config, versions)
+    threshold = config.rule.threshold([original[t] for t in sorted(original) if t < s])
+    if threshold is None:
+        raise UsageError(f"the original run recorded too few steps of {config.metric} before step {s} for a "
+                         f"threshold (median + k x MAD needs at least 4)")
+    stop = s + config.after + 1  # DETRACE_STOP_AT counts completed steps: global step s + after is the last
+
+    def execute(variant: Variant) -> Outcome:
+        out = config.out / variant.name
+        scratch = config.out / "checkpoints" / variant.name
+        env = {"DETRACE_CKPT_DIR": str(scratch), "DETRACE_STOP_AT": str(stop - variant.shift), **variant.env}
+        if variant.resume_from is not None:
+            env["DETRACE_RESUME_FROM"] = variant.resume_from
+        progress(f"run {variant.name}: {variant.change}")
+        seconds = launch([*config.command, *variant.args], out, env)
+        shutil.rmtree(scratch, ignore_errors=True)  # the stop's save: nothing resumes from it
+        series = metric_series(out, rank).get(config.metric, {}) if rank in open_run(out).ranks else {}
+        at = s - variant.shift
+        value = series.get(at)
+        return Outcome(variant=variant, run=out, at=at, value=value,
+                       spiked=value is not None and value > threshold, departure=None, series=series,
+                       seconds=seconds, steps=stop - variant.shift - variant.start)
+
+    baseline = execute(runs[0])
+    difference = reproduces(config.run, baseline.run, c + 1, s)
+    common: dict[str, Any] = {"config": config, "checkpoint": c, "threshold": threshold, "original": original}
+    if difference is not None:
+        return AblateResult(verdict="not-reproducible", cause=None, baseline=baseline, **common,
+                            summary=f"not reproducible: the replay from the checkpoint after {c} steps differs from "
+                                    f"the original run ({difference}), so nothing can be isolated on it")
+    if baseline.value is None or not baseline.spiked:
+        shown = "nothing" if baseline.value is None else f"{baseline.value:.6g}"
+        return AblateResult(verdict="no-spike", cause=None, baseline=baseline, **common,
+                            summary=f"no spike: the replay reproduces the original run, and its {config.metric} at "
+                                    f"step {s} is {shown}, under the threshold {threshold:.6g}")
+    outcomes = []
+    for variant in runs[1:]:
+        outcome = execute(variant)
+        if variant.start >= c:  # an earlier start departs where it starts, with other data
+            outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
+        outcomes.append(outcome)
+    ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None else o.value)
+    cause, summary = judge(config, c, outcomes)
+    return AblateResult(verdict="isolated", cause=cause, summary=summary, baseline=baseline,
+                        outcomes=tuple(ranked), **common)
+
+
+def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[AblateCause, str]:
+    """What the variants' evidence points to, in one sentence."""
+    by_name = {o.variant.name: o for o in outcomes}
+    skip, earlier, only = (by_name.get(name) for name in ("skip-batches", "data-from-earlier", "state-only"))
+    removed_by_users = [o.variant.name for o in outcomes
+                        if o.variant.name not in BUILTINS and o.value is not None and not o.spiked]
+    s = config.step
+    data_matters = skip is not None and skip.value is not None and not skip.spiked
+    state_matters = earlier is not None and earlier.value is not None and not earlier.spiked
+    skipped = skip.variant.env["DETRACE_SKIP_STEPS"] if skip is not None else ""
+    from_state = f"from the state at step {earlier.variant.start}" if earlier is not None else ""
+    also = ""
+    if removed_by_users:
+        also = f"; {', '.join(removed_by_users)} also remove{'s' * (len(removed_by_users) == 1)} it"
+    if data_matters and state_matters:
+        return "both", (f"both: skipping the batches of steps {skipped} removes the spike, and the same batches "
+                        f"{from_state} do not spike: it needs that data and that state together{also}")
+    if data_matters:
+        alone = ("" if only is None else "; with the batch of step S replaced, the same state does not spike"
+                 if not only.spiked else "")
+        tail = f"; the same batches {from_state} also spike" if earlier is not None else ""
+        return "data", f"data: skipping the batches of steps {skipped} removes the spike{tail}{alone}{also}"
+    if state_matters:
+        return "state", (f"state: the spike survives without the batches of steps {skipped}, and the same batches "
+                         f"{from_state} do not spike{also}")
+    if removed_by_users:
+        return "setting", (f"setting: no change of data or state removes the spike at step {s}, but "
+                           f"{', '.join(removed_by_users)} do{'es' * (len(removed_by_users) == 1)}")
+    return "undetermined", f"undetermined: the spike at step {s} survives every variant (checkpoint {c})"
+

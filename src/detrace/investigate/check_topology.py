@@ -1,0 +1,356 @@
+"""`detrace check-topology`: the same bits at every layout, and across an elastic resume.
+
+CMD runs under torchrun once per layout, traced at the semantic rung (which records every parameter after each
+optimizer step, by qualified name, and the exact losses and gradient norm). A layout is a world size W
+(`--worlds`) or a DP x TP mesh D x T (`--layouts`: W = D * T processes, DETRACE_TP=T in CMD's environment).
+Records are aligned by global identity, not by rank: a parameter by (global step, qualified name); a loss by
+(global step, global microbatch index), where the k-th loss of a step on data-parallel coordinate d is
+microbatch d * n + k when every rank computes n (the contiguous blocks of `detrace.parallel.data`; d = rank // T,
+tensor parallelism innermost); the gradient norm by global step, compared only when no layout has T > 1 (the
+tracer's norm is of the rank's own shards). A name that several ranks of a run hold (a replica) must have the
+same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it. Every run must equal
+the first layout's. A `final params HEX` line in CMD's output, if every run prints one, is compared too.
+
+With `resume_at=K` (`--resume-at K`), the first world size's continuous run is the reference; CMD then runs at
+that world size stopped after step K (the resume contract: DETRACE_CKPT_DIR, DETRACE_STOP_AT), and is resumed
+from that checkpoint at each other world size (DETRACE_RESUME=1); each resumed run must equal the reference
+from step K on, and the stopped run before it.
+
+The thread count per rank is set explicitly (OMP_NUM_THREADS; torchrun would set 1 only for 2+ processes):
+a CPU kernel's bits may depend on it. The function that runs CMD is a parameter (`launch`), so the comparison
+and the verdict can be tested on synthetic traces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from detrace._numbers import parse_count
+from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.launch.launcher import LaunchResult, run_traced
+from detrace.parallel.tensor import TP_ENV
+from detrace.tracefile.layout import prepare_out
+from detrace.tracefile.reader import open_run, read_rank
+
+RUNG = "semantic"
+"""The cheapest rung that records the parameters after every optimizer step."""
+FINAL = re.compile(r"^final params ([0-9a-f]{16})\s*$", re.MULTILINE)
+
+Progress = Callable[[str], None]
+Launch = Callable[[list[str], Path, dict[str, str], "float | None"], LaunchResult]
+"""Runs argv (CMD under torchrun) traced at `RUNG` into a run directory, with variables added to the
+environment, within a timeout: `run_traced` for real, a writer of synthetic traces in tests."""
+Key = tuple[int, str, str]
+"""(global step, kind, name): kind is "loss", "grad_norm" or "param"; name the microbatch or parameter."""
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Mesh:
+    """One layout of the check: D data-parallel by T tensor-parallel ranks (T innermost)."""
+
+    dp: int
+    """D: data-parallel ranks."""
+    tp: int = 1
+    """T: tensor-parallel ranks; 1 for `--worlds`."""
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise UsageError(f"a layout needs positive sizes, not {self.dp}x{self.tp}")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def label(self) -> str:
+        return f"{self.dp}x{self.tp}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mismatch:
+    """The first record that differs."""
+
+    step: int
+    """Global step (0 is the first optimizer step), -1 for the final params line."""
+    kind: str
+    """loss, grad_norm, param, final params, or ranks (two ranks of one run disagree)."""
+    name: str
+    """The tensor's qualified name, the loss's global microbatch, or what is missing."""
+    world: int
+    """The world size of the run that differs (from the reference, or within itself for kind "ranks")."""
+    run: str
+    """That run, as the verdict names it: "world 2", "layout 2x2", "world 4 resumed after step 2"."""
+    detail: str
+
+    def sentence(self, reference: str) -> str:
+        where = "the final params line" if self.step < 0 else f"step {self.step}"
+        what = {"param": f"tensor {self.name}", "loss": f"loss of microbatch {self.name}",
+                "grad_norm": "grad_norm", "final params": "", "ranks": self.name}[self.kind]
+        against = f"{self.run}'s ranks disagree" if self.kind == "ranks" else f"{self.run} differs from {reference}"
+        return f"{against} at {where}{': ' + what if what else ''} ({self.detail})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    """One run of CMD in the check."""
+
+    label: str
+    """How the verdict names it ("world 2", "layout 1x2", "world 4 resumed after step 2")."""
+    mesh: Mesh
+    path: Path
+    """Its run directory."""
+    from_step: int = 0
+    """The first global step it runs (K for a run resumed after step K)."""
+    until_step: int | None = None
+    """The step it stops after (K for the run stopped to write the checkpoint), or None: to the end."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologyResult:
+    """The outcome of `detrace check-topology`."""
+
+    runs: tuple[Run, ...]
+    """The reference first."""
+    steps: int
+    """Global steps compared."""
+    tensors: int
+    """Parameters compared per step."""
+    finals: dict[str, str | None]
+    """Each run's `final params` line by label (None when it printed none)."""
+    first: Mismatch | None
+    first_param: Mismatch | None = None
+    """The first parameter that differs (in the first run that differs), when `first` is a loss or norm."""
+    resume_at: int | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.first is None
+
+    @property
+    def reference(self) -> str:
+        return self.runs[0].label
+
+    def to_json(self) -> dict[str, Any]:
+        first, param = ({"step": m.step, "kind": m.kind, "name": m.name, "world": m.world, "run": m.run,
+                         "detail": m.detail} if m is not None else None for m in (self.first, self.first_param))
+        return {"schema": "detrace.check-topology/2", "identical": self.identical,
+                "worlds": sorted({r.mesh.world for r in self.runs}), "layouts": [r.mesh.label for r in self.runs],
+                "resume_at": self.resume_at, "runs": {r.label: str(r.path) for r in self.runs}, "steps": self.steps,
+                "tensors": self.tensors, "final_params": dict(self.finals), "first": first,
+                "first_param": param}
+
+
+def max_world() -> int:
+    """The most processes this machine runs at once for check-topology: 4 per CPU core (gloo ranks on CPU; more
+    only thrash, and a typo such as 64 would start 64 trainings)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4): at least two distinct positive world sizes, none above `max_world()` unless `force`."""
+    worlds = tuple(parse_count(part) for part in text.split(","))
+    if any(world is None for world in worlds):
+        raise UsageError(f"--worlds must be comma-separated world sizes such as 1,2,4, not {text!r}")
+    sizes = tuple(world for world in worlds if world is not None)
+    if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) < 1:
+        raise UsageError(f"--worlds needs two or more distinct positive world sizes, not {text!r}")
+    if max(sizes) > max_world() and not force:
+        raise UsageError(f"--worlds {text} would start {max(sizes)} processes, more than this machine's "
+                         f"{os.cpu_count()} CPU cores run well (at most {max_world()}); pass --force to start them")
+    return sizes
+
+
+def parse_layouts(text: str) -> tuple[Mesh, ...]:
+    """`1x1,1x2,2x2` -> the DP x TP meshes: two or more distinct ones, T a power of two."""
+    meshes = []
+    for part in text.split(","):
+        d, sep, t = part.partition("x")
+        if not (sep and d.isdigit() and t.isdigit()):
+            raise UsageError(f"--layouts must be comma-separated DxT meshes such as 1x1,1x2,2x2, not {text!r}")
+        meshes.append(Mesh(dp=int(d), tp=int(t)))
+    if len(meshes) < 2 or len(set(meshes)) != len(meshes):
+        raise UsageError(f"--layouts needs two or more distinct meshes, not {text!r}")
+    if any(m.tp & (m.tp - 1) for m in meshes):
+        raise UsageError(f"--layouts: the tensor-parallel size T must be a power of two ({text!r})")
+    return tuple(meshes)
+
+
+def torchrun_command(cmd: list[str], world: int) -> list[str]:
+    """CMD started by torchrun on `world` processes of this machine (CMD itself, unchanged, in each)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "--no-python", *cmd]
+
+
+def launch_traced(argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
+    """The real `Launch`: argv traced at `RUNG`, its output kept quiet (its tail is in the result)."""
+    return run_traced(argv, run, rung=RUNG, timeout=timeout, quiet=True, env=env)
+
+
+def _bits(value: float) -> str:
+    return "0x" + struct.pack(">d", value).hex()
+
+
+def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str) -> tuple[dict[Key, str], Mismatch | None]:
+    """One run's records keyed by global identity (values as exact hex), and the first disagreement between
+    its ranks."""
+    info = open_run(run)
+    if len(info.ranks) != mesh.world:
+        raise TraceError(f"{run} holds traces of ranks {list(info.ranks)}, not of all {mesh.world} ranks")
+    merged: dict[Key, str] = {}
+    owner: dict[Key, int] = {}
+    for rank in info.ranks:
+        table = read_rank(run, rank).table
+        params = table.filter(pc.and_(pc.equal(table["phase"], "optimizer"), pc.equal(table["role"], "param")))
+        metrics = table.filter(pc.equal(table["role"], "metric"))
+        keyed: dict[Key, str] = {}
+        losses: dict[int, list[float]] = {}
+        for row in metrics.select(["step", "name", "value"]).to_pylist():
+            if row["name"] == "loss":
+                losses.setdefault(row["step"], []).append(row["value"])
+            elif row["name"] == "grad_norm" and grad_norm:
+                keyed[(row["step"], "grad_norm", "")] = _bits(row["value"])
+        block = rank // mesh.tp  # the data-parallel coordinate: tp ranks of one block share its microbatches
+        for step, values in losses.items():  # data-parallel rank d computes the block [d n, (d + 1) n)
+            for k, loss in enumerate(values):
+                keyed[(step, "loss", str(block * len(values) + k))] = _bits(loss)
+        for row in params.select(["step", "name", "digest"]).to_pylist():
+            digest = row["digest"]
+            keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
+        for key, bits in keyed.items():
+            if key not in merged:
+                merged[key], owner[key] = bits, rank
+            elif merged[key] != bits:  # replicas (or one block's tp ranks) must agree
+                return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(),
+                                        world=mesh.world, run=label,
+                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}")
+    return merged, None
+
+
+def _order(key: Key) -> tuple[int, int, int | str]:
+    step, kind, name = key
+    return step, ("loss", "grad_norm", "param").index(kind), int(name) if kind == "loss" else name
+
+
+def _differences(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Iterator[Mismatch]:
+    """Every record that differs, in order (step, then losses, gradient norm, parameters by name)."""
+    for key in sorted(set(ref) | set(other), key=_order):
+        a, b = ref.get(key, "missing"), other.get(key, "missing")
+        if a != b:
+            step, kind, name = key
+            yield Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label, detail=f"{a} vs {b}")
+
+
+def _check_command(cmd: list[str], threads: int) -> None:
+    if not cmd:
+        raise UsageError("no command given; put it after '--', e.g. detrace check-topology -- python train.py")
+    if Path(cmd[0]).name in ("torchrun", "mpirun", "srun") or "torch.distributed.run" in cmd[:3]:
+        raise UsageError("give CMD without a launcher: check-topology starts it under torchrun itself")
+    if threads < 1:
+        raise UsageError(f"--threads must be positive, not {threads}")
+
+
+def plan_runs(meshes: tuple[Mesh, ...], out: Path, *, resume_at: int | None = None, tp_env: bool = False
+              ) -> list[tuple[Run, dict[str, str]]]:
+    """The runs of the check, the reference first, each with the variables it adds to CMD's environment.
+
+    `tp_env` (`--layouts`) names runs by mesh and sets DETRACE_TP; else by world size. With `resume_at` K
+    (world sizes only): the first world size continuous, then stopped after K, then resumed at each other."""
+    def label(m: Mesh) -> str:
+        return f"layout {m.label}" if tp_env else f"world {m.world}"
+
+    def directory(m: Mesh) -> str:
+        return f"layout-{m.label}" if tp_env else f"world-{m.world}"
+
+    def env(m: Mesh) -> dict[str, str]:
+        return {TP_ENV: str(m.tp)} if tp_env else {}
+
+    if resume_at is None:
+        return [(Run(label=label(m), mesh=m, path=out / directory(m)), env(m)) for m in meshes]
+    if tp_env:
+        raise UsageError("--resume-at goes with --worlds (an elastic resume changes the data-parallel size)")
+    if resume_at < 1:
+        raise UsageError(f"--resume-at must be a step of 1 or more, not {resume_at}")
+    first, ckpt = meshes[0], out / "checkpoint"
+    plan = [(Run(label=label(first), mesh=first, path=out / directory(first)), {}),
+            (Run(label=f"{label(first)} stopped after step {resume_at}", mesh=first, until_step=resume_at,
+                 path=out / f"{directory(first)}-stopped"),
+             {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(resume_at)})]
+    for m in meshes[1:]:
+        plan.append((Run(label=f"{label(m)} resumed after step {resume_at}", mesh=m, from_step=resume_at,
+                         path=out / f"{directory(m)}-resumed"), {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}))
+    return plan
+
+
+def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threads: int = 1,
+                   timeout: float | None = None, resume_at: int | None = None, tp_env: bool = False,
+                   launch: Launch = launch_traced, progress: Progress = lambda _: None) -> TopologyResult:
+    """Run CMD at each layout (see `plan_runs`) and compare the runs record by record (see the module doc)."""
+    _check_command(cmd, threads)
+    plan = plan_runs(meshes, out, resume_at=resume_at, tp_env=tp_env)
+    prepare_out(out, holds="runs")
+    finals: dict[str, str | None] = {}
+    for run, env in plan:
+        progress(f"{run.label}: {run.path}")
+        result = launch(torchrun_command(cmd, run.mesh.world), run.path, {"OMP_NUM_THREADS": str(threads), **env},
+                        timeout)
+        if result.returncode != 0:
+            raise CommandFailed(f"CMD ({run.label}) exited with code {result.returncode}; its output ends "
+                                f"with:\n{result.output_tail.rstrip()}")
+        found = FINAL.findall(result.output_tail)
+        finals[run.label] = found[-1] if found else None
+    runs = tuple(run for run, _ in plan)
+    first, first_param, steps, tensors = compare(runs)
+    ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
+    if first is None and all(finals[r.label] for r in ended):
+        odd = next((r for r in ended if finals[r.label] != finals[ended[0].label]), None)
+        if odd is not None:
+            first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
+                             detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
+    return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
+                          first_param=first_param, resume_at=resume_at)
+
+
+def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, int, int]:
+    """Compare traced runs of one command (the first the reference, run to the end from step 0): (the first
+    mismatch or None, the first differing parameter of that run when the mismatch is another record, steps
+    compared, parameters per step). A run resumed after step K is compared from K on, a run stopped after step
+    K up to K."""
+    grad_norm = all(r.mesh.tp == 1 for r in runs)
+    records: dict[str, dict[Key, str]] = {}
+    first: Mismatch | None = None
+    first_param: Mismatch | None = None
+    for run in runs:
+        records[run.label], inner = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
+        first = first or inner
+    reference = records[runs[0].label]
+    if not any(kind == "param" for _, kind, _ in reference):
+        raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
+                            "step a torch.optim optimizer?")
+    for run in runs[1:]:
+        until = run.until_step if run.until_step is not None else sys.maxsize
+        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until}
+        if first is None:
+            differences = _differences(expected, records[run.label], run)
+            first = next(differences, None)
+            if first is not None and first.kind != "param":
+                first_param = next((m for m in differences if m.kind == "param"), None)
+    steps = {step for step, _, _ in reference}
+    tensors = {name for _, kind, name in reference if kind == "param"}
+    return first, first_param, len(steps), len(tensors)
+
+
+def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
+    """`compare` for runs of one command at several world sizes ({world: run directory}, the first the
+    reference)."""
+    first, _, steps, tensors = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
+                                             for w, p in runs.items()))
+    return first, steps, tensors

@@ -1,0 +1,30 @@
+"""The recording rungs. Each `install(tracer)` patches or hooks what it observes and returns its undo callables.
+
+Order matters for the optimizer hooks (global hooks run in registration order): the step clock's pre-hook runs
+first and its post-hook last, so the rungs' optimizer records carry the step they belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from detrace.record.rungs import batch, clock, compiled, metrics, module, op, semantic
+from detrace.record.session import Tracer
+from detrace.tracefile.schema import rung_includes
+
+Undo = Callable[[], None]
+
+
+def install(tracer: Tracer) -> list[Undo]:
+    """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables."""
+    undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer),
+            *batch.install(tracer)]  # at every rung: the model's forward begins a step (detrace.record.steps)
+    rung = tracer.config.rung
+    if rung_includes(rung, "semantic"):
+        undo += semantic.install(tracer) + compiled.install(tracer)
+    if rung_includes(rung, "module"):
+        undo += module.install(tracer)
+    if rung_includes(rung, "op"):
+        undo += op.install(tracer)
+    undo.append(clock.install_post(tracer))
+    return undo

@@ -1,0 +1,75 @@
+"""Rung 0, metrics: exact bits of the step's scalars.
+
+- loss: every scalar root of `backward()` (torch.autograd.backward is what Tensor.backward calls), so a loop
+  that calls `loss.backward()` is traced without edits. Several backward calls in a step (gradient
+  accumulation) are told apart by their occurrence.
+- grad_norm: the 2-norm of this rank's gradients as the optimizer step begins (local shards for DTensor
+  parameters: never gathered, so no collective is added).
+- anything passed to `detrace.metric(name, value)`.
+
+Values are read at the next flush, all of a batch in one host transfer. The backward wrapper also keeps the
+phase ("backward") that module and op records carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from detrace.record.patch import replace
+from detrace.record.records import local_data
+from detrace.record.session import Tracer
+
+
+def record(tracer: Tracer, name: str, value: float | int | torch.Tensor) -> None:
+    """Record one exact scalar in the current step (no-op outside the metrics window)."""
+    if not (tracer.enabled and tracer.on["metrics"]):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"detrace.metric({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
+        with tracer.own(), torch.no_grad():
+            scalar: float | torch.Tensor = value.detach().clone()
+        dtype = str(value.dtype).removeprefix("torch.")
+    else:
+        scalar, dtype = float(value), "float64"
+    call = tracer.begin("metrics", tracer.phase, name)
+    tracer.emit_metric(call, scalar, dtype)
+
+
+def _roots(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def install(tracer: Tracer) -> list[Callable[[], None]]:
+    original_backward = torch.autograd.backward
+
+    def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+        tracer.clock.backward_begins()
+        if grad_tensors is None and tracer.on["metrics"]:
+            for root in _roots(tensors):
+                if isinstance(root, torch.Tensor) and root.numel() == 1:
+                    record(tracer, "loss", root)
+        phase, tracer.phase = tracer.phase, "backward"
+        try:
+            return original_backward(tensors, grad_tensors, *args, **kwargs)
+        finally:
+            tracer.phase = phase
+            # DDP's reducer copied the reduced buckets into the gradients from C++ (no version bump).
+            tracer.forget()
+            if phase != "backward":
+                tracer.scope.clear()  # module scopes a backward left open (see rungs/module.py)
+
+    def grad_norm(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not tracer.on["metrics"]:
+            return
+        grads = [local_data(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            with tracer.own(), torch.no_grad():
+                norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
+            record(tracer, "grad_norm", norm)
+
+    return [replace(torch.autograd, "backward", backward), register_optimizer_step_pre_hook(grad_norm).remove]

@@ -1,0 +1,397 @@
+"""Parallel layouts of the reference model: DDP, FSDP2, tensor, expert and pipeline parallelism, and two
+combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun.
+
+| layout  | mesh (dims)      | what is split                                  | how gradients meet            |
+|---------|------------------|------------------------------------------------|-------------------------------|
+| none    | -                | nothing                                        | -                             |
+| ddp     | dp=W             | the data                                       | DistributedDataParallel       |
+| fsdp    | dp=W             | the data; every parameter sharded on dim 0     | fully_shard (reduce-scatter)  |
+| tp      | tp=W             | attention heads, MLP hidden (DTensor col/row)  | DTensor (all-reduce in layer) |
+| ep      | ep=W             | the data; the experts (tokens via all_to_all)  | all-reduce of non-expert grads|
+| pp      | pp=2             | the layers: 2 stages, 1F1B schedule, send/recv | none needed                   |
+| dp-ep   | dp=W/2, ep=2     | data over dp x ep; experts over ep             | non-expert over all, experts over dp |
+| pp-dp   | pp=2, dp=W/2     | layers over pp; data over dp                   | all-reduce over dp            |
+| dp-invariant | dp=W (or 1) | the global batch's M microbatches, in blocks  | fixed tree (detrace.parallel.data) |
+| tp-invariant | dp=W/T, tp=T | dp-invariant's; attention/MLP projections in chunks | fixed trees over dp and tp |
+| tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
+
+Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
+buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
+parameters over this group, those over that one", and it does not compose with a pipeline schedule's
+separate backward.
+
+Every metric the trainer prints is reduced here the same way in every layout (`ParallelModel.metrics`):
+each rank contributes the share it owns, the shares are all-gathered and summed in rank order, so the
+printed bits do not depend on a collective's internal reduction order and are the same on every rank.
+
+dp-invariant is the exception: its gradients and metrics are sums over the M microbatches in one fixed tree
+(`detrace.parallel.data.invariant_backward`), the same bits at every world size W (a power of two dividing M, 1
+included, with or without torchrun); every rank reads the whole global batch and computes its block of it.
+tp-invariant adds tensor parallelism whose bits do not depend on T either (`detrace.parallel.tensor`): the
+same bits on every DP x TP mesh; its metrics and `final params` line gather per-parameter values over tp by
+global name (`by_global_name`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from detrace.errors import UsageError
+from detrace.parallel.data import InvariantDataParallel, _digests
+from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
+from detrace.workload.layouts import INVARIANT, Layout
+from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, lm_losses, local_tensor
+
+PP_MICROBATCHES = 4
+TP_CHUNK = 16
+"""Features per chunk of the tp layouts' projections: fixed by the model, never by the TP size or the device
+(each projection's chunks must divide by T; a column chunk holds whole heads when n_heads divides by T)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# expert parallelism: experts split over the "ep" dimension, tokens exchanged with all_to_all_single
+
+
+class AllToAllExchange:
+    """Send each routed token to the rank holding its expert, run the local experts, send the results back.
+
+    Rank r of the ep group holds global experts [r * L, (r + 1) * L). Rows arrive grouped by (source rank,
+    local expert); they are regrouped by local expert with split/cat (no accumulation), and the reverse
+    permutation is applied before the return trip.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, n_local: int) -> None:
+        self.group, self.n_local = group, n_local
+        self.ep = dist.get_world_size(group)
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+        ep, L = self.ep, self.n_local
+        recv_counts = torch.empty_like(counts)  # [ep * L]: rows from source s for my local expert e at s*L+e
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        send_splits = counts.view(ep, L).sum(1).tolist()
+        recv_splits = recv_counts.view(ep, L).sum(1).tolist()
+        received = all_to_all(routed, recv_splits, send_splits, self.group)  # [sum(recv_splits), D]
+        sizes = recv_counts.tolist()
+        chunks = received.split(sizes)
+        by_expert = [s * L + e for e in range(L) for s in range(ep)]  # (source, expert) -> (expert, source)
+        out = experts(torch.cat([chunks[i] for i in by_expert]), recv_counts.view(ep, L).sum(0).tolist())
+        out_chunks = dict(zip(by_expert, out.split([sizes[i] for i in by_expert]), strict=True))
+        back = torch.cat([out_chunks[i] for i in range(ep * L)])
+        return all_to_all(back, send_splits, recv_splits, self.group)  # [R, D], in `routed`'s order
+
+
+def _shard_experts(model: HybridLM, layout: Layout) -> None:
+    """Keep only this ep rank's slice of every MoE layer's experts and route tokens through all_to_all.
+
+    The slices are DTensors sharded on dim 0 over the "ep" mesh, not plain tensors: every rank's slice has
+    the same name, and a checkpoint (DCP) of plain tensors would take them for replicas and keep one rank's
+    for all; a Shard(0) DTensor says which rows of the whole [n_experts, ...] tensor each rank holds.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep, r = layout.size("ep"), layout.coord("ep")
+    if model.cfg.n_experts % ep:
+        raise UsageError(f"{model.cfg.n_experts} experts do not split evenly over expert-parallel degree {ep}")
+    n_local = model.cfg.n_experts // ep
+    assert layout.mesh is not None
+    mesh = layout.mesh["ep"]
+    for moe in model.moe_layers():
+        for name, w in list(moe.experts.named_parameters()):
+            rows = w.detach()[r * n_local : (r + 1) * n_local].clone()
+            setattr(moe.experts, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
+        moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in f".{name}"
+
+
+def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Average the gradients of `params` over `group`, in place: one flat buffer, one all-reduce. A DTensor
+    gradient contributes its local shard (its replicas over `group` hold the same rows)."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:  # every rank must contribute the same buffer layout
+            p.grad = torch.zeros_like(p)
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(mean.view_as(g))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tensor parallelism
+
+
+def _tensor_parallel(model: HybridLM, layout: Layout) -> None:
+    """Column-shard wq/wk/wv and w1/w3, row-shard wo and w2 (Megatron-style; no sequence parallelism).
+    SSM, MoE, norms, embedding and head stay replicated: their inputs and gradients are the same on
+    every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+    cfg = model.cfg
+    tp = layout.size("tp")
+    if cfg.quant != "none":
+        raise UsageError("fake-quantized linears are not supported under tensor parallelism")
+    if cfg.n_heads % tp or cfg.ffn_hidden % tp:
+        raise UsageError(f"n_heads {cfg.n_heads} and ffn_hidden {cfg.ffn_hidden} must divide by tp {tp}")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan: dict[str, ParallelStyle] = {}
+    for name, _ in model.named_modules():
+        if name.endswith(".attn"):
+            plan.update({f"{name}.wq": col, f"{name}.wk": col, f"{name}.wv": col, f"{name}.wo": row})
+        elif name.endswith(".mlp"):
+            plan.update({f"{name}.w1": col, f"{name}.w3": col, f"{name}.w2": row})
+    assert layout.mesh is not None
+    parallelize_module(model, layout.mesh["tp"], plan)
+
+
+def _chunked_tensor_parallel(model: HybridLM, layout: Layout, mode: str) -> None:
+    """tp-invariant (mode "invariant") and tp-plain ("plain"): the same split as `_tensor_parallel`, with
+    detrace.parallel.tensor's chunked layers; every other module stays replicated."""
+    cfg, tp = model.cfg, layout.size("tp")
+    if cfg.quant != "none":
+        raise UsageError("fake-quantized linears are not supported under tensor parallelism")
+    if cfg.n_heads % tp:
+        raise UsageError(f"n_heads {cfg.n_heads} must divide by tp {tp}")
+    group = layout.group("tp") if layout.mesh is not None else None
+    for module in list(model.modules()):
+        columns, rows = (("wq", "wk", "wv"), ("wo",)) if isinstance(module, Attention) else \
+            (("w1", "w3"), ("w2",)) if isinstance(module, MLP) else ((), ())
+        for name, cls in [(c, ColumnParallelLinear) for c in columns] + [(r, RowParallelLinear) for r in rows]:
+            setattr(module, name, cls(getattr(module, name).weight, chunk=TP_CHUNK, group=group, mode=mode))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pipeline parallelism
+
+
+def _pipeline_stage(model: HybridLM, stage: int, stages: int) -> HybridLM:
+    """Cut `model` down to stage `stage` of `stages`: contiguous layers, the embedding on the first stage,
+    the norm, head and MTP head on the last. Layer names (layers.<i>) stay those of the whole model."""
+    n = len(model.layers)
+    if n < stages:
+        raise UsageError(f"{n} layers cannot fill {stages} pipeline stages")
+    bounds = [round(i * n / stages) for i in range(stages + 1)]
+    for i in range(n):
+        if not bounds[stage] <= i < bounds[stage + 1]:
+            del model.layers[str(i)]
+    if stage > 0:
+        model.embedding = None
+    if stage < stages - 1:
+        model.norm = model.output = model.mtp = None
+    return model
+
+
+class ParallelModel:
+    """The reference model placed on a layout, with the trainer's per-step operations:
+    `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int,
+                 microbatches: int | None = None) -> None:
+        self.cfg, self.layout = cfg, layout
+        # Same initial weights on every rank: each shards what it was given.
+        torch.manual_seed(seed)
+        self.raw = HybridLM(cfg).to(layout.device)
+        self._lm: list[torch.Tensor] = []
+        self._mtp: list[torch.Tensor] = []
+        self.module: nn.Module = self.raw
+        self.schedule: Any = None  # a torch.distributed.pipelining schedule, under --parallel pp
+        kind = layout.kind
+        if layout.size("ep") > 1:
+            _shard_experts(self.raw, layout)
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            # DDP rebuilds its gradient buckets once, after the first step, in the order gradients became
+            # ready; a resumed process would run its first step with the initial layout and all-reduce other
+            # buffers than the run that never stopped (`detrace check-resume` sees the bucket shapes differ).
+            # With find_unused_parameters the Reducer never rebuilds: one layout for the whole run.
+            self.module = DistributedDataParallel(self.raw, find_unused_parameters=True)
+        elif kind == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            assert layout.mesh is not None
+            for layer in self.raw.layers.values():
+                fully_shard(layer, mesh=layout.mesh)
+            fully_shard(self.raw, mesh=layout.mesh)
+        elif kind == "tp":
+            _tensor_parallel(self.raw, layout)
+        elif kind in ("tp-invariant", "tp-plain"):
+            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-"))
+        self.invariant: InvariantDataParallel | None = None
+        self._invariant_sums: torch.Tensor | None = None
+        self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
+        if kind in INVARIANT:
+            if microbatches is None or batch_size % microbatches:
+                raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
+            dp = layout.group("dp") if layout.mesh is not None else None
+            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
+        if layout.size("pp") > 1:
+            self._build_pipeline(batch_size, seq_len)
+        # parameter lists for the hand-written gradient averages
+        named = list(self.raw.named_parameters())
+        self._experts = [p for n, p in named if _is_expert(n)]
+        self._dense = [p for n, p in named if not _is_expert(n)]
+
+    def _build_pipeline(self, batch_size: int, seq_len: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        if batch_size % PP_MICROBATCHES:
+            raise UsageError(f"batch size {batch_size} must divide into {PP_MICROBATCHES} pipeline microbatches")
+        layout = self.layout
+        stage, stages = layout.coord("pp"), layout.size("pp")
+        _pipeline_stage(self.raw, stage, stages)
+        # Example microbatches for the stage's input and output, so the stage does not infer shapes with
+        # an extra forward (which would run the MoE layers once more than the schedule does).
+        mb, cfg, dev = batch_size // PP_MICROBATCHES, self.cfg, layout.device
+        hidden = torch.empty(mb, seq_len, cfg.dim, device=dev, requires_grad=True)  # grads flow back
+        tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
+        logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
+        self.schedule = Schedule1F1B(
+            PipelineStage(
+                self.raw,
+                stage,
+                stages,
+                dev,
+                input_args=tokens if stage == 0 else hidden,
+                output_args=logits if stage == stages - 1 else hidden,
+                group=layout.group("pp"),
+            ),
+            n_microbatches=PP_MICROBATCHES,
+            loss_fn=self._loss,
+        )
+        # The schedule sets its stage up at its first step: a vote over p2p between the stages, then the
+        # buffers. Done here, every process does it before training, so the first step of a resumed process
+        # makes the same calls as that step of a run that never stopped (`detrace check-resume`).
+        target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None
+        self.schedule._initialize_stage((tokens,) if stage == 0 else (), {}, target)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lm, mtp = lm_losses(logits, targets)
+        self._lm.append(lm.detach())
+        self._mtp.append(mtp.detach())
+        return lm + self.cfg.mtp_loss_coef * mtp
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
+        self._lm, self._mtp = [], []
+        if self.invariant is not None:
+            self._invariant_step(inputs, targets)
+            return
+        if self.schedule is not None:
+            if self.layout.coord("pp") == 0:
+                self.schedule.step(inputs)
+            else:
+                self.schedule.step(target=targets, losses=[])
+        else:
+            logits = self.module(inputs)
+            loss = self._loss(logits, targets)
+            loss.backward()
+        layout = self.layout
+        if layout.size("ep") > 1:
+            # Dense parameters saw only this rank's batch: average over every rank. A local expert's
+            # gradient already sums the contributions of every ep rank's batch (their tokens came to it):
+            # divide by ep, then average over its dp replicas, to get the same mean as plain data parallel.
+            _average_gradients(self._dense, dist.group.WORLD)
+            for p in self._experts:
+                if p.grad is not None:
+                    p.grad /= layout.size("ep")
+            if layout.size("dp") > 1:
+                _average_gradients(self._experts, layout.group("dp"))
+        elif layout.kind == "pp-dp":
+            _average_gradients(self._experts + self._dense, layout.group("dp"))
+
+    def _invariant_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree."""
+        assert self.invariant is not None
+        cfg, M = self.cfg, self.invariant.microbatches
+        xs, ys = inputs.chunk(M), targets.chunk(M)
+
+        def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # Every microbatch holds B / M sequences of T tokens: dividing its mean loss by M is dividing its sum
+            # by the global token count, a constant (never a per-rank count).
+            lm, mtp = lm_losses(self.raw(xs[i]), ys[i])
+            aux = sum((moe.pop_aux_loss() for moe in self.raw.moe_layers()), torch.zeros(()))
+            logged = torch.stack([lm.detach(), mtp.detach(), aux.to(lm.device)]) / M
+            return (lm + cfg.mtp_loss_coef * mtp) / M, logged
+
+        _, sums = self.invariant.backward(loss_of)
+        self._invariant_sums = sums
+
+    def fingerprint(self) -> str:
+        """The `final params` line's fingerprint of every parameter of the whole model in name order (the
+        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T."""
+        from detrace.digest import fingerprint
+
+        named = list(self.raw.named_parameters())
+        digests = dict(zip((n for n, _ in named), _digests([p.detach() for _, p in named]).unbind(), strict=True))
+        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex
+
+    def _owned(self, name: str, param: torch.Tensor) -> bool:
+        """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over
+        pp (each stage its own), over ep if it is an expert, over its DTensor mesh dims; on every other mesh
+        dimension it is a replica, and only coordinate 0 counts it."""
+        from torch.distributed.tensor import DTensor
+
+        split = {"pp"} | ({"ep"} if _is_expert(name) else set())
+        if isinstance(param, DTensor):
+            split |= set(param.device_mesh.mesh_dim_names or ())
+        return all(self.layout.coord(d) == 0 for d in self.layout.sizes if d not in split)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """loss, lm, mtp, aux, grad_norm of this step over the whole world (float32 scalars, same on all ranks).
+
+        loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
+        """
+        layout, cfg = self.layout, self.cfg
+        if self._invariant_sums is not None:
+            # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
+            lm, mtp, aux = self._invariant_sums.unbind()
+            if layout.kind == "dp-invariant":
+                sq = torch.zeros((), device=layout.device)
+                for p in self.raw.parameters():
+                    if p.grad is not None:
+                        sq += p.grad.float().square().sum()
+            else:  # one squared norm per parameter of the whole model, by global name, summed in that order
+                squares = {n: p.grad.float().square().sum()
+                           for n, p in self.raw.named_parameters() if p.grad is not None}
+                sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
+            loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+            return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
+        has_loss = bool(self._lm) and layout.coord("tp") == 0
+        per_stream = 1.0 / layout.data_streams
+        share = torch.zeros(4, device=layout.device)  # lm, mtp, aux, squared grad norm
+        if has_loss:
+            share[0] = torch.stack(self._lm).mean() * per_stream
+            share[1] = torch.stack(self._mtp).mean() * per_stream
+        if layout.coord("tp") == 0:
+            micro = PP_MICROBATCHES if self.schedule is not None else 1
+            for moe in self.raw.moe_layers():
+                share[2] += moe.pop_aux_loss().to(layout.device) / micro * per_stream
+        else:
+            for moe in self.raw.moe_layers():
+                moe.pop_aux_loss()
+        for name, p in self.raw.named_parameters():
+            if p.grad is not None and self._owned(name, p):
+                share[3] += local_tensor(p.grad).float().square().sum()
+        if layout.world > 1:
+            gathered = [torch.empty_like(share) for _ in range(layout.world)]
+            dist.all_gather(gathered, share)
+            total = torch.zeros_like(share)
+            for s in gathered:  # rank order: the sum's bits do not depend on the collective's algorithm
+                total += s
+        else:
+            total = share
+        lm, mtp, aux, sq = total.unbind()
+        loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+        return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}

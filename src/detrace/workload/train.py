@@ -1,0 +1,320 @@
+"""The reference trainer: `python -m detrace.workload.train [options]`, also under torchrun.
+
+    python -m detrace.workload.train --preset tiny --steps 20 --seed 0 --threads 2 --dispatch index
+    torchrun --standalone --nproc-per-node 2 -m detrace.workload.train --parallel ddp --threads 1
+    python -m detrace.workload.train --deterministic --spike data --spike-step 12   # a planted loss spike
+
+It prints one line per step on rank 0, with the exact bits of the loss and of the gradient norm:
+
+    step 3 loss 5.512713 (0x40b06926) lm 5.489... mtp 5.49... aux 1.00... grad_norm 1.234 (0x3f9df3b6)
+
+It knows nothing of detrace's tracer: `detrace run -- python -m detrace.workload.train ...` injects it from
+outside. With `--deterministic` it applies `detrace.deterministic(seed)`; without, it seeds torch and leaves
+every other setting at PyTorch's default (and the "index" MoE dispatch is then nondeterministic on CPU with
+2+ threads). Checkpoint/resume goes through `detrace.TrainState` and its environment contract
+(DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, and the data controls DETRACE_SKIP_STEPS, DETRACE_DATA_SHIFT).
+`--spike data|state|both --spike-step S` plants a loss spike of that kind at global step S (off by default): the
+workload of `detrace spikes` and `detrace ablate` (docs/ablate.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from detrace._exit import leave
+from detrace.errors import DetraceError, UsageError
+from detrace.parallel.tensor import TP_ENV
+from detrace.state.loader import ResumableSampler
+from detrace.workload import layouts
+from detrace.workload import sharding as parallel
+from detrace.workload.corpus import Poisoned, SyntheticTokens, split_batch
+from detrace.workload.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
+
+PROG = "detrace.workload.train"
+SPIKES = ("data", "state", "both")
+"""The planted spikes' kinds (`TrainConfig.spike`)."""
+STATE_BUMP = 300.0
+"""The learning-rate factor of the "state" spike's one step: alone, it throws the model off."""
+POISON_TOKEN = 0
+"""The token the poisoned sequences repeat."""
+BOTH_CORRUPTION = -5.0
+"""The "both" spike's factor on the embedding and LM-head rows of `POISON_TOKEN`: on clean batches (where the
+token is rare) the loss barely moves; on sequences made of that token it jumps."""
+BOTH_POISONED = 2
+"""Sequences of the "both" spike's batch that are runs of `POISON_TOKEN` (the whole batch for "data")."""
+WARMUP_STEPS = 10
+# Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
+NUM_SAMPLES = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run of the reference workload. Checked in `__post_init__`."""
+
+    preset: str = "tiny"
+    """Model and batch sizes: a key of `model.PRESETS`."""
+    steps: int = 20
+    """Optimizer steps of the whole run (a resumed run still ends at this step)."""
+    seed: int = 0
+    """Seeds the weights, the data stream and the sampler's shuffle."""
+    threads: int = 2
+    """torch.set_num_threads for this process (CPU nondeterminism needs 2 or more)."""
+    dispatch: str = "index"
+    """MoE dispatch: "index" or "fixed" (see `model.ModelConfig.dispatch`)."""
+    recompute: bool = False
+    """Activation recompute on every layer."""
+    quant: str = "none"
+    """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
+    parallel: str = "none"
+    """Parallel layout: a key of `layouts.LAYOUTS`."""
+    deterministic: bool = False
+    """Apply `detrace.deterministic(seed)` before anything else."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warmup over the first steps)."""
+    batch_size: int | None = None
+    """Sequences per data stream per step; None takes the preset's."""
+    nondeterministic_from: int | None = None
+    """A planted late divergence: the first S optimizer steps (global steps 0..S-1, printed 1..S) run under
+    `torch.use_deterministic_algorithms(True)`, the later ones without, so the real race of the "index"
+    dispatch starts at global step S. None: PyTorch's defaults throughout (or `deterministic`)."""
+    microbatches: int | None = None
+    """--parallel dp-invariant, tp-invariant, tp-plain: the global batch's microbatches M (a multiple of the
+    data-parallel size)."""
+    tp: int = 1
+    """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
+    spike: str | None = None
+    """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
+    "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
+    just before it runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides
+    it); "both": right after the step before it, the rows of token `POISON_TOKEN` in the embedding and the LM head
+    are scaled by `BOTH_CORRUPTION` (a parameter fault at a step), and `BOTH_POISONED` sequences of the step's batch
+    are runs of that token: either alone leaves the loss under the spike threshold, together they spike."""
+    spike_step: int | None = None
+    """The global step where the planted spike shows in the loss (steps completed before it)."""
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise UsageError(f"preset {self.preset!r} must be one of {', '.join(PRESETS)}")
+        if self.steps < 1 or self.threads < 1 or (self.batch_size is not None and self.batch_size < 1):
+            raise UsageError("--steps, --threads and --batch-size must be positive")
+        if self.parallel not in layouts.LAYOUTS:
+            raise UsageError(f"parallel layout {self.parallel!r} must be one of {', '.join(layouts.LAYOUTS)}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be positive, not {self.lr}")
+        if self.nondeterministic_from is not None:
+            if self.nondeterministic_from < 0:
+                raise UsageError(f"--nondeterministic-from must be 0 or more, not {self.nondeterministic_from}")
+            if self.deterministic or self.dispatch != "index":
+                raise UsageError("--nondeterministic-from plants the race of the index dispatch: it needs "
+                                 "--dispatch index and no --deterministic")
+        if (self.spike is None) != (self.spike_step is None):
+            raise UsageError("--spike and --spike-step go together")
+        if self.spike is not None and self.spike not in SPIKES:
+            raise UsageError(f"--spike must be one of {', '.join(SPIKES)}, not {self.spike!r}")
+        if self.spike_step is not None and self.spike_step < 1:
+            raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
+        if self.spike == "both" and self.parallel not in ("none", "ddp"):
+            raise UsageError("--spike both scales whole parameter rows: it needs --parallel none or ddp")
+        if (self.parallel in layouts.INVARIANT) != (self.microbatches is not None):
+            raise UsageError(f"--microbatches goes with --parallel {', '.join(layouts.INVARIANT)}, and they need it")
+        if self.parallel in layouts.INVARIANT and self.dispatch == "index" and not self.deterministic:
+            # Same bits at every world size needs each microbatch's kernels deterministic first.
+            raise UsageError(f"--parallel {self.parallel} needs --dispatch fixed or --deterministic (the index "
+                             "dispatch's backward races)")
+        if self.tp != 1 and not self.parallel.startswith("tp-"):
+            raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
+
+    def model_config(self) -> ModelConfig:
+        base = PRESETS[self.preset]["model"]
+        assert isinstance(base, ModelConfig)
+        return replace(base, dispatch=self.dispatch, recompute=self.recompute, quant=self.quant)
+
+
+def parse_args(argv: Sequence[str]) -> TrainConfig:
+    p = argparse.ArgumentParser(prog=PROG, description="Train the detrace reference model (hybrid SSM/attention/MoE).")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--dispatch", default="index", choices=DISPATCHES)
+    p.add_argument("--recompute", action="store_true", help="activation recompute on every layer")
+    p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
+    p.add_argument("--parallel", default="none", choices=list(layouts.LAYOUTS))
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="apply detrace.deterministic(seed) (default: off, PyTorch's defaults)",
+    )
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per data stream (default: preset)")
+    p.add_argument("--nondeterministic-from", type=int, default=None, metavar="S",
+                   help="deterministic for the first S steps, then the index dispatch's real race (global step S on)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="dp-invariant, tp-invariant, tp-plain: microbatches M of the global batch")
+    p.add_argument("--tp", type=int, default=None,
+                   help=f"tp-invariant, tp-plain: tensor-parallel size T (default: ${TP_ENV} or 1)")
+    p.add_argument("--spike", default=None, choices=SPIKES,
+                   help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
+                        "or a poisoned batch under a smaller bump (both); off by default")
+    p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
+    args = p.parse_args(list(argv))
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k != "tp"}, tp=_tp_size(args.tp))
+
+
+def _tp_size(flag: int | None) -> int:
+    """--tp, else DETRACE_TP (set by `detrace check-topology --layouts`), else 1; both given must agree."""
+    env = os.environ.get(TP_ENV)
+    try:
+        from_env = None if env is None else int(env)
+    except ValueError:
+        raise UsageError(f"{TP_ENV} must be an integer, not {env!r}") from None
+    if flag is not None and from_env is not None and flag != from_env:
+        raise UsageError(f"--tp {flag} and {TP_ENV}={from_env} disagree")
+    return flag or from_env or 1
+
+
+def bits(x: torch.Tensor) -> str:
+    """The exact bits of a float32 scalar, as 0x followed by 8 hex digits."""
+    return "0x" + struct.pack(">f", float(x)).hex()
+
+
+def _lr_bump(cfg: TrainConfig) -> tuple[int | None, float]:
+    """(global step whose optimizer step runs at a bumped learning rate, the factor) of a planted spike."""
+    if cfg.spike_step is None or cfg.spike != "state":
+        return None, 1.0
+    # The loss of step S is computed before S's optimizer step: a bump at S - 1 shows in it.
+    return cfg.spike_step - 1, STATE_BUMP
+
+
+def _poisoned_step(cfg: TrainConfig) -> int | None:
+    """The global step whose batch (in an unshifted run) the planted spike poisons."""
+    if cfg.spike_step is None or cfg.spike == "state":
+        return None
+    return cfg.spike_step
+
+
+def _batch_samples(sampler: ResumableSampler, batch_size: int, step: int) -> list[int]:
+    """The samples of the batch that global step `step` trains on in a run from step 0 (ResumableLoader with
+    drop_last: every epoch holds the same number of whole batches). The poison travels with these samples, so a
+    replay that feeds them at another step feeds the poison there."""
+    per_epoch = len(sampler) // batch_size
+    epoch, index = divmod(step, per_epoch)
+    return sampler.indices(epoch)[index * batch_size:(index + 1) * batch_size]
+
+
+def _corrupt_token_rows(model: torch.nn.Module) -> None:
+    """The "both" spike's parameter fault: scale the rows of `POISON_TOKEN` in the embedding and the LM head (on
+    the ranks that hold them)."""
+    with torch.no_grad():
+        for name in ("embedding", "output"):
+            module = getattr(model, name, None)
+            if module is not None:
+                module.weight[POISON_TOKEN] *= BOTH_CORRUPTION
+
+
+def train(cfg: TrainConfig) -> None:
+    """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
+    import detrace
+    from detrace.state import ResumableLoader
+
+    torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        detrace.deterministic(cfg.seed)
+    else:
+        torch.manual_seed(cfg.seed)
+    layout = layouts.setup(cfg.parallel, tp=cfg.tp)
+    completed = False
+    try:
+        preset = PRESETS[cfg.preset]
+        # mypy, ignored below: PRESETS values are typed object; batch_size is an int
+        batch_size = cfg.batch_size or int(preset["batch_size"])  # type: ignore[call-overload]
+        # mypy, ignored below: PRESETS values are typed object; seq_len is an int
+        seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
+        model_cfg = cfg.model_config()
+        pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len,
+                                    microbatches=cfg.microbatches)
+        params = [p for p in pm.raw.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
+        bump_at, bump = _lr_bump(cfg)
+        # The bump is a function of the scheduler's step count, which the checkpoint restores: a state fault.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * (bump if s == bump_at else 1.0))
+        dataset: SyntheticTokens | Poisoned = SyntheticTokens(
+            num_samples=NUM_SAMPLES, seq_len=seq_len, vocab_size=model_cfg.vocab_size, seed=cfg.seed
+        )
+        sampler = ResumableSampler(
+            len(dataset), shuffle=True, seed=cfg.seed, num_replicas=layout.data_streams, rank=layout.data_rank
+        )
+        poison_at = _poisoned_step(cfg)
+        if poison_at is not None:
+            assert isinstance(dataset, SyntheticTokens)
+            samples = _batch_samples(sampler, batch_size, poison_at)
+            dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED],
+                               token=POISON_TOKEN)
+        loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
+        # Invariant layouts: every rank reads the global batch and draws alike, so a checkpoint resumes at any
+        # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
+        # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
+        state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
+                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1)
+        start = state.resume_if_requested()
+        if layout.rank == 0:
+            print(
+                f"{PROG}: preset={cfg.preset} parallel={cfg.parallel} world={layout.world} dispatch={cfg.dispatch}"
+                f" recompute={cfg.recompute} quant={cfg.quant} deterministic={cfg.deterministic}"
+                f" threads={cfg.threads} seed={cfg.seed}{f' tp={cfg.tp}' if cfg.tp > 1 else ''}"
+                f" steps={start}-{cfg.steps - 1}",
+                flush=True,
+            )
+        batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+        for step in range(start + 1, cfg.steps + 1):
+            if cfg.nondeterministic_from is not None:
+                # Deterministic algorithms make the MoE backward's accumulating index_put serial (sorted); off,
+                # its CPU kernel adds from 2+ threads in a racing order. Global step = steps completed before.
+                torch.use_deterministic_algorithms(step - 1 < cfg.nondeterministic_from)
+            inputs, targets = (t.to(layout.device) for t in split_batch(next(batches)))
+            pm.forward_backward(inputs, targets)
+            m = pm.metrics()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cfg.spike == "both" and step == cfg.spike_step:  # printed step S = global step S - 1 just ended
+                _corrupt_token_rows(pm.raw)
+            if layout.rank == 0:
+                print(
+                    f"step {step - 1} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
+                    f" mtp {float(m['mtp']):.6f} aux {float(m['aux']):.6f}"
+                    f" grad_norm {float(m['grad_norm']):.6f} ({bits(m['grad_norm'])})",
+                    flush=True,
+                )
+            if state.end_of_step(step):
+                break
+        if cfg.parallel in layouts.INVARIANT:
+            final = pm.fingerprint()  # collective over tp: every rank
+            if layout.rank == 0:
+                print(f"final params {final}", flush=True)  # the same line at every W (and T, tp-invariant)
+        completed = True
+    finally:
+        layouts.teardown(layout, completed=completed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        train(parse_args(sys.argv[1:] if argv is None else argv))
+    except DetraceError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    leave(main())
