@@ -85,6 +85,7 @@ __all__ = [
     "MissingTorchAPI",
     "OpOverload",
     "TorchDispatchMode",
+    "all_to_all_single_autograd",
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
@@ -93,10 +94,15 @@ __all__ = [
     "disable_dispatch",
     "disable_torch_function_subclass",
     "dtensor_rng_states",
+    "dynamo_imported",
     "functional_collectives",
     "inductor_code_cache",
+    "inductor_config",
+    "inductor_imported",
     "is_functorch_wrapped",
     "mark_dynamic",
+    "op_name",
+    "op_schema",
     "pin_ddp_bucket_order",
     "pop_mode",
     "push_mode",
@@ -109,6 +115,8 @@ __all__ = [
     "run_exit_handlers",
     "torch_release",
     "unhooked_step",
+    "wrap_compiled_graphs",
+    "wrap_output_code",
 ]
 
 
@@ -310,6 +318,103 @@ def run_exit_handlers() -> None:
     Why: a distributed process may have to end with os._exit (see detrace._exit), which skips them; a tracer's
     last write is one. Replace with: nothing public in the standard library."""
     atexit._run_exitfuncs()
+
+
+def op_schema(op: Any) -> Any:
+    """The `torch._C.FunctionSchema` of an ATen op overload (its arguments, returns and their alias annotations).
+
+    Why: the op rung, replay and the audit read which arguments an op writes (`Tensor(a!)`) and which outputs are
+    views. Replace with: `OpOverload`'s public schema accessor, if one is added (`_schema` is the attribute)."""
+    return op._schema
+
+
+def op_name(op: Any) -> str:
+    """An op overload's full name as records spell it: `aten.index_put.default` (namespace, op, overload).
+
+    Why: `OpOverload.name()` drops the namespace prefix's dot form this trace format uses. Replace with: a public
+    accessor of the op and overload names (`_opname`, `_overloadname` are the attributes)."""
+    return f"{op.namespace}.{op._opname}.{op._overloadname}"
+
+
+def dynamo_imported() -> bool:
+    """Whether torch._dynamo is imported in this process (a program that compiles, or imports torch.optim).
+
+    Why: detrace hooks compiled code only once Dynamo is there, and never imports it itself (a second of start-up).
+    Replace with: a public query of torch.compile's state (none)."""
+    return "torch._dynamo" in sys.modules
+
+
+def inductor_config() -> Any:
+    """torch._inductor.config if Inductor is imported in this process, else None (importing it costs a second).
+
+    Why: the recipe sets and doctor and audit read Inductor's options (`deterministic`, `max_autotune`,
+    `coordinate_descent_tuning`), which only exist as that config module. Replace with: public Inductor options
+    (torch.compile's `options=` is per call, not per process)."""
+    return sys.modules.get("torch._inductor.config")
+
+
+def inductor_imported() -> bool:
+    """Whether Inductor's code cache is imported (a program that has compiled or is compiling)."""
+    return "torch._inductor.codecache" in sys.modules
+
+
+@_private("torch._dynamo.output_graph.OutputGraph.call_user_compiler")
+def wrap_compiled_graphs(wrap: Callable[[Any, Any, str], Any]) -> Callable[[], None]:
+    """Pass every graph Dynamo compiles through `wrap(compiled, owner, compile_id)`, owner being the `self` of the
+    frame Dynamo traced (a module's forward) or None; returns the undo.
+
+    Why: the compiled rung records compiled regions, named after their owner module, and their compile id. Dynamo
+    offers no public callback on a backend's result. Replace with: a public `torch.compile` backend wrapper hook."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    original = OutputGraph.call_user_compiler
+
+    def call_user_compiler(graph: Any, gm: Any, example_inputs: Any) -> Any:
+        compiled = original(graph, gm, example_inputs)
+        owner = graph.root_tx.f_locals.get("self") if graph.root_tx is not None else None
+        return wrap(compiled, owner, str(graph.dynamo_compile_id))
+
+    setattr(OutputGraph, "call_user_compiler", call_user_compiler)  # noqa: B010  # a method replaced on the class
+
+    def undo() -> None:
+        setattr(OutputGraph, "call_user_compiler", original)  # noqa: B010
+
+    return undo
+
+
+@_private("torch._inductor.codecache.PyCodeCache.load_by_key_path")
+def wrap_output_code(seen: Callable[[Any], None]) -> Callable[[], None]:
+    """Call `seen(module)` on every Inductor output-code module as it loads (fresh compile or cache hit); returns
+    the undo.
+
+    Why: the op rung instruments each generated kernel, and the audit scans its source; Inductor has no public
+    callback on output code. Imports Inductor (call it once the program compiles). Replace with: a public Inductor
+    callback on output code, if one is added."""
+    cache = inductor_code_cache()
+    load = cache.__dict__["load_by_key_path"]
+
+    def load_by_key_path(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        module = load.__func__(cls, *args, **kwargs)
+        seen(module)
+        return module
+
+    cache.load_by_key_path = classmethod(load_by_key_path)
+
+    def undo() -> None:
+        cache.load_by_key_path = load
+
+    return undo
+
+
+def all_to_all_single_autograd() -> Callable[..., Any]:
+    """torch.distributed._functional_collectives.all_to_all_single_autograd: an all-to-all whose backward is the
+    reverse all-to-all (the reference workload's expert parallelism).
+
+    Why: the public `torch.distributed.nn` all_to_all has no single-tensor form with split sizes. Replace with:
+    its public home, if it gets one."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+
+    return all_to_all
 
 
 def inductor_code_cache() -> Any:

@@ -277,3 +277,60 @@ def test_inductor_code_cache_loads_output_code_by_key_and_path() -> None:
 def test_dataset_fetchers_call_collate_fn_in_fetch() -> None:
     for fetcher in _compat.dataset_fetchers():
         assert "self.collate_fn(" in inspect.getsource(fetcher.fetch)
+
+
+def test_op_schema_and_name_describe_an_overload() -> None:
+    op = torch.ops.aten.index_put_.default
+    schema = _compat.op_schema(op)
+    assert _compat.op_name(op) == "aten.index_put_.default"
+    assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+    assert [a.name for a in schema.arguments][:3] == ["self", "indices", "values"]
+
+
+def test_inductor_config_and_import_state() -> None:
+
+    assert _compat.dynamo_imported() and _compat.inductor_imported()
+    config = _compat.inductor_config()
+    assert config is sys.modules["torch._inductor.config"]
+    for option in ("deterministic", "max_autotune", "coordinate_descent_tuning"):
+        assert isinstance(getattr(config, option), bool)
+
+
+def test_wrap_compiled_graphs_sees_each_graph_with_its_compile_id() -> None:
+    # The owner is the traced frame's `self`; at torch 2.13 compiling a module traces its call wrapper, whose locals
+    # hold no `self`, so the owner is None there and the compiled rung names regions by scope instead.
+    seen: list[tuple[object, str]] = []
+
+    def wrap(compiled: Any, owner: Any, compile_id: str) -> Any:
+        seen.append((owner, compile_id))
+        return compiled
+
+    model = torch.nn.Linear(4, 4)
+    undo = _compat.wrap_compiled_graphs(wrap)
+    try:
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="eager")(torch.ones(2, 4))
+    finally:
+        undo()
+        torch._dynamo.reset()
+    assert torch.equal(out, model(torch.ones(2, 4)))
+    assert [compile_id for _, compile_id in seen] == ["0/0"] and seen[0][0] in (None, model)
+    from torch._dynamo.output_graph import OutputGraph
+
+    assert "wrap" not in repr(OutputGraph.call_user_compiler)  # undone
+
+
+def test_wrap_output_code_is_undone() -> None:
+    cache = _compat.inductor_code_cache()
+    before = inspect.getattr_static(cache, "load_by_key_path")
+    undo = _compat.wrap_output_code(lambda module: None)
+    assert inspect.getattr_static(cache, "load_by_key_path") is not before
+    undo()
+    assert inspect.getattr_static(cache, "load_by_key_path") is before
+
+
+def test_all_to_all_single_autograd() -> None:
+    all_to_all = _compat.all_to_all_single_autograd()
+    assert callable(all_to_all)
+    assert list(inspect.signature(all_to_all).parameters)[:4] == ["self", "output_split_sizes", "input_split_sizes",
+                                                                 "group"]

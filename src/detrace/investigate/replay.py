@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from detrace._compat import op_schema
 from detrace._numbers import parse_count
 from detrace.analyze.replay_result import (
     ADVICE_COMPILED,
@@ -96,7 +97,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _written_args(op: Any, args: list[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """Tensors the op's schema says it writes (`Tensor(a!)`): the result of ops that return nothing."""
     written: list[torch.Tensor] = []
-    for i, arg in enumerate(op._schema.arguments):
+    for i, arg in enumerate(op_schema(op).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)

@@ -90,7 +90,7 @@ def _inductor_findings() -> list[Finding]:
         findings.append(Finding(name=f"torch._inductor.config.{attribute}", value=value,
                                 status="risk" if value == "True" else "ok",
                                 detail=f"when on, {effect}" if value != "True" else effect))
-    if "torch._dynamo" in sys.modules and not torch.are_deterministic_algorithms_enabled():
+    if _compat.dynamo_imported() and not torch.are_deterministic_algorithms_enabled():
         findings.append(Finding(
             name="torch.compile", value="in use", status="risk",
             detail=("Inductor reads torch.use_deterministic_algorithms when it generates code: regions compiled "

@@ -5,12 +5,13 @@ snapshot every trace header stores."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from detrace import _compat
 
 UNSET = "<unset>"
 """The value of an environment variable that is not set."""
@@ -57,7 +58,7 @@ def inductor_option(attribute: str, env: str) -> Callable[[], str]:
     from the environment variable its config is initialised from."""
 
     def read() -> str:
-        config = sys.modules.get("torch._inductor.config")
+        config = _compat.inductor_config()
         if config is not None:
             for part in attribute.split("."):
                 config = getattr(config, part)
@@ -69,9 +70,9 @@ def inductor_option(attribute: str, env: str) -> Callable[[], str]:
 
 def _inductor_deterministic(strict: bool) -> None:
     os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
-    config = sys.modules.get("torch._inductor.config")
+    config = _compat.inductor_config()
     if config is not None:
-        config.deterministic = True  # type: ignore[attr-defined]  # an Inductor config module; mypy sees a ModuleType
+        config.deterministic = True
 
 
 def _deterministic_algorithms() -> str:

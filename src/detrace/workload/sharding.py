@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from detrace._compat import all_to_all_single_autograd
 from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, _digests
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
@@ -69,7 +70,7 @@ class AllToAllExchange:
         self.ep = dist.get_world_size(group)
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
+        all_to_all = all_to_all_single_autograd()
 
         ep, L = self.ep, self.n_local
         recv_counts = torch.empty_like(counts)  # [ep * L]: rows from source s for my local expert e at s*L+e

@@ -32,9 +32,12 @@ from detrace._compat import (
     TorchDispatchMode,
     current_dispatch_mode,
     dataset_fetchers,
-    inductor_code_cache,
+    inductor_config,
+    inductor_imported,
+    op_schema,
     pop_mode,
     push_mode,
+    wrap_output_code,
 )
 from detrace.investigate.audit import judge
 from detrace.investigate.audit.catalog import BY_OP
@@ -58,7 +61,7 @@ class _Seen:
 def _arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by schema name (defaults filled in)."""
     values = {}
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(op_schema(func).arguments):
         if position < len(args):
             values[argument.name] = args[position]
         elif argument.name in kwargs:
@@ -195,15 +198,7 @@ class AuditProbe:
         if self.inductor:
             return
         self.inductor = True
-        cache = inductor_code_cache()
-        load = cache.__dict__["load_by_key_path"]
-
-        def load_by_key_path(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            module = load.__func__(cls, *args, **kwargs)
-            self.loaded(module)
-            return module
-
-        self.undo.append(patch(cache, "load_by_key_path", classmethod(load_by_key_path)))
+        self.undo.append(wrap_output_code(self.loaded))
 
     # -- data ---------------------------------------------------------------------------------------------------
 
@@ -313,8 +308,7 @@ class AuditProbe:
 
 
 def _inductor_deterministic() -> bool:
-    config = sys.modules.get("torch._inductor.config")
-    return bool(getattr(config, "deterministic", False))
+    return bool(getattr(inductor_config(), "deterministic", False))
 
 
 def _process_group(tracer: Tracer) -> tuple[int, int, str | None]:
@@ -341,7 +335,7 @@ def install(tracer: Tracer, steps: int) -> list[Undo]:
     """Arm the probe in this process (the tracer's rung must include module, its window the audited steps)."""
     probe = AuditProbe(tracer, steps)
     probe.patch_fetchers()
-    if "torch._inductor.codecache" in sys.modules:
+    if inductor_imported():
         probe.patch_inductor()
     else:
         original = torch.compile

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detrace import _compat
 from detrace._numbers import parse_count
 from detrace.record.capture import Capturer
 from detrace.record.names import named_modules, roots
@@ -263,27 +264,11 @@ class CompiledRecorder:
         if self.patched:
             return
         self.patched = True
-        from torch._dynamo.output_graph import OutputGraph
-
-        original = OutputGraph.call_user_compiler
-
-        def call_user_compiler(graph: Any, gm: Any, example_inputs: Any) -> Any:
-            compiled = original(graph, gm, example_inputs)
-            owner = graph.root_tx.f_locals.get("self") if graph.root_tx is not None else None
-            return _Region(compiled, owner if isinstance(owner, nn.Module) else None, str(graph.dynamo_compile_id))
-
-        self.undo.append(replace(OutputGraph, "call_user_compiler", call_user_compiler))
+        self.undo.append(_compat.wrap_compiled_graphs(
+            lambda compiled, owner, compile_id: _Region(compiled, owner if isinstance(owner, nn.Module) else None,
+                                                        compile_id)))
         if self.tracer.config.rung == "op":
-            from torch._inductor.codecache import PyCodeCache
-
-            load = PyCodeCache.__dict__["load_by_key_path"]
-
-            def load_by_key_path(cls: Any, *args: Any, **kwargs: Any) -> Any:
-                module = load.__func__(cls, *args, **kwargs)
-                instrument(module)
-                return module
-
-            self.undo.append(replace(PyCodeCache, "load_by_key_path", classmethod(load_by_key_path)))
+            self.undo.append(_compat.wrap_output_code(instrument))
 
     def remove(self) -> None:
         for undo in reversed(self.undo):
@@ -317,7 +302,7 @@ def install(tracer: Tracer) -> list[Undo]:
     recorder = CompiledRecorder(tracer)
     _active[:] = [recorder]
     undo: list[Undo] = [recorder.remove]
-    if "torch._dynamo" in sys.modules:
+    if _compat.dynamo_imported():
         recorder.patch()
     else:
         original = torch.compile

@@ -33,7 +33,15 @@ from typing import Any
 
 import torch
 
-from detrace._compat import OpOverload, TorchDispatchMode, current_dispatch_mode, pop_mode, push_mode
+from detrace._compat import (
+    OpOverload,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    op_name,
+    op_schema,
+    pop_mode,
+    push_mode,
+)
 from detrace.record.capture import Capturer
 from detrace.record.rungs.module import owner
 from detrace.record.session import Tracer
@@ -67,8 +75,8 @@ class OpInfo:
 
 
 def op_info(func: OpOverload) -> OpInfo:
-    schema = func._schema
-    name = f"{func.namespace}.{func._opname}.{func._overloadname}"
+    schema = op_schema(func)
+    name = op_name(func)
     views = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
     written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)

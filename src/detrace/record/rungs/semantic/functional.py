@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from detrace._compat import functional_collectives, replace_call, resolve_group
+from detrace._compat import functional_collectives, op_schema, replace_call, resolve_group
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
 from detrace.record.rungs.semantic.common import finish, group_name, reentry
@@ -156,7 +156,7 @@ def install(tracer: Tracer) -> list[Undo]:
     for name in _FUNCTIONAL:
         packet = getattr(ops, name, None)
         if packet is not None:
-            recorder = _Recorder(tracer, awaiting, name, packet.default._schema)
+            recorder = _Recorder(tracer, awaiting, name, op_schema(packet.default))
             undo.append(replace(ops, name, _TracedOp(packet, recorder.wrap(packet))))
             undo.append(replace_call(packet.default, recorder.wrap))
     wait_packet = ops.wait_tensor
