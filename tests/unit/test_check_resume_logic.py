@@ -18,10 +18,12 @@ from _synthetic import Fault, SyntheticRun, write_run
 
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
-from detrace.errors import CommandFailed
+from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check import check
 from detrace.investigate.check_resume import check_resume
 from detrace.launch.launcher import LaunchResult
+from detrace.tracefile.layout import run_header_path
+from detrace.tracefile.writer import write_json_atomic
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 
@@ -30,9 +32,11 @@ class Scripted:
     """A launcher whose CMD behaves as told: `faults` maps an arm ("continuous", "again", "stopped", "resumed",
     "resumed-again", "control") to the injected fault (named as such) its trace shows, None for the true bits."""
 
-    def __init__(self, faults: Mapping[str, Fault | None] | None = None, *, checkpoint: bool = True) -> None:
+    def __init__(self, faults: Mapping[str, Fault | None] | None = None, *, checkpoint: bool = True,
+                 records: bool = True) -> None:
         self.faults = dict(faults or {})
         self.checkpoint = checkpoint
+        self.records = records  # False: a step window past the run's end, so no record at all
         self.arms: list[str] = []
 
     def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object) -> LaunchResult:
@@ -40,7 +44,12 @@ class Scripted:
         arm = out.name if out.name in ("stopped", "resumed", "resumed-again", "control") else (
             "again" if out.name == "continuous-again" else out.name.split("-")[0])
         self.arms.append(arm)
-        write_run(out, RUN, self.faults.get(arm))
+        out.mkdir(parents=True, exist_ok=True)
+        if self.records:
+            write_run(out, RUN, self.faults.get(arm))
+        # the run.json the launcher completes from the ranks' footers: check-resume reads the last step from it
+        steps = {"steps": {"first": 0, "last": RUN.steps - 1}} if self.records else {}
+        write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished", **steps})
         if "DETRACE_STOP_AT" in env and self.checkpoint:
             Path(env["DETRACE_CKPT_DIR"]).mkdir(parents=True)
         return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
@@ -96,6 +105,15 @@ def test_the_first_stop_point_that_fails_decides(tmp_path: Path) -> None:
     assert [p.verdict for p in result.points] == ["exact", "resume-changed-the-run"]
     assert result.verdict == "resume-changed-the-run" and result.deciding.first is not None
     assert result.deciding.first.step == 2 and result.deciding.first.rank == 1
+
+
+def test_a_stop_point_past_the_last_step_is_refused_after_one_run(tmp_path: Path) -> None:
+    launcher = Scripted(records=False)
+    with pytest.raises(UsageError, match=r"no step from 3 on .* stopping after 3 steps leaves no step to resume"):
+        check_resume(["train"], at=[3], out=tmp_path / "past", launch=launcher)
+    assert launcher.arms == ["continuous"]
+    with pytest.raises(UsageError, match=r"its last step at 3 .* stopping after 5 steps"):
+        check_resume(["train"], at=[1, 5], out=tmp_path / "late", launch=Scripted())
 
 
 def test_a_command_that_writes_no_checkpoint_is_one_sentence(tmp_path: Path) -> None:
