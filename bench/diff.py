@@ -27,7 +27,7 @@ from pathlib import Path
 from detrace.analyze.align import align_rank
 from detrace.analyze.pool import cores, map_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic traces are a test fixture
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # synthetic traces: a test fixture
 from _synthetic import Fault, SyntheticRun, write_rank
 
 RANKS = 608
