@@ -148,7 +148,7 @@ def test_embedded_default_names_the_moe_dispatch_backward(tmp_path: Path) -> Non
     # docs/locate.md quotes this run's summary: its culprit and the culprit's records are what it printed
     sink = io.StringIO()
     render(load_ladder(out), make_console(sink))
-    doc = (Path(__file__).parents[1] / "docs" / "locate.md").read_text().split("(the embedded default):")[1]
+    doc = (Path(__file__).parents[2] / "docs" / "locate.md").read_text().split("(the embedded default):")[1]
     quoted = doc.split("```")[1].splitlines()
     printed = sink.getvalue().splitlines()
     for prefix in ("  culprit ", "    input[", "    output["):

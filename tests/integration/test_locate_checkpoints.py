@@ -172,7 +172,7 @@ def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     for run in narrow:  # from the last checkpoint at or before the divergence, at most window + 1 steps
         assert 4 <= run["start"] <= culprit["step"] and 1 <= run["steps"] <= 3, run
     assert (out / "checkpoints" / "1-semantic-a" / "step-00000004").is_dir()
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
     quoted = re.search(r"culprit `aten.index_put` at step (\d+); `cost`: (\d+) runs, \*\*(\d+) steps\*\*", readme)
     assert quoted is not None and [int(n) for n in quoted.groups()] == [culprit["step"], cost["runs"], cost["steps"]]
 
@@ -205,9 +205,11 @@ def _failed_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_from:
     from detrace.investigate.locate.stages import RunFailed, StageRun
     from detrace.launch.launcher import LaunchResult
 
-    monkeypatch.setattr(driver, "run_traced", lambda cmd, out, **_: LaunchResult(
-        returncode=1, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="CheckpointCorrupted: ..."))
-    ladder = driver.Ladder(LocateConfig(command=("python", "train.py"), out=tmp_path / "out"))
+    def launch(cmd: list[str], out: Path, **_: object) -> LaunchResult:
+        return LaunchResult(returncode=1, out=Path(out), command=tuple(cmd), elapsed=0.1,
+                            output_tail="CheckpointCorrupted: ...")
+
+    ladder = driver.Ladder(LocateConfig(command=("python", "train.py"), out=tmp_path / "out"), launch=launch)
     ladder.completed.append("module")  # the module rung ran to completion before: the old verdict blamed it
     stage = StageRun(rung="module", steps="3", ranks="all", start=2, resume_from=str(resume_from))
     with pytest.raises(RunFailed) as failed:

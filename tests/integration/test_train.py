@@ -38,7 +38,7 @@ def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[
     loss, exact = float(fields[3]), struct.unpack(">f", bytes.fromhex(fields[4][3:-1]))[0]
     assert abs(loss - exact) < 1e-5 and 4.0 < exact < 10.0
     # docs/workload.md quotes this run's first step: the line must be the one it prints
-    doc = (Path(__file__).parents[1] / "docs" / "workload.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "workload.md").read_text()
     assert doc.split("`tests/integration/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
 
 

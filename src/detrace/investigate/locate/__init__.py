@@ -48,7 +48,7 @@ from detrace.investigate.locate.config import (
 )
 from detrace.investigate.locate.driver import Ladder
 from detrace.investigate.locate.stages import Progress, RunFailed
-from detrace.launch.launcher import Launcher, run_traced
+from detrace.launch.launcher import Launcher
 from detrace.report.html import write_report
 from detrace.tracefile import layout, write_json_atomic
 from detrace.tracefile.layout import REPORT_FILE, prepare_out
@@ -73,7 +73,7 @@ def default_out(base: Path | None = None) -> Path:
 
 
 def locate(config: LocateConfig, progress: Progress | None = None, *, force: bool = False,
-           launch: Launcher = run_traced) -> LocateResult:
+           launch: Launcher | None = None) -> LocateResult:
     """Drive the ladder on `config.command`; write locate.json, ladder.json and report.html into `config.out`.
 
     Raises `RunFailed` (a `CommandFailed`) when CMD crashes or hangs in any run, `TraceError` when its traces

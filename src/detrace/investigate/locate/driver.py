@@ -38,9 +38,9 @@ class Ladder:
     """Runs the rungs in order; see the module docstring."""
 
     def __init__(self, config: LocateConfig, progress: Progress | None = None, *,
-                 launch: Launcher = run_traced) -> None:
+                 launch: Launcher | None = None) -> None:
         self.config = config
-        self.launch = launch
+        self.launch = launch or run_traced  # resolved here, not at import: the launch seam for tests
         self.progress = progress or Progress()
         self.planned = BASE_RUNS
         self.stages: list[StageRun] = []
