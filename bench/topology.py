@@ -54,17 +54,22 @@ def _setup(rank: int, world: int, rendezvous: str, threads: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
-def _trainer(method: str, preset: str, microbatches: int):  # type: ignore[no-untyped-def]
-    """A step function of `method` ("invariant" or "ddp") on the preset's model and batch."""
-    from torch.nn.parallel import DistributedDataParallel
-
+def _reference(preset: str):  # type: ignore[no-untyped-def]
+    """The preset's model config with the fixed dispatch, its batch size and sequence length, and the model."""
     spec = PRESETS[preset]
     cfg = spec["model"]
     assert isinstance(cfg, ModelConfig)
     cfg = ModelConfig(**{**cfg.__dict__, "dispatch": "fixed"})
     batch, seq = int(spec["batch_size"]), int(spec["seq_len"])  # type: ignore[call-overload]
     torch.manual_seed(0)
-    model = HybridLM(cfg)
+    return cfg, batch, seq, HybridLM(cfg)
+
+
+def _trainer(method: str, preset: str, microbatches: int):  # type: ignore[no-untyped-def]
+    """A step function of `method` ("invariant" or "ddp") on the preset's model and batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg, batch, seq, model = _reference(preset)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -181,13 +186,7 @@ def _tp_step(layout, preset: str):  # type: ignore[no-untyped-def]
     """One training step of the reference model with its projections split over tp (the layout's mode)."""
     from detrace.workload.sharding import _chunked_tensor_parallel
 
-    spec = PRESETS[preset]
-    cfg = spec["model"]
-    assert isinstance(cfg, ModelConfig)
-    cfg = ModelConfig(**{**cfg.__dict__, "dispatch": "fixed"})
-    batch, seq = int(spec["batch_size"]), int(spec["seq_len"])  # type: ignore[call-overload]
-    torch.manual_seed(0)
-    model = HybridLM(cfg)
+    cfg, batch, seq, model = _reference(preset)
     _chunked_tensor_parallel(model, layout, layout.kind.removeprefix("tp-"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
