@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         raise UsageError("no command to run; give it after '--', e.g. detrace run -- python train.py")
     env = {}
     if args.guard is not None:
-        # imported here: replica_guard needs torch, which the launcher itself does not (3 s saved per run)
+        # imported here: the guard needs torch, which the launcher itself does not (3 s saved per run)
         from detrace.defects.guard import ENV_GUARD, parse_env
 
         parse_env(args.guard)  # a bad value is refused here, before CMD starts

@@ -183,7 +183,7 @@ def _feed(stream: IO[bytes], data: bytes) -> None:
 
 
 def _start_watchdog(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
-    """The watchdog of CMD's tree (see detrace/tracing/watchdog.py, run isolated by its path: no site, no package
+    """The watchdog of CMD's tree (see detrace/launch/watchdog.py, run isolated by its path: no site, no package
     import); None where it cannot be started (CMD then runs unwatched)."""
     try:
         return subprocess.Popen([sys.executable, "-I", "-S", watchdog.__file__, str(proc.pid)], stdin=subprocess.PIPE,

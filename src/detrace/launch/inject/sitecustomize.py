@@ -1,4 +1,4 @@
-"""detrace's start-up hook (see detrace/inject/__init__.py). Inert and cheap unless DETRACE_TRACE is set.
+"""detrace's start-up hook (see detrace/launch/inject/__init__.py). Inert and cheap unless DETRACE_TRACE is set.
 
 It imports nothing heavy: torch and detrace are only imported once the program imports torch itself.
 """
