@@ -87,7 +87,8 @@ def test_recheck_tells_a_transient_flip_from_a_clean_step(tmp_path: Path) -> Non
 
 def test_recheck_names_an_inexact_resume_instead_of_blaming_the_device(tmp_path: Path) -> None:
     # A real resume bug (no injected fault): an np.random.default_rng outside TrainState restarts on resume.
-    toy = [PY, str(Path(__file__).parents[1] / "support" / "scripts" / "resume_toy.py"), "--steps", "3", "--unregistered-numpy-rng"]
+    script = Path(__file__).parents[1] / "support" / "scripts" / "resume_toy.py"
+    toy = [PY, str(script), "--steps", "3", "--unregistered-numpy-rng"]
     assert detrace(["run", "--out", "run", "--rung", "semantic", "--", *toy], tmp_path).returncode == 0
     proc = detrace(["recheck", "run", "--step", "2", "--out", "recheck", "--json"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
