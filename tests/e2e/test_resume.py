@@ -23,6 +23,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# This file also runs as a script (its ranks): conftest's tests/support path is not there then.
+sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
 from _ranks import free_port
 
 pytestmark = pytest.mark.slow

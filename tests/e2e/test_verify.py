@@ -106,7 +106,7 @@ NO_CONTRACT = ("import torch; torch.manual_seed(0); m = torch.nn.Linear(2, 1)\n"
     (NO_CONTRACT, "wrote no checkpoint to {out}/at-1/checkpoint when asked to stop after step 1; does it use "
                   "detrace.TrainState (resume_if_requested / end_of_step)"),
     ("import accelerate\n" + NO_CONTRACT, "does it use detrace.integrations.accelerate.register(accelerator)"),
-    ("pass", "continuous holds no trace"),
+    ("pass", "leaves no step to resume"),
 ])
 def test_check_resume_on_a_command_without_the_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         code: str, message: str) -> None:
