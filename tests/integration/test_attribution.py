@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _tools import SCOPE_AT_TORCH_2_10
 from torch import nn
 
 import detrace
@@ -57,7 +56,6 @@ class GPT(nn.Module):
         return self.head(self.block(x))
 
 
-@SCOPE_AT_TORCH_2_10
 def test_a_custom_functions_backward_belongs_to_the_module_that_applied_it(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = GPT()

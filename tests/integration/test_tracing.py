@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.checkpoint
-from _tools import SCOPE_AT_TORCH_2_10
 from torch import nn
 
 import detrace
@@ -309,7 +308,6 @@ class GatherThenLinear(nn.Module):
         return self.fc(self.gather(idx))
 
 
-@SCOPE_AT_TORCH_2_10
 def test_backward_ops_know_their_module_when_scopes_overlap(tmp_path: Path) -> None:
     torch.manual_seed(0)
     net = GatherThenLinear()

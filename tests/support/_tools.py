@@ -8,10 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-
-from detrace import _compat
 
 
 def locate_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
@@ -47,8 +44,3 @@ def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
     raise AssertionError("the tensor's bytes are in no shard")
 
 
-SCOPE_AT_TORCH_2_10 = pytest.mark.xfail(
-    _compat.torch_release() == "2.10", strict=True,
-    reason="at torch 2.10 a backward op is still attributed to the innermost module in scope, not to the module "
-           "that created its autograd node (a known limitation there, cause not found yet; 2.13 is checked)")
-"""For the backward-attribution tests: they hold at torch 2.13 and are expected to fail at 2.10 (CI's lowest)."""

@@ -46,12 +46,16 @@ def _tag(outputs: list[torch.Tensor], inputs: list[torch.Tensor], name: str) -> 
     """Tag with `name` the autograd nodes between a module call's outputs and its inputs that no inner module
     tagged first (inner modules' forwards end first: their nodes carry their own name, and the walk goes on
     through them to the nodes this module's own code created before them)."""
-    seen = {id(t.grad_fn) for t in inputs}
+    # A C++ node's Python object lives only while referenced (at torch 2.10 it is not cached on the node): `kept`
+    # holds every node seen, so that the same node keeps its object and no other node's object can take its id.
+    kept: list[Any] = [t.grad_fn for t in inputs]
+    seen = {id(node) for node in kept}
     todo: list[Any] = [t.grad_fn for t in outputs]  # Node.metadata is a dict at run time, a method to mypy
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or not node.next_functions:
             continue  # no node, the module's input, visited, or a leaf's AccumulateGrad
+        kept.append(node)
         seen.add(id(node))
         node.metadata.setdefault(OWNER, name)
         todo += [child for child, _ in node.next_functions]
