@@ -49,7 +49,7 @@ class Regressor(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("loss", loss)
+        self.log("loss", loss, sync_dist=True)  # under DDP: the mean over the ranks
         return loss
 
     def configure_optimizers(self) -> dict:
@@ -108,7 +108,8 @@ def main() -> None:
         contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
                                                               "DETRACE_RESUME_CONTROL")}
         with options.report.open("a") as stream:
-            stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")
+            stream.write(json.dumps({**contract, "workers": options.workers, "rank": trainer.global_rank,
+                                     "params": digest}) + "\n")
 
 
 if __name__ == "__main__":
