@@ -1,14 +1,23 @@
-"""DetraceCallback's logic in process: which Lightning strategies it supports, how it steps aside from the others,
-and its per-sample data seeding on the DistributedSampler that Lightning installs under DDP (each rank's shard).
-The real runs (one process, and DDP under torchrun) are in tests/e2e/test_integrations_lightning.py."""
+"""DetraceCallback in process: exact resume of the example's Trainer in one process (an MLP with dropout, a random
+augmentation in the dataset, gradient accumulation, an LR scheduler) from a periodic checkpoint, with 2 DataLoader
+workers or none; a flipped bit refused by tensor name; the contract's errors; which strategies it supports and how
+it steps aside from the others; its per-sample data seeding on the DistributedSampler that Lightning installs under
+DDP (each rank's shard). The real runs under torchrun are in tests/e2e/test_integrations_lightning.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import warnings
-from types import SimpleNamespace
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
+from _tools import flip_one_bit
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -18,9 +27,86 @@ from lightning.pytorch.strategies import (
 )
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from detrace.errors import CheckpointCorrupted, DetraceError
 from detrace.integrations._seeding import seed_samples
 from detrace.integrations.lightning import DetraceCallback, _unsupported
+from detrace.state.contract import saved_versions
 from detrace.state.loader import sample_seed, seeded_rngs
+from detrace.state.storage import load_chunk, stored_chunks
+
+SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_train.py"
+
+
+@pytest.fixture(scope="module")
+def example() -> ModuleType:
+    """examples/lightning_train.py, whose `fit` trains its Trainer in this process."""
+    spec = importlib.util.spec_from_file_location("lightning_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fit(example: ModuleType, env: dict[str, str], **options: object) -> str:
+    """The example's 6 steps (3 per epoch) under the contract variables `env`: its final parameters' digest."""
+    with mock.patch.dict(os.environ, env):
+        _, model = example.fit(**options)
+    return str(example.digest(model))
+
+
+@pytest.fixture(scope="module")
+def saved(example: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, Path]]]:
+    """A run with 2 DataLoader workers that keeps a checkpoint after every 2nd step: its final parameters, its
+    checkpoints."""
+    root = tmp_path_factory.mktemp("lightning") / "ckpt"
+    with mock.patch.dict(os.environ):  # the callback's detrace.deterministic() sets variables
+        final = _fit(example, {"DETRACE_CKPT_DIR": str(root), "DETRACE_CKPT_EVERY": "2"}, workers=2)
+        yield final, saved_versions(root)
+
+
+def test_resume_from_any_periodic_checkpoint_is_exact_with_or_without_workers(
+        example: ModuleType, saved: tuple[str, dict[int, Path]]) -> None:
+    # What `detrace locate` asks of a script: DETRACE_CKPT_EVERY keeps Lightning's step-N.ckpt of every 2nd step, and
+    # DETRACE_RESUME_FROM resumes from any of them. Each sample's augmentation has its own seed: a run without
+    # workers ends with the bits of the run with 2, and so does a run resumed mid-epoch (after step 2 of 3) with
+    # no workers from the checkpoint of the run with 2, handing it to `fit(ckpt_path=...)` itself.
+    final, versions = saved
+    assert sorted(versions) == [2, 4, 6] and versions[2].name == "step-00000002.ckpt"
+    assert _fit(example, {}, workers=0) == final
+    assert _fit(example, {"DETRACE_RESUME_FROM": str(versions[2])}, workers=0, pass_ckpt=True) == final
+    # the negative control: the same resume without the RNG states (dropout) ends elsewhere
+    assert _fit(example, {"DETRACE_RESUME_FROM": str(versions[2]), "DETRACE_RESUME_CONTROL": "skip-rng"}) != final
+
+
+def test_a_flipped_bit_is_refused_naming_the_tensor(example: ModuleType, saved: tuple[str, dict[int, Path]],
+                                                    tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-00000002.ckpt"
+    shutil.copy(saved[1][2], ckpt)
+    shutil.copytree(f"{saved[1][2]}.detrace", f"{ckpt}.detrace")
+    version = next(Path(f"{ckpt}.detrace").glob("step-*"))
+    chunk = next(chunk for chunk in stored_chunks(version) if chunk.fqn == "model.net.0.weight")
+    flip_one_bit(version, load_chunk(version, chunk))
+    with pytest.raises(CheckpointCorrupted) as refused:
+        _fit(example, {"DETRACE_RESUME_FROM": str(ckpt)})
+    assert "tensor 'model.net.0.weight' does not match its fingerprint in the manifest" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DETRACE_RESUME": "1"}, "holds no Lightning checkpoint"),
+        ({"DETRACE_RESUME": "yes"}, "DETRACE_RESUME must be 1 or 0"),
+        ({"DETRACE_STOP_AT": "ten"}, "DETRACE_STOP_AT must be a step number"),
+        ({"DETRACE_RESUME": "1", "DETRACE_RESUME_CONTROL": "skip-everything"}, "not a known negative control"),
+        ({"DETRACE_CKPT_EVERY": "0"}, "DETRACE_CKPT_EVERY must be a step number of at least 1"),
+        ({"DETRACE_RESUME_FROM": "/nowhere/step-00000002.ckpt"}, "but there is no such checkpoint"),
+    ],
+)
+def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str) -> None:
+    for name, value in {"DETRACE_CKPT_DIR": str(tmp_path), **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DetraceError, match=message):
+        DetraceCallback().ckpt_path  # noqa: B018 (the property reads the contract)
 
 
 def test_one_process_and_ddp_started_by_running_the_script_are_supported() -> None:
