@@ -14,6 +14,11 @@ adds:
   fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
 - the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
   global step and the step's logged metrics for the tracer.
+
+It runs in one process and under `strategy="ddp"` whose processes run the script (torchrun, or Lightning's own
+launch): there every rank writes its part of the TrainState (Lightning writes its file on rank 0 only), each rank's
+shard of the DistributedSampler is seeded per sample, and DDP's bucket layout is pinned. Other strategies are
+refused under the contract and otherwise left alone (`_unsupported`).
 """
 
 from __future__ import annotations
