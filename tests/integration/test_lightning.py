@@ -10,7 +10,6 @@ import importlib.util
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from unittest import mock
@@ -54,14 +53,14 @@ def _fit(example: ModuleType, env: dict[str, str], **options: object) -> str:
     return str(example.digest(model))
 
 
-@pytest.fixture(scope="module")
-def saved(example: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[int, Path]]]:
+@pytest.fixture
+def saved(example: ModuleType, tmp_path: Path) -> tuple[str, dict[int, Path]]:
     """A run with 2 DataLoader workers that keeps a checkpoint after every 2nd step: its final parameters, its
-    checkpoints."""
-    root = tmp_path_factory.mktemp("lightning") / "ckpt"
-    with mock.patch.dict(os.environ):  # the callback's detrace.deterministic() sets variables
-        final = _fit(example, {"DETRACE_CKPT_DIR": str(root), "DETRACE_CKPT_EVERY": "2"}, workers=2)
-        yield final, saved_versions(root)
+    checkpoints. Per test: the callback's detrace.deterministic() changes process-wide state, which conftest puts
+    back after each test."""
+    root = tmp_path / "ckpt"
+    final = _fit(example, {"DETRACE_CKPT_DIR": str(root), "DETRACE_CKPT_EVERY": "2"}, workers=2)
+    return final, saved_versions(root)
 
 
 def test_resume_from_any_periodic_checkpoint_is_exact_with_or_without_workers(
