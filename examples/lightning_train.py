@@ -5,6 +5,11 @@
     detrace check-resume --at 2 -- python examples/lightning_train.py --steps 6 --workers 2   # exact
     detrace check-resume --at 2 -- python examples/lightning_train.py --steps 6 --plain       # Lightning alone
 
+Under DDP, 2 processes started by torchrun (Lightning takes the ranks from its environment):
+
+    detrace check-resume --at 3 -- torchrun --standalone --nproc-per-node 2 \
+        examples/lightning_train.py --devices 2 --steps 4                                    # exact
+
 --plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
 contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
 --pass-ckpt hands the callback's checkpoint to `fit(ckpt_path=...)` as well, as a script that resumes from its
@@ -49,7 +54,7 @@ class Regressor(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("loss", loss)
+        self.log("loss", loss, sync_dist=True)  # under DDP: the mean over the ranks
         return loss
 
     def configure_optimizers(self) -> dict:
@@ -72,43 +77,56 @@ class PlainContract(L.Callback):
             trainer.should_stop = True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
-    parser.add_argument("--plain", action="store_true", help="without DetraceCallback: Lightning's own resume")
-    parser.add_argument("--pass-ckpt", action="store_true", help="also pass the checkpoint to fit(ckpt_path=...)")
-    parser.add_argument("--devices", type=int, default=1, help="CPU processes (strategy ddp when more than 1)")
-    parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
-    options = parser.parse_args()
-
-    torch.set_num_threads(1)
+def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: bool = False, devices: int = 1
+        ) -> tuple[L.Trainer, Regressor]:
+    """Train the model (in this process, or as one of `devices` DDP processes); the trainer and the model."""
     L.seed_everything(0, verbose=False)
     model = Regressor()
-    if options.plain:
+    if plain:
         callback: PlainContract | L.Callback = PlainContract()
     else:
         from detrace.integrations.lightning import DetraceCallback
 
         callback = DetraceCallback(deterministic=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=options.devices, strategy="ddp" if options.devices > 1 else "auto",
-        max_steps=options.steps, accumulate_grad_batches=2, callbacks=[callback],
+        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        max_steps=steps, accumulate_grad_batches=2, callbacks=[callback],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=options.workers)
+    loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=workers)
     # DetraceCallback resumes by itself; Lightning alone is handed its checkpoint.
-    ckpt_path = callback.ckpt_path if options.plain or options.pass_ckpt else None  # type: ignore[union-attr]
+    ckpt_path = callback.ckpt_path if plain or pass_ckpt else None  # type: ignore[union-attr]
     trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer, model
 
-    params = detrace.fingerprint_many(list(model.state_dict().values()))
-    digest = "".join(f"{p.digest:016x}" for p in params)
-    print(f"final parameters: {digest[:32]}")
+
+def digest(model: nn.Module) -> str:
+    """The fingerprint of the model's final parameters, as hex."""
+    return "".join(f"{p.digest:016x}" for p in detrace.fingerprint_many(list(model.state_dict().values())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--plain", action="store_true", help="without DetraceCallback: Lightning's own resume")
+    parser.add_argument("--pass-ckpt", action="store_true", help="also pass the checkpoint to fit(ckpt_path=...)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="CPU processes, strategy ddp when more than 1 (under torchrun: its --nproc-per-node)")
+    parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
+    options = parser.parse_args()
+
+    torch.set_num_threads(1)
+    trainer, model = fit(steps=options.steps, workers=options.workers, plain=options.plain,
+                         pass_ckpt=options.pass_ckpt, devices=options.devices)
+    params = digest(model)
+    print(f"final parameters: {params[:32]}")
     if options.report:
         contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
                                                               "DETRACE_RESUME_CONTROL")}
         with options.report.open("a") as stream:
-            stream.write(json.dumps({**contract, "workers": options.workers, "params": digest}) + "\n")
+            stream.write(json.dumps({**contract, "workers": options.workers, "rank": trainer.global_rank,
+                                     "params": params}) + "\n")
 
 
 if __name__ == "__main__":

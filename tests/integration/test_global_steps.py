@@ -231,6 +231,45 @@ def test_work_after_the_optimizer_step_belongs_to_that_step(tmp_path: Path, caps
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0, capsys.readouterr().out
 
 
+def test_a_step_given_as_a_closure_records_its_own_gradients(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's loop: each step's zero_grad, forward and backward run in a closure passed to `optimizer.step`. The
+    gradients recorded are the step's own (not the previous step's, still there as the step hooks begin), so a
+    run resumed from a TrainState after step 2, whose optimizer has no gradients yet, matches the continuous run
+    from step 2 on."""
+
+    def train(model: Model, optimizer: torch.optim.Optimizer, steps: range, norms: list[float]) -> None:
+        batches = _batches(4)
+        for i in steps:
+            def closure(batch: torch.Tensor = batches[i]) -> torch.Tensor:
+                loss = nn.functional.mse_loss(model(batch, scale=torch.tensor(2.0)), torch.zeros(8, 1))
+                optimizer.zero_grad()
+                loss.backward()
+                norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
+                return loss
+
+            optimizer.step(closure=closure) if i % 2 else optimizer.step(closure)  # by keyword and by position
+
+    norms: list[float] = []
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        train(*_fresh(), range(4), norms)
+    model, optimizer = _fresh()
+    train(model, optimizer, range(2), [])
+    state = detrace.TrainState(model=model, optimizer=optimizer)
+    state.step = 2
+    state.save(tmp_path / "ckpt")
+    with detrace.trace(tmp_path / "b", rung="semantic"):
+        model, optimizer = _fresh()
+        detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt")
+        train(model, optimizer, range(2, 4), [])
+    recorded = [(r["step"], r["value"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
+                if r["name"] == "grad_norm"]
+    assert [step for step, _ in recorded] == [0, 1, 2, 3]
+    assert [value for _, value in recorded] == pytest.approx(norms, rel=1e-6)
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0, capsys.readouterr().out
+
+
 @pytest.mark.parametrize("value", ["-1", "ten", "1.5"])
 def test_a_malformed_step_offset_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DETRACE_STEP_OFFSET", value)

@@ -14,6 +14,11 @@ adds:
   fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
 - the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
   global step and the step's logged metrics for the tracer.
+
+It runs in one process and under `strategy="ddp"` whose processes run the script (torchrun, or Lightning's own
+launch): there every rank writes its part of the TrainState (Lightning writes its file on rank 0 only), each rank's
+shard of the DistributedSampler is seeded per sample, and DDP's bucket layout is pinned. Other strategies are
+refused under the contract and otherwise left alone (`_unsupported`).
 """
 
 from __future__ import annotations
@@ -27,18 +32,27 @@ from typing import Any
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 except ImportError:  # the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
     # mypy, ignored: the standalone package's CheckpointIO is another class with the same API
     from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[assignment]
+    from pytorch_lightning.strategies import (  # type: ignore[assignment]
+        DDPStrategy,
+        DeepSpeedStrategy,
+        SingleDeviceStrategy,
+        Strategy,
+    )
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
 from detrace.integrations._seeding import SampleKeys, seed_samples, skip_for_controls
 from detrace.state import TrainState, rng
+from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     LIGHTNING_STATE_SUFFIX,
     checkpoint_dir,
@@ -104,29 +118,31 @@ class DetraceCallback(pl.Callback):
             import detrace
 
             detrace.deterministic(self._seed(), strict=self.strict)
-        if trainer.world_size > 1:
-            self._step_aside(trainer)
+        unsupported = _unsupported(trainer.strategy)
+        if unsupported is not None:
+            self._step_aside(trainer, unsupported)
             return
         self._trainer = trainer
         # Lightning reads and writes every checkpoint through this plugin: the place to learn the paths.
         if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
+        if not isinstance(vars(trainer.strategy).get("save_checkpoint"), _SaveOnEveryRank):
+            # mypy, ignored: on purpose: an instance attribute wraps the strategy's method
+            trainer.strategy.save_checkpoint = _SaveOnEveryRank(  # type: ignore[method-assign]
+                trainer.strategy.save_checkpoint, self)
         if self._resume:
             self._preload(trainer)
 
-    def _step_aside(self, trainer: pl.Trainer) -> None:
-        """Several processes: Lightning writes checkpoints on rank 0 only, and detrace's is written by every rank,
-        which this integration does not do yet. A run under the stop/resume contract is refused in one sentence
-        (a SystemExit: no traceback, on every rank); any other run trains on, as it would without detrace's
-        resume, after one warning."""
-        strategy = type(trainer.strategy).__name__
+    def _step_aside(self, trainer: pl.Trainer, why: str) -> None:
+        """A strategy the integration does not support (`why` says which and why): a run under the stop/resume
+        contract is refused in one sentence (a SystemExit: no traceback, on every rank); any other run trains
+        on, as it would without detrace's resume, after one warning (from rank 0)."""
         if self._resume or self._stop_at is not None or self._every is not None:
-            raise SystemExit(f"detrace: the Lightning integration cannot stop, save or resume a run of "
-                             f"{trainer.world_size} processes ({strategy}) yet; run it in one process")
+            raise SystemExit(f"detrace: the Lightning integration cannot stop, save or resume this run: {why}")
         self._inactive = True
-        warnings.warn(f"detrace's Lightning integration leaves this run of {trainer.world_size} processes "
-                      f"({strategy}) alone: its resume and data seeding run in one process only", RuntimeWarning,
-                      stacklevel=2)
+        if trainer.is_global_zero:
+            warnings.warn(f"detrace's Lightning integration leaves this run alone (no resume, no data seeding): "
+                          f"{why}", RuntimeWarning, stacklevel=2)
 
     def _preload(self, trainer: pl.Trainer) -> None:
         """Make a `fit` that was given no `ckpt_path` resume from the contract's checkpoint.
@@ -175,6 +191,10 @@ class DetraceCallback(pl.Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             extra={"loop": _position(trainer)},
         )
+        # Lightning's DDP wraps the module in a wrapper of its own before DDP: TrainState's own pinning looks for a
+        # DDP around `pl_module` and would not find it, so the DDP module is pinned here, before its first step.
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            pin_layout(trainer.strategy.model)
         self._seen_step = trainer.global_step
         if self._resumed_from is not None:
             self._load(trainer, loader)
@@ -246,8 +266,8 @@ class DetraceCallback(pl.Callback):
 
 
 class _BesideCheckpoints(CheckpointIO):
-    """Lightning's checkpoint I/O, with detrace's state written beside each checkpoint and the path of the
-    checkpoint being resumed noted for the callback."""
+    """Lightning's checkpoint I/O, with the path of the checkpoint being resumed noted for the callback (every rank
+    loads), and detrace's state beside a checkpoint removed with it (rank 0 removes)."""
 
     def __init__(self, inner: CheckpointIO, callback: DetraceCallback) -> None:
         self.inner = inner
@@ -255,7 +275,6 @@ class _BesideCheckpoints(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        self.callback._save(Path(path))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -268,6 +287,39 @@ class _BesideCheckpoints(CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+class _SaveOnEveryRank:
+    """The strategy's `save_checkpoint`, followed on every rank by detrace's state beside the file.
+
+    Lightning's strategies write the checkpoint file on rank 0 only, but every rank calls `save_checkpoint`
+    (`Trainer.save_checkpoint` must run on all of them). detrace's `TrainState` is written by every rank together:
+    each its own RNG states and data position, and DCP for the model and optimizer (a collective). So the
+    strategy's method is wrapped on the strategy instance rather than the rank-0-only checkpoint I/O plugin."""
+
+    def __init__(self, save: Any, callback: DetraceCallback) -> None:
+        self.save = save
+        self.callback = callback
+
+    def __call__(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self.save(checkpoint, filepath, storage_options=storage_options)
+        self.callback._save(Path(filepath))
+
+
+def _unsupported(strategy: Strategy) -> str | None:
+    """Why the integration cannot make a run of `strategy` exact (one clause), or None: it supports one process
+    and DDP whose processes run the script (torchrun, or Lightning's own launch of `strategy="ddp"`)."""
+    name = type(strategy).__name__
+    if isinstance(strategy, SingleDeviceStrategy):
+        return None
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
+        # Not public: DDPStrategy keeps the start method it was given ("popen" is strategy="ddp").
+        method = getattr(strategy, "_start_method", "popen")
+        if method == "popen":
+            return None
+        return (f"strategy='ddp' starts its processes by running the script again (torchrun, or Lightning's own "
+                f"launch), but this {name} starts them with multiprocessing ({method}); use strategy='ddp'")
+    return f"it supports one process and strategy='ddp', not {name}"
 
 
 def _position(trainer: pl.Trainer) -> dict[str, int]:

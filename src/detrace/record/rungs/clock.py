@@ -34,12 +34,51 @@ def restored_step(optimizer: Any) -> int:
 def install_pre(tracer: Tracer) -> Callable[[], None]:
     """Registered before every rung's hooks: the optimizer phase starts."""
 
-    def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def pre(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if tracer.clock.source == "process" and not tracer.clock.stepped:
             tracer.restored(restored_step(optimizer), in_step=True)
+        ran = _closure_first(tracer, args, kwargs)
         tracer.optimizer_begins(optimizer)
+        return ran
 
     return register_optimizer_step_pre_hook(pre).remove
+
+
+class _RanOnce:
+    """A step's closure that already ran: its first call returns that result, any later one (LBFGS evaluates
+    again) runs it."""
+
+    def __init__(self, closure: Callable[[], Any], result: Any) -> None:
+        self.closure = closure
+        self.result: Any = result
+        self.used = False
+
+    def __call__(self) -> Any:
+        if self.used:
+            return self.closure()
+        self.used, result, self.result = True, self.result, None
+        return result
+
+
+def _closure_first(tracer: Tracer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """For `optimizer.step(closure)`: run the closure now, as the step's work, and hand the optimizer its result;
+    None when there is no closure.
+
+    Why: Lightning passes each step's forward and backward to `optimizer.step` as a closure (so do LBFGS loops),
+    which the optimizer runs after the step hooks. The rungs' hooks would record the previous step's gradients
+    as this step's (and a resumed process, which has none, would differ from the continuous run there), and the
+    step's forward would run in the optimizer phase. Run first, the closure is the step's forward and backward,
+    and the hooks that follow see its gradients. (Step pre-hooks registered after tracing began run after the
+    closure too.)"""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+    if not callable(closure):
+        return None
+    tracer.clock.work_begins()  # the closure is the next step's work, as its forward would be
+    with torch.enable_grad():  # as the optimizers run their closure
+        ran = _RanOnce(closure, closure())
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": ran}
+    return (args[0], ran, *args[2:]), kwargs
 
 
 def install_restore(tracer: Tracer) -> Callable[[], None]:
