@@ -89,6 +89,11 @@ def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stre
     return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
 
 
+def parameters_digest(trainer: Trainer) -> str:
+    """The fingerprints of the model's final parameters, as one hex string (what --report records)."""
+    return "".join(f"{p.digest:016x}" for p in detrace.fingerprint_many(list(trainer.model.state_dict().values())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -106,8 +111,7 @@ def main() -> None:
         # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 
-    params = detrace.fingerprint_many(list(trainer.model.state_dict().values()))
-    digest = "".join(f"{p.digest:016x}" for p in params)
+    digest = parameters_digest(trainer)
     print(f"final parameters: {digest[:32]}")
     if options.report:
         contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",

@@ -1,6 +1,7 @@
 """DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
-the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers, HF alone
-caught changing the run, a flipped bit refused by tensor name, the tracer fed, and the contract's errors."""
+the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers and for a stream
+(HF `datasets`), `detrace ablate` through the callback, a flipped bit refused by tensor name, the tracer fed, and the
+contract's errors. HF alone changing the run: tests/e2e/test_hf_resume.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example, torchrun_example
+from _integrations import check_resume, periodic_checkpoints_resume_exactly
 from _tools import flip_one_bit
 
 import detrace
@@ -44,35 +45,76 @@ def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[s
     assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])  # the negative control diverged
 
 
-def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]
-                                              ) -> None:
-    # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
-    # 2, the run ends with the bits of the continuous 2-worker run.
-    report = tmp_path / "report.jsonl"
-    run = run_example(SCRIPT, "--workers", "0", "--report", str(report),
-                  env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert arms(report)["resumed"] == checked[2]["continuous"]
+def test_resume_without_workers_is_exact_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    # Each sample's augmentation has its own seed: resumed with 0 workers (in this process) from the checkpoint of
+    # the run with 2, the run ends with the bits of the continuous 2-worker run.
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(checked[1] / f"at-{AT}" / "checkpoint"))
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    trainer = _trainer(tmp_path, steps=6)
+    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    assert {hf_train.parameters_digest(trainer)} == checked[2]["continuous"]
+
+
+@pytest.fixture(scope="module")
+def periodic(tmp_path_factory: pytest.TempPathFactory, checked: tuple[int, Path, dict[str, set[str]]]
+             ) -> tuple[Path, list[str]]:
+    """What `detrace locate` and `detrace ablate` ask of a script: traced with DETRACE_CKPT_EVERY=2 and resumed from
+    its checkpoint after step 2 (DETRACE_RESUME_FROM), it ends with the continuous run's bits. The traced run and
+    its command, for ablate."""
+    tmp_path = tmp_path_factory.mktemp("periodic")
+    command = [sys.executable, str(SCRIPT), "--workers", "0"]
+    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"],
+                                                   traced=tmp_path / "original")
+    assert versions[4].name == "checkpoint-4"
+    return tmp_path / "original", command
 
 
 def test_locates_checkpointed_ladder_can_save_every_k_steps_and_resume_from_any(
-        tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+        periodic: tuple[Path, list[str]]) -> None:
     # DETRACE_CKPT_EVERY and DETRACE_RESUME_FROM: the callback keeps HF's checkpoint-N of every K-th step, and
-    # `detrace locate` finds them and starts its narrow runs from one of them.
-    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"])
-    assert versions[4].name == "checkpoint-4"
+    # `detrace locate` finds them and starts its narrow runs from one of them (checked in the fixture).
+    assert (periodic[0] / "run.json").is_file()
 
 
-def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    report = tmp_path / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--json", "--",
-                 sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
-    payload = json.loads(capsys.readouterr().out)
-    assert code == 1 and payload["verdict"] == "resume-changed-the-run", payload
-    # the diff points at the data: the first record that differs is the batch entering the model at the resume
-    assert (payload["first"]["step"], payload["first"]["phase"], payload["first"]["name"]) == (AT, "data", "batch")
-    found = arms(report)
-    assert len(found["continuous"]) == 1 and found["resumed"].isdisjoint(found["continuous"])
+def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
+        tmp_path: Path, periodic: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """`detrace ablate` on the traced periodic run: the baseline replays it from checkpoint-4 bit for bit through
+    step 5, and a data shift of one step (the callback skips one step's samples) changes the run from step 4 on."""
+    run, command = periodic
+    capsys.readouterr()
+    code = main(["ablate", "--step", "5", "--run", str(run), "--k", "1", "--trail", "5", "--after", "0",
+                 "--no-builtins", "--variant", "shifted=ENV:DETRACE_DATA_SHIFT=1", "--out", str(tmp_path / "ablate"),
+                 "--json", "--", *command])
+    result = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and result["checkpoint"] == 4, result
+    assert result["baseline"]["value"] == result["original"]
+    (variant,) = result["variants"]
+    assert variant["name"] == "shifted" and variant["value"] != result["baseline"]["value"], variant
+    assert variant["departure"]["step"] == 4  # the batch the callback skipped changes the step it resumes at
+
+
+def test_a_data_shift_past_the_end_of_the_epoch_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    # Resumed after step 2 of an epoch of 3, a shift of one step leaves the epoch no batch: the Trainer would stop
+    # there, short of the steps a variant must run. Refused before any step.
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(checked[1] / f"at-{AT}" / "checkpoint" / f"checkpoint-{AT}"))
+    monkeypatch.setenv("DETRACE_DATA_SHIFT", "1")
+    trainer = _trainer(tmp_path)
+    with pytest.raises(UsageError, match=r"^the resume contract's data controls skip 8 samples from step 2, past the "
+                                         r"end of its epoch \(8 samples left\), where the transformers Trainer would "
+                                         r"stop training: resume from a checkpoint earlier in the epoch, or skip fewer "
+                                         r"steps$"):
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+
+
+def test_a_stream_that_says_where_it_is_resumes_exactly(tmp_path: Path) -> None:
+    """An HF `datasets` stream (2 shards, 2 DataLoader workers) through the callback: `detrace check-resume` says
+    exact across an epoch's end (the stream ends after step 3 of 4 and starts over), and its control diverges."""
+    code, _, found = check_resume(SCRIPT, tmp_path / "check", at=AT, extra=("--stream", "--steps", "4"))
+    assert code == 0
+    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
+    assert found["control"] and found["control"].isdisjoint(found["continuous"])
 
 
 def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:
@@ -233,17 +275,3 @@ def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Pat
     for workers in (2, 0):
         resumed = final_parameters(workers, DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
         assert all(torch.equal(a, b) for a, b in zip(resumed, continuous, strict=True)), f"{workers} workers"
-
-
-def test_the_callback_resumes_exactly_at_two_ranks(tmp_path: Path) -> None:
-    """Under torchrun at 2 ranks with 2 DataLoader workers, a run stopped after step 2 and resumed ends with the
-    continuous run's parameters. Compared directly: check-resume still takes the resumed processes'
-    checkpoint-load collectives for a changed run (issue #22's checkpoint I/O phase, the tracer's part)."""
-    report, ckpt = tmp_path / "report.jsonl", str(tmp_path / "ckpt")
-    options = ("--workers", "2", "--report", str(report))
-    torchrun_example(SCRIPT, *options, env={})
-    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_STOP_AT": "2"})
-    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_RESUME": "1"})
-    found = arms(report)
-    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
-    assert found["stopped"].isdisjoint(found["continuous"])

@@ -142,8 +142,17 @@ class DetraceCallback(TrainerCallback):
                 "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)"
             )
         batch = getattr(train_dataloader, "batch_size", None) or args.per_device_train_batch_size
-        skip_for_controls(self._keys, state.global_step, batch * args.gradient_accumulation_steps,
-                          framework="transformers")
+        samples_per_step = batch * args.gradient_accumulation_steps
+        skip_for_controls(self._keys, state.global_step, samples_per_step, framework="transformers")
+        if self._keys is not None and self._keys.skip:
+            # HF ends training at an epoch that yields no batch: a variant would stop short of the steps it must run.
+            steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
+            left = len(self._keys) - state.global_step % steps_per_epoch * samples_per_step
+            if self._keys.skip >= left:
+                raise UsageError(
+                    f"the resume contract's data controls skip {self._keys.skip} samples from step "
+                    f"{state.global_step}, past the end of its epoch ({left} samples left), where the transformers "
+                    "Trainer would stop training: resume from a checkpoint earlier in the epoch, or skip fewer steps")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
