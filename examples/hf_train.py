@@ -6,6 +6,7 @@ resumable by one line: `callbacks=[DetraceCallback()]`.
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --plain       # HF alone: changed
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --stream --workers 2   # a stream: exact
 
+--spike STEP plants a loss spike for `detrace ablate` (the learning rate of step STEP is 100 times larger).
 --stream reads the tokens as a stream instead: an HF `datasets` IterableDataset (pip install datasets torchdata),
 whose position the callback saves and resumes from.
 
@@ -56,6 +57,19 @@ class PlainContract(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
+class LearningRateBump(TrainerCallback):
+    """A planted loss spike for `detrace ablate`: optimizer step `step` (counted from 0) runs at 100 times the
+    learning rate (HF's scheduler sets the next step's rate again), so the loss of the step after it jumps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            for group in optimizer.param_groups:
+                group["lr"] *= 100
+
+
 def token_stream(samples: int) -> torch.utils.data.IterableDataset:
     """The same token sequences, unaugmented, as an HF `datasets` stream in 2 shards (one per DataLoader worker)."""
     import datasets
@@ -65,9 +79,10 @@ def token_stream(samples: int) -> torch.utils.data.IterableDataset:
     return rows.to_iterable_dataset(num_shards=2).with_format("torch")  # type: ignore[no-any-return]
 
 
-def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stream: bool = False) -> Trainer:
+def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stream: bool = False,
+                 spike: int | None = None) -> Trainer:
     """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract; with `stream`, the
-    data is a stream that says where it is."""
+    data is a stream that says where it is; with `spike`, that step's learning rate is 100 times larger."""
     args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", dataloader_num_workers=workers, report_to="none",
@@ -86,7 +101,8 @@ def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stre
 
         callback = DetraceCallback(deterministic=True)  # the one line
     data = token_stream(24) if stream else NoisyTokens(24)
-    return Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    callbacks = [callback] if spike is None else [callback, LearningRateBump(spike)]
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
 
 def parameters_digest(trainer: Trainer) -> str:
@@ -100,6 +116,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--plain", action="store_true", help="without DetraceCallback: HF's own resume")
     parser.add_argument("--stream", action="store_true", help="the data as a stream (datasets, torchdata)")
+    parser.add_argument("--spike", type=int, metavar="STEP", help="plant a loss spike: 100x the learning rate of "
+                        "step STEP (from 0), for detrace ablate")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     parser.add_argument("--output-dir", help="HF's output directory (default: a temporary one)")
     options = parser.parse_args()
@@ -107,7 +125,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = make_trainer(steps=options.steps, workers=options.workers, plain=options.plain,
-                               output_dir=options.output_dir or scratch, stream=options.stream)
+                               output_dir=options.output_dir or scratch, stream=options.stream,
+                               spike=options.spike)
         # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parents[2] / "examples" / "hf_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
+SPIKE = ("--spike", "4")  # a planted loss spike at step 5, for ablate: every run of the example here has it
 _spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
 assert _spec is not None and _spec.loader is not None
 hf_train = importlib.util.module_from_spec(_spec)
@@ -35,7 +36,7 @@ _spec.loader.exec_module(hf_train)
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
     """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
-    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT)
+    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT, extra=SPIKE)
 
 
 def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
@@ -51,7 +52,7 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, monkeypatch: pytest
     # the run with 2, the run ends with the bits of the continuous 2-worker run.
     monkeypatch.setenv("DETRACE_CKPT_DIR", str(checked[1] / f"at-{AT}" / "checkpoint"))
     monkeypatch.setenv("DETRACE_RESUME", "1")
-    trainer = _trainer(tmp_path, steps=6)
+    trainer = _trainer(tmp_path, steps=6, spike=4)
     trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     assert {hf_train.parameters_digest(trainer)} == checked[2]["continuous"]
 
@@ -63,9 +64,9 @@ def periodic(tmp_path_factory: pytest.TempPathFactory, checked: tuple[int, Path,
     its checkpoint after step 2 (DETRACE_RESUME_FROM), it ends with the continuous run's bits. The traced run and
     its command, for ablate."""
     tmp_path = tmp_path_factory.mktemp("periodic")
-    command = [sys.executable, str(SCRIPT), "--workers", "0"]
+    command = [sys.executable, str(SCRIPT), "--workers", "0", *SPIKE]
     versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"],
-                                                   traced=tmp_path / "original")
+                                                   traced=tmp_path / "original", extra=SPIKE)
     assert versions[4].name == "checkpoint-4"
     return tmp_path / "original", command
 
@@ -79,16 +80,17 @@ def test_locates_checkpointed_ladder_can_save_every_k_steps_and_resume_from_any(
 
 def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
         tmp_path: Path, periodic: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
-    """`detrace ablate` on the traced periodic run: the baseline replays it from checkpoint-4 bit for bit through
-    step 5, and a data shift of one step (the callback skips one step's samples) changes the run from step 4 on."""
+    """`detrace ablate` on the traced periodic run, at its planted spike: the baseline replays it from checkpoint-4
+    bit for bit through step 5 and spikes there, and a data shift of one step (the callback skips one step's
+    samples) changes the run from step 4 on."""
     run, command = periodic
     capsys.readouterr()
     code = main(["ablate", "--step", "5", "--run", str(run), "--k", "1", "--trail", "5", "--after", "0",
                  "--no-builtins", "--variant", "shifted=ENV:DETRACE_DATA_SHIFT=1", "--out", str(tmp_path / "ablate"),
                  "--json", "--", *command])
     result = json.loads(capsys.readouterr().out)
-    assert code in (0, 1) and result["checkpoint"] == 4, result
-    assert result["baseline"]["value"] == result["original"]
+    assert code == 1 and result["checkpoint"] == 4, result
+    assert result["baseline"]["value"] == result["original"] and result["baseline"]["spiked"]
     (variant,) = result["variants"]
     assert variant["name"] == "shifted" and variant["value"] != result["baseline"]["value"], variant
     assert variant["departure"]["step"] == 4  # the batch the callback skipped changes the step it resumes at
@@ -117,9 +119,9 @@ def test_a_stream_that_says_where_it_is_resumes_exactly(tmp_path: Path) -> None:
     assert found["control"] and found["control"].isdisjoint(found["continuous"])
 
 
-def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:
+def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4, spike: int | None = None) -> Any:
     torch.set_num_threads(1)
-    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"))
+    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"), spike=spike)
 
 
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
@@ -212,7 +214,9 @@ def test_an_iterable_dataset_trains_with_one_warning(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="leaves this IterableDataset's data alone") as warned:
         streaming.train()
     assert streaming.state.global_step == 2
-    assert sum("IterableDataset" in str(warning.message) for warning in warned) == 1
+    (message,) = [str(warning.message) for warning in warned if "IterableDataset" in str(warning.message)]
+    assert message.endswith("; a stream with state_dict() and load_state_dict() (such as HF datasets' "
+                            "IterableDataset) resumes where it stopped, with torchdata installed")
 
 
 def test_importing_the_integration_registers_the_detrace_experts() -> None:

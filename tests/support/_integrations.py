@@ -50,13 +50,13 @@ def check_resume(script: Path, out: Path, *, at: int, extra: tuple[str, ...] = (
 
 
 def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, continuous: set[str],
-                                        traced: Path | None = None) -> dict[int, Path]:
+                                        traced: Path | None = None, extra: tuple[str, ...] = ()) -> dict[int, Path]:
     """What `detrace locate` asks of a script: with DETRACE_CKPT_EVERY=2 it keeps a checkpoint after steps 2, 4
     and 6 (listed by `saved_versions`) and ends as the continuous run does; resumed from the one after step 2
     (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous run's bits too. With `traced`, the saving
-    run is traced there (`detrace run`)."""
+    run is traced there (`detrace run`); `extra`: further arguments of the script."""
     report = tmp_path / "report.jsonl"
-    options = ("--workers", "0", "--report", str(report))
+    options = ("--workers", "0", "--report", str(report), *extra)
     periodic = {"DETRACE_CKPT_DIR": str(tmp_path / "a"), "DETRACE_CKPT_EVERY": "2"}
     if traced is None:
         saving = run_example(script, *options, env=periodic)
@@ -68,7 +68,7 @@ def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, continu
             assert main(["run", "--out", str(traced), "--", sys.executable, str(script), *options]) == 0
     versions = saved_versions(tmp_path / "a")
     assert sorted(versions) == [2, 4, 6], versions
-    resumed = run_example(script, "--workers", "0", "--report", str(report),
+    resumed = run_example(script, *options,
                           env={"DETRACE_CKPT_DIR": str(tmp_path / "b"), "DETRACE_RESUME_FROM": str(versions[2])})
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     found = arms(report)
