@@ -1,7 +1,8 @@
 """DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
 the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers and for a stream
 (HF `datasets`), `detrace ablate` through the callback, a flipped bit refused by tensor name, the tracer fed, and the
-contract's errors. HF alone changing the run: tests/e2e/test_hf_resume.py."""
+contract's errors. A stream with state_dict goes on from its position instead of HF's replay. HF alone changing the
+run: tests/e2e/test_hf_resume.py."""
 
 from __future__ import annotations
 
@@ -279,3 +280,49 @@ def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Pat
     for workers in (2, 0):
         resumed = final_parameters(workers, DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
         assert all(torch.equal(a, b) for a, b in zip(resumed, continuous, strict=True)), f"{workers} workers"
+
+
+def test_a_resumed_stream_goes_on_from_its_position_without_replaying(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF alone fast-forwards a resumed stream by reading it again from its start; a stream with state_dict is read
+    from where the checkpoint says it was (the rows after the 16 that steps 0 and 1 trained on), and the run ends
+    with the continuous run's parameters."""
+    from transformers import Trainer
+
+    from detrace.integrations.hf import DetraceCallback
+
+    rows = hf_train.NoisyTokens(48).tokens
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __init__(self) -> None:
+            self.next = 0
+            self.read: list[int] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            while self.next < len(rows):
+                self.read.append(self.next)
+                self.next += 1
+                yield {"input_ids": rows[self.read[-1]], "labels": rows[self.read[-1]]}
+
+        def state_dict(self) -> dict[str, int]:
+            return {"next": self.next}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.next = state["next"]
+
+    def run(**contract: str) -> tuple[str, list[int]]:
+        for name in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in contract.items():
+            monkeypatch.setenv(name, value)
+        base = _trainer(tmp_path)
+        stream = Rows()
+        trainer = Trainer(model=base.model, args=base.args, train_dataset=stream, callbacks=[DetraceCallback()])
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+        return hf_train.parameters_digest(trainer), stream.read
+
+    continuous, _ = run()
+    ckpt = str(tmp_path / "ckpt")
+    run(DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
+    resumed, read = run(DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
+    assert read[0] == 16 and resumed == continuous
