@@ -4,6 +4,11 @@ resumable by one line: `callbacks=[DetraceCallback()]`.
     python examples/hf_train.py --steps 6 --workers 2
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --workers 2   # exact
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --plain       # HF alone: changed
+    detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --stream --workers 2   # a stream: exact
+
+--spike STEP plants a loss spike for `detrace ablate` (the learning rate of step STEP is 100 times larger).
+--stream reads the tokens as a stream instead: an HF `datasets` IterableDataset (pip install datasets torchdata),
+whose position the callback saves and resumes from.
 
 --plain leaves the callback out and resumes with HF's own `resume_from_checkpoint`, following the same
 stop/resume contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) with a three-line callback of its
@@ -52,8 +57,32 @@ class PlainContract(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
-def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str) -> Trainer:
-    """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract."""
+class LearningRateBump(TrainerCallback):
+    """A planted loss spike for `detrace ablate`: optimizer step `step` (counted from 0) runs at 100 times the
+    learning rate (HF's scheduler sets the next step's rate again), so the loss of the step after it jumps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            for group in optimizer.param_groups:
+                group["lr"] *= 100
+
+
+def token_stream(samples: int) -> torch.utils.data.IterableDataset:
+    """The same token sequences, unaugmented, as an HF `datasets` stream in 2 shards (one per DataLoader worker)."""
+    import datasets
+
+    tokens = NoisyTokens(samples).tokens
+    rows = datasets.Dataset.from_dict({"input_ids": tokens.tolist(), "labels": tokens.tolist()})
+    return rows.to_iterable_dataset(num_shards=2).with_format("torch")  # type: ignore[no-any-return]
+
+
+def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stream: bool = False,
+                 spike: int | None = None) -> Trainer:
+    """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract; with `stream`, the
+    data is a stream that says where it is; with `spike`, that step's learning rate is 100 times larger."""
     args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", dataloader_num_workers=workers, report_to="none",
@@ -71,7 +100,14 @@ def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str) -> T
         from detrace.integrations.hf import DetraceCallback
 
         callback = DetraceCallback(deterministic=True)  # the one line
-    return Trainer(model=model, args=args, train_dataset=NoisyTokens(24), callbacks=[callback])
+    data = token_stream(24) if stream else NoisyTokens(24)
+    callbacks = [callback] if spike is None else [callback, LearningRateBump(spike)]
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def parameters_digest(trainer: Trainer) -> str:
+    """The fingerprints of the model's final parameters, as one hex string (what --report records)."""
+    return "".join(f"{p.digest:016x}" for p in detrace.fingerprint_many(list(trainer.model.state_dict().values())))
 
 
 def main() -> None:
@@ -79,6 +115,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--plain", action="store_true", help="without DetraceCallback: HF's own resume")
+    parser.add_argument("--stream", action="store_true", help="the data as a stream (datasets, torchdata)")
+    parser.add_argument("--spike", type=int, metavar="STEP", help="plant a loss spike: 100x the learning rate of "
+                        "step STEP (from 0), for detrace ablate")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     parser.add_argument("--output-dir", help="HF's output directory (default: a temporary one)")
     options = parser.parse_args()
@@ -86,12 +125,12 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = make_trainer(steps=options.steps, workers=options.workers, plain=options.plain,
-                               output_dir=options.output_dir or scratch)
+                               output_dir=options.output_dir or scratch, stream=options.stream,
+                               spike=options.spike)
         # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 
-    params = detrace.fingerprint_many(list(trainer.model.state_dict().values()))
-    digest = "".join(f"{p.digest:016x}" for p in params)
+    digest = parameters_digest(trainer)
     print(f"final parameters: {digest[:32]}")
     if options.report:
         contract = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",

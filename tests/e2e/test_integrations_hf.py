@@ -1,6 +1,8 @@
 """DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
-the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers, HF alone
-caught changing the run, a flipped bit refused by tensor name, the tracer fed, and the contract's errors."""
+the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers and for a stream
+(HF `datasets`), `detrace ablate` through the callback, a flipped bit refused by tensor name, the tracer fed, and the
+contract's errors. A stream with state_dict goes on from its position instead of HF's replay. HF alone changing the
+run: tests/e2e/test_hf_resume.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _integrations import arms, check_resume, periodic_checkpoints_resume_exactly, run_example, torchrun_example
+from _integrations import check_resume, periodic_checkpoints_resume_exactly
 from _tools import flip_one_bit
 
 import detrace
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parents[2] / "examples" / "hf_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
+SPIKE = ("--spike", "4")  # a planted loss spike at step 5, for ablate: every run of the example here has it
 _spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
 assert _spec is not None and _spec.loader is not None
 hf_train = importlib.util.module_from_spec(_spec)
@@ -34,7 +37,7 @@ _spec.loader.exec_module(hf_train)
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
     """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
-    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT)
+    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT, extra=SPIKE)
 
 
 def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
@@ -44,40 +47,82 @@ def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[s
     assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])  # the negative control diverged
 
 
-def test_resume_without_workers_is_exact_too(tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]
-                                              ) -> None:
-    # Each sample's augmentation has its own seed: resumed with 0 workers from the checkpoint of the run with
-    # 2, the run ends with the bits of the continuous 2-worker run.
-    report = tmp_path / "report.jsonl"
-    run = run_example(SCRIPT, "--workers", "0", "--report", str(report),
-                  env={"DETRACE_CKPT_DIR": str(checked[1] / f"at-{AT}" / "checkpoint"), "DETRACE_RESUME": "1"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert arms(report)["resumed"] == checked[2]["continuous"]
+def test_resume_without_workers_is_exact_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    # Each sample's augmentation has its own seed: resumed with 0 workers (in this process) from the checkpoint of
+    # the run with 2, the run ends with the bits of the continuous 2-worker run.
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(checked[1] / f"at-{AT}" / "checkpoint"))
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    trainer = _trainer(tmp_path, steps=6, spike=4)
+    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    assert {hf_train.parameters_digest(trainer)} == checked[2]["continuous"]
+
+
+@pytest.fixture(scope="module")
+def periodic(tmp_path_factory: pytest.TempPathFactory, checked: tuple[int, Path, dict[str, set[str]]]
+             ) -> tuple[Path, list[str]]:
+    """What `detrace locate` and `detrace ablate` ask of a script: traced with DETRACE_CKPT_EVERY=2 and resumed from
+    its checkpoint after step 2 (DETRACE_RESUME_FROM), it ends with the continuous run's bits. The traced run and
+    its command, for ablate."""
+    tmp_path = tmp_path_factory.mktemp("periodic")
+    command = [sys.executable, str(SCRIPT), "--workers", "0", *SPIKE]
+    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"],
+                                                   traced=tmp_path / "original", extra=SPIKE)
+    assert versions[4].name == "checkpoint-4"
+    return tmp_path / "original", command
 
 
 def test_locates_checkpointed_ladder_can_save_every_k_steps_and_resume_from_any(
-        tmp_path: Path, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+        periodic: tuple[Path, list[str]]) -> None:
     # DETRACE_CKPT_EVERY and DETRACE_RESUME_FROM: the callback keeps HF's checkpoint-N of every K-th step, and
-    # `detrace locate` finds them and starts its narrow runs from one of them.
-    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"])
-    assert versions[4].name == "checkpoint-4"
+    # `detrace locate` finds them and starts its narrow runs from one of them (checked in the fixture).
+    assert (periodic[0] / "run.json").is_file()
 
 
-def test_hf_alone_changes_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    report = tmp_path / "report.jsonl"
-    code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--json", "--",
-                 sys.executable, str(SCRIPT), "--plain", "--report", str(report)])
-    payload = json.loads(capsys.readouterr().out)
-    assert code == 1 and payload["verdict"] == "resume-changed-the-run", payload
-    # the diff points at the data: the first record that differs is the batch entering the model at the resume
-    assert (payload["first"]["step"], payload["first"]["phase"], payload["first"]["name"]) == (AT, "data", "batch")
-    found = arms(report)
-    assert len(found["continuous"]) == 1 and found["resumed"].isdisjoint(found["continuous"])
+def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
+        tmp_path: Path, periodic: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    """`detrace ablate` on the traced periodic run, at its planted spike: the baseline replays it from checkpoint-4
+    bit for bit through step 5 and spikes there, and a data shift of one step (the callback skips one step's
+    samples) changes the run from step 4 on."""
+    run, command = periodic
+    capsys.readouterr()
+    code = main(["ablate", "--step", "5", "--run", str(run), "--k", "1", "--trail", "5", "--after", "0",
+                 "--no-builtins", "--variant", "shifted=ENV:DETRACE_DATA_SHIFT=1", "--out", str(tmp_path / "ablate"),
+                 "--json", "--", *command])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 1 and result["checkpoint"] == 4, result
+    assert result["baseline"]["value"] == result["original"] and result["baseline"]["spiked"]
+    (variant,) = result["variants"]
+    assert variant["name"] == "shifted" and variant["value"] != result["baseline"]["value"], variant
+    assert variant["departure"]["step"] == 4  # the batch the callback skipped changes the step it resumes at
 
 
-def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4) -> Any:
+def test_a_data_shift_past_the_end_of_the_epoch_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+    # Resumed after step 2 of an epoch of 3, a shift of one step leaves the epoch no batch: the Trainer would stop
+    # there, short of the steps a variant must run. Refused before any step.
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(checked[1] / f"at-{AT}" / "checkpoint" / f"checkpoint-{AT}"))
+    monkeypatch.setenv("DETRACE_DATA_SHIFT", "1")
+    trainer = _trainer(tmp_path)
+    with pytest.raises(UsageError, match=r"^the resume contract's data controls skip 8 samples from step 2, past the "
+                                         r"end of its epoch \(8 samples left\), where the transformers Trainer would "
+                                         r"stop training: resume from a checkpoint earlier in the epoch, or skip fewer "
+                                         r"steps$"):
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+
+
+def test_a_stream_that_says_where_it_is_resumes_exactly(tmp_path: Path) -> None:
+    """An HF `datasets` stream (2 shards, 2 DataLoader workers) through the callback: `detrace check-resume` says
+    exact across an epoch's end (the stream ends after step 3 of 4 and starts over), and its control diverges."""
+    code, _, found = check_resume(SCRIPT, tmp_path / "check", at=AT, extra=("--stream", "--steps", "4"))
+    assert code == 0
+    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
+    assert found["control"] and found["control"].isdisjoint(found["continuous"])
+
+
+def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4, spike: int | None = None) -> Any:
     torch.set_num_threads(1)
-    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"))
+    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"), spike=spike)
 
 
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
@@ -170,7 +215,9 @@ def test_an_iterable_dataset_trains_with_one_warning(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="leaves this IterableDataset's data alone") as warned:
         streaming.train()
     assert streaming.state.global_step == 2
-    assert sum("IterableDataset" in str(warning.message) for warning in warned) == 1
+    (message,) = [str(warning.message) for warning in warned if "IterableDataset" in str(warning.message)]
+    assert message.endswith("; a stream with state_dict() and load_state_dict() (such as HF datasets' "
+                            "IterableDataset) resumes where it stopped, with torchdata installed")
 
 
 def test_importing_the_integration_registers_the_detrace_experts() -> None:
@@ -235,15 +282,47 @@ def test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers(tmp_path: Pat
         assert all(torch.equal(a, b) for a, b in zip(resumed, continuous, strict=True)), f"{workers} workers"
 
 
-def test_the_callback_resumes_exactly_at_two_ranks(tmp_path: Path) -> None:
-    """Under torchrun at 2 ranks with 2 DataLoader workers, a run stopped after step 2 and resumed ends with the
-    continuous run's parameters. Compared directly: check-resume still takes the resumed processes'
-    checkpoint-load collectives for a changed run (issue #22's checkpoint I/O phase, the tracer's part)."""
-    report, ckpt = tmp_path / "report.jsonl", str(tmp_path / "ckpt")
-    options = ("--workers", "2", "--report", str(report))
-    torchrun_example(SCRIPT, *options, env={})
-    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_STOP_AT": "2"})
-    torchrun_example(SCRIPT, *options, env={"DETRACE_CKPT_DIR": ckpt, "DETRACE_RESUME": "1"})
-    found = arms(report)
-    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
-    assert found["stopped"].isdisjoint(found["continuous"])
+def test_a_resumed_stream_goes_on_from_its_position_without_replaying(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF alone fast-forwards a resumed stream by reading it again from its start; a stream with state_dict is read
+    from where the checkpoint says it was (the rows after the 16 that steps 0 and 1 trained on), and the run ends
+    with the continuous run's parameters."""
+    from transformers import Trainer
+
+    from detrace.integrations.hf import DetraceCallback
+
+    rows = hf_train.NoisyTokens(48).tokens
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __init__(self) -> None:
+            self.next = 0
+            self.read: list[int] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            while self.next < len(rows):
+                self.read.append(self.next)
+                self.next += 1
+                yield {"input_ids": rows[self.read[-1]], "labels": rows[self.read[-1]]}
+
+        def state_dict(self) -> dict[str, int]:
+            return {"next": self.next}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.next = state["next"]
+
+    def run(**contract: str) -> tuple[str, list[int]]:
+        for name in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in contract.items():
+            monkeypatch.setenv(name, value)
+        base = _trainer(tmp_path)
+        stream = Rows()
+        trainer = Trainer(model=base.model, args=base.args, train_dataset=stream, callbacks=[DetraceCallback()])
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+        return hf_train.parameters_digest(trainer), stream.read
+
+    continuous, _ = run()
+    ckpt = str(tmp_path / "ckpt")
+    run(DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
+    resumed, read = run(DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
+    assert read[0] == 16 and resumed == continuous

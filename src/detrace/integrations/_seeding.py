@@ -12,6 +12,11 @@ draw from the training loop's own RNG, interleaved with dropout. Both are fixed 
 - the dataset gets a `__getitems__` (the batched read DataLoader's fetcher uses when present) that loads each
   keyed sample under `seeded_rngs(seed)`: the same augmentation on any worker, in any process, with any
   `num_workers`, and the training loop's RNG streams untouched.
+
+An `IterableDataset` has no sample index. A stream that can say where it is (a dataset with `state_dict`, or one
+read through torchdata's `StatefulDataLoader`) is read through a StatefulDataLoader (`resumable_stream`), whose
+state the integration saves with the rest and restores on resume. Any other stream is left alone, with one
+warning.
 """
 
 from __future__ import annotations
@@ -89,24 +94,61 @@ class SeededItems:
 
 
 @functools.cache
-def _warn_unindexed(framework: str) -> None:
+def _warn_unindexed(framework: str, hint: str) -> None:
     """Once per process and framework: the data is left as it is."""
     warnings.warn(
         f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample index "
-        "to seed its randomness from, and the data position it resumes at is the framework's own",
+        f"to seed its randomness from, and the data position it resumes at is the framework's own{hint}",
         RuntimeWarning, stacklevel=3,
     )
 
 
-def seed_samples(loader: DataLoader, *, seed: int, framework: str) -> SampleKeys | None:
+def resumable_stream(loader: Any) -> Any | None:
+    """The loader of an `IterableDataset` that can say where its stream is, or None.
+
+    That is `loader` when it reads the stream through torchdata's `StatefulDataLoader` (directly, or inside
+    accelerate's DataLoader adapter, whose own `state_dict` accounts for the batch it reads ahead). When the dataset
+    itself has `state_dict` / `load_state_dict` (HF `datasets`' IterableDataset) but accelerate's adapter holds a
+    plain DataLoader, the adapter gets a StatefulDataLoader of the same settings instead, as accelerate's
+    `use_stateful_dataloader` would have built it: the dataset's own state then travels with the loader's, taken
+    when a batch is handed over rather than read ahead, and from every worker."""
+    if not isinstance(getattr(loader, "dataset", None), IterableDataset):
+        return None
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:  # torchdata is optional: without it no loader can be one
+        return None
+    base = loader
+    while getattr(base, "base_dataloader", None) is not None:
+        base = base.base_dataloader
+    if isinstance(base, StatefulDataLoader):
+        return loader
+    dataset = base.dataset
+    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+    if base is loader or not stateful:  # a loader of the user's own, or a stream that cannot say where it is
+        return None
+    workers = base.num_workers
+    loader.base_dataloader = StatefulDataLoader(
+        dataset, batch_size=base.batch_size, drop_last=base.drop_last, collate_fn=base.collate_fn,
+        num_workers=workers, pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
+        multiprocessing_context=base.multiprocessing_context if workers else None, generator=base.generator,
+        prefetch_factor=base.prefetch_factor if workers else None, persistent_workers=base.persistent_workers,
+    )
+    loader.use_stateful_dataloader = True
+    loader.dl_state_dict = loader.base_dataloader.state_dict()  # accelerate's snapshot, as its constructor takes it
+    return loader
+
+
+def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "") -> SampleKeys | None:
     """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
 
     Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
     loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
-    alone (with one warning) and None is returned; training goes on as without detrace's data handling.
+    alone (with one warning, ending in `hint`) and None is returned; training goes on as without detrace's data
+    handling.
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-        _warn_unindexed(framework)
+        _warn_unindexed(framework, hint)
         return None
     holders = []  # every level of (batch) sampler wrappers that holds the index sampler
     level: Any = loader.batch_sampler

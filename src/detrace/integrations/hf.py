@@ -9,6 +9,10 @@ this callback adds:
   the main RNG before HF has restored it. Each sample is loaded under its own seed instead
   (`detrace.integrations._seeding`), so its randomness no longer depends on workers or on the resume;
 - the order of an epoch when accelerate's seedable sampler is turned off (pinned to `seed + epoch`);
+- a stream's position: an `IterableDataset` that can say where it is (with `state_dict` / `load_state_dict`, such
+  as HF `datasets`' IterableDataset; needs torchdata) is read through torchdata's `StatefulDataLoader`, whose state
+  is saved with the checkpoint and restored on resume, where HF alone would replay the stream from its start to
+  skip what was trained;
 - verification: a detrace checkpoint (`TrainState`) beside HF's files in `checkpoint-N/detrace/`, with the
   fingerprint manifest of every tensor, is verified on resume and restored over what HF loaded; a flipped bit
   is refused by tensor name;
@@ -30,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._seeding import SampleKeys, seed_samples, skip_for_controls
+from detrace.integrations._seeding import SampleKeys, resumable_stream, seed_samples, skip_for_controls
 from detrace.ops import hf_experts as experts
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
@@ -44,6 +48,10 @@ from detrace.state.contract import (
 
 if importlib.util.find_spec("transformers.integrations.moe") is not None:
     experts.register()
+
+# How an IterableDataset's stream resumes where it stopped (the end of the warning when it cannot).
+STREAM_HINT = ("; a stream with state_dict() and load_state_dict() (such as HF datasets' IterableDataset) resumes "
+               "where it stopped, with torchdata installed")
 
 # HF's logged metrics, fed to the tracer under these names (the metrics rung records its own "loss").
 LOGGED = {"loss": "hf/loss", "grad_norm": "hf/grad_norm", "learning_rate": "hf/learning_rate"}
@@ -107,24 +115,44 @@ class DetraceCallback(TrainerCallback):
 
             detrace.deterministic(args.seed, strict=self.strict)
         seed = args.data_seed if args.data_seed is not None else args.seed
-        self._keys = seed_samples(train_dataloader, seed=seed, framework="transformers Trainer")
+        stream = resumable_stream(train_dataloader)
+        self._keys = None if stream is not None else seed_samples(
+            train_dataloader, seed=seed, framework="transformers Trainer", hint=STREAM_HINT)
         self._state = TrainState(
             model=model,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate's AcceleratedOptimizer wraps it
             scheduler=lr_scheduler,
             scaler=getattr(optimizer, "scaler", None),
+            data=stream,
             extra={"trainer": _position(state)},
         )
         if state.global_step > 0:
             self._load(args, state)
+            if stream is not None:
+                # The stream goes on from the position just restored; HF would otherwise replay it from its start
+                # to skip the batches already trained (read before the epoch's first batch, so set in time).
+                args.ignore_data_skip = True
+                if self._fresh_rng is None:
+                    # Starting the stream's iterator draws its base seed from the global RNG, which the run that
+                    # never stopped did at the epoch's start: the first step starts from the restored states again.
+                    self._fresh_rng = rng.capture()
         elif self._resume:
             raise UsageError(
                 "DETRACE_RESUME=1, but the Trainer started from step 0: pass the checkpoint on, as in "
                 "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)"
             )
         batch = getattr(train_dataloader, "batch_size", None) or args.per_device_train_batch_size
-        skip_for_controls(self._keys, state.global_step, batch * args.gradient_accumulation_steps,
-                          framework="transformers")
+        samples_per_step = batch * args.gradient_accumulation_steps
+        skip_for_controls(self._keys, state.global_step, samples_per_step, framework="transformers")
+        if self._keys is not None and self._keys.skip:
+            # HF ends training at an epoch that yields no batch: a variant would stop short of the steps it must run.
+            steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
+            left = len(self._keys) - state.global_step % steps_per_epoch * samples_per_step
+            if self._keys.skip >= left:
+                raise UsageError(
+                    f"the resume contract's data controls skip {self._keys.skip} samples from step "
+                    f"{state.global_step}, past the end of its epoch ({left} samples left), where the transformers "
+                    "Trainer would stop training: resume from a checkpoint earlier in the epoch, or skip fewer steps")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -135,7 +163,8 @@ class DetraceCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         if self._fresh_rng is not None:
-            # The skip-rng control: HF restored its own RNG file meanwhile; undo that too.
+            # The skip-rng control: HF restored its own RNG file meanwhile; undo that too. Or a resumed stream: see
+            # on_train_begin.
             rng.restore(self._fresh_rng)
             self._fresh_rng = None
 

@@ -92,6 +92,7 @@ class TrainState:
         """Completed optimizer steps: set by `end_of_step` and `load`."""
         # A resumed process must reduce gradients in the DDP bucket layout the continuous run uses.
         pin_layout(model)
+        _give_own_generator(data)
         arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
         check_checkpoint_dir()
 
@@ -241,6 +242,16 @@ class TrainState:
                     current.copy_(value)
             else:
                 self.extra[name] = value
+
+
+def _give_own_generator(data: Any) -> None:
+    """A DataLoader (torchdata's StatefulDataLoader) without a generator draws each new iterator's base seed from
+    the global torch RNG: a resumed process starts its iterator after the RNG states are restored, where the run
+    that never stopped drew nothing, and every later draw (dropout) would shift by one. It gets a generator of its
+    own, seeded from the process's initial seed (the same in the run that never stopped and in the resumed one)."""
+    # type(), not isinstance: accelerate's DataLoader adapter claims the class of the loader it wraps.
+    if issubclass(type(data), torch.utils.data.DataLoader) and data.generator is None:
+        data.generator = torch.Generator().manual_seed(torch.initial_seed())
 
 
 def _is_stateful(value: Any) -> bool:
