@@ -267,7 +267,7 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path, free_port: Callable[[], in
     assert info.ranks == (0, 1) and info.world_size == 2  # the torchrun agent wrote nothing
     for rank in (0, 1):
         trace = read_rank(tmp_path / "run", rank)
-        assert trace.complete and trace.footer["groups"] == ["0,1"]
+        assert trace.complete and trace.footer is not None and trace.footer.groups == ("0,1",)
         records = trace.table.to_pylist()
         buckets = [r for r in records if r["extra"] and "ddp_bucket" in r["extra"]]
         assert {r["role"] for r in buckets} == {"input", "output"} and {r["step"] for r in buckets} == {0, 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,24 @@ def test_one_origin_among_many_ranks(tmp_path: Path) -> None:
 def test_pool_of_workers_gives_the_same_answer(tmp_path: Path) -> None:
     a, b = pair(tmp_path, SyntheticRun(ranks=4, steps=3, ops=4), Fault(rank=2, step=1, op=1))
     assert diff(a, b, workers=2) == diff(a, b, workers=1)
+
+
+def test_a_diff_reads_each_footer_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run is opened once: its footers are read and validated there, then handed on with the run; no later stage
+    (the layout check, the step spans, the alignment, the walk back to the divergent call) reads one again."""
+    a, b = pair(tmp_path, fault=Fault(rank=1, step=2, op=3))
+    footers = {footer_path(run, rank) for run in (a, b) for rank in range(RUN.ranks)}
+    reads: Counter[Path] = Counter()
+    read_text = Path.read_text
+
+    def counted(self: Path, *args: Any, **kwargs: Any) -> str:
+        reads[self] += self in footers
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    result = diff(a, b, workers=1)
+    assert result.verdict == "diverged" and result.first is not None and result.first.detail["outputs"]
+    assert reads == dict.fromkeys(footers, 1)
 
 
 def test_rank_option_compares_one_rank(tmp_path: Path) -> None:
