@@ -141,6 +141,12 @@ class RunHeader:
     """run.json: CMD's exit status."""
     rank: int | None
     """Rank headers: the rank."""
+    pid: int | None
+    """Rank headers: the process that wrote the trace."""
+    versions: dict[str, Any] | None
+    """The versions of Python, torch and detrace the run used (`record.header.versions`)."""
+    determinism: dict[str, Any] | None
+    """The determinism settings the run saw (`record.header.determinism`)."""
     steps: tuple[int, int] | None
     """run.json of a finished run: the first and last global step its ranks ran (from their footers)."""
     raw: dict[str, Any] = field(repr=False)
@@ -156,10 +162,10 @@ class RunHeader:
         traced = fields.get("traced_ranks", list, "a list of ranks", default=[])
         if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in traced):
             raise fields.fail("traced_ranks", "a list of ranks")
-        for key in ("versions", "determinism"):
-            fields.get(key, dict, "an object", default=None)
+        versions, determinism = (fields.get(key, dict, "an object", default=None)
+                                 for key in ("versions", "determinism"))
         fields.get("elapsed", (int, float), "a number of seconds", default=None)
-        fields.count("pid", default=None)
+        pid = fields.count("pid", default=None)
         windows = fields.get("windows", dict, "an object", default=None)
         steps = fields.get("steps", dict, "an object", default=None)
         if steps is not None and not (_is_count(steps.get("first")) and _is_count(steps.get("last"))):
@@ -170,7 +176,7 @@ class RunHeader:
                    ranks=fields.spec("ranks"), traced_ranks=traced,
                    status=fields.get("status", str, "a string", default=None),
                    returncode=fields.get("returncode", int, "an integer", default=None),
-                   rank=fields.count("rank", default=None),
+                   rank=fields.count("rank", default=None), pid=pid, versions=versions, determinism=determinism,
                    steps=None if steps is None else (steps["first"], steps["last"]), raw=fields.raw)
 
 

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import pyarrow as pa
 
@@ -99,7 +99,7 @@ class BatchStream:
                 raw = json.loads(text)
             except ValueError:
                 raise CorruptTrace(f"{self.path} is corrupted: its header is not JSON") from None
-            self.header: dict[str, Any] = RunHeader.from_json(raw, f"the header of {self.path}").raw
+            self.header = RunHeader.from_json(raw, f"the header of {self.path}")
             self.footer = load_footer(self.path.with_suffix(".json")) if footer is UNREAD else footer
         except BaseException:
             self._file.close()
@@ -171,7 +171,7 @@ class RankTrace:
 
     rank: int
     path: Path
-    header: dict[str, Any]
+    header: RunHeader
     footer: RankFooter | None
     table: pa.Table
     torn: bool
@@ -243,7 +243,7 @@ def open_run(path: str | Path) -> RunInfo:
         raise TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
     lowest = BatchStream(ranks[min(ranks)])  # its header, then its footer
     lowest.close()
-    merged = dict(lowest.header)
+    merged = dict(lowest.header.raw)
     header_file = run_header_path(run_dir)
     with contextlib.suppress(FileNotFoundError):
         merged.update(RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}").raw)
