@@ -83,11 +83,6 @@ def test_one_origin_among_many_ranks(tmp_path: Path) -> None:
     assert {r.via for r in result.ranks if r.cause == "receiver"} == {"all_reduce#1 group 0,1,2,3,4"}
 
 
-def test_pool_of_workers_gives_the_same_answer(tmp_path: Path) -> None:
-    a, b = pair(tmp_path, SyntheticRun(ranks=4, steps=3, ops=4), Fault(rank=2, step=1, op=1))
-    assert diff(a, b, workers=2) == diff(a, b, workers=1)
-
-
 def test_a_diff_reads_each_footer_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run is opened once: its footers are read and validated there, then handed on with the run; no later stage
     (the layout check, the step spans, the alignment, the walk back to the divergent call) reads one again."""
