@@ -12,6 +12,7 @@ import pytest
 
 from detrace.cli import main
 from detrace.tracefile import read_rank
+from detrace.tracefile.metadata import StepAccount
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -33,7 +34,8 @@ def _traced_pair(tmp_path: Path, *flags: str) -> tuple[str, str]:
 def test_hf_trainer_resumed_from_its_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 augment: bool) -> None:
     a, b = _traced_pair(tmp_path, *(["--augment"] if augment else []))
-    assert read_rank(b, 0).footer["steps"] == {"first": 4, "recorded": [4, 7], "source": "optimizer"}
+    footer = read_rank(b, 0).footer
+    assert footer is not None and footer.steps == StepAccount(first=4, recorded=(4, 7), source="optimizer")
     capsys.readouterr()
     code = main(["diff", a, b])
     out = capsys.readouterr().out

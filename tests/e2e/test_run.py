@@ -73,7 +73,7 @@ def test_python_script(tmp_path: Path, script: Path) -> None:
     assert header["versions"]["torch"] and header["determinism"] is not None
     assert header["windows"]["steps"]["op"] == "all" and header["status"] == "finished"
     trace = read_rank(tmp_path / "run", 0)
-    assert trace.complete and trace.header["rank"] == 0 and trace.header["pid"] > 0
+    assert trace.complete and trace.header.rank == 0 and (trace.header.pid or 0) > 0
     assert pa.ipc.open_file(tmp_path / "run" / "rank-00000.arrow").read_all().equals(trace.table)
     assert sorted({r["step"] for r in trace.table.to_pylist() if r["name"] == "loss"}) == [0, 1, 2]
 
@@ -267,7 +267,7 @@ def test_torchrun_two_ranks_ddp_fsdp2(tmp_path: Path, free_port: Callable[[], in
     assert info.ranks == (0, 1) and info.world_size == 2  # the torchrun agent wrote nothing
     for rank in (0, 1):
         trace = read_rank(tmp_path / "run", rank)
-        assert trace.complete and trace.footer["groups"] == ["0,1"]
+        assert trace.complete and trace.footer is not None and trace.footer.groups == ("0,1",)
         records = trace.table.to_pylist()
         buckets = [r for r in records if r["extra"] and "ddp_bucket" in r["extra"]]
         assert {r["role"] for r in buckets} == {"input", "output"} and {r["step"] for r in buckets} == {0, 1}
@@ -303,7 +303,7 @@ def test_torchrun_four_ranks(tmp_path: Path, free_port: Callable[[], int]) -> No
     assert result.returncode == 0, result.output_tail
     info = open_run(tmp_path / "run")
     assert info.ranks == (0, 3) and info.world_size == 4 and info.missing_ranks == ()
-    assert read_rank(tmp_path / "run", 3).header["world_size"] == 4
+    assert read_rank(tmp_path / "run", 3).header.world_size == 4
 
 
 @pytest.mark.slow

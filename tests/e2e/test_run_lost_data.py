@@ -44,7 +44,7 @@ def test_a_process_started_by_a_recording_one_writes_an_aux_trace(tmp_path: Path
     [aux] = aux_trace_paths(tmp_path / "run")
     assert aux.name == f"aux-{os.getpid()}.arrow"
     header = iter_batches(aux).header
-    assert header["aux"] is True and header["rank"] is None
+    assert header.raw["aux"] is True and header.rank is None
     assert sum(batch.num_rows for batch in iter_batches(aux)) > 0
 
 

@@ -20,6 +20,7 @@ from detrace.launch.launcher import run_traced
 from detrace.record import set_step
 from detrace.record.steps import STEP_OFFSET_ENV, StepClock
 from detrace.tracefile import read_rank
+from detrace.tracefile.metadata import StepAccount
 
 
 class Model(nn.Module):
@@ -54,10 +55,10 @@ def _fresh() -> tuple[Model, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
-def _footer(run: Path) -> dict:
+def _footer(run: Path) -> StepAccount | None:
     footer = read_rank(run, 0).footer
     assert footer is not None
-    return footer["steps"]
+    return footer.steps
 
 
 def _steps(run: Path) -> list[int]:
@@ -91,8 +92,8 @@ def _continuous_and_resumed(tmp_path: Path, *, restore: str = "load_state_dict",
 def test_a_restored_optimizer_gives_the_global_step_with_no_edit(tmp_path: Path, restore: str) -> None:
     a, b = _continuous_and_resumed(tmp_path, restore=restore)
     assert _steps(a) == [0, 1, 2, 3, 4, 5] and _steps(b) == [3, 4, 5]
-    assert _footer(a) == {"first": 0, "recorded": [0, 5], "source": "process"}
-    assert _footer(b) == {"first": 3, "recorded": [3, 5], "source": "optimizer"}
+    assert _footer(a) == StepAccount(first=0, recorded=(0, 5), source="process")
+    assert _footer(b) == StepAccount(first=3, recorded=(3, 5), source="optimizer")
     result = detrace.diff(a, b)
     assert result.verdict == "identical" and result.compared.steps == (3, 5)
     assert result.steps == "compared global steps 3-5 (B resumed after step 3)"
@@ -135,7 +136,7 @@ def test_sources_follow_their_precedence(tmp_path: Path, monkeypatch: pytest.Mon
         model, optimizer = _fresh()
         optimizer.load_state_dict(saved)  # step 2 in the state: below the offset's precedence
         _train(model, optimizer, _batches(2), range(1))
-    assert _footer(tmp_path / "env") == {"first": 7, "recorded": [7, 7], "source": "env"}
+    assert _footer(tmp_path / "env") == StepAccount(first=7, recorded=(7, 7), source="env")
     monkeypatch.delenv("DETRACE_STEP_OFFSET")
     with detrace.trace(tmp_path / "hf", rung="metrics"):
         set_step(5, source="hf")
@@ -146,7 +147,7 @@ def test_sources_follow_their_precedence(tmp_path: Path, monkeypatch: pytest.Mon
         set_step(12, source="train_state")  # TrainState beats everything
         _train(model, optimizer, _batches(2), range(1))
     assert _steps(tmp_path / "hf") == [9, 10, 12]
-    assert _footer(tmp_path / "hf") == {"first": 9, "recorded": [9, 12], "source": "train_state"}
+    assert _footer(tmp_path / "hf") == StepAccount(first=9, recorded=(9, 12), source="train_state")
 
 
 def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_path: Path) -> None:
@@ -161,7 +162,7 @@ def test_train_state_gives_the_step_and_its_restore_stays_out_of_the_steps(tmp_p
         assert detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt") == 3
         assert tracer.clock.detecting  # turned off only while TrainState restored
         _train(model, optimizer, _batches(5), range(3, 5))
-    assert _footer(tmp_path / "t") == {"first": 3, "recorded": [3, 4], "source": "train_state"}
+    assert _footer(tmp_path / "t") == StepAccount(first=3, recorded=(3, 4), source="train_state")
 
 
 def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:

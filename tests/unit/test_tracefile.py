@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Literal
 
@@ -14,6 +16,7 @@ import torch
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile import (
     ARROW_SCHEMA,
+    SCHEMA_VERSION,
     RankWriter,
     footer_path,
     load_capture,
@@ -24,6 +27,8 @@ from detrace.tracefile import (
     save_capture,
 )
 from detrace.tracefile.layout import capture_path, capture_paths, prepare_out, rank_trace_paths, trace_files
+from detrace.tracefile.metadata import StepAccount
+from detrace.tracefile.reader import load_footer
 
 
 def row(seq: int, step: int, **over: object) -> dict[str, object]:
@@ -56,7 +61,7 @@ def test_round_trip_with_every_column(tmp_path: Path) -> None:
     assert rows[1]["value"] == 0.1 + 0.2  # exact bits survive
     assert rows[1]["digest"] is None
     assert rows[2]["group_seq"] == 7
-    assert trace.footer is not None and trace.footer["records"] == 3 and trace.footer["last_step"] == 1
+    assert trace.footer is not None and trace.footer.records == 3 and trace.footer.last_step == 1
 
 
 def test_closed_rank_file_is_a_standard_arrow_file(tmp_path: Path) -> None:
@@ -201,6 +206,73 @@ def test_metadata_of_wrong_types_is_one_sentence_everywhere(tmp_path: Path, whic
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(path) in err and words in err, (argv, err)
+
+
+def test_footer_round_trips_through_the_writer_as_a_frozen_record(tmp_path: Path) -> None:
+    writer = RankWriter(tmp_path, 1, header={"world_size": 2})
+    for i in range(5):
+        writer.add(row(i, 3 + i // 3))
+    # what the tracer's session adds to the writer's own facts (record.session)
+    writer.close({"groups": ["0,1"], "step": 4, "pid": 77, "world_size": 2, "collectives": 3,
+                  "steps": {"first": 3, "recorded": [3, 4], "source": "env"}, "later_key": {"kept": True}})
+    footer = load_footer(footer_path(tmp_path, 1))
+    assert footer is not None
+    assert (footer.schema, footer.rank, footer.records, footer.batches) == (SCHEMA_VERSION, 1, 5, 1)
+    assert footer.last_step == 4
+    assert (footer.groups, footer.step, footer.pid, footer.world_size, footer.collectives) == (("0,1",), 4, 77, 2, 3)
+    assert footer.steps == StepAccount(first=3, recorded=(3, 4), source="env") and footer.first_step == 3
+    assert len(footer.chain) == 16 and footer.arrow_footer is not None and len(footer.arrow_footer) == 16
+    with pytest.raises(FrozenInstanceError):
+        footer.records = 6  # type: ignore[misc]
+    # the rank's trace (whose stream checks the file against the footer's chain) and its opened run carry the same
+    # record; a footer the writer wrote alone has no step account
+    assert read_rank(tmp_path, 1).footer == footer == open_run(tmp_path).files[1].footer
+    write(tmp_path, 0, 3)
+    bare = open_run(tmp_path).files[0].footer
+    assert bare is not None and bare.steps is None and bare.first_step is None and bare.groups is None
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"steps": {"first": -1}}, "field 'steps' must be an object whose `first` is a non-negative integer"),
+    ({"steps": {"first": True}}, "field 'steps' must be an object whose `first` is a non-negative integer"),
+    ({"steps": {"recorded": [4, 3]}}, "field 'steps' must be an object whose `recorded` is the first and last step"),
+    ({"steps": {"recorded": [1]}}, "field 'steps' must be an object whose `recorded` is the first and last step"),
+    ({"steps": {"source": 3}}, "field 'steps' must be an object whose `source` is a string"),
+    ({"steps": [0, 1]}, "field 'steps' must be an object"),
+    ({"chain": "XYZ"}, "field 'chain' must be 16 hexadecimal digits"),
+    ({"last_step": -2}, "field 'last_step' must be an integer of at least -1"),
+    ({"records": None}, "field 'records' must be an integer of at least 0"),
+    ({"schema": "detrace.trace/0"}, "detrace.trace/0"),
+    ({"world_size": 0}, "field 'world_size' must be an integer of at least 1"),
+    ({"pid": "x"}, "field 'pid' must be an integer of at least 0"),
+])
+def test_a_malformed_footer_is_refused_when_the_run_is_opened(tmp_path: Path, change: dict[str, object],
+                                                             words: str) -> None:
+    write(tmp_path, 0, 3)
+    write(tmp_path, 1, 3)
+    path = footer_path(tmp_path, 1)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(TraceError, match=re.escape(words)) as caught:
+        open_run(tmp_path)
+    assert f"rank footer {path}" in str(caught.value)
+
+
+def test_a_missing_footer_field_is_named(tmp_path: Path) -> None:
+    write(tmp_path, 0, 3)
+    path = footer_path(tmp_path, 0)
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "batches"}))
+    words = f"rank footer {path} is malformed: field 'batches' is missing"
+    with pytest.raises(TraceError, match=re.escape(words)):
+        open_run(tmp_path)
+
+
+def test_run_json_steps_are_typed_and_checked(tmp_path: Path) -> None:
+    write(tmp_path, 0, 3)
+    (tmp_path / "run.json").write_text(json.dumps({"steps": {"first": 2, "last": 5}}))
+    assert open_run(tmp_path).header.steps == (2, 5)
+    (tmp_path / "run.json").write_text(json.dumps({"steps": {"first": 2, "last": "5"}}))
+    with pytest.raises(TraceError, match="field 'steps' must be an object of the first and last global step run"):
+        open_run(tmp_path)
 
 
 def test_layout_names_rank_files_and_captures(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,7 @@ from detrace.analyze.classify import (
 )
 from detrace.analyze.cursor import RankCursor
 from detrace.analyze.diff_result import Divergence
-from detrace.tracefile import iter_batches, rank_path
+from detrace.tracefile import RankFile
 
 LOOKAHEAD = 4096
 """Records per side searched for a common identity after a structural divergence; beyond it both runs skip to
@@ -121,12 +120,13 @@ def _is_origin(row: dict[str, Any]) -> bool:
 class RankAligner:
     """Aligns one rank of run A with the same rank of run B."""
 
-    def __init__(self, rank: int, a: Path, b: Path, *, in_a: bool = True, in_b: bool = True,
+    def __init__(self, rank: int, a: RankFile | None, b: RankFile | None, *,
                  steps: tuple[int, int | None] = (0, None)) -> None:
+        """`a`, `b`: the rank in each opened run (`RunInfo.files`), None where that run has no trace of it."""
         self.rank = rank
-        self.a_dir = a
-        self.a = RankCursor(a, rank, in_a, end=steps[1])
-        self.b = RankCursor(b, rank, in_b, end=steps[1])
+        self.a_file = a
+        self.a = RankCursor(a, end=steps[1])
+        self.b = RankCursor(b, end=steps[1])
         self.start = steps[0]
         """The first global step compared: both runs' records of earlier steps are skipped."""
         self.outcome = RankOutcome(rank=rank)
@@ -340,7 +340,8 @@ class RankAligner:
         inputs: list[str] = []
         outputs: list[str] = []
         event, last = row["event"], row["seq"]
-        for batch in iter_batches(rank_path(self.a_dir, self.rank)):
+        assert self.a_file is not None  # a numeric divergence has records on both sides
+        for batch in self.a_file.stream():
             seqs = batch.column("seq")
             if seqs[-1].as_py() < event:
                 continue
@@ -387,8 +388,8 @@ def _params(buckets: list[tuple[tuple[int, tuple[str, ...]], int]], i: int) -> s
     return "[" + ", ".join(names[:4]) + (f", ... {len(names)} in all" if len(names) > 4 else "") + "]"
 
 
-def align_rank(task: tuple[int, str, str, bool, bool, int, int | None]) -> RankOutcome:
-    """Pool entry point: (rank, run A, run B, rank present in A, rank present in B, first and last global step
+def align_rank(task: tuple[int, RankFile | None, RankFile | None, int, int | None]) -> RankOutcome:
+    """Pool entry point: (rank, its file in run A, in run B (None: no trace there), first and last global step
     compared) -> outcome."""
-    rank, a, b, in_a, in_b, start, end = task
-    return RankAligner(rank, Path(a), Path(b), in_a=in_a, in_b=in_b, steps=(start, end)).run()
+    rank, a, b, start, end = task
+    return RankAligner(rank, a, b, steps=(start, end)).run()

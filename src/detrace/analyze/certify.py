@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 
 from detrace.analyze.classify import COMMUNICATION, INPUT_ROLES
 from detrace.analyze.pool import default_workers, map_ranks
-from detrace.tracefile import footer_path, iter_batches, open_run, rank_path
+from detrace.tracefile import RankFile, open_run
 from detrace.tracefile.integrity import arrow_footer_checksum, chain_text
 from detrace.tracefile.metadata import RunHeader
-from detrace.tracefile.reader import CorruptTrace, load_footer
+from detrace.tracefile.reader import CorruptTrace
 from detrace.tracefile.selection import Members, describe_runs, parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
@@ -90,11 +90,9 @@ def _arrow_footer_problem(path: Path, recorded: str | None) -> str | None:
     return None
 
 
-def check_rank(task: tuple[str, int]) -> _RankFacts:
-    """Stream one rank file and check its own invariants (pool entry point)."""
-    run_dir, rank = task
-    stream = iter_batches(rank_path(run_dir, rank))
-    footer = load_footer(footer_path(run_dir, rank))
+def check_rank(file: RankFile) -> _RankFacts:
+    """Stream one rank file of an opened run and check its own invariants (pool entry point)."""
+    rank, stream, footer = file.rank, file.stream(), file.footer
     violations: list[str] = []
     steps: set[int] = set()
     expected_seq = 0
@@ -168,8 +166,8 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
     ranks = Members(rank_window, None if rank_window.bounded else info.world_size)
     present = [r for r in info.ranks if r in ranks]
     if workers is None:
-        workers = default_workers(len(present), sum(rank_path(run, r).stat().st_size for r in present))
-    facts = map_ranks(check_rank, [(str(run), r) for r in present], workers=workers)
+        workers = default_workers(len(present), sum(info.files[r].path.stat().st_size for r in present))
+    facts = map_ranks(check_rank, [info.files[r] for r in present], workers=workers)
     last = max((max(f.steps) for f in facts if f.steps), default=-1)
     steps = Members(step_window, None if step_window.bounded else last + 1)
     absent, runs = rank_window.missing(info.ranks, ranks.upto)

@@ -8,22 +8,22 @@ has read but not yet consumed, so memory stays a few batches per side however lo
 from __future__ import annotations
 
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from detrace.analyze.apart import split
-from detrace.tracefile import iter_batches, rank_path
-from detrace.tracefile.reader import read_footer
+from detrace.tracefile import RankFile
 
 
 class RankCursor:
     """One side of the alignment: a buffered, advancing view over a rank file's batches."""
 
-    def __init__(self, run_dir: Path, rank: int, present: bool, *, end: int | None = None) -> None:
-        self.stream = iter_batches(rank_path(run_dir, rank)) if present else None
-        self.footer = read_footer(run_dir, rank) if present else None
+    def __init__(self, file: RankFile | None, *, end: int | None = None) -> None:
+        """`file`: the rank in its opened run (its footer read there, not again here); None when the run has no
+        trace of this rank."""
+        self.stream = file.stream() if file is not None else None
+        self.footer = file.footer if file is not None else None
         self._batches = iter(self.stream) if self.stream is not None else iter(())
         self._buffer: deque[pa.RecordBatch] = deque()
         self._buffered = 0

@@ -23,8 +23,7 @@ from detrace.analyze.causality import resolve
 from detrace.analyze.diff_result import Compared, DiffResult
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.errors import UsageError
-from detrace.tracefile import RunInfo, iter_batches, open_run, rank_path
-from detrace.tracefile.reader import read_footer
+from detrace.tracefile import RankFile, RunInfo, open_run
 from detrace.verdicts import DiffVerdict
 
 
@@ -46,24 +45,18 @@ class StepSpan:
         return self.source not in (None, "process") and self.first > 0
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def step_span(run_dir: Path, rank: int) -> StepSpan:
+def step_span(file: RankFile) -> StepSpan:
     """A rank's global steps: from its footer (the tracer's `steps`, the writer's `last_step`), and from its
     records for what the footer lacks (the first batch for the first step; every batch for the last step of a
     rank that was killed before it wrote a footer)."""
-    footer = read_footer(run_dir, rank)
-    footer = footer if isinstance(footer, dict) else None
-    steps = footer.get("steps") if footer is not None else None
-    steps = steps if isinstance(steps, dict) else {}
-    source = steps.get("source") if isinstance(steps.get("source"), str) else None
-    first = steps["first"] if _int(steps.get("first")) else None
-    last = footer["last_step"] if footer is not None and isinstance(footer.get("last_step"), int) else None
+    footer = file.footer
+    steps = footer.steps if footer is not None else None
+    source = steps.source if steps is not None else None
+    first = steps.first if steps is not None else None
+    last = footer.last_step if footer is not None else None
     if first is None or last is None:
         seen = None
-        stream = iter_batches(rank_path(run_dir, rank))
+        stream = file.stream()
         for batch in stream:
             if batch.num_rows:
                 column = batch.column("step")
@@ -134,10 +127,10 @@ def _facts(run: RunInfo) -> dict[str, Any]:
             "--max-numel": windows.max_numel if windows else None}
 
 
-def _layout(run: RunInfo, rank: int) -> Any:
+def _layout(run: RunInfo, rank: int) -> tuple[str, ...] | None:
     """The process groups a rank used (its footer's "groups"): the parallel layout as the trace saw it."""
-    footer = read_footer(run.path, rank)
-    return footer.get("groups") if footer else None
+    footer = run.files[rank].footer
+    return footer.groups if footer is not None else None
 
 
 def _short(value: Any) -> str:
@@ -199,7 +192,7 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
     for r in ranks:
         if r not in run_a.ranks or r not in run_b.ranks:
             continue
-        span_a, span_b = step_span(run_a.path, r), step_span(run_b.path, r)
+        span_a, span_b = step_span(run_a.files[r]), step_span(run_b.files[r])
         for name, span in (("A", span_a), ("B", span_b)):
             if not span.closed:
                 unclosed[name][r] = span.last
@@ -211,13 +204,12 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         spans[r] = common
         described = described or describe_steps(common[0], common[1], span_a, span_b)
     start = min((s[0] for s in spans.values()), default=0)
-    tasks = [(r, str(a), str(b), r in run_a.ranks, r in run_b.ranks, *(spans[r][::2] if r in spans else (0, None)))
+    tasks = [(r, run_a.files.get(r), run_b.files.get(r), *(spans[r][::2] if r in spans else (0, None)))
              for r in ranks]
     if workers is not None and workers < 1:
         raise UsageError(f"workers must be at least 1, not {workers}")
     if workers is None:
-        size = sum(rank_path(run.path, r).stat().st_size for r in ranks for run in (run_a, run_b)
-                   if r in run.ranks)
+        size = sum(run.files[r].path.stat().st_size for r in ranks for run in (run_a, run_b) if r in run.files)
         workers = default_workers(len(tasks), size)
     outcomes = map_ranks(align_rank, tasks, workers=workers)
     notes += [o.layout for o in outcomes if o.layout is not None]

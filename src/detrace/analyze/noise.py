@@ -116,14 +116,13 @@ def noise_test(base_a: str | Path, base_b: str | Path, candidate: str | Path, *,
     if not 0 < factor < math.inf:  # an infinite factor would call any effect noise, even over identical baselines
         raise UsageError(f"--factor must be a positive finite number, not {factor}")
     runs = (Path(base_a), Path(base_b), Path(candidate))
-    for run in runs:
-        open_run(run)
+    opened = [open_run(run) for run in runs]
     rank = metric_rank(runs[0]) if rank is None else rank
     if rank is None:
         raise TraceError(f"{base_a} recorded no metrics to compare (trace it at rung metrics or above)")
     series = []
-    for run in runs:
-        if rank not in open_run(run).ranks:
+    for run, info in zip(runs, opened, strict=True):
+        if rank not in info.ranks:
             raise TraceError(f"{run} holds no trace of rank {rank}")
         series.append(metric_series(run, rank))
     names = sorted(series[0].keys() & series[1].keys() & series[2].keys())

@@ -310,12 +310,11 @@ def reproduces(original: Path, baseline: Path, first: int, last: int) -> str | N
     """Whether the baseline has the original run's records bit for bit over steps first..last: None when it does,
     else where it first differs. The baseline records the metrics and semantic rungs: an original traced at the
     semantic rung is held to every record, any other to its metrics."""
-    header = open_run(original).header
-    if header.rung == "semantic":
+    info = open_run(original)
+    if info.header.rung == "semantic":
         return same_over(original, baseline, first, last)
-    ranks = open_run(original).ranks
     differences = []
-    for rank in ranks:
+    for rank in info.ranks:
         theirs, ours = metric_series(original, rank), metric_series(baseline, rank)
         for name, values in sorted(theirs.items()):
             for step in range(first, last + 1):

@@ -148,11 +148,10 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
 def _last_step(run: Path) -> int | None:
     """The last global step a finished run recorded (run.json's `steps`, from its ranks' footers), or None."""
     try:
-        steps = open_run(run).header.raw.get("steps")
+        steps = open_run(run).header.steps
     except TraceError:
         return None
-    last = steps.get("last") if isinstance(steps, dict) else None
-    return last if isinstance(last, int) and not isinstance(last, bool) else None
+    return None if steps is None else steps[1]
 
 
 def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str]) -> StopPoint:

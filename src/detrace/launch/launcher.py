@@ -40,6 +40,7 @@ from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
 from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.tracefile.metadata import RunHeader
 from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
@@ -75,7 +76,7 @@ of its own, so that the commands that launch CMD (check, check-resume, locate, r
 process on traces with a known answer (the launch seam)."""
 
 
-def _rank_headers(out: Path) -> dict[int, dict[str, Any]]:
+def _rank_headers(out: Path) -> dict[int, RunHeader]:
     headers = {}
     for rank, path in rank_trace_paths(out).items():
         try:
@@ -91,9 +92,9 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     ranks = _rank_headers(out)
     if ranks:
         first = ranks[min(ranks)]
-        sizes = [int(h["world_size"]) for h in ranks.values() if h.get("world_size")]
-        header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.get("versions"),
-                      determinism=first.get("determinism"), traced_ranks=sorted(ranks))
+        sizes = [h.world_size for h in ranks.values() if h.world_size]
+        header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.versions,
+                      determinism=first.determinism, traced_ranks=sorted(ranks))
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
     if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
         header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}

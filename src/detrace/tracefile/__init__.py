@@ -6,7 +6,7 @@ launcher (`run.json`). Nothing else in detrace reads or writes these files direc
 """
 
 from detrace.tracefile.layout import footer_path, rank_path, run_header_path
-from detrace.tracefile.reader import RankTrace, RunInfo, iter_batches, open_run, read_rank
+from detrace.tracefile.reader import RankFile, RankTrace, RunInfo, iter_batches, open_run, read_rank
 from detrace.tracefile.schema import (
     ARROW_SCHEMA,
     FIELDS,
@@ -38,6 +38,7 @@ __all__ = [
     "RUNGS",
     "SCHEMA_VERSION",
     "Capture",
+    "RankFile",
     "RankTrace",
     "RankWriter",
     "RunInfo",

@@ -141,6 +141,14 @@ class RunHeader:
     """run.json: CMD's exit status."""
     rank: int | None
     """Rank headers: the rank."""
+    pid: int | None
+    """Rank headers: the process that wrote the trace."""
+    versions: dict[str, Any] | None
+    """The versions of Python, torch and detrace the run used (`record.header.versions`)."""
+    determinism: dict[str, Any] | None
+    """The determinism settings the run saw (`record.header.determinism`)."""
+    steps: tuple[int, int] | None
+    """run.json of a finished run: the first and last global step its ranks ran (from their footers)."""
     raw: dict[str, Any] = field(repr=False)
     """The object as read (validated), for the keys above and any others."""
 
@@ -154,23 +162,57 @@ class RunHeader:
         traced = fields.get("traced_ranks", list, "a list of ranks", default=[])
         if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in traced):
             raise fields.fail("traced_ranks", "a list of ranks")
-        for key in ("versions", "determinism"):
-            fields.get(key, dict, "an object", default=None)
+        versions, determinism = (fields.get(key, dict, "an object", default=None)
+                                 for key in ("versions", "determinism"))
         fields.get("elapsed", (int, float), "a number of seconds", default=None)
-        fields.count("pid", default=None)
+        pid = fields.count("pid", default=None)
         windows = fields.get("windows", dict, "an object", default=None)
+        steps = fields.get("steps", dict, "an object", default=None)
+        if steps is not None and not (_is_count(steps.get("first")) and _is_count(steps.get("last"))):
+            raise fields.fail("steps", "an object of the first and last global step run")
         return cls(schema=fields.schema(default=None), command=fields.strings("command", default=[]),
                    world_size=fields.count("world_size", default=None, least=1), rung=rung,
                    windows=None if windows is None else Windows.from_json(windows, source),
                    ranks=fields.spec("ranks"), traced_ranks=traced,
                    status=fields.get("status", str, "a string", default=None),
                    returncode=fields.get("returncode", int, "an integer", default=None),
-                   rank=fields.count("rank", default=None), raw=fields.raw)
+                   rank=fields.count("rank", default=None), pid=pid, versions=versions, determinism=determinism,
+                   steps=None if steps is None else (steps["first"], steps["last"]), raw=fields.raw)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepAccount:
+    """A rank footer's account of the global steps the rank ran (the tracer's `StepClock.steps`)."""
+
+    first: int | None
+    """The first global step the rank ran (K for a run resumed after step K); None when not recorded."""
+    recorded: tuple[int, int] | None
+    """The first and last global step holding records; None when the rank recorded none."""
+    source: str | None
+    """Where the numbering came from ("process": counted from the process's start; "optimizer", "env", a
+    framework integration...); None when not recorded."""
+
+    @classmethod
+    def from_json(cls, fields: Fields) -> StepAccount | None:
+        """The footer's `steps` object, or None when the footer has none; raises TraceError naming the field."""
+        steps = fields.get("steps", dict, "an object", default=None)
+        if steps is None:
+            return None
+        first, recorded, source = steps.get("first"), steps.get("recorded"), steps.get("source")
+        if first is not None and not _is_count(first):
+            raise fields.fail("steps", "an object whose `first` is a non-negative integer")
+        if recorded is not None and not (isinstance(recorded, list) and len(recorded) == 2
+                                         and all(_is_count(s) for s in recorded) and recorded[0] <= recorded[1]):
+            raise fields.fail("steps", "an object whose `recorded` is the first and last step recorded")
+        if source is not None and not isinstance(source, str):
+            raise fields.fail("steps", "an object whose `source` is a string")
+        return cls(first=first, recorded=None if recorded is None else (recorded[0], recorded[1]), source=source)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankFooter:
-    """The footer a rank writes when it closes cleanly."""
+    """The footer a rank writes when it closes cleanly, validated once when read (`tracefile.reader.load_footer`)
+    and handed on as it is: no one reads fields out of the JSON object."""
 
     schema: str
     """The trace format, SCHEMA_VERSION."""
@@ -184,15 +226,26 @@ class RankFooter:
     """The integrity chain after the last batch (tracefile.integrity)."""
     last_step: int
     """The step of the last record (-1 when none)."""
-    groups: list[str] | None
-    """The process groups the rank used: its parallel layout."""
-    first_step: int | None
-    """The first global step the rank ran (`steps.first`: K for a run resumed after step K); None when absent."""
     arrow_footer: str | None
     """The checksum of the rank file's Arrow file footer (tracefile.integrity.arrow_footer_checksum), 16 hex
     digits; None in traces written before it was recorded."""
-    raw: dict[str, Any] = field(repr=False)
-    """The object as read (validated)."""
+    groups: tuple[str, ...] | None = None
+    """The process groups the rank used ("0,1"): its parallel layout; None when not recorded."""
+    steps: StepAccount | None = None
+    """The global steps the rank ran; None when not recorded."""
+    world_size: int | None = None
+    """The world size the rank saw; None when not recorded."""
+    step: int | None = None
+    """The tracer's step clock when the rank closed; None when not recorded."""
+    collectives: int | None = None
+    """Collective calls the rank made; None when not recorded."""
+    pid: int | None = None
+    """The process that wrote the trace; None when not recorded."""
+
+    @property
+    def first_step(self) -> int | None:
+        """The first global step the rank ran (`steps.first`: K for a run resumed after step K); None when absent."""
+        return None if self.steps is None else self.steps.first
 
     @classmethod
     def from_json(cls, raw: object, source: str) -> RankFooter:
@@ -200,17 +253,22 @@ class RankFooter:
         fields = Fields(raw, source)
         chain, arrow_footer = _checksum_text(fields, "chain"), _checksum_text(fields, "arrow_footer", default=None)
         fields.get("complete", bool, "true or false", default=None)
-        for key in ("step", "pid", "collectives"):
-            fields.count(key, default=None)
-        fields.count("world_size", default=None, least=1)
-        steps = fields.get("steps", dict, "an object", default=None)
-        first = None if steps is None else steps.get("first")
-        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
-            raise fields.fail("steps", "an object whose `first` is a non-negative integer")
+        step, pid, collectives = (fields.count(key, default=None) for key in ("step", "pid", "collectives"))
+        world_size = fields.count("world_size", default=None, least=1)
+        steps = StepAccount.from_json(fields)
         return cls(schema=fields.schema(), rank=fields.count("rank", default=None), records=fields.count("records"),
                    batches=fields.count("batches"), chain=chain, last_step=fields.count("last_step", least=-1),
-                   groups=fields.strings("groups", default=None), first_step=first, arrow_footer=arrow_footer,
-                   raw=fields.raw)
+                   groups=_strings(fields.strings("groups", default=None)), steps=steps, world_size=world_size,
+                   step=step, collectives=collectives, pid=pid, arrow_footer=arrow_footer)
+
+
+def _strings(value: list[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _is_count(value: object) -> bool:
+    """A non-negative integer, and not a bool (an int to Python, never to a schema)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _checksum_text(fields: Fields, key: str, **default: Any) -> Any:

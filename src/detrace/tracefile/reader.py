@@ -12,11 +12,12 @@ records: no analysis ever runs on corrupted records, so none can blame an op for
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import pyarrow as pa
 
@@ -50,11 +51,22 @@ def load_footer(path: Path) -> RankFooter | None:
     return RankFooter.from_json(raw, f"rank footer {path}")
 
 
+class _Unread(enum.Enum):
+    UNREAD = enum.auto()
+
+
+UNREAD: Literal[_Unread.UNREAD] = _Unread.UNREAD
+"""A stream's footer not read yet: the stream reads it from beside its rank file."""
+
+
 class BatchStream:
     """Iterates the complete, verified record batches of one rank file; `torn` and `detail` are set once
-    exhausted. Raises CorruptTrace, when it reaches it, for a batch whose seal does not hold."""
+    exhausted. Raises CorruptTrace, when it reaches it, for a batch whose seal does not hold.
 
-    def __init__(self, path: str | Path) -> None:
+    `footer` is the rank's footer when the caller has read it already (an opened run: `RankFile.stream`); the
+    stream then checks the file against that one, and reads no footer of its own."""
+
+    def __init__(self, path: str | Path, *, footer: RankFooter | _Unread | None = UNREAD) -> None:
         self.path = Path(path)
         self.torn = False
         self.detail: str | None = None
@@ -87,8 +99,8 @@ class BatchStream:
                 raw = json.loads(text)
             except ValueError:
                 raise CorruptTrace(f"{self.path} is corrupted: its header is not JSON") from None
-            self.header: dict[str, Any] = RunHeader.from_json(raw, f"the header of {self.path}").raw
-            self.footer = load_footer(self.path.with_suffix(".json"))
+            self.header = RunHeader.from_json(raw, f"the header of {self.path}")
+            self.footer = load_footer(self.path.with_suffix(".json")) if footer is UNREAD else footer
         except BaseException:
             self._file.close()
             raise
@@ -136,14 +148,31 @@ def iter_batches(path: str | Path) -> BatchStream:
     return BatchStream(path)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankFile:
+    """One rank of an opened run: its trace file and its footer, read once when the run was opened. Small and
+    picklable, so the analysis wing hands it to the worker processes that stream the file."""
+
+    rank: int
+    """The rank."""
+    path: Path
+    """Its trace file (`rank-RRRRR.arrow`)."""
+    footer: RankFooter | None
+    """Its validated footer; None when the rank never closed its trace (it was killed, or still runs)."""
+
+    def stream(self) -> BatchStream:
+        """Stream the file's complete batches, checked against this footer (none is read again)."""
+        return BatchStream(self.path, footer=self.footer)
+
+
 @dataclass(frozen=True)
 class RankTrace:
     """One rank's records, header and footer."""
 
     rank: int
     path: Path
-    header: dict[str, Any]
-    footer: dict[str, Any] | None
+    header: RunHeader
+    footer: RankFooter | None
     table: pa.Table
     torn: bool
     """The file ends in a partial batch (the process died mid-write)."""
@@ -167,32 +196,28 @@ class RankTrace:
         return self.last_step if self.complete else self.last_step - 1
 
 
-def read_footer(run_dir: str | Path, rank: int) -> dict[str, Any] | None:
-    """The validated footer of one rank as an object, or None when the rank never closed its trace."""
-    footer = load_footer(footer_path(run_dir, rank))
-    return None if footer is None else footer.raw
-
-
 def read_rank(run_dir: str | Path, rank: int) -> RankTrace:
     """Read all complete records of one rank into memory."""
     path = rank_path(run_dir, rank)
     stream = BatchStream(path)
     batches = list(stream)
     table = pa.Table.from_batches(batches, schema=stream._reader.schema)
-    footer = stream.footer
-    return RankTrace(rank=rank, path=path, header=stream.header, footer=None if footer is None else footer.raw,
-                     table=table, torn=stream.torn, detail=stream.detail)
+    return RankTrace(rank=rank, path=path, header=stream.header, footer=stream.footer, table=table,
+                     torn=stream.torn, detail=stream.detail)
 
 
 @dataclass(frozen=True)
 class RunInfo:
-    """What a run directory holds: its header and the ranks that wrote a trace."""
+    """A run directory, opened once (`open_run`): its header, the ranks that wrote a trace and their footers.
+    The analysis wing hands this object on from stage to stage instead of re-reading the run by path."""
 
     path: Path
     header: RunHeader
     """The header of the lowest rank, with the launcher's run.json over it when present."""
     ranks: tuple[int, ...]
     world_size: int
+    files: Mapping[int, RankFile] = field(repr=False)
+    """Each traced rank's file and footer, by rank (the keys are `ranks`)."""
 
     @property
     def missing_ranks(self) -> tuple[int, ...]:
@@ -203,12 +228,6 @@ class RunInfo:
                      if r not in self.ranks and (wanted is None or r in wanted))
 
 
-def _read_header(path: Path) -> dict[str, Any]:
-    stream = BatchStream(path)
-    stream.close()
-    return stream.header
-
-
 def open_run(path: str | Path) -> RunInfo:
     """Open a run directory, checking that it exists and holds at least one readable rank trace."""
     run_dir = Path(path)
@@ -217,12 +236,14 @@ def open_run(path: str | Path) -> RunInfo:
     if not run_dir.is_dir():
         raise TraceError(f"{run_dir} is not a directory")
     try:
-        ranks = list(rank_trace_paths(run_dir))
+        ranks = rank_trace_paths(run_dir)
     except OSError as err:
         raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
     if not ranks:
         raise TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
-    merged = dict(_read_header(rank_path(run_dir, ranks[0])))
+    lowest = BatchStream(ranks[min(ranks)])  # its header, then its footer
+    lowest.close()
+    merged = dict(lowest.header.raw)
     header_file = run_header_path(run_dir)
     with contextlib.suppress(FileNotFoundError):
         merged.update(RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}").raw)
@@ -231,4 +252,8 @@ def open_run(path: str | Path) -> RunInfo:
     if world_size <= max(ranks):
         raise TraceError(f"{run_dir} is inconsistent: its header says world size {world_size}, but rank "
                          f"{max(ranks)} wrote a trace")
-    return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size)
+    # Every footer is read here, once; whoever the run is handed to asks it, never the file.
+    files = {rank: RankFile(rank=rank, path=path,
+                            footer=lowest.footer if rank == min(ranks) else load_footer(footer_path(run_dir, rank)))
+             for rank, path in ranks.items()}
+    return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size, files=files)
