@@ -80,9 +80,11 @@ def _rank_headers(out: Path) -> dict[int, RunHeader]:
     headers = {}
     for rank, path in rank_trace_paths(out).items():
         try:
-            headers[rank] = iter_batches(path).header
+            stream = iter_batches(path)
         except (TraceError, ValueError):
             continue
+        headers[rank] = stream.header
+        stream.close()
     return headers
 
 
