@@ -1,12 +1,13 @@
 """`detrace locate` end to end on real CPU nondeterminism (no injected fault): the embedded default workload (the
-README's first command), a 2-rank torchrun job where only rank 1 runs the racy op, and the reference workload's
-planted late race located from checkpoints. Each ladder is 7-14 runs of CMD; its narrowing, retries, fallbacks and
-messages are checked in process on synthetic traces (tests/unit/test_locate_logic.py)."""
+README's set-up command, run as written), a 2-rank torchrun job where only rank 1 runs the racy op, and the
+reference workload's planted late race located from checkpoints. Each ladder is 7-14 runs of CMD; its narrowing,
+retries, fallbacks and messages are checked in process on synthetic traces (tests/unit/test_locate_logic.py)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,17 +37,41 @@ def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return payload
 
 
+def setup_command(readme: str) -> str:
+    """The README's set-up block's last command: the one that runs detrace's main job."""
+    section = readme.split("\n## Set up", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block is not None, "the README's set-up section has no ```bash block"
+    return block.group(1).strip().splitlines()[-1].strip()
+
+
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    """Read-only: `detrace locate --json` with no CMD (the embedded default: the reference workload's MoE index
-    dispatch on 2 threads, 8 steps), and its out directory."""
-    out = tmp_path_factory.mktemp("locate-embedded") / "out"
-    return _ladder(locate_cli("--json", "--out", str(out), timeout=1200)), out
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    """Read-only: the README's set-up command, `detrace locate` with no CMD (the embedded default: the reference
+    workload's MoE index dispatch on 2 threads, 8 steps), run as written in an empty directory; what it printed,
+    its locate.json and its locate directory."""
+    command = setup_command((ROOT / "README.md").read_text())
+    assert command == "detrace locate", command
+    cwd = tmp_path_factory.mktemp("readme-setup")
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    out = (cwd / "detrace-runs" / "locate-latest").resolve()
+    payload = json.loads((out / "locate.json").read_text())  # the object `--json` prints, keys sorted
+    assert sorted(payload) == ["cost", "culprit", "replay", "report", "runs", "schema", "verdict"]
+    assert payload["verdict"] == "nondeterministic"
+    return done, payload, out
 
 
-def test_embedded_default_names_the_moe_dispatch_backward(embedded: tuple[dict[str, Any], Path]) -> None:
-    payload, out = embedded
-    assert json.loads((out / "locate.json").read_text()) == payload  # --json prints the file the ladder wrote
+def test_the_readme_setup_command_names_the_moe_dispatch_backward(
+        embedded: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    done, payload, out = embedded
+    # What the README says this command does: the runs part, the ladder names the aten.index_put in the MoE layer's
+    # backward (layers.1.moe), replays it alone and names the switch that fixes it.
+    printed = " ".join(done.stdout.split())
+    assert printed.startswith("nondeterministic: culprit: aten.index_put.default in layers.1.moe, backward of step")
+    assert "the op itself is nondeterministic (fixed by torch.use_deterministic_algorithms(True)" in printed
     culprit = payload["culprit"]
     assert culprit["name"].startswith("aten.index_put") and culprit["phase"] == "backward"
     assert culprit["rank"] == 0 and culprit["module"].endswith(".moe") and culprit["origin"] is True
@@ -72,10 +97,11 @@ def test_embedded_default_names_the_moe_dispatch_backward(embedded: tuple[dict[s
             line.rstrip() for line in printed if line.startswith(prefix)], prefix
 
 
-def test_the_free_audit_of_the_first_run_predicted_the_culprit(embedded: tuple[dict[str, Any], Path]) -> None:
+def test_the_free_audit_of_the_first_run_predicted_the_culprit(
+        embedded: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
     # locate arms its first run with `detrace audit`'s probe (DETRACE_AUDIT): on the reference trainer the MoE
     # backward's index_put is a certain hazard, placed where the ladder then finds it.
-    _, out = embedded
+    _, _, out = embedded
     hazards, ranks, steps = read_ranks(out / REFERENCE_RUN)
     assert ranks == [0] and steps == 2
     [op] = [h for h in hazards if h.kind == "op" and h.certainty == "certain"]
@@ -87,8 +113,9 @@ def test_the_free_audit_of_the_first_run_predicted_the_culprit(embedded: tuple[d
                                "backward") for note in notes), notes
 
 
-def test_report_names_the_culprit_in_a_real_browser(embedded: tuple[dict[str, Any], Path]) -> None:
-    payload, _ = embedded
+def test_report_names_the_culprit_in_a_real_browser(
+        embedded: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
+    _, payload, _ = embedded
     page = Path(payload["report"])
     html = page.read_text()
     assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in html

@@ -106,3 +106,13 @@ def test_a_failure_only_under_a_narrow_rung_names_that_rung_in_json(tmp_path: Pa
     assert "fails on its own" not in message and "Traceback" not in printed.err
     assert f"detrace locate: error: {message}" in printed.err
     assert launcher.runs == ["1-semantic-a", "1-semantic-b", "2-module-a"]
+
+
+def test_json_prints_the_locate_file_the_ladder_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert locate_cli.main(["--json", "--out", str(out), "--", "python", "train.py"],
+                           launch=Scripted(second_arm=True)) == 1
+    payload = json.loads(capsys.readouterr().out)  # one JSON object, and nothing else, on stdout
+    assert payload == json.loads((out / LOCATE_FILE).read_text())
+    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
+    assert payload["verdict"] == "nondeterministic" and payload["culprit"]["name"] == "aten.add.Tensor"
