@@ -105,8 +105,9 @@ def test_the_free_audit_of_the_first_run_predicted_the_culprit(
     hazards, ranks, steps = read_ranks(out / REFERENCE_RUN)
     assert ranks == [0] and steps == 2
     [op] = [h for h in hazards if h.kind == "op" and h.certainty == "certain"]
-    assert op.subject == "aten.index_put.default" and op.phase == "backward"
-    assert op.module is not None and op.module.endswith(".moe") and op.step == 0
+    # run A is traced at the semantic rung, with no module hooks: the hazard's module is placed by the audit's
+    # own runs at the module rung (tests/integration/test_audit.py)
+    assert op.subject == "aten.index_put.default" and op.phase == "backward" and op.step == 0
     assert "indices repeat an earlier one" in op.what
     notes = load_ladder(out).notes
     assert any(note.startswith("the audit of the first run predicted it: a certain hazard at rank 0, step 0, "
@@ -201,7 +202,8 @@ PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "
 def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # the README's long-runs paragraph quotes this run: same command, 8 steps
-    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8")
+    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8",
+                      timeout=1200)
     assert done.returncode == 1, done.stdout + done.stderr
     payload = json.loads(done.stdout)
     culprit = payload["culprit"]

@@ -360,8 +360,21 @@ def test_the_probe_scans_loaded_output_code_and_notes_where_it_first_runs(tmp_pa
 
 
 # -- one real run per case (slow) ---------------------------------------------------------------------------------
-# The reference trainer's MoE backward index_put as a certain hazard is checked on the first run of the real
-# `detrace locate` ladder, which is audited the same way (tests/e2e/test_locate_e2e.py).
+# The audit of a real `detrace locate` ladder's first run (the probe armed in a real process by DETRACE_AUDIT) is
+# checked in tests/e2e/test_locate_e2e.py; the reference trainer's own cases run the probe here, in process.
+
+@pytest.mark.slow
+def test_the_reference_trainers_moe_backward_index_put_is_certain(tmp_path: Path) -> None:
+    from detrace.workload.train import main as train
+
+    with _audited(tmp_path / "run", steps=2):
+        assert train(["--preset", "tiny", "--dispatch", "index", "--threads", "2", "--steps", "2"]) == 0
+    hazards, _, _ = read_ranks(tmp_path / "run")
+    [op] = [h for h in hazards if h.kind == "op" and h.certainty == "certain"]
+    assert op.subject == "aten.index_put.default" and op.phase == "backward"
+    assert op.module is not None and op.module.endswith(".moe") and op.step == 0
+    assert "indices repeat an earlier one" in op.what
+
 
 def _audit_cli(tmp_path: Path, *command: str) -> tuple[int, dict]:
     proc = subprocess.run([PY, "-m", "detrace", "audit", "--json", "--out", str(tmp_path / "run"), "--", *command],
