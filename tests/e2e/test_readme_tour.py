@@ -1,18 +1,23 @@
 """Every command of the README's tour runs, in order, and does what the tour says it does.
 
 The commands are read from the README itself (the ```bash block under "## A tour"), so the test fails when the
-README drifts: a command that is not listed in EXPECTED below, or one that no longer exits as expected.
+README drifts: a command that is not listed in EXPECTED below, or one that no longer exits as expected. The README's
+set-up command (`detrace locate`) is run as written by tests/e2e/test_locate_e2e.py, which checks what the README
+says of it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from detrace.cli import main
 
 ROOT = Path(__file__).parents[2]
 
@@ -32,6 +37,10 @@ EXPECTED: dict[str, set[int]] = {
     "detrace run --out runs/ddp --rung semantic -- torchrun --standalone --nproc-per-node 2 "
     "-m detrace.workload.train --preset tiny --steps 3 --parallel ddp": {0},
 }
+THROUGH_THE_CONSOLE_SCRIPT = "detrace diff runs/a runs/b"
+"""The tour command run through bash and the installed `detrace` console script. The other `detrace` commands call
+the function the script calls (`detrace.cli.main`, with the same arguments) in this process: each fresh
+interpreter that imports torch costs seconds. Every command they start (CMD, torchrun) is a real process."""
 
 
 def tour_commands(readme: str) -> list[str]:
@@ -48,16 +57,31 @@ def test_the_tour_lists_only_known_commands() -> None:
     assert commands == list(EXPECTED), "the README's tour changed: update EXPECTED with what each command shows"
 
 
-def test_every_tour_command_runs_as_the_tour_says(tmp_path: Path) -> None:
+def test_every_tour_command_runs_as_the_tour_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    for command in tour_commands((ROOT / "README.md").read_text()):
-        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=1200)  # a guard: the whole tour takes minutes
-        assert done.returncode in EXPECTED[command], (
-            f"{command!r} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    commands = tour_commands((ROOT / "README.md").read_text())
+    assert THROUGH_THE_CONSOLE_SCRIPT in commands
+    for command in commands:
+        argv = shlex.split(command)
+        if argv[0] == "detrace" and command != THROUGH_THE_CONSOLE_SCRIPT:
+            capsys.readouterr()
+            code = main(argv[1:])
+            printed = capsys.readouterr()
+            out, err = printed.out, printed.err
+        else:
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                                  timeout=1200)  # a guard: the whole tour takes minutes
+            code, out, err = done.returncode, done.stdout, done.stderr
+        assert code in EXPECTED[command], f"{command!r} exited {code}:\n{out[-2000:]}\n{err[-2000:]}"
         if command.startswith("detrace check-resume"):
-            assert done.stdout.startswith(
+            assert out.startswith(
                 "exact: two continuous runs agree, and resuming after step 2 changed no bit; the negative control "
-                "(skip-rng) diverged as it must, first divergence: rank 0, step 2, "), done.stdout
+                "(skip-rng) diverged as it must, first divergence: rank 0, step 2, "), out
+        if command == THROUGH_THE_CONSOLE_SCRIPT:
+            assert out.startswith("diverged: "), out
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "b", "ddp"]
+

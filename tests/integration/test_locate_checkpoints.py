@@ -1,20 +1,22 @@
 """The checkpointed ladder: the resume contract's periodic checkpoints and chosen versions (DETRACE_CKPT_EVERY,
-DETRACE_RESUME_FROM), and `detrace locate` resuming its narrow rungs from them on the reference workload's planted
-late race (`--nondeterministic-from`), falling back to full runs when the resume is not exact."""
+DETRACE_RESUME_FROM), and `detrace locate` falling back to full runs when resuming is not exact (in process, through
+its launch seam, on synthetic traces and real TrainState checkpoints). The real ladder that resumes its narrow rungs
+from checkpoints, on the reference workload's planted late race (`--nondeterministic-from`), is in
+tests/e2e/test_locate_e2e.py."""
 
 from __future__ import annotations
 
 import json
-import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _tools import locate_cli
+from _ladders import Scripted
+from _synthetic import Fault, SyntheticRun
 
 from detrace import TrainState
 from detrace.errors import CheckpointError, UsageError
+from detrace.investigate.locate import LocateConfig, locate
 from detrace.state import ResumableSampler
 from detrace.state.contract import saved_versions
 from detrace.workload.train import TrainConfig, parse_args
@@ -100,102 +102,41 @@ def test_nondeterministic_from_checks() -> None:
         TrainConfig(nondeterministic_from=-1)
 
 
-# A loop that draws its data from a counter file, so that every run differs from the one before (INJECTED FAULT 1,
-# a run-to-run difference), and exits 5 when it is traced at the module rung (INJECTED FAULT 2: it stands for a
-# rung that breaks the program, as module hooks once broke Dynamo).
-RUNG_FAULT_SCRIPT = '''
-import json, os, sys
-from pathlib import Path
-import torch
-
-counter = Path(sys.argv[1])
-run = int(counter.read_text()) + 1 if counter.exists() else 0
-counter.write_text(str(run))
-if json.loads(os.environ.get("DETRACE_TRACE", "{}")).get("rung") == "module":
-    sys.exit(5)
-model = torch.nn.Linear(4, 4)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(2):
-    model(torch.full((2, 4), float(run))).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-'''
+# A single process, 5 steps, checkpoints after every step: the race parts the broad pair at step 3 on rank 0, so
+# the proof resumes from the checkpoint after step 1 and must reproduce run A over step 2.
+LATE = SyntheticRun(ranks=1, steps=5, ops=8)
+LATE_RACE = Fault(rank=0, step=3, op=3)
+BAD_RESUME = Fault(rank=0, step=2, op=1)  # INJECTED FAULT: a resumed run's step 2 differs from run A's
+OTHER_BAD_RESUME = Fault(rank=0, step=1, op=0)  # INJECTED FAULT: every record of its step 2 differs
 
 
-def test_a_failure_only_under_a_narrow_rung_names_that_rung_in_json(tmp_path: Path) -> None:
-    script = tmp_path / "fails_under_module.py"
-    script.write_text(RUNG_FAULT_SCRIPT)
-    done = locate_cli("--json", "--out", str(tmp_path / "out"), "--", sys.executable, str(script),
-                      str(tmp_path / "runs.txt"))
-    assert done.returncode == 2, done.stderr
-    payload = json.loads(done.stdout)  # one JSON object, and nothing else, on stdout
-    assert payload["schema"] == "detrace.locate/1" and payload["verdict"] == "error"
-    message = payload["message"]
-    assert "CMD exited with status 5 in run 2-module-a" in message
-    assert "ran to completion at the semantic rung, so detrace's module rung made it fail" in message
-    assert "fails on its own" not in message and "Traceback" not in done.stderr
-
-
-@pytest.mark.parametrize("args", [["--timeout", "-1", "--", "true"], ["--", "detrace-no-such-command-xyz"]])
-def test_every_error_is_one_json_object_with_json(tmp_path: Path, args: list[str]) -> None:
-    done = locate_cli("--json", "--out", str(tmp_path / "out"), *args)
-    assert done.returncode == 2
-    payload = json.loads(done.stdout)
-    assert payload["verdict"] == "error" and payload["message"] and "Traceback" not in done.stderr
-    assert f"detrace locate: error: {payload['message']}" in done.stderr
-
-
-# The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
-# race.
-PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--threads", "2",
-           "--nondeterministic-from", "4"]
-
-
-@pytest.mark.slow
-def test_planted_late_race_is_located_from_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumes_agree", [True, False], ids=["resume-inexact", "race-in-the-proof-window"])
+def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path, resumes_agree: bool) -> None:
+    # A resume that loses part of the state (as DETRACE_RESUME_CONTROL=skip-rng does to the reference trainer)
+    # makes every resumed run differ from run A: the proof must catch it, and no narrow run may resume. When the
+    # two resumed runs also differ from each other, the nondeterminism itself strikes in the proof window.
+    launcher = Scripted(second_arm=True, run=LATE, race=LATE_RACE, checkpoints=True, resume_fault=BAD_RESUME,
+                        resume_faults={} if resumes_agree else {"2-resume-b": OTHER_BAD_RESUME})
     out = tmp_path / "out"
-    # the README's long-runs paragraph quotes this run: same command, 8 steps
-    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "2", "--", *PLANTED, "--steps", "8")
-    assert done.returncode == 1, done.stdout + done.stderr
-    payload = json.loads(done.stdout)
-    culprit = payload["culprit"]
-    assert culprit["name"].startswith("aten.index_put") and culprit["phase"] == "backward"
-    assert culprit["module"].endswith(".moe") and culprit["origin"] is True and culprit["step"] >= 4
-    cost = payload["cost"]
-    assert cost["resume"] == "exact" and cost["checkpoint_every"] == 2 and cost["runs"] == len(payload["runs"])
-    runs = {run["run"]: run for run in cost["per_run"]}
-    assert runs["1-semantic-a"] == {**runs["1-semantic-a"], "start": 0, "steps": 8}
-    proofs = [run for name, run in runs.items() if name.startswith("2-resume-")]
-    assert 1 <= len(proofs) <= 2 and all(2 <= run["start"] < 4 and run["steps"] <= 3 for run in proofs)
-    narrow = [run for name, run in runs.items() if name[0] not in "12"]
-    assert narrow and all(run["rung"] in ("module", "op") for run in narrow)
-    for run in narrow:  # from the last checkpoint at or before the divergence, at most window + 1 steps
-        assert 4 <= run["start"] <= culprit["step"] and 1 <= run["steps"] <= 3, run
-    assert (out / "checkpoints" / "1-semantic-a" / "step-00000004").is_dir()
-    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
-    quoted = re.search(r"culprit `aten.index_put` at step (\d+); `cost`: (\d+) runs, \*\*(\d+) steps\*\*", readme)
-    assert quoted is not None and [int(n) for n in quoted.groups()] == [culprit["step"], cost["runs"], cost["steps"]]
-
-
-@pytest.mark.slow
-def test_inexact_resume_falls_back_to_full_runs(tmp_path: Path) -> None:
-    # The negative control (DETRACE_RESUME_CONTROL=skip-rng: resume without the RNG states; the router jitter
-    # draws from the global RNG every step) makes every resume of CMD inexact: the proof must catch it, and no
-    # narrow run may resume.
-    out = tmp_path / "out"
-    done = locate_cli("--json", "--out", str(out), "--checkpoint-every", "1", "--", *PLANTED, "--steps", "5",
-                      env={"DETRACE_RESUME_CONTROL": "skip-rng"})
-    payload = json.loads(done.stdout)
-    assert payload["cost"]["resume"] == "inexact", done.stderr
+    result = locate(LocateConfig(command=("python", "train.py"), out=out, checkpoint_every=1,
+                                 env={"DETRACE_RESUME_CONTROL": "skip-rng"}), launch=launcher)
+    assert result.verdict == "nondeterministic" and result.culprit is not None
+    assert (result.culprit.step, result.culprit.rank, result.culprit.origin) == (3, 0, True)
+    assert result.cost is not None and result.cost.resume == "inexact" and result.cost.checkpoint_every == 1
+    assert launcher.runs == ["1-semantic-a", "1-semantic-b", "2-resume-a", "2-resume-b", "3-module-a",
+                             "3-module-b", "4-op-a", "4-op-b", "5-capture"]
+    # every run got CMD's own environment; the proof resumed from run A's checkpoint after step 1
+    assert all(env["DETRACE_RESUME_CONTROL"] == "skip-rng" for env in launcher.envs.values())
+    assert launcher.envs["2-resume-a"]["DETRACE_RESUME_FROM"] == str(out / "checkpoints" / "1-semantic-a" /
+                                                                     "step-00000001")
     ladder = json.loads((out / "ladder.json").read_text())
     proof = next(stage for stage in ladder["stages"] if stage["rung"] == "resume")
-    assert "run A" in proof["note"] and "every narrow run is a full run" in proof["note"]
-    assert ladder["notes"][0] == proof["note"]
-    # then what the audit of run A said of the culprit (detrace.investigate.audit.report.prediction)
-    assert [note.split(":")[0][:32] for note in ladder["notes"][1:]] in ([], ["the audit of the first run predi"],
-                                                                          ["the audit of the first run did n"])
-    narrow = [run for run in payload["cost"]["per_run"] if run["run"][0] not in "12"]
-    assert narrow and all(run["start"] == 0 and run["steps"] == 5 for run in narrow)
+    assert proof["steps"] == "2-2" and "run A" in proof["note"] and "every narrow run is a full run" in proof["note"]
+    assert ("differ from run A and from each other" in proof["note"]) is not resumes_agree
+    assert ladder["notes"] == [proof["note"]]  # no audit ran: no prediction note after it
+    narrow = [run for run in result.cost.to_json()["per_run"] if run["run"][0] not in "12"]
+    assert narrow and all(run["start"] == 0 and run["steps"] == LATE.steps for run in narrow)
+    assert all("DETRACE_RESUME_FROM" not in launcher.envs[run["run"]] for run in narrow)
 
 
 def _failed_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_from: Path) -> str:

@@ -4,39 +4,15 @@ milliseconds. tests/e2e/test_locate_e2e.py keeps the real ladders on real CPU no
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
-from _synthetic import Fault, SyntheticRun, rank_table, write_table
+from _ladders import RUN, Scripted
 
-from detrace.analyze.locate_result import LocateResult, load_ladder
+from detrace.analyze.locate_result import LOCATE_FILE, LocateResult, load_ladder
+from detrace.cli import locate as locate_cli
 from detrace.investigate.locate import LocateConfig, locate
-from detrace.launch.launcher import LaunchResult
-
-RUN = SyntheticRun(ranks=2, steps=4, ops=8)
-RUNGS = {"semantic": ("metrics", "semantic"), "module": ("metrics", "semantic"), "op": ("metrics", "semantic", "op")}
-RACE = Fault(rank=1, step=2, op=3)  # an injected fault, named as such: one backward op's output bits on rank 1
-
-
-class Scripted:
-    """A command whose runs write the records of `RUN` at the rung asked for; the runs named in `faulted` (by their
-    ladder name, e.g. "1-semantic-b") show the fault `RACE`."""
-
-    def __init__(self, faulted: set[str] | None = None, *, second_arm: bool = False) -> None:
-        self.faulted = faulted or set()
-        self.second_arm = second_arm  # every second arm of a pair (b, d) shows the fault: a race that recurs
-        self.runs: list[str] = []
-
-    def __call__(self, cmd: list[str], out: Path, *, rung: str, **_: object) -> LaunchResult:
-        self.runs.append(out.name)
-        fault = RACE if out.name in self.faulted or (self.second_arm and out.name[-2:] in ("-b", "-d")) else None
-        for rank in range(RUN.ranks):
-            table = rank_table(RUN, rank, fault)
-            table = table.filter(pc.is_in(table["rung"], value_set=pa.array(RUNGS[rung])))
-            write_table(out, rank, table, world_size=RUN.ranks)
-        return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.01, output_tail="")
 
 
 def _locate(tmp_path: Path, launcher: Scripted) -> LocateResult:
@@ -65,6 +41,10 @@ def test_a_recurring_race_is_narrowed_to_its_origin_op(tmp_path: Path) -> None:
                              "4-capture"]
     # the scripted command captures nothing, so the kernel rung says so instead of replaying
     assert result.replay is None and "recorded no call matching" in result.stages[-1].note
+    # the scripted command writes no checkpoint: every narrow run is a full run, and the result says what would help
+    assert result.cost is not None and result.cost.resume == "no-contract" and result.cost.checkpoint_every is None
+    assert all(run["start"] == 0 and run["steps"] == RUN.steps for run in result.cost.to_json()["per_run"])
+    assert result.notes[0].startswith("CMD wrote no checkpoint, so every narrow run re-ran it from step 0")
 
 
 def test_a_difference_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:
@@ -87,3 +67,52 @@ def test_an_op_pair_that_does_not_part_says_so(tmp_path: Path, faulted: set[str]
     assert result.verdict == "inconclusive"
     assert "the op-rung reruns could not pin it down" in result.message
     assert [stage.rung for stage in result.stages] == ["semantic", "module", "op"]
+
+
+def test_the_cli_prints_a_deterministic_verdict_and_writes_its_json(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    # The human form on stdout; the JSON object is the locate.json the ladder writes (the same object `--json`
+    # prints: tests/e2e/test_locate_e2e.py checks that on its culprit ladder).
+    assert locate_cli.main(["--out", str(out), "--", "python", "train.py"], launch=Scripted()) == 0
+    printed = capsys.readouterr()
+    payload = json.loads((out / LOCATE_FILE).read_text())
+    assert sorted(payload) == ["cost", "culprit", "replay", "report", "runs", "schema", "verdict"]
+    assert payload["schema"] == "detrace.locate/1" and payload["verdict"] == "deterministic"
+    assert payload["culprit"] is None and payload["replay"] is None
+    assert payload["runs"] == [str(out / name) for name in ("1-semantic-a", "1-semantic-b", "1-semantic-c")]
+    assert all(Path(run, "rank-00000.arrow").exists() for run in payload["runs"])
+    assert Path(payload["report"]).exists()
+    assert "over 4 steps" in load_ladder(out).stages[0].note
+    assert "rung 1 (metrics + semantic) the three runs are bit-identical over 4 steps" in " ".join(
+        printed.err.split())
+    assert printed.out.startswith("deterministic over 4 steps:"), printed.out
+    assert "runs     3 (of at most 14)" in printed.out
+
+
+def test_a_failure_only_under_a_narrow_rung_names_that_rung_in_json(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # The broad pair runs to completion and parts; every module-rung run exits 5 (an injected fault standing for a
+    # rung that breaks the program, as module hooks once broke Dynamo).
+    launcher = Scripted(second_arm=True, fail_rung="module")
+    assert locate_cli.main(["--json", "--out", str(tmp_path / "out"), "--", "python", "train.py"],
+                           launch=launcher) == 2
+    printed = capsys.readouterr()
+    payload = json.loads(printed.out)  # one JSON object, and nothing else, on stdout
+    assert payload["schema"] == "detrace.locate/1" and payload["verdict"] == "error"
+    message = payload["message"]
+    assert "CMD exited with status 5 in run 2-module-a" in message
+    assert "ran to completion at the semantic rung, so detrace's module rung made it fail" in message
+    assert "fails on its own" not in message and "Traceback" not in printed.err
+    assert f"detrace locate: error: {message}" in printed.err
+    assert launcher.runs == ["1-semantic-a", "1-semantic-b", "2-module-a"]
+
+
+def test_json_prints_the_locate_file_the_ladder_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert locate_cli.main(["--json", "--out", str(out), "--", "python", "train.py"],
+                           launch=Scripted(second_arm=True)) == 1
+    payload = json.loads(capsys.readouterr().out)  # one JSON object, and nothing else, on stdout
+    assert payload == json.loads((out / LOCATE_FILE).read_text())
+    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
+    assert payload["verdict"] == "nondeterministic" and payload["culprit"]["name"] == "aten.add.Tensor"

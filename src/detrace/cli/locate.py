@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -32,6 +33,9 @@ from detrace.investigate.locate import (
 from detrace.investigate.locate import Progress as LadderProgress
 from detrace.report.terminal import make_console
 from detrace.tracefile.layout import link_latest, remove_empty
+
+if TYPE_CHECKING:
+    from detrace.launch.launcher import Launcher
 
 _RUNG_TITLES = {"semantic": "rung 1 (metrics + semantic)", "resume": "resume proof", "module": "rung 2 (module)",
                 "op": "rung 3 (op)", "kernel": "rung 4 (kernel)"}
@@ -99,10 +103,11 @@ def render(result: LocateResult, console: Console) -> None:
     console.print(f"  report   {result.report}", highlight=False)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, launch: Launcher | None = None) -> int:
+    """`launch`: the function that runs CMD (`run_traced` when None), the seam that tests script."""
     options, command = split_command(argv)
     try:
-        return _locate(options, command)
+        return _locate(options, command, launch)
     except DetraceError as err:
         if "--json" not in options:
             raise
@@ -112,7 +117,7 @@ def main(argv: list[str]) -> int:
         return err.exit_code
 
 
-def _locate(options: list[str], command: list[str]) -> int:
+def _locate(options: list[str], command: list[str], launch: Launcher | None) -> int:
     parser = ArgumentParser(
         "locate",
         f"Find the first op that makes two runs of CMD differ, by the progressive ladder: {BASE_RUNS} runs of CMD "
@@ -147,7 +152,7 @@ def _locate(options: list[str], command: list[str]) -> int:
     console.print(f"  {BASE_RUNS} runs (at most {MAX_RUNS}) into {config.out}")
     try:
         with RichProgress(console) as progress:
-            result = locate(config, progress, force=args.force)
+            result = locate(config, progress, force=args.force, launch=launch)
     except BaseException as err:
         tail = getattr(err, "output_tail", "") if isinstance(err, CommandFailed) else ""
         if tail:
