@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import struct
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from _environment import contract_environment
 from _synthetic import write_metric_run
 
 from detrace.cli import main as detrace
@@ -29,26 +29,12 @@ S = 12
 TRAINER = ("detrace.workload.train", "--preset", "tiny", "--threads", "1", "--deterministic")
 
 
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    """`env` over the process environment for one run (the trainer's TrainState reads its contract there)."""
-    saved = dict(os.environ)
-    for name in [name for name in os.environ if name.startswith("DETRACE_")]:
-        del os.environ[name]
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def trainer_launch(cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
     """An ablate launcher (`detrace.investigate.ablate.Launch`): the trainer's run of `cmd[1:]` under `env`, its
     printed losses (exact float32 bits) recorded as the loss metric of run directory `out`."""
     began = time.perf_counter()
     printed = io.StringIO()
-    with _environment(env), contextlib.redirect_stdout(printed):
+    with contract_environment(env), contextlib.redirect_stdout(printed):
         assert train(list(cmd[1:])) == 0
     losses: dict[int, float] = {}
     for line in printed.getvalue().splitlines():
