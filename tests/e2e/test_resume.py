@@ -15,12 +15,14 @@ from _resume_program import assert_same_tail, run
 
 pytestmark = pytest.mark.slow
 
+MODES = "ddp,fsdp2"  # one after the other in the same 2 ranks, each on a model of its own
 
-@pytest.mark.parametrize(("mode", "k"), [("ddp", 2), ("fsdp2", 3)])
-def test_distributed_resume_is_exact(tmp_path: Path, mode: str, k: int) -> None:
-    """2 ranks, 3 batches an epoch each: K=2 is mid-epoch (DDP), K=3 an epoch boundary (FSDP2). Where the sampler
-    and the loader stand does not depend on the mode (tests/integration/test_state.py resumes them anywhere), what
-    is sharded does not depend on K: one K a mode."""
-    continuous = run(mode, 5, tmp_path / "a", save_at=f"{tmp_path / 'ckpt'}:{k}")
-    resumed = run(mode, 5, tmp_path / "b", DETRACE_RESUME="1", DETRACE_CKPT_DIR=str(tmp_path / f"ckpt/k{k}"))
-    assert_same_tail(continuous, resumed, k)
+
+def test_distributed_resume_is_exact(tmp_path: Path) -> None:
+    """2 ranks, 3 batches an epoch each: K=2 is mid-epoch, K=3 an epoch boundary; DDP and FSDP2 resume at each."""
+    continuous = run(MODES, 5, tmp_path / "a", save_at=f"{tmp_path / 'ckpt' / '{mode}'}:2,3")
+    for k in (2, 3):
+        resumed = run(MODES, 5, tmp_path / f"b{k}", DETRACE_RESUME="1",
+                      DETRACE_CKPT_DIR=str(tmp_path / "ckpt" / "{mode}" / f"k{k}"))
+        for mode in MODES.split(","):
+            assert_same_tail(continuous[mode], resumed[mode], k)

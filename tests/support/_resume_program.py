@@ -6,8 +6,9 @@ The workload has every source of randomness a resume can get wrong: dropout, a s
 DataLoader workers doing random augmentation (torch, NumPy and Python RNGs), an LR scheduler and AdamW. It runs as
 one process, as DDP on 2 ranks or as FSDP2 on 2 ranks (gloo).
 
-`python tests/support/_resume_program.py --mode ddp --steps 5 --out DIR` runs it; `run(...)` does so in a fresh
-process. Its top level imports no torch, so that the launcher of the two ranks starts fast; the ranks import it.
+`python tests/support/_resume_program.py --mode ddp,fsdp2 --steps 5 --out DIR` runs it (each mode in turn, in the
+same 2 ranks); `run(...)` does so in a fresh process. Its top level imports no torch, so that the launcher of the
+two ranks starts fast; the ranks import it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ BATCH = 4
 SAMPLES = 24  # one process: 6 batches an epoch; 2 ranks: 3 batches an epoch each
 
 
-def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str, port: int) -> None:
-    """One rank of the training program. Saves at the steps of `save_at` (ROOT:K1,K2 -> ROOT/kK) and
-    honours the DETRACE_* variables through TrainState."""
+def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str) -> None:
+    """One rank of the training program (in a process group of `world` ranks when `world` > 1), writing
+    OUT/rank{rank}.json. Saves at the steps of `save_at` (ROOT:K1,K2 -> ROOT/kK) and honours the DETRACE_*
+    variables through TrainState."""
     import hashlib
     import random
 
@@ -39,7 +41,6 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from detrace import TrainState, deterministic
-    from detrace._exit import leave
     from detrace.state import ResumableLoader, ResumableSampler
 
     class AugmentedData(torch.utils.data.Dataset):
@@ -58,9 +59,6 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
             return self.x[index] + noise, self.y[index]
 
     torch.set_num_threads(1)
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
     deterministic(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4)
@@ -108,28 +106,50 @@ def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str,
     digest = hashlib.sha256()
     for name in sorted(full):
         digest.update(name.encode() + full[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"start": start, "losses": losses, "params": digest.hexdigest()}))
     if world > 1:
         dist.barrier()
-        dist.destroy_process_group()
-        leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
+
+
+def distributed(rank: int, world: int, modes: list[str], steps: int, out: Path, save_at: str, port: int) -> None:
+    """One rank: the program in each of `modes`, one after the other on models of their own, in one process group;
+    "{mode}" in `save_at` and in the DETRACE_* variables' values stands for the mode's name, and each mode writes
+    into OUT/MODE."""
+    import torch.distributed as dist
+
+    from detrace._exit import leave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    contract = {name: value for name, value in os.environ.items() if name.startswith("DETRACE_")}
+    for mode in modes:
+        os.environ.update({name: value.replace("{mode}", mode) for name, value in contract.items()})
+        train(rank, world, mode, steps, out / mode, save_at.replace("{mode}", mode))
+        os.environ.update(contract)
+    dist.destroy_process_group()
+    leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
 
 
 def _main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("single", "ddp", "fsdp2"), required=True)
+    parser.add_argument("--mode", required=True, help="single, or ddp and/or fsdp2 (comma-separated: one after the "
+                        "other in the same 2 ranks)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save-at", default="", help="ROOT:K1,K2 saves a checkpoint into ROOT/kK at step K")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode == "single":
-        train(0, 1, "single", args.steps, args.out, args.save_at, 0)
+        train(0, 1, "single", args.steps, args.out / "single", args.save_at)
         return 0
+    modes = args.mode.split(",")
+    if not set(modes) <= {"ddp", "fsdp2"}:
+        parser.error(f"--mode: single, or ddp and/or fsdp2, not {args.mode}")
     port = free_port()
     context = multiprocessing.get_context("spawn")
     ranks = [
-        context.Process(target=train, args=(rank, 2, args.mode, args.steps, args.out, args.save_at, port))
+        context.Process(target=distributed, args=(rank, 2, modes, args.steps, args.out, args.save_at, port))
         for rank in range(2)
     ]
     for process in ranks:
@@ -139,8 +159,9 @@ def _main() -> int:
     return max(abs(process.exitcode or 0) for process in ranks)
 
 
-def run(mode: str, steps: int, out: Path, *, save_at: str = "", **env: str) -> list[dict]:
-    """Run the training program in a fresh process (its own process group, killed whole on timeout)."""
+def run(mode: str, steps: int, out: Path, *, save_at: str = "", **env: str) -> dict[str, list[dict]]:
+    """Run the training program in a fresh process (its own process group, killed whole on timeout): what each
+    mode's ranks wrote, by mode."""
     command = [sys.executable, __file__, "--mode", mode, "--steps", str(steps), "--out", str(out)]
     if save_at:
         command += ["--save-at", save_at]
@@ -156,16 +177,16 @@ def run(mode: str, steps: int, out: Path, *, save_at: str = "", **env: str) -> l
             output, _ = process.communicate()
     assert process.returncode == 0, output[-3000:]
     world = 1 if mode == "single" else 2
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+    return {name: [json.loads((out / name / f"rank{rank}.json").read_text()) for rank in range(world)]
+            for name in mode.split(",")}
 
 
 def run_here(steps: int, out: Path, *, save_at: str = "", **env: str) -> list[dict]:
     """Run the training program as one process, in this one, under the contract's variables `env` alone."""
     from _environment import contract_environment
 
-    out.mkdir(parents=True, exist_ok=True)
     with contract_environment(env):
-        train(0, 1, "single", steps, out, save_at, 0)
+        train(0, 1, "single", steps, out, save_at)
     return [json.loads((out / "rank0.json").read_text())]
 
 
