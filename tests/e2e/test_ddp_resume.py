@@ -1,7 +1,7 @@
 """DDP exact resume at 4 ranks on gloo: a plain DDP loop with TrainState (bucket_cap_mb=0.1, no
 find_unused_parameters), saved after step 3 and resumed from there in fresh processes, ends with the continuous
-run's parameters, because TrainState pins one bucket layout for the whole run. Without the pin (UNPINNED=1, the
-old behaviour) it does not: the resumed processes run step 4 on DDP's initial layout
+run's parameters, because TrainState pins one bucket layout for the whole run. Without the pin (the arm
+"unpinned", the old behaviour) it does not: the resumed processes run step 4 on DDP's initial layout
 (tests/support/scripts/ddp_resume.py)."""
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ def _torchrun(env: dict[str, str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def _continuous_and_resumed(tmp_path: Path, *, unpinned: bool) -> dict[bool, set[str]]:
+def _continuous_and_resumed(tmp_path: Path) -> dict[tuple[str, bool], set[str]]:
     """The final parameters of a run that saved after step 3 and went on to step 6, and of one resumed from
-    that checkpoint, by whether it was resumed (one digest per rank)."""
-    arm = tmp_path / ("unpinned" if unpinned else "pinned")
-    report = arm / "report.jsonl"
-    common = {"REPORT": str(report), "STEPS": "6", "UNPINNED": "1" if unpinned else "0"}
-    _torchrun({**common, "DETRACE_CKPT_DIR": str(arm / "a"), "DETRACE_CKPT_EVERY": "3"})
-    _torchrun({**common, "DETRACE_CKPT_DIR": str(arm / "b"), "DETRACE_RESUME_FROM": str(arm / "a" / "step-00000003")})
-    found: dict[bool, set[str]] = {False: set(), True: set()}
+    that checkpoint in fresh processes, by arm (unpinned, pinned) and whether it was resumed (one digest per
+    rank). Each job runs both arms, one after the other, each on a DDP module of its own."""
+    report = tmp_path / "report.jsonl"
+    common = {"REPORT": str(report), "STEPS": "6", "ARMS": "unpinned,pinned"}
+    _torchrun({**common, "DETRACE_CKPT_DIR": str(tmp_path / "a" / "{arm}"), "DETRACE_CKPT_EVERY": "3"})
+    _torchrun({**common, "DETRACE_CKPT_DIR": str(tmp_path / "b" / "{arm}"),
+               "DETRACE_RESUME_FROM": str(tmp_path / "a" / "{arm}" / "step-00000003")})
+    found: dict[tuple[str, bool], set[str]] = {}
     rows = [json.loads(line) for line in report.read_text().splitlines()]
-    assert sorted(row["rank"] for row in rows) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted((row["arm"], row["resumed"], row["rank"]) for row in rows) == sorted(
+        (arm, resumed, rank) for arm in ("pinned", "unpinned") for resumed in (False, True) for rank in range(4))
     for row in rows:
-        found[row["resumed"]].add(row["params"])
+        found.setdefault((row["arm"], row["resumed"]), set()).add(row["params"])
     return found
 
 
@@ -88,8 +90,8 @@ def test_without_the_pin_ddp_rebuilds_after_the_first_backward(one_rank: None) -
 
 @pytest.mark.slow
 def test_ddp_resume_is_exact_only_with_one_bucket_layout(tmp_path: Path) -> None:
-    unpinned = _continuous_and_resumed(tmp_path, unpinned=True)
-    assert len(unpinned[False]) == 1 and len(unpinned[True]) == 1  # every rank agrees within a run
-    assert unpinned[True] != unpinned[False], "DDP's bucket rebuild no longer changes a resumed run's bits"
-    pinned = _continuous_and_resumed(tmp_path, unpinned=False)
-    assert len(pinned[False]) == 1 and pinned[True] == pinned[False]
+    found = _continuous_and_resumed(tmp_path)
+    assert all(len(digests) == 1 for digests in found.values())  # every rank agrees within a run
+    assert found["unpinned", True] != found["unpinned", False], (
+        "DDP's bucket rebuild no longer changes a resumed run's bits")
+    assert found["pinned", True] == found["pinned", False]

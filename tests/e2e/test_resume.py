@@ -1,208 +1,28 @@
-"""Exact resume, end to end: a run stopped at step K and resumed in a fresh process continues with exactly
-the bits (losses and final parameters) of the run that never stopped.
-
-The workload has every source of randomness a resume can get wrong: dropout, a shuffling sampler with two
-DataLoader workers doing random augmentation (torch, NumPy and Python RNGs), an LR scheduler and AdamW.
-It runs as one process, as DDP on 2 ranks and as FSDP2 on 2 ranks (gloo), each in real processes; K is
-taken in the middle of an epoch and at an epoch boundary. The negative control (RNG states not restored)
-must diverge.
-
-This file is also the training program: `python tests/e2e/test_resume.py --mode ddp --steps 5 --out DIR`. Its
-top level imports no torch, so that the launcher of the two ranks starts fast; the ranks import it.
+"""Exact resume, end to end, in real processes: a run of 2 ranks stopped at step K and resumed in fresh processes
+continues with exactly the bits (losses and final parameters) of the run that never stopped, as DDP and as FSDP2
+(gloo). The workload (tests/support/_resume_program.py) has every source of randomness a resume can get wrong:
+dropout, a shuffling sampler with two DataLoader workers doing random augmentation (torch, NumPy and Python RNGs),
+an LR scheduler and AdamW. One process, its stop/resume contract and the negative control are checked in
+tests/integration/test_resume_single.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-# This file also runs as a script (its ranks): conftest's tests/support path is not there then.
-sys.path.insert(0, str(Path(__file__).parents[1] / "support"))
-from _ranks import free_port
+from _resume_program import assert_same_tail, run
 
 pytestmark = pytest.mark.slow
 
-BATCH = 4
-SAMPLES = 24  # one process: 6 batches an epoch; 2 ranks: 3 batches an epoch each
+MODES = "ddp,fsdp2"  # one after the other in the same 2 ranks, each on a model of its own
 
 
-def train(rank: int, world: int, mode: str, steps: int, out: Path, save_at: str, port: int) -> None:
-    """One rank of the training program. Saves at the steps of `save_at` (ROOT:K1,K2 -> ROOT/kK) and
-    honours the DETRACE_* variables through TrainState."""
-    import hashlib
-    import random
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from detrace import TrainState, deterministic
-    from detrace._exit import leave
-    from detrace.state import ResumableLoader, ResumableSampler
-
-    class AugmentedData(torch.utils.data.Dataset):
-        """Fixed features, augmented at load time (in the workers) with torch, NumPy and Python randomness."""
-
-        def __init__(self) -> None:
-            generator = torch.Generator().manual_seed(1234)
-            self.x = torch.randn(SAMPLES, 8, generator=generator)
-            self.y = torch.randn(SAMPLES, 4, generator=generator)
-
-        def __len__(self) -> int:
-            return SAMPLES
-
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-            noise = 0.1 * torch.randn(8) + float(np.random.rand()) * 0.01 + random.random() * 0.01
-            return self.x[index] + noise, self.y[index]
-
-    torch.set_num_threads(1)
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    deterministic(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4)
-    )
-    if mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    elif mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        fully_shard(model[0], mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    sampler = ResumableSampler(SAMPLES, shuffle=True, seed=7, num_replicas=world, rank=rank)
-    # The ranks are spawned processes, whose DataLoader would spawn its workers too (a fresh interpreter
-    # per worker and epoch, seconds each); fork them, as they are under torchrun.
-    loader = ResumableLoader(
-        AugmentedData(), sampler=sampler, batch_size=BATCH, num_workers=2, multiprocessing_context="fork"
-    )
-    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, data=loader)
-    root, _, ks = save_at.partition(":")
-    save_steps = {int(k) for k in ks.split(",") if k}
-
-    step = state.resume_if_requested()
-    start, losses = step, {}
-    stop = False
-    while not stop:
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            losses[step] = loss.item().hex()
-            stop = state.end_of_step(step) or step == steps
-            if step in save_steps:
-                state.save(Path(root) / f"k{step}")
-            if stop:
-                break
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    digest = hashlib.sha256()
-    for name in sorted(full):
-        digest.update(name.encode() + full[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    (out / f"rank{rank}.json").write_text(json.dumps({"start": start, "losses": losses, "params": digest.hexdigest()}))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-        leave(0)  # gloo's threads outlive the group: no interpreter finalization to race with
-
-
-def _main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("single", "ddp", "fsdp2"), required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--save-at", default="", help="ROOT:K1,K2 saves a checkpoint into ROOT/kK at step K")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.mode == "single":
-        train(0, 1, "single", args.steps, args.out, args.save_at, 0)
-        return 0
-    port = free_port()
-    context = multiprocessing.get_context("spawn")
-    ranks = [
-        context.Process(target=train, args=(rank, 2, args.mode, args.steps, args.out, args.save_at, port))
-        for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
-    return max(abs(process.exitcode or 0) for process in ranks)
-
-
-def run(mode: str, steps: int, out: Path, *, save_at: str = "", **env: str) -> list[dict]:
-    """Run the training program in a fresh process (its own process group, killed whole on timeout)."""
-    command = [sys.executable, __file__, "--mode", mode, "--steps", str(steps), "--out", str(out)]
-    if save_at:
-        command += ["--save-at", save_at]
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("DETRACE_")}
-    environment.update(env)
-    with subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    ) as process:
-        try:
-            output, _ = process.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-    assert process.returncode == 0, output[-3000:]
-    world = 1 if mode == "single" else 2
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
-
-
-def assert_same_tail(continuous: list[dict], resumed: list[dict], k: int) -> None:
-    for whole, tail in zip(continuous, resumed, strict=True):
-        assert tail["start"] == k
-        assert tail["losses"] == {step: loss for step, loss in whole["losses"].items() if int(step) > k}
-        assert tail["params"] == whole["params"]
-
-
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_distributed_resume_is_exact(tmp_path: Path, mode: str) -> None:
-    """2 ranks, 3 batches an epoch each: K=2 is mid-epoch, K=3 an epoch boundary."""
-    continuous = run(mode, 5, tmp_path / "a", save_at=f"{tmp_path / 'ckpt'}:2,3")
+def test_distributed_resume_is_exact(tmp_path: Path) -> None:
+    """2 ranks, 3 batches an epoch each: K=2 is mid-epoch, K=3 an epoch boundary; DDP and FSDP2 resume at each."""
+    continuous = run(MODES, 5, tmp_path / "a", save_at=f"{tmp_path / 'ckpt' / '{mode}'}:2,3")
     for k in (2, 3):
-        resumed = run(mode, 5, tmp_path / f"b{k}", DETRACE_RESUME="1", DETRACE_CKPT_DIR=str(tmp_path / f"ckpt/k{k}"))
-        assert_same_tail(continuous, resumed, k)
-
-
-def test_single_process_stop_resume_and_negative_control(tmp_path: Path) -> None:
-    """The contract of `detrace check-resume`, one process, 6 batches an epoch: DETRACE_STOP_AT=3 saves and
-    stops mid-epoch; DETRACE_RESUME=1 resumes exactly, there and from the epoch boundary K=6; the negative
-    control skip-rng resumes without the RNG states and diverges."""
-    continuous = run("single", 8, tmp_path / "a", save_at=f"{tmp_path / 'ckpt'}:6")
-    stop_dir = str(tmp_path / "stop")
-    stopped = run("single", 8, tmp_path / "b", DETRACE_STOP_AT="3", DETRACE_CKPT_DIR=stop_dir)
-    assert stopped[0]["losses"] == {step: loss for step, loss in continuous[0]["losses"].items() if int(step) <= 3}
-    assert (tmp_path / "stop" / "latest").read_text().strip() == "step-00000003"
-
-    resumed = run("single", 8, tmp_path / "c", DETRACE_RESUME="1", DETRACE_CKPT_DIR=stop_dir)
-    assert_same_tail(continuous, resumed, 3)
-    resumed = run("single", 8, tmp_path / "d", DETRACE_RESUME="1", DETRACE_CKPT_DIR=str(tmp_path / "ckpt/k6"))
-    assert_same_tail(continuous, resumed, 6)
-
-    control = {"DETRACE_RESUME": "1", "DETRACE_CKPT_DIR": stop_dir, "DETRACE_RESUME_CONTROL": "skip-rng"}
-    wrong = run("single", 8, tmp_path / "e", **control)
-    assert wrong[0]["start"] == 3
-    assert wrong[0]["losses"]["4"] != continuous[0]["losses"]["4"]
-    assert wrong[0]["params"] != continuous[0]["params"]
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+        resumed = run(MODES, 5, tmp_path / f"b{k}", DETRACE_RESUME="1",
+                      DETRACE_CKPT_DIR=str(tmp_path / "ckpt" / "{mode}" / f"k{k}"))
+        for mode in MODES.split(","):
+            assert_same_tail(continuous[mode], resumed[mode], k)

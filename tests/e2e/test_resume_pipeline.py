@@ -2,7 +2,8 @@
 model/optimizer state, and a checkpoint that does not fit any one rank stops every rank with one sentence.
 
 Real processes on gloo: two ranks holding different layers (torch.multiprocessing), and the reference
-workload's `--parallel pp` under torchrun, stopped after step 2 and resumed to the same bits.
+workload's `--parallel pp` under torchrun, resumed from a checkpoint of its continuous run and stopped, to the
+same bits.
 """
 
 from __future__ import annotations
@@ -114,13 +115,14 @@ def _train(tmp_path: Path, name: str, **env: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if line.startswith("step ")]
 
 
-def test_reference_pipeline_stops_and_resumes_to_the_same_bits(tmp_path: Path) -> None:
-    """`--parallel pp`: stage 0 holds the embedding and the first layers, stage 1 the rest and the heads.
-    Stopped after step 2 and resumed, steps 3 and 4 print the continuous run's loss and gradient-norm bits."""
-    ckpt = str(tmp_path / "ckpt")
-    continuous = _train(tmp_path, "continuous")
-    stopped = _train(tmp_path, "stopped", DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
-    resumed = _train(tmp_path, "resumed", DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
+def test_reference_pipeline_resumes_and_stops_with_the_same_bits(tmp_path: Path) -> None:
+    """`--parallel pp`: stage 0 holds the embedding and the first layers, stage 1 the rest and the heads. Resumed
+    in fresh processes from the checkpoint the continuous run saved after step 1, and stopped after step 3
+    (DETRACE_STOP_AT, both stages), steps 2 and 3 print the continuous run's loss and gradient-norm bits."""
+    ckpt = tmp_path / "ckpt"
+    continuous = _train(tmp_path, "continuous", DETRACE_CKPT_DIR=str(ckpt), DETRACE_CKPT_EVERY="1")
+    resumed = _train(tmp_path, "resumed", DETRACE_RESUME_FROM=str(ckpt / "step-00000001"),
+                     DETRACE_CKPT_DIR=str(tmp_path / "stop"), DETRACE_STOP_AT="3")
     assert len(continuous) == 4
-    assert stopped == continuous[:2]
-    assert resumed == continuous[2:]
+    assert resumed == continuous[1:3]
+    assert (tmp_path / "stop" / "latest").read_text().strip() == "step-00000003"

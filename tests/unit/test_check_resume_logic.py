@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from _synthetic import Fault, SyntheticRun, write_run
 
+from detrace.cli import check as check_cli
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed, UsageError
@@ -165,3 +166,47 @@ def test_check_compares_every_run_with_the_first(tmp_path: Path) -> None:
     assert [d.verdict for d in result.diffs] == ["identical", "diverged"] and result.exit_code == 1
     first = result.first_divergent
     assert first is not None and first.first is not None and (first.first.rank, first.first.step) == (0, 1)
+
+
+def test_the_check_command_says_identical_in_json_and_in_words(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = Scripted()
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=launcher))
+    argv = ["--", sys.executable, "train.py"]
+    assert main(["check", "--out", str(tmp_path / "c"), "--json", *argv]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "detrace.check/1" and report["identical"] is True and len(report["runs"]) == 2
+    assert report["diffs"][0]["verdict"] == "identical" and report["diffs"][0]["compared"]["records"] > 0
+    assert main(["check", "--out", str(tmp_path / "words"), "--runs", "3", *argv]) == 0
+    assert capsys.readouterr().out == f"identical: 3 runs are bit-identical ({tmp_path / 'words'})\n"
+    assert len(launcher.arms) == 5
+
+
+# A loop with optimizer steps but no TrainState: traced and repeatable, but it cannot stop and resume.
+NO_CONTRACT = ("import torch; torch.manual_seed(0); m = torch.nn.Linear(2, 1)\n"
+               "o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+               "for _ in range(3): m(torch.ones(2)).sum().backward(); o.step()")
+
+
+@pytest.mark.parametrize(("code", "launcher", "message"), [
+    (NO_CONTRACT, Scripted(checkpoint=False),
+     "wrote no checkpoint to {out}/at-1/checkpoint when asked to stop after step 1; does it use "
+     "detrace.TrainState (resume_if_requested / end_of_step)"),
+    ("import accelerate\n" + NO_CONTRACT, Scripted(checkpoint=False),
+     "does it use detrace.integrations.accelerate.register(accelerator)"),
+    ("pass", Scripted(records=False), "leaves no step to resume"),
+], ids=["plain", "accelerate", "no-step"])
+def test_a_command_without_the_contract_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], code: str,
+                                                        launcher: Scripted, message: str) -> None:
+    """The message names the integration that fits what the script imports (tests/unit/test_advice.py has the
+    rules): a script that writes no checkpoint when asked to stop, or that records no step at all."""
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    out = tmp_path / "o"
+    monkeypatch.setattr(check_resume_cli, "check_resume", functools.partial(check_resume, launch=launcher))
+    assert main(["check-resume", "--at", "1", "--out", str(out), "--", sys.executable, str(script)]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the progress lines of the runs made
+    assert last.startswith("detrace check-resume: error: ") and message.format(out=out) in last
+    assert "Traceback" not in err
