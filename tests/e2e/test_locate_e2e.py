@@ -195,7 +195,7 @@ def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) 
 
 # The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
 # race. It follows the resume contract, so the ladder checkpoints its broad runs and resumes the narrow ones.
-PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--threads", "2",
+PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--batch-size", "32", "--threads", "2",
            "--nondeterministic-from", "4"]
 
 
