@@ -327,12 +327,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from detrace._exit import leave
 
+import detrace
+
 torch.set_num_threads(1)
 rank = int(os.environ.get("RANK", "0"))
 peer = subprocess.Popen([sys.executable, __file__], env={**os.environ, "RANK": "1"}) if rank == 0 else None
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
-torch.manual_seed(0)
-ddp = DDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.004)
 
 def reversed_completion(state, bucket):
     # The default hook's two steps (the same bits), but bucket i completes only after bucket i + 1: the
@@ -344,17 +344,21 @@ def reversed_completion(state, bucket):
     threading.Timer(0.03 * (8 - bucket.index()), future.set_result, args=(buffer,)).start()
     return future
 
-if os.environ["HOOK"] == "reversed":
-    ddp.register_comm_hook(None, reversed_completion)
-opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-gen = torch.Generator().manual_seed(rank)
-for _ in range(3):
-    ddp(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())).hexdigest()
-print(f"final {rank} {digest}", flush=True)
-dist.barrier()
+for hook in ("default", "reversed"):  # two traced runs, one after the other in the same two processes
+    with detrace.trace(os.path.join(os.environ["OUT"], hook), rung="semantic"):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.004)
+        if hook == "reversed":
+            ddp.register_comm_hook(None, reversed_completion)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in ddp.parameters())).hexdigest()
+    print(f"final {hook} {rank} {digest}", flush=True)
+    dist.barrier()
 dist.destroy_process_group()
 if peer is not None:
     peer.wait()
@@ -365,14 +369,13 @@ leave(0)
 def test_ddp_buckets_are_recorded_in_index_order(tmp_path: Path, free_port: Callable[[], int]) -> None:
     script = tmp_path / "buckets.py"
     script.write_text(DDP_BUCKETS)
-    runs: dict[str, list[list[dict]]] = {}
-    finals: list[list[str]] = []
-    for hook in ("default", "reversed"):  # the same program, its buckets completing in two different orders
-        result = run_traced([PY, str(script)], tmp_path / hook, rung="semantic", quiet=True, timeout=120,
-                            env={"PORT": str(free_port()), "HOOK": hook})
-        assert result.returncode == 0, result.output_tail
-        runs[hook] = [read_rank(tmp_path / hook, rank).table.to_pylist() for rank in (0, 1)]
-        finals.append(_final_lines(result.output_tail))
+    # the same program, its buckets completing in two different orders: traced by detrace.trace in the script
+    done = subprocess.run([PY, str(script)], env={**os.environ, "PORT": str(free_port()), "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = {hook: [read_rank(tmp_path / hook, rank).table.to_pylist() for rank in (0, 1)]
+            for hook in ("default", "reversed")}
+    finals = [sorted(re.findall(rf"final {hook} (\d [0-9a-f]{{64}})", done.stdout)) for hook in ("default", "reversed")]
     assert finals[0] == finals[1] and len(finals[0]) == 2  # the two hooks compute the same bits
     for rank in (0, 1):
         sequences = []
