@@ -88,7 +88,7 @@ def test_python_script_by_the_cli_over_an_existing_trace_records_what_the_librar
     assert trace.last_step == 2
     # the library form (detrace.trace in the script) records the launcher's records
     library = subprocess.run([PY, str(script)], env={**os.environ, "LIBRARY_OUT": str(tmp_path / "library"),
-                                                     "RUNG": "op"}, capture_output=True, timeout=120)
+                                                     "RUNG": "op"}, capture_output=True, timeout=300)
     assert library.returncode == 0, library.stderr
     assert trace.table.num_rows > 100
     assert trace.table.equals(read_rank(tmp_path / "library", 0).table)
