@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
@@ -141,12 +140,42 @@ def _ranks(rank: int, out: str, port: int) -> None:
     except UsageError as err:
         refused = str(err)
     torch.save({"results": results, "refused": refused}, f"{out}/rank{rank}.pt")
+    _elastic_checkpoints(rank, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _elastic_checkpoints(rank: int, out: str) -> None:
+    """The ranks save elastic checkpoints: with RNG states that differ (refused on every rank), then alike."""
+    import random
+
+    import numpy as np
+
+    import detrace
+    from detrace.errors import CheckpointError
+
+    random.seed(0)  # every generator that TrainState saves: Python's and NumPy's alike on every rank
+    np.random.seed(0)
+    torch.manual_seed(0)
+    state = detrace.TrainState(model=nn.Linear(3, 2), elastic=True)
+    torch.manual_seed(rank)  # each rank's own generator state
+    try:
+        state.save(f"{out}/apart")
+        refused = ""
+    except CheckpointError as err:
+        refused = str(err)
+    torch.manual_seed(7)
+    state.step = 5
+    state.save(f"{out}/alike")
+    Path(f"{out}/refused{rank}.txt").write_text(refused)
+
+
 @pytest.mark.slow
-def test_world_sizes_1_2_4_and_both_exchanges_give_the_same_bits(tmp_path: Path) -> None:
+def test_world_sizes_1_2_4_give_the_same_bits_and_elastic_checkpoints_resume_at_any_world_size(
+        tmp_path: Path) -> None:
+    import detrace
+    from detrace.errors import CheckpointError
+
     loss, grads = _step(_model())
     spawn_ranks(_ranks, (str(tmp_path),), nprocs=4, timeout=240)
     for rank in range(4):
@@ -156,6 +185,19 @@ def test_world_sizes_1_2_4_and_both_exchanges_give_the_same_bits(tmp_path: Path)
         for key, (got_loss, *got_grads) in saved["results"].items():
             assert torch.equal(got_loss, loss), key
             assert all(torch.equal(a, b) for a, b in zip(got_grads, grads, strict=True)), key
+    # elastic checkpoints need the same state on every rank
+    for rank in range(4):
+        assert "needs the same own state" in (tmp_path / f"refused{rank}.txt").read_text()
+    assert not (tmp_path / "apart").exists() or not any((tmp_path / "apart").glob("step-*"))
+    # one process (world size 1) resumes the 4-rank checkpoint, elastic; a plain TrainState refuses it
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    assert detrace.TrainState(model=model, elastic=True).load(tmp_path / "alike") == 5
+    assert torch.equal(torch.get_rng_state(), _seeded(7))  # rank 0's generator state (every rank's: alike)
+    torch.manual_seed(0)
+    assert torch.equal(model.weight, nn.Linear(3, 2).weight)
+    with pytest.raises(CheckpointError, match="saved by 4 ranks and cannot resume 1"):
+        detrace.TrainState(model=nn.Linear(3, 2)).load(tmp_path / "alike")
 
 
 def _train_lines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str, **env: str) -> list[str]:
@@ -208,46 +250,19 @@ def test_trainer_takes_the_tp_size_from_check_topology(monkeypatch: pytest.Monke
     assert "--tp 2 and DETRACE_TP=4 disagree" in capsys.readouterr().err
 
 
-def _check_topology(tmp_path: Path, name: str, worlds: str, *cmd: str) -> tuple[int, dict[str, object]]:
-    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--json", "--worlds", worlds,
-                           "--out", str(tmp_path / name), "--timeout", "300", "--", *cmd],
-                          capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert proc.stdout.strip(), proc.stderr
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
-def test_check_topology_passes_the_reference_workload_with_moe(tmp_path: Path) -> None:
-    code, report = _check_topology(tmp_path, "tiny", "1,2,4", sys.executable, "-m", "detrace.workload.train",
-                                   "--parallel", "dp-invariant", "--microbatches", "4", "--dispatch", "fixed",
-                                   "--deterministic", "--steps", "2", "--threads", "1")
-    assert code == 0, report
-    from detrace.workload.model import PRESETS, HybridLM
-
-    model = HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]
-    assert report["steps"] == 2 and report["tensors"] == len(list(model.parameters()))
-    finals = report["final_params"]
-    assert isinstance(finals, dict) and len(set(finals.values())) == 1
-    assert re.fullmatch(r"[0-9a-f]{16}", str(finals["world 1"]))
-    # the validation matrix's row comparing its dp-invariant runs, on these runs
-    row = _topology_row({w: tmp_path / "tiny" / f"world-{w}" for w in (1, 2, 4)})
-    assert row[0].name == "dp-invariant x1 = x2 = x4" and row[1].ok, row[1]
-
-
-@pytest.mark.slow
-def test_check_topology_on_a_plain_loop_and_its_naive_fault(tmp_path: Path) -> None:
-    code, report = _check_topology(tmp_path, "plain", "1,2", sys.executable, str(LOOP), "--steps", "2")
+def test_check_topology_on_a_plain_loop_and_its_naive_fault(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check_cli(capsys, tmp_path, "plain", "--worlds", "1,2", "--", sys.executable, str(LOOP),
+                              "--steps", "2")
     assert code == 0, report
     # Test-only fault: the same loop reducing the usual way (running-order accumulation, then all_reduce)
-    code, report = _check_topology(tmp_path, "naive", "1,2", sys.executable, str(LOOP), "--steps", "2",
-                                   "--reduce", "naive")
+    code, report = _check_cli(capsys, tmp_path, "naive", "--worlds", "1,2", "--", sys.executable, str(LOOP),
+                              "--steps", "2", "--reduce", "naive")
     assert code == 1, report
     first = report["first"]
     assert isinstance(first, dict) and first["step"] == 0 and first["world"] == 2
     assert first["kind"] in ("loss", "grad_norm", "param")
-    row = _topology_row({1: tmp_path / "plain" / "world-1", 2: tmp_path / "naive" / "world-2"})
-    assert row[1].ok is False and row[1].text.startswith("diverged: world 2 differs from world 1 at step 0")
 
 
 def test_check_topology_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -273,16 +288,6 @@ def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
         compare_runs({1: tmp_path / "run"})
     with pytest.raises(TraceError, match="not of all 2 ranks"):
         compare_runs({2: tmp_path / "run"})
-
-
-@pytest.mark.slow
-def test_check_topology_reports_a_failing_command(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--worlds", "1,2", "--out",
-                           str(tmp_path / "fail"), "--", sys.executable, "-c", "raise SystemExit(3)"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2
-    # one sentence of ours, then the end of CMD's output (torchrun's own report of the failed worker)
-    assert "detrace check-topology: error: CMD (world 1) exited with code 1" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -419,6 +424,59 @@ def test_layout_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not both" in capsys.readouterr().err
 
 
+def test_the_validation_row_compares_the_dp_invariant_runs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _topology(tmp_path, _Fake(), worlds="1,2,4")
+    row = _topology_row({w: out / f"world-{w}" for w in (1, 2, 4)})
+    assert row[0].name == "dp-invariant x1 = x2 = x4" and row[0].nproc == 4
+    assert row[1].ok and row[1].text == "identical across world sizes (3 steps)", row[1]
+    _topology(tmp_path, _Fake(fault=("world-2", 0, "b")), worlds="1,2")
+    row = _topology_row({w: out / f"world-{w}" for w in (1, 2)})
+    assert row[1].ok is False and row[1].text.startswith("diverged: world 2 differs from world 1 at step 0")
+    row = _topology_row({2: out / "world-1"})  # a run of 1 rank given as world 2: an error in the cell
+    assert row[1].ok is False and row[1].text.startswith("error: ")
+
+
+def _cli_with(monkeypatch: pytest.MonkeyPatch, fake: _Fake) -> None:
+    """`detrace check-topology` in process, CMD run by `fake`."""
+    import functools
+
+    from detrace.cli import check_topology as command
+
+    monkeypatch.setattr(command, "check_topology", functools.partial(check_topology, launch=fake))
+
+
+def test_the_command_prints_its_verdict_and_exit_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["check-topology", "--worlds", "1,2", "--out"]
+    _cli_with(monkeypatch, _Fake())
+    assert cli([*argv, str(tmp_path / "same"), "--", *CMD]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ("identical: worlds 1, 2 give the same bits (3 steps, 3 parameters, final params "
+                            "0123456789abcdef)\n")
+    assert f"detrace check-topology: world 2: {tmp_path / 'same' / 'world-2'}" in captured.err
+    _cli_with(monkeypatch, _Fake(fault=("world-2", 0, "loss"), param=("world-2", 1, "b")))
+    assert cli([*argv, str(tmp_path / "apart"), "--", *CMD]) == 1
+    assert capsys.readouterr().out.startswith("diverged: world 2 differs from world 1 at step 0: loss of "
+                                              "microbatch 0 (")
+    assert cli([*argv, str(tmp_path / "json"), "--json", "--", *CMD]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] is False and report["worlds"] == [1, 2]
+    assert {k: report["first"][k] for k in ("step", "kind", "world", "run")} == {
+        "step": 0, "kind": "loss", "world": 2, "run": "world 2"}
+    assert report["first_param"]["name"] == "b" and report["first_param"]["step"] == 1
+
+
+def test_a_failing_command_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _cli_with(monkeypatch, _Fake(fail="world-1"))
+    assert cli(["check-topology", "--worlds", "1,2", "--out", str(tmp_path / "fail"), "--", *CMD]) == 2
+    err = capsys.readouterr().err
+    # one sentence of ours, then the end of CMD's output
+    assert "detrace check-topology: error: CMD (world 1) exited with code 1; its output ends with:\nstep 3" in err
+    assert "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------------------------------
 # real runs: one per question, tiny preset
 
@@ -427,18 +485,20 @@ TRAIN = [sys.executable, "-m", "detrace.workload.train", "--microbatches", "4", 
          "--deterministic", "--threads", "1"]
 
 
-def _check_cli(tmp_path: Path, name: str, *args: str) -> tuple[int, dict[str, object]]:
-    proc = subprocess.run([sys.executable, "-m", "detrace", "check-topology", "--json", "--out", str(tmp_path / name),
-                           "--timeout", "300", *args], capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert proc.stdout.strip(), proc.stderr
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+def _check_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, *args: str
+               ) -> tuple[int, dict[str, object]]:
+    """`detrace check-topology --json ARGS`, in this process (CMD's runs are real torchrun jobs): exit code, report."""
+    code = cli(["check-topology", "--json", "--out", str(tmp_path / name), "--timeout", "300", *args])
+    captured = capsys.readouterr()
+    assert captured.out.strip(), captured.err
+    return code, json.loads(captured.out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_tp_invariant_layouts_give_the_same_bits(tmp_path: Path) -> None:
-    code, report = _check_cli(tmp_path, "tp", "--layouts", "1x1,1x2,2x2", "--", *TRAIN, "--parallel", "tp-invariant",
-                              "--steps", "2")
+def test_tp_invariant_layouts_give_the_same_bits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 2x2 changes T and D at once against 1x1: T = 2 alone (1x2) is one run more for no other question
+    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2", "--", *TRAIN, "--parallel",
+                              "tp-invariant", "--steps", "2")
     assert code == 0, report
     finals = report["final_params"]
     assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
@@ -446,72 +506,21 @@ def test_tp_invariant_layouts_give_the_same_bits(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_plain_tensor_parallelism_differs_and_the_first_parameter_is_named(tmp_path: Path) -> None:
-    code, report = _check_cli(tmp_path, "plain", "--layouts", "1x1,1x2", "--", *TRAIN, "--parallel", "tp-plain",
-                              "--steps", "1")
-    assert code == 1, report
-    first = report["first"]
-    assert isinstance(first, dict) and first["run"] == "layout 1x2" and first["step"] == 0
-    # the losses of step 0 may differ before any parameter does; the first parameter that differs is named too
-    param = first if first["kind"] == "param" else report["first_param"]
-    assert isinstance(param, dict) and param["run"] == "layout 1x2" and param["step"] == 0, report
-    assert str(param["name"]).startswith(("layers.", "embedding", "norm", "output", "mtp")), param
-
-
-@pytest.mark.slow
-def test_elastic_resume_at_other_world_sizes_gives_the_continuous_bits(tmp_path: Path) -> None:
-    code, report = _check_cli(tmp_path, "elastic", "--worlds", "2,1,4", "--resume-at", "1", "--", *TRAIN,
+def test_the_reference_workload_with_moe_gives_the_same_bits_at_worlds_1_2_4_and_across_an_elastic_resume(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check_cli(capsys, tmp_path, "elastic", "--worlds", "2,1,4", "--resume-at", "1", "--", *TRAIN,
                               "--parallel", "dp-invariant", "--steps", "2")
     assert code == 0, report
     assert list(report["runs"]) == ["world 2", "world 2 stopped after step 1", "world 1 resumed after step 1",  # type: ignore[call-overload]
                                     "world 4 resumed after step 1"]
+    from detrace.workload.model import PRESETS, HybridLM
 
-
-def _elastic_ranks(rank: int, out: str, port: int) -> None:
-    """2 ranks save elastic checkpoints: with RNG states that differ (refused on both), then alike."""
-    import random
-
-    import numpy as np
-
-    import detrace
-    from detrace.errors import CheckpointError
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    random.seed(0)  # every generator that TrainState saves: Python's and NumPy's alike on both ranks
-    np.random.seed(0)
-    torch.manual_seed(0)
-    state = detrace.TrainState(model=nn.Linear(3, 2), elastic=True)
-    torch.manual_seed(rank)  # each rank's own generator state
-    try:
-        state.save(f"{out}/apart")
-        refused = ""
-    except CheckpointError as err:
-        refused = str(err)
-    torch.manual_seed(7)
-    state.step = 5
-    state.save(f"{out}/alike")
-    Path(f"{out}/refused{rank}.txt").write_text(refused)
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_elastic_checkpoints_need_the_same_state_on_every_rank_and_resume_at_any_world_size(tmp_path: Path) -> None:
-    import detrace
-    from detrace.errors import CheckpointError
-
-    spawn_ranks(_elastic_ranks, (str(tmp_path),), nprocs=2, timeout=240)
-    for rank in range(2):
-        assert "needs the same own state" in (tmp_path / f"refused{rank}.txt").read_text()
-    assert not (tmp_path / "apart").exists() or not any((tmp_path / "apart").glob("step-*"))
-    # one process (world size 1) resumes the 2-rank checkpoint, elastic; a plain TrainState refuses it
-    torch.manual_seed(1)
-    model = nn.Linear(3, 2)
-    assert detrace.TrainState(model=model, elastic=True).load(tmp_path / "alike") == 5
-    assert torch.equal(torch.get_rng_state(), _seeded(7))  # rank 0's generator state (both ranks': alike)
-    torch.manual_seed(0)
-    assert torch.equal(model.weight, nn.Linear(3, 2).weight)
-    with pytest.raises(CheckpointError, match="saved by 2 ranks and cannot resume 1"):
-        detrace.TrainState(model=nn.Linear(3, 2)).load(tmp_path / "alike")
+    model = HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]
+    assert report["steps"] == 2 and report["tensors"] == len(list(model.parameters()))
+    # worlds 1, 2 and 4 end with the same parameters; the stopped run's line (the state after step 1) is not the end's
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and finals.pop("world 2 stopped after step 1") != finals["world 2"]
+    assert len(set(finals.values())) == 1 and re.fullmatch(r"[0-9a-f]{16}", str(finals["world 1 resumed after step 1"]))
 
 
 def _seeded(seed: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""`detrace compare BASE_A BASE_B CANDIDATE`: real or noise, on real runs (deterministic and racing baselines)."""
+"""`detrace compare BASE_A BASE_B CANDIDATE`: real or noise, on real deterministic runs (conftest's) and on
+synthetic racing baselines."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _scenarios import traced_runs
+from _synthetic import Fault, write_metric_run
 
 from detrace import diff
 from detrace.analyze.noise import compare_metric, noise_test
@@ -15,18 +16,22 @@ from detrace.cli import main
 
 @pytest.fixture
 def steady(steady_runs: dict[str, Path]) -> dict[str, Path]:
-    """Deterministic baselines (bit-identical), the same program again, and a changed learning rate: conftest's."""
+    """Deterministic baselines (bit-identical) and a changed learning rate: conftest's."""
     return steady_runs
 
 
-@pytest.fixture(scope="module")
-def racing(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Baselines whose loss differs run to run (an index_put over random repeated rows races in the forward, at
-    nearly every call), and a changed learning rate."""
-    same = ["4", "--pool"]
-    runs = traced_runs(tmp_path_factory.mktemp("compare-racing"), ("a", same), ("b", same),
-                       ("lr", [*same, "--lr=0.5"]))
-    assert diff(runs["a"], runs["b"]).verdict == "diverged", "the race spared a whole run"
+@pytest.fixture
+def racing(tmp_path: Path) -> dict[str, Path]:
+    """Synthetic baselines whose loss differs run to run from step 1 on (as a racing op's would: B's trace parts
+    from A's at a backward op of step 1, an injected fault named as such), and a candidate whose change moves
+    the loss far beyond that spread."""
+    race = Fault(rank=0, step=1, op=0)
+    losses = {0: 2.0, 1: 1.5, 2: 1.2, 3: 1.0}
+    write_metric_run(tmp_path / "a", losses)
+    write_metric_run(tmp_path / "b", {0: 2.0, 1: 1.5 + 1e-6, 2: 1.2 - 2e-6, 3: 1.0 + 3e-6}, fault=race)
+    write_metric_run(tmp_path / "lr", {0: 2.0, 1: 1.4, 2: 1.05, 3: 0.8}, fault=race)
+    runs = {name: tmp_path / name for name in ("a", "b", "lr")}
+    assert diff(runs["a"], runs["b"]).verdict == "diverged"
     return runs
 
 
@@ -36,7 +41,7 @@ def _compare(capsys: pytest.CaptureFixture[str], *runs: Path) -> tuple[int, dict
 
 
 def test_same_program_is_identical(steady: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    code, payload = _compare(capsys, steady["a"], steady["b"], steady["again"])
+    code, payload = _compare(capsys, steady["a"], steady["b"], steady["b"])  # a candidate: the same program
     assert code == 0 and payload["schema"] == "detrace.compare/1" and payload["verdict"] == "identical"
     assert payload["trace"] == {"baselines": None, "candidate": None}
 

@@ -170,11 +170,15 @@ def test_guard_options_are_checked() -> None:
         Guard(every=1, mode="loud")  # type: ignore[arg-type]
 
 
-def test_run_refuses_a_bad_guard_before_starting_the_command(tmp_path: Path) -> None:
+def test_run_refuses_a_bad_guard_before_starting_the_command(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from detrace.cli import main as cli
+
     marker = tmp_path / "ran"
-    proc = subprocess.run([PY, "-m", "detrace", "run", "--out", str(tmp_path / "r"), "--guard", "often", "--",
-                           PY, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "DETRACE_GUARD='often'" in proc.stderr and "Traceback" not in proc.stderr
+    assert cli(["run", "--out", str(tmp_path / "r"), "--guard", "often", "--",
+                PY, "-c", f"open({str(marker)!r}, 'w')"]) == 2
+    err = capsys.readouterr().err
+    assert "DETRACE_GUARD='often'" in err and "Traceback" not in err and err.count("\n") == 1
     assert not marker.exists()
 
 
@@ -189,12 +193,14 @@ def test_judge_tells_the_four_verdicts() -> None:
     assert judge(run, noisy, noisy) == ("software-nondeterminism", (0, 1))  # no rank reproduced at all
 
 
-def test_recheck_error_paths(tmp_path: Path) -> None:
+def test_recheck_error_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(Exception, match="does not exist"):
         recheck(tmp_path / "missing", step=1, out=tmp_path / "out")
-    proc = subprocess.run([PY, "-m", "detrace", "recheck", str(tmp_path / "missing")], capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 2 and "--step" in proc.stderr and "Traceback" not in proc.stderr
+    from detrace.cli import main as cli
+
+    assert cli(["recheck", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "--step" in err and "Traceback" not in err
 
 
 RUN = SyntheticRun(ranks=1, steps=3, ops=2)
@@ -239,6 +245,56 @@ def test_recheck_blames_a_transient_fault_only_after_the_resume_is_proven(tmp_pa
     result = recheck(_original(tmp_path, FLIP), step=2, out=tmp_path / "out", launch=_fake_launcher({}, launched))
     assert launched == ["prepare", "same", "other", "uninterrupted"]
     assert result.verdict == "transient" and result.resume_exact is True
+    assert result.sentence().startswith("transient: rank 0 does not reproduce its own result of step 2")
+    assert RECHECK["transient"] == 1
+
+
+def test_recheck_calls_a_step_reproduced_everywhere_clean(tmp_path: Path) -> None:
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out", launch=_fake_launcher({}, launched))
+    assert launched == ["prepare", "same", "other"]
+    assert result.verdict == "clean" and RECHECK["clean"] == 0
+    assert result.sentence().startswith("clean: step 2 re-executed on the same and on other devices gives the "
+                                        "run's bits")
+
+
+def test_recheck_from_a_given_checkpoint_makes_none_and_refuses_one_past_the_step(tmp_path: Path) -> None:
+    from detrace.state import checkpoint
+
+    given = tmp_path / "given"
+    checkpoint.write(given, step=2, shared={"w": torch.ones(2)}, local={})  # taken after 2 steps
+    launched: list[str] = []
+    result = recheck(_original(tmp_path, None), step=2, out=tmp_path / "out", checkpoint=given,
+                     launch=_fake_launcher({}, launched))
+    assert launched == ["same", "other"] and result.verdict == "clean"
+    assert not (tmp_path / "out" / "prepare").exists() and (tmp_path / "out" / "checkpoint").is_dir()
+    with pytest.raises(UsageError, match=r"taken after 2 steps, past step 1: give one taken at or before step 1"):
+        recheck(tmp_path / "run", step=1, out=tmp_path / "late", checkpoint=given,
+                launch=_fake_launcher({}, launched))
+    assert launched == ["same", "other"]  # refused before any run
+
+
+def test_recheck_command_prints_the_verdict_and_exits_with_its_code(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import functools
+    import json
+
+    from detrace.cli import main as cli
+    from detrace.cli import recheck as command
+
+    run = _original(tmp_path, None)
+    monkeypatch.setattr(command, "recheck", functools.partial(recheck, launch=_fake_launcher(
+        {"same": FLIP, "other": FLIP}, [])))  # an inexact resume: the re-executions agree, the run does not
+    assert cli(["recheck", str(run), "--step", "2", "--out", str(tmp_path / "json"), "--json"]) == 2
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["verdict"] == "inexact-resume" and result["resume_exact"] is False
+    assert result["same_device"] == {"0": False} and result["other_device"] == {"0": False}
+    assert f"detrace recheck: step 2 on the same devices: {tmp_path / 'json' / 'same'}" in captured.err
+    monkeypatch.setattr(command, "recheck", functools.partial(recheck, launch=_fake_launcher({}, [])))
+    assert cli(["recheck", str(run), "--step", "2", "--out", str(tmp_path / "clean")]) == 0
+    assert capsys.readouterr().out.startswith("clean: step 2 re-executed on the same and on other devices")
 
 
 def test_recheck_needs_no_proof_when_the_step_is_reproduced(tmp_path: Path) -> None:

@@ -445,3 +445,20 @@ def test_nested_tensors_never_break_the_op_rung(tmp_path: Path, layout: torch.la
     [out] = [r for r in rows if r["name"] == "aten.mul.Tensor" and r["role"] == "output"]
     # what is recorded of a nested tensor: its packed elements, fingerprinted
     assert out["numel"] == 18 and out["digest"] is not None
+
+
+def test_a_step_0_that_never_ends_is_flushed_every_4096_records(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """F4: the flush every 4096 records holds from the first record: a single process killed in step 0 (no
+    optimizer step ever ends it) keeps all but what came after its last flush."""
+    from detrace.record.session import _RANK_VARIABLES
+
+    for variable in _RANK_VARIABLES:  # a single process: nothing marks it as a future rank
+        monkeypatch.delenv(variable, raising=False)
+    with detrace.trace(tmp_path / "run", rung="op"):
+        x = torch.zeros(4)
+        for _ in range(4500):  # ~9,000 op records, all in step 0
+            x = x + 1
+        trace = read_rank(tmp_path / "run", 0)  # the file as a SIGKILL now would leave it
+    assert trace.table.num_rows >= 9000 - 4096 and not trace.complete
+    assert set(trace.table.column("step").to_pylist()) == {0}
