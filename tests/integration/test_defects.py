@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _synthetic import Fault, SyntheticRun, write_run
+from _synthetic import Fault, SyntheticRun, TrainingStep, write_run, write_training_rank
 from torch import nn
 
 from detrace.defects.arming import arm_from_env
 from detrace.defects.faults import ENV_DEVICE_SHIFT, FaultInjector, FaultSpec, flip_bit, global_step
 from detrace.defects.guard import Guard, Mismatch, _digests, parse_env, vote
-from detrace.defects.recheck import judge, recheck
+from detrace.defects.recheck import judge, recheck, step_results
 from detrace.errors import UsageError
 from detrace.launch.launcher import LaunchResult
 from detrace.tracefile.layout import run_header_path
@@ -377,3 +377,15 @@ def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
     with pytest.raises(UsageError, match=variable), detrace.trace(tmp_path / "t"):
         pass
     assert detrace.record.active() is None
+
+
+def test_recheck_compares_module_buffers_too(tmp_path: Path) -> None:
+    # A flip that lands only in a module buffer (a running mean) leaves every parameter as it was: recheck's
+    # results hold the buffers, so the re-executions are judged on them too.
+    def traced(name: str, mean: int) -> Path:
+        write_training_rank(tmp_path / name, 0, [TrainingStep(step=1, losses=(1.0,), params={"w": 7},
+                                                                buffers={"bn.running_mean": mean})], world_size=1)
+        return tmp_path / name
+    original, flipped = step_results(traced("a", 1), 1), step_results(traced("b", 2), 1)
+    assert original[0][("bn.running_mean", "buffer", 0, 0)] == 1
+    assert judge(original, original, flipped) == ("persistent", (0,))

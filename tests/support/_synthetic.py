@@ -201,6 +201,8 @@ class TrainingStep:
     grad_norm: float | None = None
     params: dict[str, int] | None = None
     """Parameter name -> digest after the optimizer step."""
+    buffers: dict[str, int] | None = None
+    """Module buffer name -> digest as the step ends (role "buffer")."""
 
 
 def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *, world_size: int) -> None:
@@ -223,6 +225,8 @@ def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *
             add(s.step, "metrics", "optimizer", "grad_norm", "metric", 0, value=s.grad_norm)
         for k, (name, digest) in enumerate((s.params or {}).items()):
             add(s.step, "semantic", "optimizer", name, "param", k, digest=digest)
+        for k, (name, digest) in enumerate((s.buffers or {}).items()):
+            add(s.step, "semantic", "optimizer", name, "buffer", k, digest=digest)
     table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
     write_table(out, rank, table, world_size=world_size)
 

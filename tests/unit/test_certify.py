@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from _synthetic import SyntheticRun, rank_table, write_run, write_table
 
@@ -66,6 +67,21 @@ def test_seq_gaps_are_violations(run: Path) -> None:
 def test_collective_left_incomplete_at_the_end(run: Path) -> None:
     table = rank_table(RUN, 1)
     cut = table.num_rows - 3  # the last step's all_reduce input is kept, its output is not
+    rewrite_rank1(run, table.slice(0, cut), close=False)
+    violations = certify(run).violations
+    assert f"rank 1: all_reduce#3 group 0,1 (seq {cut - 1}, step 3) has its input but no output" in violations
+
+
+@pytest.mark.parametrize("phase", ["checkpoint", "bookkeeping"])
+def test_a_checkpoint_or_bookkeeping_collective_left_incomplete_is_a_violation(run: Path, phase: str) -> None:
+    # DCP's collectives while a checkpoint is saved and a framework's logging gathers are recorded in phases of
+    # their own; one cut off by the end of the window is as incomplete as a training all-reduce.
+    table = rank_table(RUN, 1)
+    column = table.schema.get_field_index("phase")
+    field = table.schema.field(column)
+    phases = pc.if_else(pc.equal(table["phase"], "collective"), phase, table["phase"].cast(pa.string()))
+    table = table.set_column(column, field, phases.cast(field.type))
+    cut = table.num_rows - 3
     rewrite_rank1(run, table.slice(0, cut), close=False)
     violations = certify(run).violations
     assert f"rank 1: all_reduce#3 group 0,1 (seq {cut - 1}, step 3) has its input but no output" in violations

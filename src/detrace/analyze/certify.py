@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from detrace.analyze.apart import APART_PHASES
 from detrace.analyze.classify import COMMUNICATION, INPUT_ROLES
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.tracefile import RankFile, open_run
@@ -30,6 +31,7 @@ from detrace.tracefile.reader import CorruptTrace
 from detrace.tracefile.selection import Members, describe_runs, parse_window
 
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
+_APART_SET = pa.array(APART_PHASES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +119,11 @@ def check_rank(file: RankFile) -> _RankFacts:
             expected_seq = int(seqs[-1]) + 1
             records += batch.num_rows
             steps.update(np.unique(batch_steps).tolist())
-            calls = batch.filter(pc.is_in(batch.column("phase"), value_set=_COMMUNICATION_SET))
+            # Collectives recorded apart from the training (a checkpoint's, a framework's bookkeeping) must
+            # complete too: they are the calls of those phases that carry a group sequence number.
+            phase = batch.column("phase")
+            apart = pc.and_(pc.is_in(phase, value_set=_APART_SET), pc.is_valid(batch.column("group_seq")))
+            calls = batch.filter(pc.or_(pc.is_in(phase, value_set=_COMMUNICATION_SET), apart))
             for row in calls.select(["event", "step", "name", "role", "group", "group_seq", "peer"]).to_pylist():
                 if row["role"] in INPUT_ROLES:
                     open_calls.setdefault(row["event"], row)

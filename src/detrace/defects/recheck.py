@@ -126,7 +126,7 @@ def judge(original: Results, same: Results, other: Results,
     return "transient", missed
 
 
-_ROLES = pa.array(["param", "state"])
+_ROLES = pa.array(["param", "state", "buffer"])  # a buffer (running statistics) can take a flip on its own
 Progress = Callable[[str], None]
 
 
