@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,22 @@ def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clock.steps([4, 5]) == {"first": 4, "recorded": [4, 5], "source": "explicit"}
 
 
+def _continuous_and_resumed(tmp_path: Path,
+                            train: Callable[[Model, torch.optim.Optimizer, range], None]) -> None:
+    """`train` over steps 0-3 traced into a, and into b the same run resumed after step 2 from a TrainState."""
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        train(*_fresh(), range(4))
+    model, optimizer = _fresh()
+    train(model, optimizer, range(2))
+    state = detrace.TrainState(model=model, optimizer=optimizer)
+    state.step = 2
+    state.save(tmp_path / "ckpt")
+    with detrace.trace(tmp_path / "b", rung="semantic"):
+        model, optimizer = _fresh()
+        detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt")
+        train(model, optimizer, range(2, 4))
+
+
 def test_work_after_the_optimizer_step_belongs_to_that_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A loop that logs its loss after `optimizer.step()`: the record lands in the step that computed it, so a run
     resumed from a TrainState after step 2 matches the continuous run from step 2 on (it never ran step 1's
@@ -216,17 +233,7 @@ def test_work_after_the_optimizer_step_belongs_to_that_step(tmp_path: Path, caps
             optimizer.step()
             detrace.metric("logged", loss)
 
-    with detrace.trace(tmp_path / "a", rung="semantic"):
-        train(*_fresh(), range(4))
-    model, optimizer = _fresh()
-    train(model, optimizer, range(2))
-    state = detrace.TrainState(model=model, optimizer=optimizer)
-    state.step = 2
-    state.save(tmp_path / "ckpt")
-    with detrace.trace(tmp_path / "b", rung="semantic"):
-        model, optimizer = _fresh()
-        detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt")
-        train(model, optimizer, range(2, 4))
+    _continuous_and_resumed(tmp_path, train)
     logged = [(r["step"], r["occurrence"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
               if r["name"] == "logged"]
     assert logged == [(0, 0), (1, 0), (2, 0), (3, 0)]
@@ -253,18 +260,9 @@ def test_a_step_given_as_a_closure_records_its_own_gradients(tmp_path: Path,
 
             optimizer.step(closure=closure) if i % 2 else optimizer.step(closure)  # by keyword and by position
 
-    norms: list[float] = []
-    with detrace.trace(tmp_path / "a", rung="semantic"):
-        train(*_fresh(), range(4), norms)
-    model, optimizer = _fresh()
-    train(model, optimizer, range(2), [])
-    state = detrace.TrainState(model=model, optimizer=optimizer)
-    state.step = 2
-    state.save(tmp_path / "ckpt")
-    with detrace.trace(tmp_path / "b", rung="semantic"):
-        model, optimizer = _fresh()
-        detrace.TrainState(model=model, optimizer=optimizer).load(tmp_path / "ckpt")
-        train(model, optimizer, range(2, 4), [])
+    norms: list[float] = []  # the continuous run's, steps 0-3
+    _continuous_and_resumed(tmp_path, lambda model, optimizer, steps: train(
+        model, optimizer, steps, norms if steps == range(4) else []))
     recorded = [(r["step"], r["value"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
                 if r["name"] == "grad_norm"]
     assert [step for step, _ in recorded] == [0, 1, 2, 3]
