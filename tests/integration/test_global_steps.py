@@ -203,7 +203,7 @@ def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert clock.steps([4, 5]) == {"first": 4, "recorded": [4, 5], "source": "explicit"}
 
 
-def _continuous_and_resumed(tmp_path: Path,
+def _traced_and_resumed_after_step_2(tmp_path: Path,
                             train: Callable[[Model, torch.optim.Optimizer, range], None]) -> None:
     """`train` over steps 0-3 traced into a, and into b the same run resumed after step 2 from a TrainState."""
     with detrace.trace(tmp_path / "a", rung="semantic"):
@@ -233,7 +233,7 @@ def test_work_after_the_optimizer_step_belongs_to_that_step(tmp_path: Path, caps
             optimizer.step()
             detrace.metric("logged", loss)
 
-    _continuous_and_resumed(tmp_path, train)
+    _traced_and_resumed_after_step_2(tmp_path, train)
     logged = [(r["step"], r["occurrence"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
               if r["name"] == "logged"]
     assert logged == [(0, 0), (1, 0), (2, 0), (3, 0)]
@@ -261,7 +261,7 @@ def test_a_step_given_as_a_closure_records_its_own_gradients(tmp_path: Path,
             optimizer.step(closure=closure) if i % 2 else optimizer.step(closure)  # by keyword and by position
 
     norms: list[float] = []  # the continuous run's, steps 0-3
-    _continuous_and_resumed(tmp_path, lambda model, optimizer, steps: train(
+    _traced_and_resumed_after_step_2(tmp_path, lambda model, optimizer, steps: train(
         model, optimizer, steps, norms if steps == range(4) else []))
     recorded = [(r["step"], r["value"]) for r in read_rank(tmp_path / "a", 0).table.to_pylist()
                 if r["name"] == "grad_norm"]
