@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from detrace.errors import UsageError
 from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
 from detrace.state.loader import SeededCollate, sample_seed, seeded_rngs
+from detrace.state.train_state import is_stateful
 
 
 class SampleKeys(Sampler[tuple[int, int]]):
@@ -124,8 +125,7 @@ def resumable_stream(loader: Any) -> Any | None:
     if isinstance(base, StatefulDataLoader):
         return loader
     dataset = base.dataset
-    stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
-    if base is loader or not stateful:  # a loader of the user's own, or a stream that cannot say where it is
+    if base is loader or not is_stateful(dataset):  # the user's own loader, or a stream that cannot say where it is
         return None
     workers = base.num_workers
     loader.base_dataloader = StatefulDataLoader(

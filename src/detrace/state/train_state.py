@@ -75,7 +75,7 @@ class TrainState:
         elastic: bool = False,
     ) -> None:
         for name, value in (("scheduler", scheduler), ("scaler", scaler), ("data", data)):
-            if value is not None and not _is_stateful(value):
+            if value is not None and not is_stateful(value):
                 hint = ("; wrap the dataset in detrace.state.ResumableLoader (or use torchdata's "
                         "StatefulDataLoader), which keeps the data position" if name == "data" else "")
                 raise UsageError(f"TrainState's {name} needs state_dict() and load_state_dict(), which "
@@ -180,7 +180,7 @@ class TrainState:
         if self.data is not None:
             local["data"] = self.data.state_dict()
         local["extra"] = {
-            name: value.state_dict() if _is_stateful(value) else value for name, value in self.extra.items()
+            name: value.state_dict() if is_stateful(value) else value for name, value in self.extra.items()
         }
         return local
 
@@ -235,7 +235,7 @@ class TrainState:
     def _load_extra(self, saved: Mapping[str, Any]) -> None:
         for name, value in saved.items():
             current = self.extra[name]
-            if _is_stateful(current):
+            if is_stateful(current):
                 current.load_state_dict(value)
             elif isinstance(current, torch.Tensor):
                 with torch.no_grad():
@@ -254,7 +254,8 @@ def _give_own_generator(data: Any) -> None:
         data.generator = torch.Generator().manual_seed(torch.initial_seed())
 
 
-def _is_stateful(value: Any) -> bool:
+def is_stateful(value: Any) -> bool:
+    """`value` saves and restores itself (`state_dict` / `load_state_dict`)."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 

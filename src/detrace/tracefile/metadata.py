@@ -160,7 +160,7 @@ class RunHeader:
         if rung is not None and rung not in RUNGS:
             raise fields.fail("rung", f"one of {', '.join(RUNGS)}")
         traced = fields.get("traced_ranks", list, "a list of ranks", default=[])
-        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in traced):
+        if not all(_is_count(r) for r in traced):
             raise fields.fail("traced_ranks", "a list of ranks")
         versions, determinism = (fields.get(key, dict, "an object", default=None)
                                  for key in ("versions", "determinism"))
