@@ -1,7 +1,8 @@
 """`detrace locate` end to end on real CPU nondeterminism (no injected fault): the embedded default workload (the
-README's set-up command, run as written), a 2-rank torchrun job where only rank 1 runs the racy op, and the
-reference workload's planted late race located from checkpoints. Each ladder is 7-14 runs of CMD; its narrowing,
-retries, fallbacks and messages are checked in process on synthetic traces (tests/unit/test_locate_logic.py)."""
+README's set-up command, run as written) and the reference workload's planted late race located from checkpoints.
+Each ladder is 7-14 runs of CMD; its narrowing (to the origin rank of a multi-rank run among them), retries,
+fallbacks and messages are checked in process on synthetic traces (tests/unit/test_locate_logic.py), and the origin
+rank of a real 2-rank DDP run by the diff it starts from (tests/e2e/test_diff_real.py)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,6 @@ from detrace.report.terminal import make_console
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
-
-
-def _ladder(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert done.returncode == 1, done.stdout + done.stderr
-    payload = json.loads(done.stdout)
-    assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
-    assert payload["verdict"] == "nondeterministic"
-    return payload
 
 
 def setup_command(readme: str) -> str:
@@ -126,71 +119,6 @@ def test_report_names_the_culprit_in_a_real_browser(
                     "Kernel rung: replay of the culprit", FIX_DETERMINISTIC):
         assert section in dom
     assert dom.count("<svg") >= 3  # metric curves, their differences, the ranks x steps map
-
-
-# Two ranks on gloo, grads all-reduced by hand. Only rank 1 gathers with repeated indices (its backward is the
-# racing index_put); rank 0 repeats rows with a deterministic op. Rank 0 receives the difference through the
-# all_reduce: the origin rank is 1.
-DIST_SCRIPT = '''
-import torch, torch.distributed as dist
-from torch import nn
-from detrace._exit import leave
-
-torch.set_num_threads(2)
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-ROWS, COPIES = 8192, 131072
-
-
-class Spread(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("idx", torch.randint(0, ROWS, (COPIES,), generator=torch.Generator().manual_seed(1)))
-        self.register_buffer("scale", torch.rand(COPIES, 1, generator=torch.Generator().manual_seed(3)))
-
-    def forward(self, x):
-        rows = x[self.idx] if rank == 1 else x.repeat(COPIES // ROWS, 1)
-        return rows * self.scale
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.spread, self.out = nn.Linear(16, 16), Spread(), nn.Linear(16, 16)
-
-    def forward(self, x):
-        return torch.tanh(self.out(self.spread(self.inp(x))))
-
-
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-data = torch.randn(ROWS, 16, generator=torch.Generator().manual_seed(2 + rank))
-for step in range(2):
-    model(data).pow(2).mean().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    opt.step()
-    opt.zero_grad()
-dist.barrier()  # the untraced rank is faster: let both finish their last collective before tearing gloo down
-dist.destroy_process_group()
-leave(0)  # gloo's threads outlive the group: exit handlers (the tracer's last write), then no finalization
-'''
-
-
-def test_torchrun_origin_rank_is_the_rank_that_runs_the_racy_op(tmp_path: Path) -> None:
-    script = tmp_path / "dist_train.py"
-    script.write_text(DIST_SCRIPT)
-    out = tmp_path / "out"
-    done = locate_cli("--json", "--out", str(out), "--timeout", "300", "--", sys.executable, "-m",
-                      "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script))
-    payload = _ladder(done)
-    culprit = payload["culprit"]
-    assert culprit["rank"] == 1 and culprit["name"].startswith("aten.index_put") and culprit["origin"] is True
-    ladder = load_ladder(out)
-    assert (ladder.stages[0].diff or {})["origin_ranks"] == [1]
-    assert {s.ranks for s in ladder.stages[1:]} == {"1"}  # narrower rungs traced the origin rank only
-    assert FIX_DETERMINISTIC in payload["replay"]["fixed_by"]
 
 
 # The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real

@@ -1,5 +1,5 @@
 """The validation matrix: its commands, its verdict cells, its table and its errors; and the CI subset for real
-(one process and one 2-rank configuration through `detrace check` / `detrace check-resume`)."""
+(one process through `detrace check` / `detrace check-resume`, with and without the recipe)."""
 
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 
 @pytest.mark.slow
 def test_the_ci_subset_is_green(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The fast subset for real, with the documented defaults (--steps 4 --at 2): one process and one 2-rank
-    configuration, every verification command on the real trainer, each in a process of its own as a user types
-    it (`detrace validate` itself runs in this process: it only starts them and reads their JSON)."""
+    """The fast subset for real, with the documented defaults (--steps 4 --at 2): one process, every verification
+    command on the real trainer, each in a process of its own as a user types it (`detrace validate` itself runs in
+    this process: it only starts them and reads their JSON). A 2-rank check-resume: tests/e2e/test_verify.py."""
     code = main(["--fast", "--out", str(tmp_path)])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err[-3000:]

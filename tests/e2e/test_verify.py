@@ -1,6 +1,7 @@
-"""`detrace check` and `detrace check-resume` end to end, on real commands in real processes: one real check (a real
-race caught), one check-resume on a plain command and one on DDP x2, and the errors of bad input. Every verdict,
-message and JSON field is decided in process on synthetic traces (tests/unit/test_check_resume_logic.py)."""
+"""`detrace check` and `detrace check-resume` end to end: a check-resume on FSDP x2, and the errors of bad input. The
+README tour (tests/e2e/test_readme_tour.py) runs the real check that catches a real race and the real one-process
+check-resume; every verdict, message and JSON field is decided in process on synthetic traces
+(tests/unit/test_check_resume_logic.py)."""
 
 from __future__ import annotations
 
@@ -12,46 +13,15 @@ import pytest
 
 from detrace.cli import main
 
-TOY = str(Path(__file__).parents[1] / "support" / "scripts" / "resume_toy.py")
-PLAIN_MOE = str(Path(__file__).parents[2] / "examples" / "plain_moe_train.py")
-
 pytestmark = pytest.mark.slow
 
 
-def test_check_catches_real_nondeterminism(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # index_put with accumulate over repeated indices, at 2 threads: no fault is injected. The race is real and
-    # strikes in nearly every backward (each expert takes its tokens in priority order).
-    code = main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, PLAIN_MOE, "--steps", "2",
-                 "--threads", "2"])
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert "run 2 differs from run 1" in out and "first divergence: rank 0, step 0" in out
-
-
-def test_check_resume_exact_on_a_real_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Every verdict and several stop points are decided in process (test_check_resume_logic.py); this is the
-    # real thing once: a TrainState loop stopped after step 2, resumed in a fresh process, and its control, a real
-    # resume defect (no RNG states), which the diff must find. Its two continuous runs are `detrace check`'s
-    # proof of a deterministic command (the same launcher and diff), bit-identical.
-    # (The human form of an exact verdict is asserted by the README tour test, on the reference workload.)
-    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, TOY,
-                 "--steps", "4"])
-    report = json.loads(capsys.readouterr().out)
-    assert code == 0, report
-    assert report["schema"] == "detrace.check-resume/1" and report["verdict"] == "exact" and report["at"] == [2]
-    assert report["repeat"]["verdict"] == "identical" and report["repeat"]["compared"]["records"] > 0
-    [point] = report["points"]
-    assert point["resume"]["verdict"] == "identical" and point["resumed_again"] is None
-    assert point["resume"]["compared"]["steps"] == {"first": 2, "last": 3}
-    assert point["control"]["verdict"] == "diverged" and set(point["runs"]) == {"stopped", "resumed", "control"}
-    assert report["first"]["step"] == 2  # the control's first resumed step already differs without its RNG
-
-
-def test_check_resume_exact_on_ddp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The reference workload on 2 gloo ranks under torchrun: every arm is a 2-rank job.
+def test_check_resume_exact_on_fsdp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The reference workload sharded with FSDP2 on 2 gloo ranks under torchrun: every arm is a 2-rank job, the
+    # checkpoint a sharded DCP one (the validation matrix's `fsdp x2` row, docs/workload.md).
     code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, "-m",
                  "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.workload.train",
-                 "--preset", "tiny", "--steps", "3", "--parallel", "ddp", "--deterministic"])
+                 "--preset", "tiny", "--steps", "3", "--threads", "1", "--parallel", "fsdp", "--deterministic"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0, report
     [point] = report["points"]

@@ -77,6 +77,18 @@ def test_resume_from_any_periodic_checkpoint_is_exact_with_or_without_workers(
     assert _fit(example, {"DETRACE_RESUME_FROM": str(versions[2]), "DETRACE_RESUME_CONTROL": "skip-rng"}) != final
 
 
+def test_lightning_alone_resumed_from_its_own_checkpoint_changes_the_run(example: ModuleType, tmp_path: Path) -> None:
+    # The example without the callback (--plain): stopped after step 2 of an epoch of 3 and resumed by Lightning's
+    # own ckpt_path, the run replays the epoch's data order from its start, and ends with other parameters than the
+    # run that never stopped. (Under DDP the same: docs/integrations.md; the callback's arm is proven exact there by
+    # tests/e2e/test_integrations_lightning.py.)
+    root = str(tmp_path / "plain")
+    continuous = _fit(example, {}, plain=True)
+    _fit(example, {"DETRACE_CKPT_DIR": root, "DETRACE_STOP_AT": "2"}, plain=True)
+    assert sorted(p.name for p in Path(root).iterdir()) == ["step-2.ckpt"]
+    assert _fit(example, {"DETRACE_CKPT_DIR": root, "DETRACE_RESUME": "1"}, plain=True) != continuous
+
+
 def test_a_flipped_bit_is_refused_naming_the_tensor(example: ModuleType, saved: tuple[str, dict[int, Path]],
                                                     tmp_path: Path) -> None:
     ckpt = tmp_path / "step-00000002.ckpt"

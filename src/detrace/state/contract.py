@@ -30,8 +30,6 @@ from typing import NamedTuple
 
 from detrace._numbers import parse_count
 from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
-from detrace.state import checkpoint
-from detrace.state.manifest import MANIFEST_FILE
 
 ENV_CKPT_DIR = "DETRACE_CKPT_DIR"
 ENV_STOP_AT = "DETRACE_STOP_AT"
@@ -109,6 +107,11 @@ def resume_problem(path: Path) -> str | None:
 
 
 def _complete(state: Path) -> bool:
+    # Imported here: the checkpoint modules import torch.distributed.checkpoint (about a second), and every
+    # training process that follows the contract imports this module, most of them without resuming.
+    from detrace.state import checkpoint
+    from detrace.state.manifest import MANIFEST_FILE
+
     try:
         return (checkpoint.resolve(state) / MANIFEST_FILE).is_file()
     except CheckpointError:

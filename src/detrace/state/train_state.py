@@ -18,18 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from detrace import _events
 from detrace._compat import unhooked_step
 from detrace.defects.arming import arm_from_env
 from detrace.errors import CheckpointError, UsageError
-from detrace.state import checkpoint, rng
+from detrace.state import rng
 from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     CONTROLS,
@@ -102,6 +96,8 @@ class TrainState:
         Atomic: until it returns, `path` still designates the previous checkpoint. Keeps the `keep` most
         recent versions.
         """
+        from detrace.state import checkpoint  # see _shared: DCP is imported when a checkpoint is written or read
+
         with _events.checkpoint_io():
             return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(),
                                     keep=keep, elastic=self.elastic)
@@ -162,6 +158,10 @@ class TrainState:
     def _shared(self) -> dict[str, Any]:
         """Model, optimizer, scheduler and scaler state as this rank holds it: replicated (DDP), sharded
         (FSDP2), or this rank's own part of the model (a pipeline stage)."""
+        # torch.distributed.checkpoint is imported here, not with this module: its import (DTensor with it) takes
+        # about a second, which every training process that builds a TrainState and never saves would pay.
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         if self.optimizer is None:
             shared: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         else:
@@ -189,6 +189,10 @@ class TrainState:
             return self._restore(path, control=control)
 
     def _restore(self, path: Path, *, control: str | None) -> int:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict  # see _shared
+
+        from detrace.state import checkpoint
+
         loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits, elastic=self.elastic)
         shared, local = loaded.shared, loaded.local
         if self.optimizer is None:
