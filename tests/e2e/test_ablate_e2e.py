@@ -1,6 +1,7 @@
 """`detrace spikes` and `detrace ablate` end to end: the reference trainer's planted data spike (found, replayed bit
-for bit in fresh processes, and isolated), the refusal of a run that does not reproduce, and a Lightning script
-through its callback. Every kind's verdict on the trainer's real losses is checked in process
+for bit in fresh processes, and isolated) and the refusal of a run that does not reproduce. A framework's run through
+its callback: tests/e2e/test_integrations_hf.py (real processes), tests/integration/test_lightning.py (the variant's
+data shift, in process). Every kind's verdict on the trainer's real losses is checked in process
 (tests/integration/test_ablate_trainer.py), the decision logic on synthetic traces (tests/unit/test_ablate.py)."""
 
 from __future__ import annotations
@@ -75,18 +76,3 @@ def test_a_run_that_does_not_reproduce_is_refused(tmp_path: Path, monkeypatch: p
     assert code == 2 and out.startswith("not-reproducible: not reproducible: the replay from the checkpoint "
                                         "after 8 steps differs from the original run (rank 0, step "), out
     assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.is_dir()) == ["baseline", "checkpoints"]
-
-
-def test_lightning_baseline_and_a_variant_through_the_callback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    cmd = [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "8"]
-    run = traced(tmp_path, monkeypatch, cmd, every=2)
-    # The example's loss is noisy: with k = 1 over 6 steps, step 6 is above the threshold.
-    code, result = json_of(["ablate", "--step", "6", "--run", str(run), "--k", "1", "--trail", "6", "--after", "0",
-                            "--no-builtins", "--variant", "shifted=ENV:DETRACE_DATA_SHIFT=1", "--out",
-                            str(tmp_path / "ablate"), "--json", "--", *cmd], capsys)
-    assert code == 1 and result["checkpoint"] == 4, result
-    assert result["baseline"]["value"] == result["original"] and result["baseline"]["spiked"]
-    (variant,) = result["variants"]
-    assert variant["name"] == "shifted" and variant["value"] != result["baseline"]["value"]
-    assert variant["departure"]["step"] == 4  # the batch the callback skipped changes the step it resumes at

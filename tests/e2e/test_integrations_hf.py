@@ -1,8 +1,8 @@
 """DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
-the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers and for a stream
-(HF `datasets`), `detrace ablate` through the callback, a flipped bit refused by tensor name, the tracer fed, and the
-contract's errors. A stream with state_dict goes on from its position instead of HF's replay. HF alone changing the
-run: tests/e2e/test_hf_resume.py."""
+the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers, `detrace ablate`
+through the callback, a flipped bit refused by tensor name, the tracer fed, and the contract's errors. A stream with
+state_dict goes on from its position instead of HF's replay (in process; an HF `datasets` stream with 2 workers:
+tests/integration/test_streams.py). HF alone changing the run: tests/e2e/test_hf_resume.py."""
 
 from __future__ import annotations
 
@@ -109,15 +109,6 @@ def test_a_data_shift_past_the_end_of_the_epoch_is_refused(
                                          r"stop training: resume from a checkpoint earlier in the epoch, or skip fewer "
                                          r"steps$"):
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-
-
-def test_a_stream_that_says_where_it_is_resumes_exactly(tmp_path: Path) -> None:
-    """An HF `datasets` stream (2 shards, 2 DataLoader workers) through the callback: `detrace check-resume` says
-    exact across an epoch's end (the stream ends after step 3 of 4 and starts over), and its control diverges."""
-    code, _, found = check_resume(SCRIPT, tmp_path / "check", at=AT, extra=("--stream", "--steps", "4"))
-    assert code == 0
-    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"]
-    assert found["control"] and found["control"].isdisjoint(found["continuous"])
 
 
 def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4, spike: int | None = None) -> Any:

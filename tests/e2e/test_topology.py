@@ -251,12 +251,11 @@ def test_trainer_takes_the_tp_size_from_check_topology(monkeypatch: pytest.Monke
 
 
 @pytest.mark.slow
-def test_check_topology_on_a_plain_loop_and_its_naive_fault(tmp_path: Path,
+def test_check_topology_finds_a_plain_loops_naive_reduction(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = _check_cli(capsys, tmp_path, "plain", "--worlds", "1,2", "--", sys.executable, str(LOOP),
-                              "--steps", "2")
-    assert code == 0, report
-    # Test-only fault: the same loop reducing the usual way (running-order accumulation, then all_reduce)
+    # Test-only fault: the example loop reducing the usual way (running-order accumulation, then all_reduce) gives
+    # other bits at world 2 than at world 1. The invariant reduction's same bits at worlds 1, 2 and 4: the reference
+    # workload's test below; the verdict's logic: the in-process tests above.
     code, report = _check_cli(capsys, tmp_path, "naive", "--worlds", "1,2", "--", sys.executable, str(LOOP),
                               "--steps", "2", "--reduce", "naive")
     assert code == 1, report
