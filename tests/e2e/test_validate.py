@@ -121,7 +121,7 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 def test_the_ci_subset_is_green(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The fast subset for real, with the documented defaults (--steps 4 --at 2): one process, every verification
     command on the real trainer, each in a process of its own as a user types it (`detrace validate` itself runs in
-    this process: it only starts them and reads their JSON). A 2-rank check-resume: tests/e2e/test_verify.py."""
+    this process: it only starts them and reads their JSON)."""
     code = main(["--fast", "--out", str(tmp_path)])
     printed = capsys.readouterr()
     assert code == 0, printed.out + printed.err[-3000:]

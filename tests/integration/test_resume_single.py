@@ -1,7 +1,7 @@
 """Exact resume in one process, run in this one: the contract of `detrace check-resume` (DETRACE_STOP_AT saves and
 stops, DETRACE_RESUME resumes) on a workload with every source of randomness a resume can get wrong
 (tests/support/_resume_program.py), and its negative control. In real, fresh processes: tests/e2e/test_resume.py
-(2 ranks, DDP and FSDP2) and tests/e2e/test_verify.py (check-resume)."""
+(2 ranks, DDP and FSDP2) and tests/e2e/test_readme_tour.py (check-resume)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The standalone example scripts under examples/: plain PyTorch, no detrace import, they run (in this process, as
-`python examples/plain_moe_train.py` runs them; `detrace check` runs it in real processes in tests/e2e/test_verify.py
-and the README tour)."""
+`python examples/plain_moe_train.py` runs them; `detrace check` runs it in real processes in the README tour,
+tests/e2e/test_readme_tour.py)."""
 
 from __future__ import annotations
 

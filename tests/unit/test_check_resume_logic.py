@@ -2,7 +2,7 @@
 
 The launch seam (`launch=`) replaces the real launcher with `Scripted`, which writes, for each arm, the trace a
 command with a given behaviour would have written: the four-arm proof's every verdict and message is checked here
-in milliseconds; tests/e2e/test_verify.py keeps one real command per verdict family.
+in milliseconds; the README tour (tests/e2e/test_readme_tour.py) and the framework cases keep the real commands.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ CONFIGS: tuple[Config, ...] = (
                                                        "--dispatch", "fixed"), threads=1, topology=True)
       for n in (1, 2, 4)),
 )
-FAST = ("single index",)  # what CI runs (tests/e2e/test_validate.py; fsdp x2's resume: tests/e2e/test_verify.py)
+FAST = ("single index",)  # what CI runs (tests/e2e/test_validate.py)
 
 
 # A line of a failed training command's output that names the cause: a one-sentence error or an exception.

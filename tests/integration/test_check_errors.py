@@ -1,32 +1,17 @@
-"""`detrace check` and `detrace check-resume` end to end: a check-resume on FSDP x2, and the errors of bad input. The
+"""`detrace check` and `detrace check-resume` on bad input: one clear sentence, exit 2, the user's files kept. The
 README tour (tests/e2e/test_readme_tour.py) runs the real check that catches a real race and the real one-process
-check-resume; every verdict, message and JSON field is decided in process on synthetic traces
-(tests/unit/test_check_resume_logic.py)."""
+check-resume; the framework cases run check-resume at 2 ranks under torchrun (tests/e2e/test_hf_ddp_resume.py,
+test_integrations_lightning.py); TrainState's exact resume under DDP and FSDP2 is tests/e2e/test_resume.py; every
+verdict, message and JSON field is decided in process on synthetic traces (tests/unit/test_check_resume_logic.py)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from detrace.cli import main
-
-pytestmark = pytest.mark.slow
-
-
-def test_check_resume_exact_on_fsdp_x2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The reference workload sharded with FSDP2 on 2 gloo ranks under torchrun: every arm is a 2-rank job, the
-    # checkpoint a sharded DCP one (the validation matrix's `fsdp x2` row, docs/workload.md).
-    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "r"), "--json", "--", sys.executable, "-m",
-                 "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "detrace.workload.train",
-                 "--preset", "tiny", "--steps", "3", "--threads", "1", "--parallel", "fsdp", "--deterministic"])
-    report = json.loads(capsys.readouterr().out)
-    assert code == 0, report
-    [point] = report["points"]
-    assert report["repeat"]["compared"]["ranks"] == 2 and point["resume"]["compared"]["ranks"] == 2
-    assert point["resume"]["compared"]["steps"] == {"first": 2, "last": 2} and point["control"]["verdict"] == "diverged"
 
 
 @pytest.mark.parametrize(
