@@ -36,8 +36,7 @@ def _finals(report: Path) -> dict[tuple[str, int], set[str]]:
     return found
 
 
-def test_ddp_resume_is_exact_with_the_callback(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ddp_resume_is_exact_with_the_callback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "report.jsonl"
     code = main(["check-resume", "--at", str(AT), "--out", str(tmp_path / "check"), "--json", "--",
                  *_torchrun(report)])

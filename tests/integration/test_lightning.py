@@ -77,7 +77,8 @@ def test_resume_from_any_periodic_checkpoint_is_exact_with_or_without_workers(
     assert _fit(example, {"DETRACE_RESUME_FROM": str(versions[2]), "DETRACE_RESUME_CONTROL": "skip-rng"}) != final
 
 
-def test_ablates_data_shift_goes_through_the_callback(example: ModuleType, saved: tuple[str, dict[int, Path]]) -> None:
+def test_an_ablate_variants_data_shift_goes_through_the_callback(example: ModuleType,
+                                                                 saved: tuple[str, dict[int, Path]]) -> None:
     # What `detrace ablate` runs for a variant: resumed from the periodic checkpoint after step 2 (an epoch's end)
     # with DETRACE_DATA_SHIFT=1, the callback skips one step's samples, and the run ends elsewhere than its
     # baseline, which, resumed from the same checkpoint without the shift, ends with the original run's bits.
@@ -89,8 +90,7 @@ def test_ablates_data_shift_goes_through_the_callback(example: ModuleType, saved
 def test_lightning_alone_resumed_from_its_own_checkpoint_changes_the_run(example: ModuleType, tmp_path: Path) -> None:
     # The example without the callback (--plain): stopped after step 2 of an epoch of 3 and resumed by Lightning's
     # own ckpt_path, the run replays the epoch's data order from its start, and ends with other parameters than the
-    # run that never stopped. (Under DDP the same: docs/integrations.md; the callback's arm is proven exact there by
-    # tests/e2e/test_integrations_lightning.py.)
+    # run that never stopped. (The callback's arm under DDP: tests/e2e/test_integrations_lightning.py.)
     root = str(tmp_path / "plain")
     continuous = _fit(example, {}, plain=True)
     _fit(example, {"DETRACE_CKPT_DIR": root, "DETRACE_STOP_AT": "2"}, plain=True)

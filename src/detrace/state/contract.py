@@ -107,7 +107,7 @@ def resume_problem(path: Path) -> str | None:
 
 
 def _complete(state: Path) -> bool:
-    # Imported here: the checkpoint modules import torch.distributed.checkpoint (about a second), and every
+    # Imported here: the checkpoint modules import torch.distributed.checkpoint (see TrainState._shared), and every
     # training process that follows the contract imports this module, most of them without resuming.
     from detrace.state import checkpoint
     from detrace.state.manifest import MANIFEST_FILE

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from detrace.errors import UsageError
@@ -279,10 +279,7 @@ class MLP(nn.Module):
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (what this rank holds and computes with); any other tensor itself."""
-    # A DTensor exists only where the sharding that made it imported torch.distributed.tensor. Not importing it
-    # here spares every unsharded run its import (about a second).
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Experts(nn.Module):
