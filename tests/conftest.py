@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,46 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning")
+
+
+# The suite runs on several pytest-xdist workers (pyproject.toml's addopts). A test marked `race` asserts that a real
+# CPU race strikes: its two threads must overlap in time, which a busy second core delays by a step or more (the
+# first divergence that docs quote moves). Such a test runs alone on the machine: it holds the machine lock
+# exclusively, every other test holds it shared. The files that hold one run first, together, so that no worker
+# waits long; then the rest, the slowest tier first, so that the last files to run are short ones.
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers = ("e2e", "integration", "unit")
+    racing = {item.path for item in items if item.get_closest_marker("race") is not None}
+    items.sort(key=lambda item: (item.path not in racing,
+                                 next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))
+
+
+@contextmanager
+def _machine(exclusive: bool) -> Iterator[None]:
+    """Hold the machine shared, or alone. A writer first holds the turnstile, which every test passes on its way in,
+    so that shared holders cannot keep a race test waiting for ever."""
+    room = Path(tempfile.gettempdir()) / f"detrace-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    room.mkdir(exist_ok=True)
+    with open(room / "turnstile", "a") as turnstile, open(room / "machine", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing to share
+        yield
+        return
+    with _machine(exclusive=item.get_closest_marker("race") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -141,6 +141,7 @@ def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: Mo
 
 
 @pytest.mark.slow
+@pytest.mark.race
 def test_locate_names_the_racing_kernel_of_a_compiled_backward(tmp_path: Path) -> None:
     # The README's command: two steps, so that each run gives the race two chances to strike (with one, a pair
     # under load sometimes did not part: about one run in fifteen repeats another's bits in a step).

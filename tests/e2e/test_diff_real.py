@@ -23,7 +23,7 @@ import detrace
 from detrace.analyze import DiffResult, diff
 from detrace.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.race]
 
 ROWS, WIDTH = 8192, 16
 

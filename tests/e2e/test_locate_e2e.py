@@ -25,7 +25,7 @@ from detrace.investigate.locate.driver import REFERENCE_RUN
 from detrace.investigate.replay import FIX_DETERMINISTIC
 from detrace.report.terminal import make_console
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.race]
 
 ROOT = Path(__file__).parents[2]
 

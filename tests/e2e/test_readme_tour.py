@@ -1,4 +1,6 @@
-"""Every command of the README's tour runs, in order, and does what the tour says it does.
+"""Every command of the README's tour runs, in order, and does what the tour says it does: sections 1-3 (the race
+found, compared, located and reported) in one test, which runs alone on the machine, sections 4-5 (deterministic)
+in another.
 
 The commands are read from the README itself (the ```bash block under "## A tour"), so the test fails when the
 README drifts: a command that is not listed in EXPECTED below, or one that no longer exits as expected. The README's
@@ -57,14 +59,35 @@ def test_the_tour_lists_only_known_commands() -> None:
     assert commands == list(EXPECTED), "the README's tour changed: update EXPECTED with what each command shows"
 
 
-def test_every_tour_command_runs_as_the_tour_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+RACING = 6
+"""The tour's first commands (sections 1-3) find, compare and locate the example's race: they run alone on the
+machine (the `race` mark); the rest (sections 4-5) are deterministic and share it with other tests."""
+
+
+@pytest.mark.race
+def test_the_tours_race_is_found_compared_and_located(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    commands = tour_commands((ROOT / "README.md").read_text())[:RACING]
+    assert commands[-1].startswith("detrace report") and THROUGH_THE_CONSOLE_SCRIPT in commands
+    _run(commands, tmp_path, monkeypatch, capsys)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "b"]
+
+
+def test_the_tours_deterministic_commands_run_as_it_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    commands = tour_commands((ROOT / "README.md").read_text())[RACING:]
+    assert "--deterministic" in commands[0]
+    _run(commands, tmp_path, monkeypatch, capsys)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ddp"]
+
+
+def _run(commands: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+         capsys: pytest.CaptureFixture[str]) -> None:
+    """Run tour commands in order in an empty directory (the examples linked in), as the README writes them."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
-    commands = tour_commands((ROOT / "README.md").read_text())
-    assert THROUGH_THE_CONSOLE_SCRIPT in commands
     for command in commands:
         argv = shlex.split(command)
         if argv[0] == "detrace" and command != THROUGH_THE_CONSOLE_SCRIPT:
@@ -86,5 +109,3 @@ def test_every_tour_command_runs_as_the_tour_says(tmp_path: Path, monkeypatch: p
                 "(skip-rng) diverged as it must, first divergence: rank 0, step 2, "), out
         if command == THROUGH_THE_CONSOLE_SCRIPT:
             assert out.startswith("diverged: "), out
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "b", "ddp"]
-

@@ -118,6 +118,7 @@ def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[
 
 
 @pytest.mark.slow
+@pytest.mark.race
 def test_the_ci_subset_is_green(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The fast subset for real, with the documented defaults (--steps 4 --at 2): one process, every verification
     command on the real trainer, each in a process of its own as a user types it (`detrace validate` itself runs in

@@ -66,6 +66,7 @@ def test_a_buffer_is_recorded_with_the_parameters(tmp_path: Path) -> None:
     assert buffers == [(0, "optimizer", "router.load"), (1, "optimizer", "router.load")]
 
 
+@pytest.mark.race
 @pytest.mark.usefixtures("two_threads")
 def test_buffer_only_nondeterminism_is_found(tmp_path: Path) -> None:
     _run(tmp_path / "a")

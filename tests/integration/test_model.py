@@ -175,6 +175,7 @@ def _bit_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.race
 def test_index_dispatch_is_really_nondeterministic_at_two_threads() -> None:
     torch.use_deterministic_algorithms(False)
     cfg = replace(TINY, dispatch="index")

@@ -64,6 +64,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.race
 def test_accumulating_index_put_is_nondeterministic_and_fixed_by_both_switches(run_dir: Path) -> None:
     result = replay_file(find_capture(run_dir, "7"), ReplayConfig(repeats=8))
     assert result.nondeterministic
@@ -106,6 +107,7 @@ def test_ulp_distance_is_exact_across_signs_and_widths() -> None:
     assert _ulp(torch.tensor([3, 5]), torch.tensor([3, 9])) == (1, 4)
 
 
+@pytest.mark.race
 def test_cli_exit_codes_and_json(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(run_dir), "--event", "9", "--repeats", "3", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
