@@ -1,8 +1,9 @@
 """A loop written with accelerate directly (examples/accelerate_train.py, 2 DataLoader workers): with
 `detrace.integrations.accelerate.register`, `detrace check-resume` proves its resume exact in one process; under
-torchrun at 2 ranks, with the registration and with a TrainState kept beside `save_state` / `load_state` as
-docs/integrations.md shows, a run resumed after step 2 ends with the continuous run's parameters (the negative
-control diverging is shown once, by check-resume in one process)."""
+torchrun at 2 ranks, with the registration (from a periodic checkpoint) and with a TrainState kept beside
+`save_state` / `load_state` as docs/integrations.md shows (stopped and resumed), a run resumed after step 2 ends
+with the continuous run's parameters (the negative control diverging is shown once, by check-resume in one
+process)."""
 
 from __future__ import annotations
 
@@ -37,17 +38,15 @@ def _torchrun(mode: str, report: Path, **contract: str) -> None:
     torchrun_example(SCRIPT, "--mode", mode, "--workers", "2", "--report", str(report), env=contract)
 
 
-@pytest.mark.parametrize("mode", ["register", "beside"])
-def test_the_loop_resumes_exactly_at_two_ranks(tmp_path: Path, mode: str) -> None:
-    report, ckpt = tmp_path / "report.jsonl", str(tmp_path / "ckpt")
-    if mode == "register":  # one continuous run that also keeps a checkpoint after step 2, resumed from it
-        _torchrun(mode, report, DETRACE_CKPT_DIR=ckpt, DETRACE_CKPT_EVERY="2")
-        resume = {"DETRACE_CKPT_DIR": str(tmp_path / "b"), "DETRACE_RESUME_FROM": f"{ckpt}/checkpoint-2"}
-        _torchrun(mode, report, **resume)
-    else:  # the contract as docs/integrations.md's loop follows it: stop after step 2, resume
-        _torchrun(mode, report)
-        _torchrun(mode, report, DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
-        _torchrun(mode, report, DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
+def test_the_loop_resumes_exactly_at_two_ranks_in_both_modes(tmp_path: Path) -> None:
+    report, ckpt = tmp_path / "report.jsonl", tmp_path / "ckpt"
+    # registered: one continuous run that also keeps a checkpoint after step 2, resumed from it
+    _torchrun("register", report, DETRACE_CKPT_DIR=str(ckpt / "register"), DETRACE_CKPT_EVERY="2")
+    _torchrun("register", report, DETRACE_CKPT_DIR=str(tmp_path / "b"),
+              DETRACE_RESUME_FROM=str(ckpt / "register" / "checkpoint-2"))
+    # beside, the contract as docs/integrations.md's loop follows it: stopped after step 2, resumed. Both modes
+    # train alike: the registered run is the continuous run of both.
+    _torchrun("beside", report, DETRACE_CKPT_DIR=str(ckpt / "beside"), DETRACE_STOP_AT="2")
+    _torchrun("beside", report, DETRACE_CKPT_DIR=str(ckpt / "beside"), DETRACE_RESUME="1")
     arms = sorted_arms(report)
-    continuous = arms["continuous"]  # with DETRACE_CKPT_EVERY, the run goes on to its last step
-    assert len(continuous) == 1 and arms["resumed"] == continuous
+    assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"], arms

@@ -1,8 +1,10 @@
 """DetraceCallback on a real transformers Trainer (tiny GPT-2 from a config, dropout, a random augmentation in
-the dataset): exact resume proven by `detrace check-resume`, the same without DataLoader workers, `detrace ablate`
-through the callback, a flipped bit refused by tensor name, the tracer fed, and the contract's errors. A stream with
-state_dict goes on from its position instead of HF's replay (in process; an HF `datasets` stream with 2 workers:
-tests/integration/test_streams.py). HF alone changing the run: tests/e2e/test_hf_resume.py."""
+the dataset): a run with 2 DataLoader workers resumed exactly from its periodic checkpoints (in a fresh process,
+and without workers), `detrace ablate` through the callback, a flipped bit refused by tensor name, the tracer fed,
+and the contract's errors. A stream with state_dict goes on from its position instead of HF's replay (in process;
+an HF `datasets` stream with 2 workers: tests/integration/test_streams.py). HF alone changing the run:
+tests/e2e/test_hf_resume.py; `detrace check-resume`'s verdict on a Trainer with the callback, under torchrun:
+tests/e2e/test_hf_ddp_resume.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _integrations import check_resume, periodic_checkpoints_resume_exactly
+from _integrations import periodic_checkpoints_resume_exactly
 from _tools import flip_one_bit
 
 import detrace
@@ -35,56 +37,46 @@ _spec.loader.exec_module(hf_train)
 
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, set[str]]]:
-    """`detrace check-resume` on the example with the callback and 2 DataLoader workers."""
-    return check_resume(SCRIPT, tmp_path_factory.mktemp("hf") / "check", at=AT, extra=SPIKE)
+def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dict[int, Path], str]:
+    """Read-only. What `detrace locate` and `detrace ablate` ask of a script, on the example with 2 DataLoader
+    workers: traced (`detrace run`) with DETRACE_CKPT_EVERY=2, it keeps HF's checkpoint-2, -4 and -6 and trains to its
+    end; resumed from checkpoint-2 in a fresh process (DETRACE_RESUME_FROM), it ends with that run's bits. The
+    traced run, its command, the checkpoints by step, and the continuous run's final parameters."""
+    tmp_path = tmp_path_factory.mktemp("periodic")
+    versions, continuous = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, workers=2,
+                                                               traced=tmp_path / "original", extra=SPIKE)
+    assert versions[4].name == "checkpoint-4"
+    command = [sys.executable, str(SCRIPT), "--workers", "2", *SPIKE]
+    return tmp_path / "original", command, versions, continuous
 
 
-def test_check_resume_proves_the_callback_exact(checked: tuple[int, Path, dict[str, set[str]]]) -> None:
-    code, _, arms = checked
-    assert code == 0
-    assert len(arms["continuous"]) == 1 and arms["resumed"] == arms["continuous"]
-    assert arms["control"] and arms["control"].isdisjoint(arms["continuous"])  # the negative control diverged
+def test_the_callback_resumes_exactly_from_any_periodic_checkpoint(
+        original: tuple[Path, list[str], dict[int, Path], str]) -> None:
+    # DETRACE_CKPT_EVERY and DETRACE_RESUME_FROM: the callback keeps HF's checkpoint-N of every K-th step, and a run
+    # resumed from one, with the workers' augmentation, ends with the continuous run's bits (checked in the
+    # fixture); `detrace locate` finds them in the traced run and starts its narrow runs from one of them.
+    run, _, versions, _ = original
+    assert (run / "run.json").is_file() and all((path / "detrace").is_dir() for path in versions.values())
 
 
 def test_resume_without_workers_is_exact_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+                                             original: tuple[Path, list[str], dict[int, Path], str]) -> None:
     # Each sample's augmentation has its own seed: resumed with 0 workers (in this process) from the checkpoint of
     # the run with 2, the run ends with the bits of the continuous 2-worker run.
-    monkeypatch.setenv("DETRACE_CKPT_DIR", str(checked[1] / f"at-{AT}" / "checkpoint"))
-    monkeypatch.setenv("DETRACE_RESUME", "1")
+    _, _, versions, continuous = original
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(versions[AT]))
     trainer = _trainer(tmp_path, steps=6, spike=4)
     trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-    assert {hf_train.parameters_digest(trainer)} == checked[2]["continuous"]
-
-
-@pytest.fixture(scope="module")
-def periodic(tmp_path_factory: pytest.TempPathFactory, checked: tuple[int, Path, dict[str, set[str]]]
-             ) -> tuple[Path, list[str]]:
-    """What `detrace locate` and `detrace ablate` ask of a script: traced with DETRACE_CKPT_EVERY=2 and resumed from
-    its checkpoint after step 2 (DETRACE_RESUME_FROM), it ends with the continuous run's bits. The traced run and
-    its command, for ablate."""
-    tmp_path = tmp_path_factory.mktemp("periodic")
-    command = [sys.executable, str(SCRIPT), "--workers", "0", *SPIKE]
-    versions = periodic_checkpoints_resume_exactly(SCRIPT, tmp_path, continuous=checked[2]["continuous"],
-                                                   traced=tmp_path / "original", extra=SPIKE)
-    assert versions[4].name == "checkpoint-4"
-    return tmp_path / "original", command
-
-
-def test_locates_checkpointed_ladder_can_save_every_k_steps_and_resume_from_any(
-        periodic: tuple[Path, list[str]]) -> None:
-    # DETRACE_CKPT_EVERY and DETRACE_RESUME_FROM: the callback keeps HF's checkpoint-N of every K-th step, and
-    # `detrace locate` finds them and starts its narrow runs from one of them (checked in the fixture).
-    assert (periodic[0] / "run.json").is_file()
+    assert hf_train.parameters_digest(trainer) == continuous
 
 
 def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
-        tmp_path: Path, periodic: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, original: tuple[Path, list[str], dict[int, Path], str],
+        capsys: pytest.CaptureFixture[str]) -> None:
     """`detrace ablate` on the traced periodic run, at its planted spike: the baseline replays it from checkpoint-4
     bit for bit through step 5 and spikes there, and a data shift of one step (the callback skips one step's
     samples) changes the run from step 4 on."""
-    run, command = periodic
+    run, command, _, _ = original
     capsys.readouterr()
     code = main(["ablate", "--step", "5", "--run", str(run), "--k", "1", "--trail", "5", "--after", "0",
                  "--no-builtins", "--variant", "shifted=ENV:DETRACE_DATA_SHIFT=1", "--out", str(tmp_path / "ablate"),
@@ -98,10 +90,11 @@ def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
 
 
 def test_a_data_shift_past_the_end_of_the_epoch_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, original: tuple[Path, list[str], dict[int, Path], str]
+) -> None:
     # Resumed after step 2 of an epoch of 3, a shift of one step leaves the epoch no batch: the Trainer would stop
     # there, short of the steps a variant must run. Refused before any step.
-    monkeypatch.setenv("DETRACE_RESUME_FROM", str(checked[1] / f"at-{AT}" / "checkpoint" / f"checkpoint-{AT}"))
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(original[2][AT]))
     monkeypatch.setenv("DETRACE_DATA_SHIFT", "1")
     trainer = _trainer(tmp_path)
     with pytest.raises(UsageError, match=r"^the resume contract's data controls skip 8 samples from step 2, past the "
@@ -117,9 +110,9 @@ def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4, spike: int 
 
 
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
-                                                    checked: tuple[int, Path, dict[str, set[str]]]) -> None:
+                                                    original: tuple[Path, list[str], dict[int, Path], str]) -> None:
     checkpoint = tmp_path / "checkpoint-2"
-    shutil.copytree(checked[1] / f"at-{AT}" / "checkpoint" / f"checkpoint-{AT}", checkpoint)
+    shutil.copytree(original[2][AT], checkpoint)
     trainer = _trainer(tmp_path)
     weight = trainer.model.transformer.h[0].mlp.c_fc.weight
     from safetensors.torch import load_file

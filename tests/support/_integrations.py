@@ -1,5 +1,5 @@
-"""Helpers shared by the framework integrations' tests: run an example script, run `detrace check-resume` on it,
-and sort the final parameters it reports by the contract variables each run had."""
+"""Helpers shared by the framework integrations' tests: run an example script (under torchrun too), resume it from
+its periodic checkpoints, and sort the final parameters it reports by the contract variables each run had."""
 
 from __future__ import annotations
 
@@ -39,24 +39,16 @@ def torchrun_example(script: Path, *args: str, env: dict[str, str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def check_resume(script: Path, out: Path, *, at: int, extra: tuple[str, ...] = ()
-                 ) -> tuple[int, Path, dict[str, set[str]]]:
-    """`detrace check-resume --at AT` on the example with 2 DataLoader workers (and `extra` arguments): exit code,
-    runs, arms."""
-    report = out.parent / "report.jsonl"
-    code = main(["check-resume", "--at", str(at), "--out", str(out), "--", sys.executable, str(script),
-                 "--workers", "2", "--report", str(report), *extra])
-    return code, out, arms(report)
-
-
-def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, continuous: set[str],
-                                        traced: Path | None = None, extra: tuple[str, ...] = ()) -> dict[int, Path]:
+def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, workers: int = 0,
+                                        traced: Path | None = None, extra: tuple[str, ...] = ()
+                                        ) -> tuple[dict[int, Path], str]:
     """What `detrace locate` asks of a script: with DETRACE_CKPT_EVERY=2 it keeps a checkpoint after steps 2, 4
-    and 6 (listed by `saved_versions`) and ends as the continuous run does; resumed from the one after step 2
-    (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous run's bits too. With `traced`, the saving
-    run is traced there (`detrace run`); `extra`: further arguments of the script."""
+    and 6 (listed by `saved_versions`) and trains to its end (the continuous run); resumed from the one after step 2
+    (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous run's bits. With `traced`, the saving
+    run is traced there (`detrace run`); `workers`: DataLoader workers; `extra`: further arguments of the script.
+    The checkpoints by step, and the continuous run's final parameters."""
     report = tmp_path / "report.jsonl"
-    options = ("--workers", "0", "--report", str(report), *extra)
+    options = ("--workers", str(workers), "--report", str(report), *extra)
     periodic = {"DETRACE_CKPT_DIR": str(tmp_path / "a"), "DETRACE_CKPT_EVERY": "2"}
     if traced is None:
         saving = run_example(script, *options, env=periodic)
@@ -72,5 +64,5 @@ def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, continu
                           env={"DETRACE_CKPT_DIR": str(tmp_path / "b"), "DETRACE_RESUME_FROM": str(versions[2])})
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     found = arms(report)
-    assert found["continuous"] == continuous and found["resumed"] == continuous, found
-    return versions
+    assert len(found["continuous"]) == 1 and found["resumed"] == found["continuous"], found
+    return versions, next(iter(found["continuous"]))
