@@ -103,6 +103,16 @@ def free_port_fixture() -> Callable[[], int]:
 @pytest.fixture(scope="session")
 def steady_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Read-only: two deterministic runs of tests/support/scripts/train_gather.py (a, b: bit-identical, 3 steps,
-    rung semantic) and one with a changed learning rate (lr). Shared by the report and compare tests."""
-    return traced_runs(tmp_path_factory.mktemp("steady"), ("a", STEADY), ("b", STEADY),
-                       ("lr", [*STEADY, "--lr=0.02"]))
+    rung semantic) and one with a changed learning rate (lr). Shared by the report and compare tests, and made once
+    for the whole run: the first worker that needs them makes them, the others wait for it and read them."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the run's folder, which holds each worker's own
+    folder = shared / "steady"
+    with open(shared / "steady.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "made").exists():
+            return {name: folder / name for name in ("a", "b", "lr")}
+        runs = traced_runs(folder, ("a", STEADY), ("b", STEADY), ("lr", [*STEADY, "--lr=0.02"]))
+        (folder / "made").touch()
+        return runs

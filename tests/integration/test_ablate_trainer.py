@@ -4,8 +4,9 @@ real losses under ablate's data controls.
 
 The launcher runs the trainer in this process (its real losses, checkpoints, resume and data controls) and writes
 the losses it printed as a metrics trace through the real writer: a run of 13 steps takes about a second of CPU
-here, a traced process (torch imported, the tracer on) several. tests/e2e/test_ablate_e2e.py keeps one kind in real
-traced processes.
+here, a traced process (torch imported, the tracer on) several. Real traced processes: ablate's refusal of a run
+that does not reproduce (tests/e2e/test_ablate_e2e.py), a baseline and a variant through HF's callback
+(tests/e2e/test_integrations_hf.py).
 """
 
 from __future__ import annotations
