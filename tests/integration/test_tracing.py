@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import subprocess
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -462,3 +464,16 @@ def test_a_step_0_that_never_ends_is_flushed_every_4096_records(tmp_path: Path,
         trace = read_rank(tmp_path / "run", 0)  # the file as a SIGKILL now would leave it
     assert trace.table.num_rows >= 9000 - 4096 and not trace.complete
     assert set(trace.table.column("step").to_pylist()) == {0}
+
+
+def test_a_traced_process_never_imports_pandas(tmp_path: Path) -> None:
+    # pyarrow.array imports pandas whenever it is installed (0.3-0.6 s in every traced process): the tracer builds its
+    # columns without it (detrace.tracefile.columns)
+    pytest.importorskip("pandas")
+    code = ("import sys, torch, detrace\n"
+            f"with detrace.trace({str(tmp_path / 'run')!r}, rung='op'):\n"
+            "    w = torch.ones(3, requires_grad=True); (w * 2).sum().backward(); detrace.metric('loss', 1.5)\n"
+            "print('pandas' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False" and read_rank(tmp_path / "run", 0).table.num_rows > 0

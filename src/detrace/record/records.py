@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 
 from detrace._compat import pytree
+from detrace.tracefile.columns import column
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES
 
 
@@ -98,5 +99,5 @@ def to_batch(records: list[Record]) -> pa.RecordBatch:
         "group": [c.group for c in calls], "group_seq": [c.group_seq for c in calls],
         "peer": [c.peer for c in calls], "extra": extras,
     }
-    return pa.record_batch([pa.array(columns[name], type=ARROW_SCHEMA.field(name).type) for name in COLUMN_NAMES],
+    return pa.record_batch([column(columns[name], ARROW_SCHEMA.field(name).type) for name in COLUMN_NAMES],
                            schema=ARROW_SCHEMA)

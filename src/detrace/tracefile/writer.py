@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from detrace.errors import TraceError
+from detrace.tracefile.columns import column
 from detrace.tracefile.integrity import arrow_footer_checksum, chain_start, chain_text, seal
 from detrace.tracefile.layout import aux_footer_path, aux_path, footer_path, rank_path
 from detrace.tracefile.schema import ARROW_SCHEMA, COLUMN_NAMES, SCHEMA_VERSION
@@ -114,8 +115,7 @@ class RankWriter:
         if not self._rows or self.closed:
             return
         rows, self._rows = self._rows, []
-        columns = [pa.array([row.get(name) for row in rows], type=ARROW_SCHEMA.field(name).type)
-                   for name in COLUMN_NAMES]
+        columns = [column([row.get(name) for row in rows], ARROW_SCHEMA.field(name).type) for name in COLUMN_NAMES]
         self._write(pa.record_batch(columns, schema=ARROW_SCHEMA))
 
     def _write(self, batch: pa.RecordBatch | pa.Table) -> None:
