@@ -27,16 +27,18 @@ if not torch.cuda.is_available():
 _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning")
 
 
-# The suite runs on several pytest-xdist workers (pyproject.toml's addopts). A test marked `race` asserts that a real
-# CPU race strikes: its two threads must overlap in time, which a busy second core delays by a step or more (the
-# first divergence that docs quote moves). Such a test runs alone on the machine: it holds the machine lock
-# exclusively, every other test holds it shared. The files that hold one run first, together, so that no worker
-# waits long; then the rest, the slowest tier first, so that the last files to run are short ones.
+# The suite runs on several pytest-xdist workers (pyproject.toml's addopts), a test at a time each, but for the tests of
+# a file that share a module-scoped fixture: such a file carries `pytest.mark.xdist_group(<its name>)`, so that one
+# worker runs them all and makes the fixture once. A test marked `race` asserts that a real CPU race strikes: its two
+# threads must overlap in time, which a busy second core delays by a step or more (the first divergence that docs
+# quote moves). Such a test runs alone on the machine: it holds the machine lock exclusively, every other test holds
+# it shared. They run first, together, so that no worker waits long; then the rest, the slowest tier first, so that
+# the last tests to run are short ones.
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers = ("e2e", "integration", "unit")
-    racing = {item.path for item in items if item.get_closest_marker("race") is not None}
-    items.sort(key=lambda item: (item.path not in racing,
+    items.sort(key=lambda item: (item.get_closest_marker("race") is None,
                                  next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))
 
 

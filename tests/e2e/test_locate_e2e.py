@@ -25,7 +25,8 @@ from detrace.investigate.locate.driver import REFERENCE_RUN
 from detrace.investigate.replay import FIX_DETERMINISTIC
 from detrace.report.terminal import make_console
 
-pytestmark = [pytest.mark.slow, pytest.mark.race]
+# one worker runs the tests of this file: its module fixture is made once
+pytestmark = [pytest.mark.slow, pytest.mark.race, pytest.mark.xdist_group("test_locate_e2e")]
 
 ROOT = Path(__file__).parents[2]
 
