@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import sys
 import tempfile
@@ -28,18 +29,35 @@ _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning
 
 
 # The suite runs on several pytest-xdist workers (pyproject.toml's addopts), a test at a time each, but for the tests of
-# a file that share a module-scoped fixture: such a file carries `pytest.mark.xdist_group(<its name>)`, so that one
-# worker runs them all and makes the fixture once. A test marked `race` asserts that a real CPU race strikes: its two
-# threads must overlap in time, which a busy second core delays by a step or more (the first divergence that docs
-# quote moves). Such a test runs alone on the machine: it holds the machine lock exclusively, every other test holds
-# it shared. They run first, together, so that no worker waits long; then the rest, the slowest tier first, so that
-# the last tests to run are short ones.
+# a file that defines a module-scoped fixture: one worker runs them all and makes the fixture once. A test marked
+# `race` asserts that a real CPU race strikes: its two threads must overlap in time, which a busy second core delays
+# by a step or more (the first divergence that docs quote moves). Such a test runs alone on the machine: it holds the
+# machine lock exclusively, every other test holds it shared. They run first, together, so that no worker waits long;
+# then the rest, the slowest tier first, so that the last tests to run are short ones.
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers = ("e2e", "integration", "unit")
     items.sort(key=lambda item: (item.get_closest_marker("race") is None,
                                  next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scheduling by scope, in the order the workers collected (--no-loadscope-reorder): each test a scope of
+    its own, but for the files that define a module-scoped fixture. (xdist's own `loadgroup` no longer groups under
+    pytest 9.2, which keeps node ids apart from the suffix it appends: pytest-xdist issue 1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTestOrFixtureFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _defines_a_module_fixture(config.rootpath / path) else nodeid
+
+    return ByTestOrFixtureFile(config, log)
+
+
+@functools.cache
+def _defines_a_module_fixture(path: Path) -> bool:
+    return 'scope="module"' in path.read_text()
 
 
 @contextmanager

@@ -25,8 +25,7 @@ from detrace.cli import main
 from detrace.errors import CheckpointCorrupted, CheckpointError, UsageError
 from detrace.tracefile import read_rank
 
-# one worker runs the tests of this file: its module fixture is made once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_integrations_hf")]
+pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parents[2] / "examples" / "hf_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch

@@ -25,8 +25,7 @@ from detrace.investigate.locate.driver import REFERENCE_RUN
 from detrace.investigate.replay import FIX_DETERMINISTIC
 from detrace.report.terminal import make_console
 
-# one worker runs the tests of this file: its module fixture is made once
-pytestmark = [pytest.mark.slow, pytest.mark.race, pytest.mark.xdist_group("test_locate_e2e")]
+pytestmark = [pytest.mark.slow, pytest.mark.race]
 
 ROOT = Path(__file__).parents[2]
 

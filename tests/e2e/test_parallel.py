@@ -21,9 +21,6 @@ from detrace.workload.layouts import Layout, setup
 from detrace.workload.model import PRESETS, HybridLM, ModelConfig
 from detrace.workload.sharding import _pipeline_stage
 
-# one worker runs the tests of this file: its module fixture is made once
-pytestmark = pytest.mark.xdist_group("test_parallel")
-
 TIMEOUT_S = 600
 LAYOUTS = Path(__file__).parents[1] / "support" / "scripts" / "layouts.py"
 

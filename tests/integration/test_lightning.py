@@ -33,9 +33,6 @@ from detrace.state.contract import saved_versions
 from detrace.state.loader import sample_seed, seeded_rngs
 from detrace.state.storage import load_chunk, stored_chunks
 
-# one worker runs the tests of this file: its module fixture is made once
-pytestmark = pytest.mark.xdist_group("test_lightning")
-
 SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_train.py"
 
 

@@ -29,9 +29,6 @@ from detrace.tracefile import load_capture, save_capture
 from detrace.tracefile.capture import CAPTURE_VERSION, CODE_HASH
 from detrace.tracefile.integrity import file_sha256
 
-# one worker runs the tests of this file: its module fixture is made once
-pytestmark = pytest.mark.xdist_group("test_replay")
-
 # Big enough that the accumulating CPU kernel splits across 2 threads, and long enough (~0.1 s a call) that the
 # two threads overlap in time even on a loaded machine, where a short call often runs its threads one after the
 # other (measured: 16 of 20 calls differ at a load average of 10 on 2 cores).
