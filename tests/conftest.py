@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -60,12 +61,24 @@ def _defines_a_module_fixture(path: Path) -> bool:
     return 'scope="module"' in path.read_text()
 
 
+_MACHINE = "DETRACE_TESTS_MACHINE"
+"""The folder of the machine lock: made by the controlling pytest process, inherited by its workers."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[_MACHINE] = tempfile.mkdtemp(prefix="detrace-tests-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and _MACHINE in os.environ:
+        shutil.rmtree(os.environ.pop(_MACHINE), ignore_errors=True)
+
+
 @contextmanager
-def _machine(exclusive: bool) -> Iterator[None]:
+def _machine(room: Path, *, exclusive: bool) -> Iterator[None]:
     """Hold the machine shared, or alone. A writer first holds the turnstile, which every test passes on its way in,
     so that shared holders cannot keep a race test waiting for ever."""
-    room = Path(tempfile.gettempdir()) / f"detrace-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
-    room.mkdir(exist_ok=True)
     with open(room / "turnstile", "a") as turnstile, open(room / "machine", "a") as machine:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -80,10 +93,10 @@ def _machine(exclusive: bool) -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing to share
+    if _MACHINE not in os.environ:  # one process: nothing to share
         yield
         return
-    with _machine(exclusive=item.get_closest_marker("race") is not None):
+    with _machine(Path(os.environ[_MACHINE]), exclusive=item.get_closest_marker("race") is not None):
         yield
 
 

@@ -288,6 +288,9 @@ def test_op_schema_and_name_describe_an_overload() -> None:
 
 
 def test_inductor_config_and_import_state() -> None:
+    # what a program that compiles has imported (this test's worker may have run nothing that did)
+    import torch._dynamo
+    import torch._inductor.codecache  # noqa: F401
 
     assert _compat.dynamo_imported() and _compat.inductor_imported()
     config = _compat.inductor_config()
