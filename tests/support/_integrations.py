@@ -39,25 +39,19 @@ def torchrun_example(script: Path, *args: str, env: dict[str, str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, workers: int = 0,
-                                        traced: Path | None = None, extra: tuple[str, ...] = ()
-                                        ) -> tuple[dict[int, Path], str]:
-    """What `detrace locate` asks of a script: with DETRACE_CKPT_EVERY=2 it keeps a checkpoint after steps 2, 4
-    and 6 (listed by `saved_versions`) and trains to its end (the continuous run); resumed from the one after step 2
-    (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous run's bits. With `traced`, the saving
-    run is traced there (`detrace run`); `workers`: DataLoader workers; `extra`: further arguments of the script.
-    The checkpoints by step, and the continuous run's final parameters."""
+def periodic_checkpoints_resume_exactly(script: Path, tmp_path: Path, *, workers: int, traced: Path,
+                                        extra: tuple[str, ...] = ()) -> tuple[dict[int, Path], str]:
+    """What `detrace locate` asks of a script: traced (`detrace run`, into `traced`) with DETRACE_CKPT_EVERY=2, it
+    keeps a checkpoint after steps 2, 4 and 6 (listed by `saved_versions`) and trains to its end (the continuous
+    run); resumed from the one after step 2 (DETRACE_RESUME_FROM) in a fresh process, it ends with the continuous
+    run's bits. `workers`: DataLoader workers; `extra`: further arguments of the script. The checkpoints by step, and
+    the continuous run's final parameters."""
     report = tmp_path / "report.jsonl"
     options = ("--workers", str(workers), "--report", str(report), *extra)
-    periodic = {"DETRACE_CKPT_DIR": str(tmp_path / "a"), "DETRACE_CKPT_EVERY": "2"}
-    if traced is None:
-        saving = run_example(script, *options, env=periodic)
-        assert saving.returncode == 0, saving.stderr[-2000:]
-    else:
-        with pytest.MonkeyPatch.context() as environment:
-            for name, value in periodic.items():
-                environment.setenv(name, value)
-            assert main(["run", "--out", str(traced), "--", sys.executable, str(script), *options]) == 0
+    with pytest.MonkeyPatch.context() as environment:
+        environment.setenv("DETRACE_CKPT_DIR", str(tmp_path / "a"))
+        environment.setenv("DETRACE_CKPT_EVERY", "2")
+        assert main(["run", "--out", str(traced), "--", sys.executable, str(script), *options]) == 0
     versions = saved_versions(tmp_path / "a")
     assert sorted(versions) == [2, 4, 6], versions
     resumed = run_example(script, *options,
