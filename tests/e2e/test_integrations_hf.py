@@ -8,11 +8,13 @@ tests/e2e/test_hf_ddp_resume.py."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -30,10 +32,17 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parents[2] / "examples" / "hf_train.py"
 AT = 2  # mid-epoch: 6 batches of 4 samples, 2 per optimizer step, so 3 steps per epoch
 SPIKE = ("--spike", "4")  # a planted loss spike at step 5, for ablate: every run of the example here has it
-_spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-hf_train = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hf_train)
+
+
+@functools.cache
+def example() -> ModuleType:
+    """examples/hf_train.py as a module, loaded by the first test that needs it: it imports transformers' Trainer
+    and GPT-2 (about 3 s), which every pytest worker would otherwise pay at collection."""
+    spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,7 @@ def test_resume_without_workers_is_exact_too(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("DETRACE_RESUME_FROM", str(versions[AT]))
     trainer = _trainer(tmp_path, steps=6, spike=4)
     trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-    assert hf_train.parameters_digest(trainer) == continuous
+    assert example().parameters_digest(trainer) == continuous
 
 
 def test_ablate_runs_the_baseline_and_a_variant_through_the_callback(
@@ -106,7 +115,7 @@ def test_a_data_shift_past_the_end_of_the_epoch_is_refused(
 
 def _trainer(tmp_path: Path, *, plain: bool = False, steps: int = 4, spike: int | None = None) -> Any:
     torch.set_num_threads(1)
-    return hf_train.make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"), spike=spike)
+    return example().make_trainer(steps=steps, workers=0, plain=plain, output_dir=str(tmp_path / "out"), spike=spike)
 
 
 def test_a_flipped_bit_is_refused_naming_the_tensor(tmp_path: Path,
@@ -190,7 +199,7 @@ def test_an_iterable_dataset_trains_with_one_warning(tmp_path: Path) -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):  # type: ignore[no-untyped-def]
             while True:
-                tokens = torch.randint(0, hf_train.VOCAB, (hf_train.LENGTH,))
+                tokens = torch.randint(0, example().VOCAB, (example().LENGTH,))
                 yield {"input_ids": tokens, "labels": tokens}
 
     trainer = _trainer(tmp_path, steps=2)
@@ -275,7 +284,7 @@ def test_a_resumed_stream_goes_on_from_its_position_without_replaying(tmp_path: 
 
     from detrace.integrations.hf import DetraceCallback
 
-    rows = hf_train.NoisyTokens(48).tokens
+    rows = example().NoisyTokens(48).tokens
 
     class Rows(torch.utils.data.IterableDataset):
         def __init__(self) -> None:
@@ -303,7 +312,7 @@ def test_a_resumed_stream_goes_on_from_its_position_without_replaying(tmp_path: 
         stream = Rows()
         trainer = Trainer(model=base.model, args=base.args, train_dataset=stream, callbacks=[DetraceCallback()])
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
-        return hf_train.parameters_digest(trainer), stream.read
+        return example().parameters_digest(trainer), stream.read
 
     continuous, _ = run()
     ckpt = str(tmp_path / "ckpt")

@@ -3,18 +3,21 @@ experts (same function to float tolerance) and bit-identical across runs without
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("transformers.integrations.moe")
+from detrace.errors import UsageError
+from detrace.ops import hf_experts as hf
 
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
-
-from detrace.errors import UsageError  # noqa: E402
-from detrace.ops import hf_experts as hf  # noqa: E402
+# Looked up, not imported: transformers' MoE integration and its models take about 3 s to import, which every
+# pytest worker would pay at collection. The tests import them.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                                or importlib.util.find_spec("transformers.integrations.moe") is None,
+                                reason="needs transformers with its MoE experts (transformers.integrations.moe)")
 
 
 @pytest.fixture(autouse=True)
@@ -24,17 +27,20 @@ def _restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _config(implementation: str) -> MixtralConfig:
+def _mixtral(implementation: str) -> Any:
+    """A one-layer Mixtral for causal LM whose experts run `implementation`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
     config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                            max_position_embeddings=128)
     config._experts_implementation = implementation
-    return config
+    return MixtralForCausalLM(config)
 
 
 def _train_step(implementation: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = MixtralForCausalLM(_config(implementation))
+    model = _mixtral(implementation)
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -60,7 +66,7 @@ def test_detrace_experts_are_bit_identical_across_runs_and_thread_counts() -> No
     runs = []
     for threads in (2, 2, 1):
         torch.set_num_threads(threads)
-        layer = MixtralForCausalLM(_config("detrace")).model.layers[0].mlp.experts
+        layer = _mixtral("detrace").model.layers[0].mlp.experts
         torch.nn.init.normal_(layer.gate_up_proj, std=0.2, generator=torch.Generator().manual_seed(2))
         torch.nn.init.normal_(layer.down_proj, std=0.2, generator=torch.Generator().manual_seed(3))
         g = torch.Generator().manual_seed(4)
@@ -79,7 +85,7 @@ def test_detrace_experts_are_bit_identical_across_runs_and_thread_counts() -> No
 
 def test_expert_parallel_models_are_refused() -> None:
     hf.register()
-    layer = MixtralForCausalLM(_config("detrace")).model.layers[0].mlp.experts
+    layer = _mixtral("detrace").model.layers[0].mlp.experts
     layer._is_expert_parallel = True
     with pytest.raises(UsageError, match="expert-parallel"):
         layer(torch.zeros(2, 32), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))

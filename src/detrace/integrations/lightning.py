@@ -34,11 +34,9 @@ try:
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy, Strategy
 except ImportError:  # the standalone package
-    import pytorch_lightning as pl  # type: ignore[no-redef]
-
-    # mypy, ignored: the standalone package's CheckpointIO is another class with the same API
-    from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[assignment]
-    from pytorch_lightning.strategies import (  # type: ignore[assignment]
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.io import CheckpointIO
+    from pytorch_lightning.strategies import (
         DDPStrategy,
         DeepSpeedStrategy,
         SingleDeviceStrategy,
@@ -128,7 +126,7 @@ class DetraceCallback(pl.Callback):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
         if not isinstance(vars(trainer.strategy).get("save_checkpoint"), _SaveOnEveryRank):
             # mypy, ignored: on purpose: an instance attribute wraps the strategy's method
-            trainer.strategy.save_checkpoint = _SaveOnEveryRank(  # type: ignore[method-assign]
+            trainer.strategy.save_checkpoint = _SaveOnEveryRank(
                 trainer.strategy.save_checkpoint, self)
         if self._resume:
             self._preload(trainer)
@@ -259,7 +257,7 @@ class DetraceCallback(pl.Callback):
         # Batches handed to the training step in this epoch (a checkpoint at on_train_batch_end counts its batch
         # as processed, not yet as completed).
         # mypy, ignored below: `current` is annotated as the base tracker; at run time it is a _ProcessedTracker
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if self._keys is not None and self._control != "skip-data" and done < trainer.num_training_batches:
             # (else the epoch is over, or the data is a stream that detrace leaves alone)
             self._keys.skip = done * (loader.batch_size or 1)
