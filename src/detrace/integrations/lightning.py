@@ -125,7 +125,7 @@ class DetraceCallback(pl.Callback):
         if not isinstance(trainer.strategy.checkpoint_io, _BesideCheckpoints):
             trainer.strategy.checkpoint_io = _BesideCheckpoints(trainer.strategy.checkpoint_io, self)
         if not isinstance(vars(trainer.strategy).get("save_checkpoint"), _SaveOnEveryRank):
-            # mypy, ignored: on purpose: an instance attribute wraps the strategy's method
+            # on purpose: an instance attribute wraps the strategy's method
             trainer.strategy.save_checkpoint = _SaveOnEveryRank(
                 trainer.strategy.save_checkpoint, self)
         if self._resume:
@@ -256,7 +256,7 @@ class DetraceCallback(pl.Callback):
                                   f"{_position(trainer)}")
         # Batches handed to the training step in this epoch (a checkpoint at on_train_batch_end counts its batch
         # as processed, not yet as completed).
-        # mypy, ignored below: `current` is annotated as the base tracker; at run time it is a _ProcessedTracker
+        # `current` is annotated as the base tracker; at run time it is a _ProcessedTracker, which has `processed`
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if self._keys is not None and self._control != "skip-data" and done < trainer.num_training_batches:
             # (else the epoch is over, or the data is a stream that detrace leaves alone)
