@@ -9,7 +9,6 @@ Inductor's on-disk cache (shared by the processes of a session) then serves.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from _tools import load_script
 
 import detrace
 from detrace.analyze import diff
@@ -34,16 +34,6 @@ SMALL = {"steps": 2, "tokens": 4096}
 """A run of the example small enough for the in-process tests (the race needs the default size)."""
 
 
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_compiled", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Importable by name, as a script's __main__ is: Dynamo imports a function's module to read its globals.
-    sys.modules["train_compiled"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def fresh_dynamo() -> Iterator[ModuleType]:
     """The example, with Dynamo's compiled code dropped before and after (each run compiles its own regions, from
@@ -52,7 +42,7 @@ def fresh_dynamo() -> Iterator[ModuleType]:
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch._dynamo.reset()
-    yield _example()
+    yield load_script(EXAMPLE)
     torch._dynamo.reset()
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)

@@ -9,7 +9,6 @@ tests/e2e/test_hf_ddp_resume.py."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import shutil
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _integrations import periodic_checkpoints_resume_exactly
-from _tools import flip_one_bit
+from _tools import flip_one_bit, load_script
 
 import detrace
 from detrace.cli import main
@@ -38,11 +37,7 @@ SPIKE = ("--spike", "4")  # a planted loss spike at step 5, for ablate: every ru
 def example() -> ModuleType:
     """examples/hf_train.py as a module, loaded by the first test that needs it: it imports transformers' Trainer
     and GPT-2 (about 3 s), which every pytest worker would otherwise pay at collection."""
-    spec = importlib.util.spec_from_file_location("hf_train", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

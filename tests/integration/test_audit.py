@@ -388,16 +388,10 @@ def test_the_reference_trainer_with_fixed_dispatch_under_the_recipe_is_clean(tmp
 
 @pytest.mark.slow
 def test_the_compiled_examples_atomic_backward_kernel_is_named_with_its_aten_ops(tmp_path: Path) -> None:
-    import importlib.util
-
     import torch._dynamo
+    from _tools import load_script
 
-    example = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
-    spec = importlib.util.spec_from_file_location("train_compiled", example)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_compiled"] = module  # Dynamo imports a function's module to read its globals
-    spec.loader.exec_module(module)
+    module = load_script(Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py")
     torch._dynamo.reset()
     try:
         with _audited(tmp_path / "run", steps=2):

@@ -6,7 +6,6 @@ DDP (each rank's shard). The real runs under torchrun are in tests/e2e/test_inte
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import warnings
@@ -16,7 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
-from _tools import flip_one_bit
+from _tools import flip_one_bit, load_script
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -39,11 +38,7 @@ SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_train.py"
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
     """examples/lightning_train.py, whose `fit` trains its Trainer in this process."""
-    spec = importlib.util.spec_from_file_location("lightning_train", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _fit(example: ModuleType, env: dict[str, str], **options: object) -> str:

@@ -1,12 +1,15 @@
-"""Small tools several test modules use: the CLI in a fresh process, a real headless browser, a flipped bit."""
+"""Small tools several test modules use: the CLI in a fresh process, a real headless browser, a flipped bit, an
+example script loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -16,6 +19,17 @@ def locate_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None =
     """`python -m detrace locate ARGS` in a fresh process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "detrace", "locate", *args], capture_output=True, text=True,
                           cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout, check=False)
+
+
+def load_script(path: Path) -> ModuleType:
+    """The script at `path`, freshly executed as a module named after its file, and importable by that name as a
+    script's __main__ is (Dynamo imports a compiled function's module to read its globals)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
