@@ -18,6 +18,7 @@ import functools
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from types import CodeType
 from typing import Any
 
 import torch
@@ -95,6 +96,7 @@ __all__ = [
     "disable_torch_function_subclass",
     "dtensor_rng_states",
     "dynamo_imported",
+    "dynamo_skips",
     "functional_collectives",
     "inductor_code_cache",
     "inductor_config",
@@ -356,6 +358,19 @@ def inductor_config() -> Any:
 def inductor_imported() -> bool:
     """Whether Inductor's code cache is imported (a program that has compiled or is compiling)."""
     return "torch._inductor.codecache" in sys.modules
+
+
+@_private("torch._dynamo.eval_frame.skip_code")
+def dynamo_skips(code: CodeType) -> None:
+    """Have Dynamo run every frame of `code` as it is, and compile the frames it calls, as it would without it.
+
+    Why: the batch recorder wraps `nn.Module.__call__`; were Dynamo to compile the wrapper's frame, its graphs would
+    begin and break elsewhere than in the untraced program (and Inductor fuse, and round, otherwise). Replace with:
+    none public (`torch.compiler.disable(recursive=False)` skips a wrapper frame of its own, then compiles ours,
+    and a call to it inside a compiled region is a graph break)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
 
 
 @_private("torch._dynamo.output_graph.OutputGraph.call_user_compiler")

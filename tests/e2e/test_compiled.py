@@ -18,6 +18,7 @@ from types import ModuleType
 import pytest
 import torch
 from _tools import load_script
+from torch._dynamo.utils import counters
 
 import detrace
 from detrace.analyze import diff
@@ -110,10 +111,16 @@ def test_every_rung_records_a_compiled_model_and_keeps_its_bits(fresh_dynamo: Mo
 def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: ModuleType, tmp_path: Path,
                                                                 variant: dict) -> None:
     example = fresh_dynamo
+    counters.clear()  # Dynamo's counts of frames and graphs (torch._dynamo.reset() keeps them)
     untraced = example.train(deterministic=True, **SMALL, **variant)
+    graphs = dict(counters["stats"])
     torch._dynamo.reset()
+    counters.clear()
     with detrace.trace(tmp_path / "run", rung="module"):
         assert example.train(deterministic=True, **SMALL, **variant) == untraced
+    # Dynamo compiled the same graphs: the tracer's wrapper of every module call is no frame of Dynamo's (were it
+    # one, the graph breaks would cut the model elsewhere, and on an AVX-512 CPU Inductor's kernels round otherwise).
+    assert dict(counters["stats"]) == graphs
     rows = [r for r in _rows(tmp_path / "run") if r["step"] == 1]
     forward = {(r["module"], r["occurrence"], json.loads(r["extra"])["compile_id"]) for r in rows
                if r["name"] == REGION and r["phase"] == "forward"}

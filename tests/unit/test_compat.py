@@ -323,6 +323,30 @@ def test_wrap_compiled_graphs_sees_each_graph_with_its_compile_id() -> None:
     assert "wrap" not in repr(OutputGraph.call_user_compiler)  # undone
 
 
+def test_dynamo_skips_runs_a_frame_as_it_is_and_compiles_the_frames_it_calls() -> None:
+    # What the batch recorder's wrapper of nn.Module.__call__ relies on: Dynamo compiles the call inside it, as if
+    # the wrapper were not there (the graph's placeholder is named after the inner frame's argument).
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    def outer(y: torch.Tensor) -> torch.Tensor:
+        return inner(y)
+
+    placeholders: list[list[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        placeholders.append([n.name for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+
+    _compat.dynamo_skips(outer.__code__)
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(torch.compile(outer, backend=backend)(torch.ones(3)), torch.full((3,), 3.0))
+    finally:
+        torch._dynamo.reset()
+    assert placeholders == [["l_x_"]]
+
+
 def test_wrap_output_code_is_undone() -> None:
     cache = _compat.inductor_code_cache()
     before = inspect.getattr_static(cache, "load_by_key_path")

@@ -10,7 +10,9 @@ microbatch of a step is one such call (told apart by its occurrence).
 `nn.Module.__call__` is replaced for the life of the tracer: a global forward pre-hook would see no keyword
 arguments (HF models take the whole batch as keywords) and would move every module call to torch's slow path.
 Only forward-phase calls are recorded: a checkpointed block recomputed in backward is no batch. Compiled code
-(Dynamo tracing a module call) goes straight to the original.
+(Dynamo tracing a module call) goes straight to the original, and Dynamo never compiles the wrapper's own frame: a
+frame of ours around a compiled module's call would move where Dynamo's graphs begin and break, and with them
+Inductor's fusions and the bits (a model with graph breaks ended with other parameters on an AVX-512 CPU).
 
 The same outermost forward call tells the step clock, at every rung, that the next step's work begins: the
 trailing work of the step before (what ran after its optimizer step) is over (see detrace.record.steps).
@@ -26,8 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from detrace import _compat
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
+from detrace.record.rungs.compiled import when_compiling
 from detrace.record.session import Tracer
 
 
@@ -68,4 +72,6 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         finally:
             local.inside = False
 
-    return [replace(nn.Module, "__call__", call)]
+    # Dynamo runs the wrapper's frames as they are and compiles the module call inside, where its graphs would begin
+    # without detrace (the same code object for every tracer: once per process is enough, and it outlives this one).
+    return [replace(nn.Module, "__call__", call), *when_compiling(lambda: _compat.dynamo_skips(call.__code__))]

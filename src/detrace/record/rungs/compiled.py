@@ -21,7 +21,7 @@ changing what Dynamo traces or Inductor generates:
   `ignore_compile_internals` keeps out of Dynamo's way.
 
 The patches are put in place the first time the program calls `torch.compile` (or at install when Dynamo is
-already imported), so a program that never compiles does not import Dynamo.
+already imported), so a program that never compiles does not import Dynamo (`when_compiling`).
 """
 
 from __future__ import annotations
@@ -298,19 +298,23 @@ def instrument(module: Any) -> None:
         module.__dict__[name] = _Kernel(name, kernel, params, str(path))
 
 
+def when_compiling(action: Callable[[], None]) -> list[Undo]:
+    """Run `action` now if Dynamo is imported, else the first time the program calls `torch.compile` (a program
+    that never compiles does not import Dynamo: a second of start-up); returns the undo callables."""
+    if _compat.dynamo_imported():
+        action()
+        return []
+    original = torch.compile
+
+    @functools.wraps(original)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        action()
+        return original(*args, **kwargs)
+
+    return [replace(torch, "compile", compile)]
+
+
 def install(tracer: Tracer) -> list[Undo]:
     recorder = CompiledRecorder(tracer)
     _active[:] = [recorder]
-    undo: list[Undo] = [recorder.remove]
-    if _compat.dynamo_imported():
-        recorder.patch()
-    else:
-        original = torch.compile
-
-        @functools.wraps(original)
-        def compile(*args: Any, **kwargs: Any) -> Any:
-            recorder.patch()
-            return original(*args, **kwargs)
-
-        undo.append(replace(torch, "compile", compile))
-    return undo
+    return [recorder.remove, *when_compiling(recorder.patch)]
