@@ -9,6 +9,7 @@ Inductor's on-disk cache (shared by the processes of a session) then serves.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -135,6 +136,51 @@ def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: Mo
         # with a backward of its own.
         assert len(forward) >= 3 and len({m for m, _ in backward}) == len({m for m, *_ in forward}), (forward, backward)
         assert len(backward) == len(forward), (forward, backward)
+
+
+def _compiled_step_loop(*, optimizer: bool, forward_backward: bool) -> str:
+    """A small loop that compiles its optimizer step (`torch.compile(opt.step)`, PyTorch's recipe) or its forward
+    and backward as one function; returns a hash of the parameters after 3 steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torch.compile(opt.step) if optimizer else opt.step
+
+    def loss_and_grads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+        loss.backward()
+        return loss
+
+    run = torch.compile(loss_and_grads) if forward_backward else loss_and_grads
+    data = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        run(torch.randn(64, 16, generator=data), torch.randn(64, generator=data))
+        step()
+        opt.zero_grad()
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+@pytest.mark.parametrize("compiled", [{"optimizer": True, "forward_backward": False},
+                                      {"optimizer": False, "forward_backward": True}],
+                         ids=["optimizer-step", "forward-and-backward"])
+def test_hooks_called_from_compiled_code_run_eagerly(fresh_dynamo: ModuleType, tmp_path: Path,
+                                                     compiled: dict) -> None:
+    # The tracer's optimizer hooks and its torch.autograd.backward run inside these compiled functions: Dynamo
+    # must not trace them (it would compile the recording code, or stop the program failing to), and the graphs
+    # and bits stay the untraced program's.
+    counters.clear()
+    untraced = _compiled_step_loop(**compiled)
+    graphs = dict(counters["stats"])
+    torch._dynamo.reset()
+    counters.clear()
+    with detrace.trace(tmp_path / "run", rung="semantic"):
+        assert _compiled_step_loop(**compiled) == untraced
+    assert dict(counters["stats"]) == graphs and graphs["unique_graphs"] >= 1
+    rows = _rows(tmp_path / "run")
+    for step in range(3):
+        recorded = {(r["phase"], r["name"], r["role"]) for r in rows if r["step"] == step}
+        assert {("forward", "loss", "metric"), ("optimizer", "grad_norm", "metric"), ("optimizer", "0.weight", "grad"),
+                ("optimizer", "2.bias", "param"), ("optimizer", "2.bias", "state")} <= recorded, step
 
 
 @pytest.mark.slow

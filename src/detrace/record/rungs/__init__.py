@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from detrace.record import opaque
 from detrace.record.rungs import batch, clock, compiled, metrics, module, op, semantic
 from detrace.record.session import Tracer
 from detrace.tracefile.schema import rung_includes
@@ -27,4 +28,4 @@ def install(tracer: Tracer) -> list[Undo]:
     if rung_includes(rung, "op"):
         undo += op.install(tracer)
     undo.append(clock.install_post(tracer))
-    return undo
+    return undo + opaque.install()  # the hooks above, hidden from Dynamo (see detrace.record.opaque)

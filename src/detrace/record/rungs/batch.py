@@ -28,10 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrace import _compat
+from detrace.record.opaque import skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
-from detrace.record.rungs.compiled import when_compiling
 from detrace.record.session import Tracer
 
 
@@ -73,5 +72,6 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             local.inside = False
 
     # Dynamo runs the wrapper's frames as they are and compiles the module call inside, where its graphs would begin
-    # without detrace (the same code object for every tracer: once per process is enough, and it outlives this one).
-    return [replace(nn.Module, "__call__", call), *when_compiling(lambda: _compat.dynamo_skips(call.__code__))]
+    # without detrace (the same code object for every tracer: once per process is enough).
+    skip_frames(call)
+    return [replace(nn.Module, "__call__", call)]

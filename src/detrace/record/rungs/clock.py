@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from detrace.record.opaque import Opaque
 from detrace.record.patch import replace
 from detrace.record.session import Tracer
 
@@ -41,7 +42,7 @@ def install_pre(tracer: Tracer) -> Callable[[], None]:
         tracer.optimizer_begins(optimizer)
         return ran
 
-    return register_optimizer_step_pre_hook(pre).remove
+    return register_optimizer_step_pre_hook(Opaque(pre)).remove
 
 
 class _RanOnce:
@@ -99,4 +100,4 @@ def install_post(tracer: Tracer) -> Callable[[], None]:
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         tracer.optimizer_ends()
 
-    return register_optimizer_step_post_hook(post).remove
+    return register_optimizer_step_post_hook(Opaque(post)).remove

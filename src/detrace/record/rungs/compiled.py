@@ -21,12 +21,11 @@ changing what Dynamo traces or Inductor generates:
   `ignore_compile_internals` keeps out of Dynamo's way.
 
 The patches are put in place the first time the program calls `torch.compile` (or at install when Dynamo is
-already imported), so a program that never compiles does not import Dynamo (`when_compiling`).
+already imported), so a program that never compiles does not import Dynamo (detrace.record.opaque).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
@@ -43,7 +42,7 @@ from detrace import _compat
 from detrace._numbers import parse_count
 from detrace.record.capture import Capturer
 from detrace.record.names import named_modules, roots
-from detrace.record.patch import replace
+from detrace.record.opaque import when_compiling
 from detrace.record.records import recorded_leaves
 from detrace.record.rungs.module import owner
 from detrace.record.session import Tracer
@@ -296,22 +295,6 @@ def instrument(module: Any) -> None:
             continue
         params = [p.strip().split()[-1].lstrip("*") for p in signature.group(1).split(",") if p.strip()]
         module.__dict__[name] = _Kernel(name, kernel, params, str(path))
-
-
-def when_compiling(action: Callable[[], None]) -> list[Undo]:
-    """Run `action` now if Dynamo is imported, else the first time the program calls `torch.compile` (a program
-    that never compiles does not import Dynamo: a second of start-up); returns the undo callables."""
-    if _compat.dynamo_imported():
-        action()
-        return []
-    original = torch.compile
-
-    @functools.wraps(original)
-    def compile(*args: Any, **kwargs: Any) -> Any:
-        action()
-        return original(*args, **kwargs)
-
-    return [replace(torch, "compile", compile)]
 
 
 def install(tracer: Tracer) -> list[Undo]:

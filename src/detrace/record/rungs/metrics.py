@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from detrace.record.opaque import Opaque
 from detrace.record.patch import replace
 from detrace.record.records import local_data
 from detrace.record.session import Tracer
@@ -72,4 +73,5 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
                 norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
             record(tracer, "grad_norm", norm)
 
-    return [replace(torch.autograd, "backward", backward), register_optimizer_step_pre_hook(grad_norm).remove]
+    return [replace(torch.autograd, "backward", Opaque(backward)),
+            register_optimizer_step_pre_hook(Opaque(grad_norm)).remove]

@@ -16,6 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from detrace.record.names import buffers, owners, parameter_names
+from detrace.record.opaque import Opaque
 from detrace.record.records import Call
 from detrace.record.session import Tracer
 
@@ -75,5 +76,5 @@ class _StepRecorder:
 def install(tracer: Tracer) -> list[Undo]:
     """Register the global optimizer step hooks that record grads, parameters and states."""
     recorder = _StepRecorder(tracer)
-    return [register_optimizer_step_pre_hook(recorder.pre).remove,
-            register_optimizer_step_post_hook(recorder.post).remove]
+    return [register_optimizer_step_pre_hook(Opaque(recorder.pre)).remove,
+            register_optimizer_step_post_hook(Opaque(recorder.post)).remove]
