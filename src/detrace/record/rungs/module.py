@@ -3,7 +3,10 @@
 Global module forward hooks (pre and post) see every module without code changes; the backward is seen through
 hooks on the call's output and input tensors (see `_Backward`). Inside a region Dynamo compiles, the hooks
 do nothing (they return at once while Dynamo traces them, so the compiled graph is the untraced one); the
-region itself is recorded by `detrace.record.rungs.compiled`. A module
+region itself is recorded by `detrace.record.rungs.compiled`. Called from eager code that Dynamo watches (the
+blocks of a model whose forward Dynamo gave up on, each block compiled alone), a hook is a frame Dynamo would
+compile into that same no-op, and the module's records would be lost: Dynamo runs the hooks' frames as they are,
+and their recording code with Dynamo off (detrace.record.opaque). A module
 is named by its qualified name in its model: the first module called with no module in scope is a root,
 and its `named_modules()` names it ("") and everything below (DDP and torch.compile wrappers looked through).
 Records: `module` = qualified name, `name` = class name; forward inputs/outputs (roles input/output), backward
@@ -33,6 +36,7 @@ from torch.nn.modules import module as module_hooks
 
 from detrace._compat import current_autograd_node
 from detrace.record.names import named_modules
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.records import Call, recorded_leaves
 from detrace.record.session import Tracer
 
@@ -82,6 +86,8 @@ class ModuleRung:
         self.roots: list[weakref.ref[nn.Module]] = []
         self.forward_calls: list[Call] = []
         self.handles: list[Any] = []
+        self.record_pre = Opaque(self._record_pre)
+        self.record_post = Opaque(self._record_post)
 
     # -- names ----------------------------------------------------------------------------------------------
 
@@ -109,8 +115,10 @@ class ModuleRung:
         # Dynamo traces global hooks into the graph it compiles; returning at once (is_compiling() is a constant
         # to it) keeps the graph and its guards as they are untraced. Compiled regions are recorded from their
         # graphs instead (detrace.record.rungs.compiled).
-        if torch.compiler.is_compiling():
-            return
+        if not torch.compiler.is_compiling():
+            self.record_pre(module, args)
+
+    def _record_pre(self, module: nn.Module, args: Any) -> None:
         tracer = self.tracer
         name = self.name(module)
         tracer.scope.append(name)
@@ -119,8 +127,10 @@ class ModuleRung:
         tracer.emit(call, "input", tracer.snapshot(recorded_leaves(args, holes=True)))
 
     def forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
+        if not torch.compiler.is_compiling():
+            self.record_post(module, args, output)
+
+    def _record_post(self, module: nn.Module, args: Any, output: Any) -> None:
         tracer = self.tracer
         if not self.forward_calls:
             return
@@ -222,6 +232,10 @@ def _leave(scope: list[str], name: str) -> None:
     else:
         return
     scope[position:] = [entry for entry in scope[position + 1:] if not _within(entry, name)]
+
+
+skip_frames(ModuleRung.forward_pre)
+skip_frames(ModuleRung.forward_post)
 
 
 def install(tracer: Tracer) -> list[Undo]:
