@@ -186,6 +186,45 @@ def test_hooks_called_from_compiled_code_run_eagerly(fresh_dynamo: ModuleType, t
                 ("optimizer", "2.bias", "param"), ("optimizer", "2.bias", "state")} <= recorded, step
 
 
+def _accumulating_loop() -> str:
+    """Gradient accumulation in a compiled function that Dynamo gives up on (a graph break in its loop) and runs
+    eagerly, watching the frames it calls: the model's among them. Returns a hash of the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    @torch.compile
+    def accumulate(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+        for x, y in zip(xs, ys, strict=True):
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            torch._dynamo.graph_break()
+            loss.backward()
+
+    data = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        accumulate([torch.randn(64, 16, generator=data) for _ in range(2)], [torch.randn(64, generator=data)] * 2)
+        opt.step()
+        opt.zero_grad()
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def test_a_model_called_from_a_compiled_function_run_eagerly_is_recorded_eagerly(fresh_dynamo: ModuleType,
+                                                                                  tmp_path: Path) -> None:
+    # The batch recorder's wrapper runs as Dynamo's frame; the recording code it calls must not be compiled (it
+    # was, and its graphs were recorded as the program's compiled regions).
+    counters.clear()
+    untraced = _accumulating_loop()
+    graphs = dict(counters["stats"])
+    torch._dynamo.reset()
+    counters.clear()
+    with detrace.trace(tmp_path / "run", rung="semantic"):
+        assert _accumulating_loop() == untraced
+    assert dict(counters["stats"]) == graphs
+    rows = _rows(tmp_path / "run")
+    assert not [r for r in rows if r["name"] == REGION]
+    assert [(r["step"], r["occurrence"]) for r in rows if r["name"] == "batch"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 @pytest.mark.slow
 @pytest.mark.race
 def test_locate_names_the_racing_kernel_of_a_compiled_backward(tmp_path: Path) -> None:

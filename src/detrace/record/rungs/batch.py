@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrace.record.opaque import skip_frames
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
 from detrace.record.session import Tracer
@@ -57,21 +57,30 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     original = nn.Module.__call__
     local = threading.local()
 
+    def begins(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An outermost module call in the forward: a model's begins the step's work, and its tensors are recorded."""
+        if tracer.busy or not _has_parameters(module):
+            return
+        tracer.clock.work_begins()
+        if tracer.on["semantic"]:
+            record(tracer, module, args, kwargs)
+
+    outermost = Opaque(begins)
+
     def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # is_compiling() first: Dynamo inlines this function into compiled regions, and must not trace the rest.
         if torch.compiler.is_compiling() or getattr(local, "inside", False) or not tracer.enabled:
             return original(module, *args, **kwargs)
         local.inside = True
         try:
-            if tracer.phase == "forward" and not tracer.busy and _has_parameters(module):
-                tracer.clock.work_begins()
-                if tracer.on["semantic"]:
-                    record(tracer, module, args, kwargs)
+            if tracer.phase == "forward":
+                outermost(module, args, kwargs)
             return original(module, *args, **kwargs)
         finally:
             local.inside = False
 
     # Dynamo runs the wrapper's frames as they are and compiles the module call inside, where its graphs would begin
-    # without detrace (the same code object for every tracer: once per process is enough).
+    # without detrace (the same code object for every tracer: once per process is enough); the recording runs with
+    # Dynamo off (a model called from a compiled function that Dynamo runs eagerly).
     skip_frames(call)
     return [replace(nn.Module, "__call__", call)]
