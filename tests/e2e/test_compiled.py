@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -223,6 +223,44 @@ def test_a_model_called_from_a_compiled_function_run_eagerly_is_recorded_eagerly
     rows = _rows(tmp_path / "run")
     assert not [r for r in rows if r["name"] == REGION]
     assert [(r["step"], r["occurrence"]) for r in rows if r["name"] == "batch"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_a_collective_in_a_compiled_function_stays_in_its_graph(fresh_dynamo: ModuleType, tmp_path: Path,
+                                                                free_port: Callable[[], int]) -> None:
+    # Dynamo turns `dist.all_reduce` in a compiled function into a functional collective in the graph; through the
+    # tracer's wrapper it must still (it graph-broke around the wrapper, and compiled the recording code). The
+    # compiled code's call is recorded by the functional rung. One rank of gloo, in this process.
+    import torch.distributed as dist
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(8, 8)
+
+        @torch.compile
+        def step(x: torch.Tensor) -> torch.Tensor:
+            y = layer(x)
+            dist.all_reduce(y)
+            return y * 2
+
+        return step(torch.randn(4, 8))
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        counters.clear()
+        untraced = run()
+        graphs = dict(counters["stats"])
+        torch._dynamo.reset()
+        counters.clear()
+        with detrace.trace(tmp_path / "run", rung="semantic"):
+            assert torch.equal(run(), untraced)
+    finally:
+        dist.destroy_process_group()
+    assert dict(counters["stats"]) == graphs and graphs["unique_graphs"] == 1
+    rows = _rows(tmp_path / "run")
+    collectives = [r for r in rows if r["phase"] == "collective"]
+    assert {r["name"] for r in collectives} == {"all_reduce_"}
+    assert {r["role"] for r in collectives} == {"input", "output"}
+    assert all(json.loads(r["extra"])["functional"] for r in collectives)
 
 
 @pytest.mark.slow

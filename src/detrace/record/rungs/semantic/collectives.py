@@ -4,7 +4,9 @@ call). Inputs are fingerprinted before the call; outputs when the work completes
 at `Work.wait()` (or when `Work.get_future()` completes) for an async one. Records carry the group's ranks
 ("0,1"), the call's index in that group on this rank (`group_seq`), the peer for p2p, and the count of
 collectives completed before. Nested calls (a helper that calls another collective) are recorded once, at the
-outermost call.
+outermost call. A collective called inside a region Dynamo compiles is Dynamo's to turn into a functional collective
+in the graph, as it does untraced: the wrapper goes straight to the original there, and the functional rung records
+the call when the compiled code makes it.
 
 A collective that a training framework makes for itself, outside the backward and the optimizer step (HF
 Trainer's logging gather of the loss, Lightning's `self.log(sync_dist=True)`, accelerate's set-up) is recorded in
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
 from detrace.record.rungs.semantic.common import caller, finish, group_name, reentry
@@ -123,6 +126,13 @@ def _wrap(tracer: Tracer, name: str, original: Callable[..., Any]) -> Callable[.
 
     @functools.wraps(original, assigned=(), updated=())  # only __wrapped__: inspect sees the original
     def traced(*args: Any, **kwargs: Any) -> Any:
+        # Inside a region Dynamo compiles, the original: Dynamo then sees the collective it turns into a functional
+        # one in the graph, as untraced (recorded by the functional rung when the compiled code runs it).
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        return recorded(*args, **kwargs)
+
+    def record(*args: Any, **kwargs: Any) -> Any:
         if reentry.active() or not tracer.on["semantic"]:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
@@ -157,6 +167,8 @@ def _wrap(tracer: Tracer, name: str, original: Callable[..., Any]) -> Callable[.
             completed()
         return result
 
+    recorded = Opaque(record)
+    skip_frames(traced)  # run as it is when eager code that Dynamo watches calls it (detrace.record.opaque)
     return traced
 
 

@@ -3,7 +3,8 @@ redistribute and the autograd formulas of both, so forward and backward): the op
 namespace for the life of the tracer, and calls through their `.default` overload (compiled code's way) are
 recorded too, once; inputs are fingerprinted before the call, outputs when `wait_tensor` is called on them (or
 on a view of them: AsyncCollectiveTensor waits at first use), i.e. at completion. The call runs unchanged;
-nothing is added.
+nothing is added. Inside a region Dynamo compiles, the wrappers go straight to the op, which Dynamo puts in its
+graph as untraced; the compiled code then calls the overload, which records.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from detrace._compat import functional_collectives, op_schema, replace_call, resolve_group
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
 from detrace.record.rungs.semantic.common import finish, group_name, reentry
@@ -52,6 +54,9 @@ class _TracedOp:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._packet, name)
+
+
+skip_frames(_TracedOp.__call__)
 
 
 class _Awaiting:
@@ -104,11 +109,19 @@ class _Recorder:
     def wrap(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """`run`, recording each call that is not nested in another recorded one."""
 
-        def traced(*args: Any, **kwargs: Any) -> Any:
+        def record(*args: Any, **kwargs: Any) -> Any:
             if reentry.active() or not self.tracer.on["semantic"]:
                 return run(*args, **kwargs)
             return self._record(run, args, kwargs)
 
+        recorded = Opaque(record)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # Dynamo puts the op itself in the graph, as untraced
+                return run(*args, **kwargs)
+            return recorded(*args, **kwargs)
+
+        skip_frames(traced)
         return traced
 
     def _record(self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -137,10 +150,14 @@ def _waiting(awaiting: _Awaiting) -> Wrap:
     def wrap(run: Callable[..., Any]) -> Callable[..., Any]:
         def wait_tensor(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             result = run(tensor, *args, **kwargs)
-            awaiting.waited(tensor)
+            if not torch.compiler.is_compiling():  # in a graph Dynamo compiles, the wait alone, as untraced
+                waited(tensor)
             return result
 
+        skip_frames(wait_tensor)
         return wait_tensor
+
+    waited = Opaque(awaiting.waited)
 
     return wrap
 
