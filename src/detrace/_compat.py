@@ -116,6 +116,7 @@ __all__ = [
     "resolve_group",
     "run_exit_handlers",
     "torch_release",
+    "tracing_tensors",
     "unhooked_step",
     "wrap_compiled_graphs",
     "wrap_output_code",
@@ -371,6 +372,19 @@ def dynamo_skips(code: CodeType) -> None:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(code)
+
+
+@_private("torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor")
+def tracing_tensors(values: tuple[Any, ...]) -> bool:
+    """Whether any of `values` is a tensor of a graph being traced (a FakeTensor or a FunctionalTensor: no data).
+
+    Why: AOTAutograd traces a compiled graph's functional collectives through `torch.ops._c10d_functional`, which
+    the semantic rung wraps; at torch 2.10 `torch.compiler.is_compiling()` is False there, and recording would
+    read the storage of a tensor that has none. Replace with: a public query of make_fx tracing."""
+    from torch._subclasses import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return any(isinstance(value, (FakeTensor, FunctionalTensor)) for value in values)
 
 
 @_private("torch._dynamo.output_graph.OutputGraph.call_user_compiler")

@@ -9,12 +9,14 @@ Inductor's on-disk cache (shared by the processes of a session) then serves.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +54,22 @@ def fresh_dynamo() -> Iterator[ModuleType]:
 
 def _rows(run: Path) -> list[dict]:
     return read_rank(run, 0).table.to_pylist()
+
+
+def _traced_as_untraced(program: Callable[[], Any], run: Path, rung: str) -> dict[str, int]:
+    """Run `program` untraced, then traced at `rung` into `run` (Dynamo's compiled code dropped in between), assert
+    both return the same, and that Dynamo compiled the same frames and graphs both times (its `counters`, which
+    torch._dynamo.reset() keeps, cleared before each run); returns those counts."""
+    counters.clear()
+    untraced = program()
+    graphs = dict(counters["stats"])
+    torch._dynamo.reset()
+    counters.clear()
+    with detrace.trace(run, rung=rung):
+        traced = program()
+    assert torch.equal(traced, untraced) if isinstance(traced, torch.Tensor) else traced == untraced
+    assert dict(counters["stats"]) == graphs
+    return graphs
 
 
 def test_kernel_names_give_the_aten_ops_they_were_lowered_from() -> None:
@@ -111,17 +129,11 @@ def test_every_rung_records_a_compiled_model_and_keeps_its_bits(fresh_dynamo: Mo
                          ids=["per-block-fullgraph", "graph-breaks"])
 def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: ModuleType, tmp_path: Path,
                                                                 variant: dict) -> None:
-    example = fresh_dynamo
-    counters.clear()  # Dynamo's counts of frames and graphs (torch._dynamo.reset() keeps them)
-    untraced = example.train(deterministic=True, **SMALL, **variant)
-    graphs = dict(counters["stats"])
-    torch._dynamo.reset()
-    counters.clear()
-    with detrace.trace(tmp_path / "run", rung="module"):
-        assert example.train(deterministic=True, **SMALL, **variant) == untraced
-    # Dynamo compiled the same graphs: the tracer's wrapper of every module call is no frame of Dynamo's (were it
-    # one, the graph breaks would cut the model elsewhere, and on an AVX-512 CPU Inductor's kernels round otherwise).
-    assert dict(counters["stats"]) == graphs
+    # The same bits, and Dynamo compiled the same graphs: the tracer's wrapper of every module call is no frame of
+    # Dynamo's (were it one, the graph breaks would cut the model elsewhere, and on an AVX-512 CPU Inductor's kernels
+    # round otherwise).
+    _traced_as_untraced(functools.partial(fresh_dynamo.train, deterministic=True, **SMALL, **variant),
+                        tmp_path / "run", "module")
     rows = [r for r in _rows(tmp_path / "run") if r["step"] == 1]
     forward = {(r["module"], r["occurrence"], json.loads(r["extra"])["compile_id"]) for r in rows
                if r["name"] == REGION and r["phase"] == "forward"}
@@ -171,14 +183,8 @@ def test_hooks_called_from_compiled_code_run_eagerly(fresh_dynamo: ModuleType, t
     # The tracer's optimizer hooks and its torch.autograd.backward run inside these compiled functions: Dynamo
     # must not trace them (it would compile the recording code, or stop the program failing to), and the graphs
     # and bits stay the untraced program's.
-    counters.clear()
-    untraced = _compiled_step_loop(**compiled)
-    graphs = dict(counters["stats"])
-    torch._dynamo.reset()
-    counters.clear()
-    with detrace.trace(tmp_path / "run", rung="semantic"):
-        assert _compiled_step_loop(**compiled) == untraced
-    assert dict(counters["stats"]) == graphs and graphs["unique_graphs"] >= 1
+    graphs = _traced_as_untraced(functools.partial(_compiled_step_loop, **compiled), tmp_path / "run", "semantic")
+    assert graphs["unique_graphs"] >= 1
     rows = _rows(tmp_path / "run")
     for step in range(3):
         recorded = {(r["phase"], r["name"], r["role"]) for r in rows if r["step"] == step}
@@ -212,14 +218,7 @@ def test_a_model_called_from_a_compiled_function_run_eagerly_is_recorded_eagerly
                                                                                   tmp_path: Path) -> None:
     # The batch recorder's wrapper runs as Dynamo's frame; the recording code it calls must not be compiled (it
     # was, and its graphs were recorded as the program's compiled regions).
-    counters.clear()
-    untraced = _accumulating_loop()
-    graphs = dict(counters["stats"])
-    torch._dynamo.reset()
-    counters.clear()
-    with detrace.trace(tmp_path / "run", rung="semantic"):
-        assert _accumulating_loop() == untraced
-    assert dict(counters["stats"]) == graphs
+    _traced_as_untraced(_accumulating_loop, tmp_path / "run", "semantic")
     rows = _rows(tmp_path / "run")
     assert not [r for r in rows if r["name"] == REGION]
     assert [(r["step"], r["occurrence"]) for r in rows if r["name"] == "batch"] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -246,16 +245,9 @@ def test_a_collective_in_a_compiled_function_stays_in_its_graph(fresh_dynamo: Mo
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        counters.clear()
-        untraced = run()
-        graphs = dict(counters["stats"])
-        torch._dynamo.reset()
-        counters.clear()
-        with detrace.trace(tmp_path / "run", rung="semantic"):
-            assert torch.equal(run(), untraced)
+        assert _traced_as_untraced(run, tmp_path / "run", "semantic")["unique_graphs"] == 1
     finally:
         dist.destroy_process_group()
-    assert dict(counters["stats"]) == graphs and graphs["unique_graphs"] == 1
     rows = _rows(tmp_path / "run")
     collectives = [r for r in rows if r["phase"] == "collective"]
     assert {r["name"] for r in collectives} == {"all_reduce_"}

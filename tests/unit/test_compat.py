@@ -347,6 +347,18 @@ def test_dynamo_skips_runs_a_frame_as_it_is_and_compiles_the_frames_it_calls() -
     assert placeholders == [["l_x_"]]
 
 
+def test_tracing_tensors_tells_fake_and_functional_tensors_from_real_ones() -> None:
+    from torch._subclasses import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ones(2)
+    assert _compat.tracing_tensors((fake, "sum", "0")) and not _compat.tracing_tensors((torch.ones(2), "sum"))
+    with mode, FunctionalTensorMode():
+        functional = torch.ones(2) + 1
+    assert _compat.tracing_tensors((functional,))
+
+
 def test_wrap_output_code_is_undone() -> None:
     cache = _compat.inductor_code_cache()
     before = inspect.getattr_static(cache, "load_by_key_path")

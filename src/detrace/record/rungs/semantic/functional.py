@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from detrace._compat import functional_collectives, op_schema, replace_call, resolve_group
+from detrace._compat import functional_collectives, op_schema, replace_call, resolve_group, tracing_tensors
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import recorded_leaves
@@ -117,7 +117,9 @@ class _Recorder:
         recorded = Opaque(record)
 
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # Dynamo puts the op itself in the graph, as untraced
+            # Dynamo puts the op itself in the graph, as untraced; AOTAutograd then traces it with tensors that
+            # hold no data (at torch 2.10 outside is_compiling()).
+            if torch.compiler.is_compiling() or tracing_tensors(args):
                 return run(*args, **kwargs)
             return recorded(*args, **kwargs)
 
