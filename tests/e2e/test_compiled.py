@@ -153,11 +153,19 @@ def test_the_module_rung_keeps_per_block_and_broken_graphs_bits(fresh_dynamo: Mo
         assert {r["module"] for r in rows if r["rung"] == "module"} >= {"blocks.0", "blocks.1", "head"}
 
 
+def _small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1))
+
+
+def _parameter_bits(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
 def _compiled_step_loop(*, optimizer: bool, forward_backward: bool) -> str:
     """A small loop that compiles its optimizer step (`torch.compile(opt.step)`, PyTorch's recipe) or its forward
     and backward as one function; returns a hash of the parameters after 3 steps."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1))
+    model = _small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = torch.compile(opt.step) if optimizer else opt.step
 
@@ -172,7 +180,7 @@ def _compiled_step_loop(*, optimizer: bool, forward_backward: bool) -> str:
         run(torch.randn(64, 16, generator=data), torch.randn(64, generator=data))
         step()
         opt.zero_grad()
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return _parameter_bits(model)
 
 
 @pytest.mark.parametrize("compiled", [{"optimizer": True, "forward_backward": False},
@@ -195,8 +203,7 @@ def test_hooks_called_from_compiled_code_run_eagerly(fresh_dynamo: ModuleType, t
 def _accumulating_loop() -> str:
     """Gradient accumulation in a compiled function that Dynamo gives up on (a graph break in its loop) and runs
     eagerly, watching the frames it calls: the model's among them. Returns a hash of the parameters."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1))
+    model = _small_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 
     @torch.compile
@@ -211,7 +218,7 @@ def _accumulating_loop() -> str:
         accumulate([torch.randn(64, 16, generator=data) for _ in range(2)], [torch.randn(64, generator=data)] * 2)
         opt.step()
         opt.zero_grad()
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return _parameter_bits(model)
 
 
 def test_a_model_called_from_a_compiled_function_run_eagerly_is_recorded_eagerly(fresh_dynamo: ModuleType,

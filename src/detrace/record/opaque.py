@@ -34,8 +34,9 @@ Undo = Callable[[], None]
 
 _waiting: weakref.WeakSet[Opaque] = weakref.WeakSet()
 """The Opaque callables made before Dynamo was imported, hidden at the first `torch.compile`."""
-_skipped: list[CodeType] = []
-"""The code objects Dynamo must run as they are (registered before Dynamo was imported)."""
+_skipped: set[CodeType] = set()
+"""The code objects Dynamo must run as they are, registered before Dynamo was imported (each tracer registers its
+wrappers again: the same code objects, kept once)."""
 
 
 class Opaque:
@@ -62,11 +63,13 @@ def skip_frames(fn: Callable[..., Any]) -> None:
     if _compat.dynamo_imported():
         _compat.dynamo_skips(fn.__code__)
     else:
-        _skipped.append(fn.__code__)
+        _skipped.add(fn.__code__)
+
+
+skip_frames(Opaque.__call__)  # a frame of Opaque's own is a plain call
 
 
 def _hide_all() -> None:
-    _compat.dynamo_skips(Opaque.__call__.__code__)  # a frame of Opaque's own is a plain call
     while _skipped:
         _compat.dynamo_skips(_skipped.pop())
     for opaque in list(_waiting):
