@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from detrace.errors import CheckpointError, UsageError
 from detrace.state import ResumableLoader, ResumableSampler, TrainState, rng, sample_seed, seeded_rngs, tree
+from detrace.state.contract import resume_requested
 
 # --- the codec --------------------------------------------------------------------------------------------
 
@@ -363,3 +364,41 @@ def test_loading_into_a_fresh_optimizer_is_no_optimizer_step(tmp_path: Path) -> 
         for handle in handles:
             handle.remove()
     assert resumed.optimizer.state_dict()["state"][0]["step"].item() == 2  # 1 loaded + 1 taken, no extra
+
+
+def test_the_optimizer_and_model_controls_each_leave_out_their_part(tmp_path: Path) -> None:
+    """skip-optimizer restores everything but the optimizer's per-parameter state (empty, as in a fresh optimizer;
+    its param groups are restored); skip-model everything but the model (as this process had it)."""
+    def state(seed: int) -> TrainState:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return TrainState(model=model, optimizer=optimizer,
+                          scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+
+    saved = state(0)
+    saved.model(torch.ones(3)).sum().backward()
+    saved.optimizer.step()
+    saved.scheduler.step()
+    saved.step = 1
+    saved.save(tmp_path)
+    moments = saved.optimizer.state_dict()["state"]
+    for control, model_kept, optimizer_kept in (("skip-optimizer", True, False), ("skip-model", False, True)):
+        fresh = state(1)
+        before = [p.detach().clone() for p in fresh.model.parameters()]
+        assert fresh.load(tmp_path, control=control) == 1
+        expected = saved.model.parameters() if model_kept else before
+        assert all(map(torch.equal, fresh.model.parameters(), expected)), control
+        restored = fresh.optimizer.state_dict()
+        assert restored["param_groups"][0]["lr"] == 0.05  # the scheduler's learning rate, in both
+        if optimizer_kept:
+            assert all(torch.equal(restored["state"][i]["exp_avg"], moments[i]["exp_avg"]) for i in moments)
+        else:
+            assert restored["state"] == {}
+
+
+def test_a_framework_that_restores_the_model_refuses_the_model_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_RESUME_CONTROL", "skip-model")
+    assert resume_requested() == (False, "skip-model")
+    with pytest.raises(UsageError, match="skip-model cannot be applied under Lightning, which restores the model"):
+        resume_requested(framework="Lightning")

@@ -31,7 +31,8 @@ RUN = SyntheticRun(ranks=2, steps=4, ops=4)
 
 class Scripted:
     """A launcher whose CMD behaves as told: `faults` maps an arm ("continuous", "again", "stopped", "resumed",
-    "resumed-again", "control") to the injected fault (named as such) its trace shows, None for the true bits."""
+    "resumed-again", "control-rng", "control-data", "control-optimizer", "control-model") to the injected fault
+    (named as such) its trace shows, None for the true bits."""
 
     def __init__(self, faults: Mapping[str, Fault | None] | None = None, *, checkpoint: bool = True,
                  records: bool = True) -> None:
@@ -42,8 +43,10 @@ class Scripted:
 
     def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object) -> LaunchResult:
         env = env or {}
-        arm = out.name if out.name in ("stopped", "resumed", "resumed-again", "control") else (
-            "again" if out.name == "continuous-again" else out.name.split("-")[0])
+        arm = out.name if out.name in ("stopped", "resumed", "resumed-again") or out.name.startswith("control-") \
+            else "again" if out.name == "continuous-again" else out.name.split("-")[0]
+        if arm.startswith("control-"):  # the control the arm's directory is named after is the one it ran
+            assert env["DETRACE_RESUME_CONTROL"] == f"skip-{arm.removeprefix('control-')}"
         self.arms.append(arm)
         out.mkdir(parents=True, exist_ok=True)
         if self.records:
@@ -56,7 +59,9 @@ class Scripted:
         return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
 
 
-CONTROL = Fault(rank=0, step=2, op=0)  # resuming without the RNG states: differs from the first resumed step on
+CONTROL = Fault(rank=0, step=2, op=0)  # resuming without a part of the state: differs from the first resumed step on
+ALL = ["continuous", "again", "stopped", "resumed", "control-rng", "control-data", "control-optimizer",
+       "control-model"]
 RESUME_BUG = Fault(rank=1, step=2, op=1)
 
 
@@ -68,15 +73,18 @@ def _cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, launcher: Scripted, *a
 @pytest.mark.parametrize(
     ("faults", "verdict", "code", "arms"),
     [
-        ({"control": CONTROL}, "exact", 0, ["continuous", "again", "stopped", "resumed", "control"]),
+        ({"control-rng": CONTROL}, "exact", 0, ["continuous", "again", "stopped", "resumed", "control-rng"]),
+        ({"control-data": CONTROL, "control-optimizer": CONTROL}, "exact", 0, ALL[:6]),
+        ({"control-model": CONTROL}, "exact", 0, ALL),
         ({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG}, "resume-changed-the-run", 1,
          ["continuous", "again", "stopped", "resumed", "resumed-again"]),
         ({"again": CONTROL}, "nondeterministic", 3, ["continuous", "again"]),
         ({"resumed": RESUME_BUG, "resumed-again": Fault(rank=1, step=2, op=2)}, "nondeterministic", 3,
          ["continuous", "again", "stopped", "resumed", "resumed-again"]),
-        ({}, "inconclusive", 4, ["continuous", "again", "stopped", "resumed", "control"]),
+        ({}, "inconclusive", 4, ALL),
     ],
-    ids=["exact", "resume-bug", "nondeterministic", "unrepeatable-after-resume", "inconclusive"],
+    ids=["exact", "exact-without-rng", "exact-by-the-model", "resume-bug", "nondeterministic",
+         "unrepeatable-after-resume", "inconclusive"],
 )
 def test_every_verdict_of_the_four_arm_proof(tmp_path: Path, faults: dict[str, Fault], verdict: str, code: int,
                                             arms: list[str]) -> None:
@@ -87,7 +95,7 @@ def test_every_verdict_of_the_four_arm_proof(tmp_path: Path, faults: dict[str, F
 
 
 def test_several_stop_points_share_the_continuous_runs(tmp_path: Path) -> None:
-    launcher = Scripted({"control": Fault(rank=0, step=1, op=0)})
+    launcher = Scripted({"control-rng": Fault(rank=0, step=1, op=0)})
     result = check_resume(["train"], at=[3, 1], out=tmp_path / "r", launch=launcher)
     assert result.verdict == "exact" and result.at == [1, 3]
     assert launcher.arms.count("continuous") == 1 and launcher.arms.count("resumed") == 2
@@ -98,7 +106,7 @@ def test_the_first_stop_point_that_fails_decides(tmp_path: Path) -> None:
     # at-1 resumes exactly (its control diverges); at-3's resume repeats the same wrong bits: the run changed.
     class Late(Scripted):
         def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
-            self.faults = {"control": CONTROL} if "at-1" in str(out) else {"resumed": RESUME_BUG,
+            self.faults = {"control-rng": CONTROL} if "at-1" in str(out) else {"resumed": RESUME_BUG,
                                                                            "resumed-again": RESUME_BUG}
             return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
 
@@ -125,11 +133,13 @@ def test_a_command_that_writes_no_checkpoint_is_one_sentence(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("faults", "code", "start"),
     [
-        ({"control": CONTROL}, 0, "exact: two continuous runs agree, and resuming after step 2 changed no bit"),
+        ({"control-rng": CONTROL}, 0, "exact: two continuous runs agree, and resuming after step 2 changed no bit"),
         ({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG}, 1,
          "resume-changed-the-run: resuming after step 2 changed the run"),
         ({"again": CONTROL}, 3, "nondeterministic: two continuous runs of the same command differ"),
-        ({}, 4, "inconclusive: the run resumed after step 2 matched, but so did the negative control"),
+        ({}, 4, "inconclusive: the run resumed after step 2 matched, but so did every negative control (skip-rng, "
+                "skip-data, skip-optimizer, skip-model): after step 2 leaving out its RNG states, data position, "
+                "optimizer state or model changed nothing, so"),
     ],
     ids=["exact", "resume-bug", "nondeterministic", "inconclusive"],
 )
@@ -146,13 +156,15 @@ def test_the_command_says_each_verdict_in_words(tmp_path: Path, monkeypatch: pyt
 
 
 def test_the_json_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(_cli(tmp_path, monkeypatch, Scripted({"control": CONTROL}), "--at", "2", "--json")) == 0
+    assert main(_cli(tmp_path, monkeypatch, Scripted({"control-rng": CONTROL}), "--at", "2", "--json")) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["schema"] == "detrace.check-resume/1" and report["verdict"] == "exact" and report["at"] == [2]
     assert report["repeat"]["verdict"] == "identical" and report["repeat"]["compared"]["ranks"] == 2
     [point] = report["points"]
     assert point["resume"]["verdict"] == "identical" and point["control"]["verdict"] == "diverged"
-    assert point["resumed_again"] is None and set(point["runs"]) == {"stopped", "resumed", "control"}
+    assert point["resumed_again"] is None and set(point["runs"]) == {"stopped", "resumed", "control_rng"}
+    assert [c["control"] for c in point["controls"]] == ["skip-rng"] and point["controls"][0]["mattered"]
+    assert point["untried"] == ["skip-data", "skip-optimizer", "skip-model"]
     assert report["first"]["step"] == 2 and report["suggest"] is None
 
 
@@ -210,3 +222,38 @@ def test_a_command_without_the_contract_is_one_sentence(tmp_path: Path, monkeypa
     last = err.splitlines()[-1]  # after the progress lines of the runs made
     assert last.startswith("detrace check-resume: error: ") and message.format(out=out) in last
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("faults", "every", "says"), [
+    # A loop that draws no random number after the stop (no dropout, a seeded sampler): proven by its data.
+    ({"control-data": CONTROL, "control-optimizer": CONTROL, "control-model": CONTROL}, False,
+     "after step 2 this run depends on its data position, not on its RNG states (not tried: its optimizer state "
+     "and model; --every-control tries each part)"),
+    ({"control-data": CONTROL, "control-optimizer": CONTROL, "control-model": CONTROL}, True,
+     "after step 2 this run depends on its data position, optimizer state and model, not on its RNG states"),
+    ({"control-rng": CONTROL, "control-model": CONTROL}, True,
+     "after step 2 this run depends on its RNG states and model, not on its data position or optimizer state"),
+], ids=["first-that-diverges", "every-control", "rng-and-model"])
+def test_the_controls_say_which_parts_the_run_depends_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str], faults: dict[str, Fault],
+                                                        every: bool, says: str) -> None:
+    """Each negative control leaves one part of the state out: a correct resume is `exact` when any part matters,
+    and the verdict names the parts that did (issue 35, item 7)."""
+    launcher = Scripted(faults)
+    argv = _cli(tmp_path, monkeypatch, launcher, "--at", "2", *(["--every-control"] if every else []))
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    control = "skip-rng" if "control-rng" in faults else "skip-data"
+    assert lines[0].startswith(f"exact: two continuous runs agree, and resuming after step 2 changed no bit; the "
+                               f"negative control ({control}) diverged as it must, first divergence: rank 0, step 2")
+    assert lines[1] == says
+
+
+def test_a_framework_that_restores_the_model_is_not_given_the_model_control(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import lightning\n")
+    launcher = Scripted()
+    result = check_resume([sys.executable, str(script)], at=[2], out=tmp_path / "r", launch=launcher)
+    assert result.verdict == "inconclusive" and launcher.arms[-1] == "control-optimizer"
+    assert result.points[0].dependence == ("after step 2 leaving out its RNG states, data position or optimizer "
+                                           "state changed nothing")

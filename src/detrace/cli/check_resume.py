@@ -1,9 +1,11 @@
-"""`detrace check-resume --at K[,K2...] [--out DIR] [--timeout S] [--json] -- CMD...`: the four-arm resume proof.
+"""`detrace check-resume --at K[,K2...] [--out DIR] [--timeout S] [--every-control] [--json] -- CMD...`: the
+four-arm resume proof.
 
 Arms: a continuous run; the same again (the run must equal itself, or no resume can be judged); per stop point K,
 a run stopped after step K and resumed in a fresh process (it must continue with exactly the bits of the
-continuous run); and a negative control (resume without the RNG states) that must diverge, or the check proves
-nothing. Exit codes: 0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic, 4 inconclusive.
+continuous run); and negative controls (resume with one part of the state left out: the RNG states, the data
+position, the optimizer state, the model), one of which must diverge, or the check proves nothing. Exit codes:
+0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic, 4 inconclusive.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from detrace.analyze import DiffResult
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.investigate.check_resume import NEGATIVE_CONTROL, ResumeResult, StopPoint, check_resume, parse_stop_points
+from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, parse_stop_points
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
 
@@ -28,11 +30,14 @@ def _diff(result: DiffResult | None) -> dict[str, Any] | None:
 
 
 def _point(point: StopPoint) -> dict[str, Any]:
-    runs = {"stopped": point.stopped, "resumed": point.resumed, "control": point.control,
-            "resumed_again": point.resumed_again}
+    runs = {"stopped": point.stopped, "resumed": point.resumed, "resumed_again": point.resumed_again,
+            **{f"control_{c.control.removeprefix('skip-')}": c.run for c in point.controls}}
     return {"at": point.at, "verdict": point.verdict,
             "runs": {name: str(path) for name, path in runs.items() if path is not None},
             "resume": _diff(point.resume_diff), "control": _diff(point.control_diff),
+            "controls": [{"control": c.control, "part": c.part, "mattered": c.mattered, "diff": c.diff.to_json()}
+                         for c in point.controls],
+            "untried": list(point.untried), "depends": point.dependence,
             "resumed_again": _diff(point.again_diff)}
 
 
@@ -70,31 +75,39 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         render_diff(point.resume_diff)
     elif verdict == "inconclusive":
         point = next(p for p in result.points if p.verdict == verdict)
-        print(f"inconclusive: the run resumed after step {point.at} matched, but so did the negative control "
-              f"({NEGATIVE_CONTROL}), so this check cannot tell a correct resume from a wrong one (does CMD use "
-              "randomness after that step?)")
+        left_out = ", ".join(c.control for c in point.controls)
+        print(f"inconclusive: the run resumed after step {point.at} matched, but so did every negative control "
+              f"({left_out}): {point.dependence}, so this check cannot tell a correct resume from a wrong one "
+              "(does CMD train, and record its steps, after that step?)")
     else:
         control = next((line for line in diff_lines(result.deciding) if line.startswith("first divergence")),
                        "first divergence: (no detail)")
+        deciding = result.points[0].deciding_control
+        assert deciding is not None  # an exact point ran a control that diverged
         print(f"exact: two continuous runs agree, and resuming after step {stops} changed no bit; the negative "
-              f"control ({NEGATIVE_CONTROL}) diverged as it must, {control}")
+              f"control ({deciding.control}) diverged as it must, {control}")
+        for point in result.points:
+            print(point.dependence)
 
 
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
     parser = ArgumentParser("check-resume", "Verify that stopping after step K and resuming changes no bit, with "
-                            "a second continuous run (is the run deterministic at all?) and a negative control. "
+                            "a second continuous run (is the run deterministic at all?) and negative controls. "
                             "Exit codes: 0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic (the run "
-                            "differs from itself; the resume is not judged), 4 inconclusive (the negative control "
-                            "did not diverge).", usage="detrace check-resume --at K[,K...] [options] -- CMD...")
+                            "differs from itself; the resume is not judged), 4 inconclusive (no negative control "
+                            "diverged).", usage="detrace check-resume --at K[,K...] [options] -- CMD...")
     parser.add_argument("--at", required=True, metavar="K[,K...]",
                         help="stop after this many optimizer steps, then resume; several stop points: 2,5")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/resume-<time>)")
     parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--every-control", action="store_true",
+                        help="run every negative control (each leaves out one part of the state), not only until "
+                             "one diverges: says each part the rest of the run depends on, at one run per part")
     parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)
     result = check_resume(cmd, at=parse_stop_points(args.at), out=args.out or default_out("resume"),
-                          timeout=args.timeout,
+                          timeout=args.timeout, every_control=args.every_control,
                           progress=lambda line: print(f"detrace check-resume: {line}", file=sys.stderr))
     if args.json:
         print(json.dumps(to_json(result, cmd)))

@@ -67,7 +67,7 @@ class AcceleratedState:
     def resume_if_requested(self) -> int:
         """Under DETRACE_RESUME_FROM (a checkpoint-N) or DETRACE_RESUME=1 (the last checkpoint-N in DETRACE_CKPT_DIR),
         `accelerator.load_state` it; the step to continue from (0 otherwise)."""
-        resume, control = resume_requested()
+        resume, control = resume_requested(framework="accelerate")
         if stop_requested() is not None or every_requested() is not None:
             checkpoint_dir()  # a missing DETRACE_CKPT_DIR is refused now, not after the first step
         source = resume_source()

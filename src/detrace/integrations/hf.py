@@ -81,7 +81,7 @@ class DetraceCallback(TrainerCallback):
         """Read the stop/resume contract: a stopping (or periodically saving) run checkpoints into
         DETRACE_CKPT_DIR; a resuming one names its checkpoint in `args.resume_from_checkpoint`, which the script
         hands to `train()`."""
-        self._resume, self._control = resume_requested()
+        self._resume, self._control = resume_requested(framework="the transformers Trainer")
         self._stop_at = stop_requested()
         self._every = every_requested()
         if self._stop_at is not None or self._every is not None:

@@ -76,7 +76,7 @@ class DetraceCallback(pl.Callback):
         self.deterministic = deterministic
         self.seed = seed
         self.strict = strict
-        self._resume, self._control = resume_requested()
+        self._resume, self._control = resume_requested(framework="Lightning")
         self._source = resume_source()
         self._resume = self._resume or self._source is not None
         self._stop_at = stop_requested()

@@ -1,6 +1,10 @@
 """`detrace check-resume`: exact resume verified on a user's command, a proof with four arms (a continuous run,
-the same again, stopped after step K and resumed in a fresh process, and a negative control that must diverge).
-It drives the launcher and the diff; it never reads a trace itself.
+the same again, stopped after step K and resumed in a fresh process, and negative controls, one of which must
+diverge). It drives the launcher and the diff; it never reads a trace itself.
+
+Each negative control resumes with one part of the state left out (the RNG states, the data position, the
+optimizer state, the model). A loop that draws no random number after the stop (no dropout, a seeded sampler) is
+proven by the data or the optimizer control; the controls that diverged say what the rest of the run depends on.
 
 check-resume speaks to CMD through the environment contract that `detrace.TrainState` implements
 (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, DETRACE_RESUME_CONTROL; see docs/resume.md).
@@ -16,15 +20,52 @@ from pathlib import Path
 from detrace._numbers import parse_count
 from detrace.analyze import DiffResult, diff
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.integrations.advice import advice
+from detrace.integrations.advice import advice, framework_of
 from detrace.investigate.check import Progress, run_checked
 from detrace.launch.launcher import Launcher, LaunchResult, run_traced
+from detrace.state.contract import CONTROLS, MODEL_CONTROL
 from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
 from detrace.verdicts import RESUME, ResumeVerdict
 
-# The negative control of check-resume: resume without restoring the RNG states.
-NEGATIVE_CONTROL = "skip-rng"
+PARTS = {
+    "skip-rng": "RNG states",
+    "skip-data": "data position",
+    "skip-optimizer": "optimizer state",
+    "skip-model": "model",
+}
+"""The part of the state each negative control (the contract's `CONTROLS`, in their order) leaves out."""
+
+
+def controls_for(cmd: list[str]) -> tuple[str, ...]:
+    """The negative controls CMD can apply, in the order they are tried: a framework that restores the model
+    itself (transformers, accelerate, Lightning) cannot leave the model out."""
+    return tuple(c for c in CONTROLS if c != MODEL_CONTROL or framework_of(cmd) == "plain")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlRun:
+    """One negative control of a stop point: the run resumed with one part of the state left out."""
+
+    control: str
+    """The contract's name of the control (DETRACE_RESUME_CONTROL), a key of `PARTS`."""
+    run: Path
+    diff: DiffResult
+    """Continuous vs this control: diverged when the rest of the run depends on the part left out."""
+
+    def __post_init__(self) -> None:
+        if self.control not in PARTS:
+            raise ValueError(f"unknown negative control {self.control!r}")
+
+    @property
+    def part(self) -> str:
+        """The part left out, in words: "RNG states", "data position", "optimizer state", "model"."""
+        return PARTS[self.control]
+
+    @property
+    def mattered(self) -> bool:
+        """Leaving the part out changed the run."""
+        return self.diff.verdict == "diverged"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,22 +80,50 @@ class StopPoint:
     resumed: Path
     resume_diff: DiffResult
     """Continuous vs resumed, on the steps both have (`at` and up)."""
-    control: Path | None = None
-    control_diff: DiffResult | None = None
-    """Continuous vs the deliberately wrong resume (run when the resume matched): must diverge."""
+    controls: tuple[ControlRun, ...] = ()
+    """The negative controls run (when the resume matched), in order: one must diverge. By default they stop at the
+    first that does; with every control, each is run."""
+    untried: tuple[str, ...] = ()
+    """The controls that were not run (the first divergent one proved the point already)."""
     resumed_again: Path | None = None
     again_diff: DiffResult | None = None
     """Resumed vs resumed once more (run when the resume differed): a resume that changes the run does so the
     same way twice; a run that differs from itself is nondeterministic."""
 
     @property
+    def dependence(self) -> str | None:
+        """What the negative controls showed, in words: "after step 3 this run depends on its data position and
+        optimizer state, not on its RNG states (not tried: its model; ...)"; None when no control ran."""
+        if not self.controls:
+            return None
+        mattered = [c.part for c in self.controls if c.mattered]
+        unchanged = [c.part for c in self.controls if not c.mattered]
+        words = (f"after step {self.at} this run depends on its {_join(mattered, 'and')}" if mattered else
+                 f"after step {self.at} leaving out its {_join(unchanged, 'or')} changed nothing")
+        if mattered and unchanged:
+            words += f", not on its {_join(unchanged, 'or')}"
+        if self.untried:
+            words += (f" (not tried: its {_join([PARTS[c] for c in self.untried], 'and')}; --every-control tries "
+                      "each part)")
+        return words
+
+    @property
+    def deciding_control(self) -> ControlRun | None:
+        """The control that proves the check would notice a wrong resume (the first that diverged), else the last
+        one run (none diverged), else None (no control ran)."""
+        return next((c for c in self.controls if c.mattered), self.controls[-1] if self.controls else None)
+
+    @property
+    def control_diff(self) -> DiffResult | None:
+        control = self.deciding_control
+        return control.diff if control is not None else None
+
+    @property
     def first(self) -> DiffResult | None:
         """The diff that names this point's verdict."""
         if self.verdict == "nondeterministic":
             return self.again_diff
-        if self.verdict == "inconclusive":
-            return self.control_diff
-        return self.control_diff if self.verdict == "exact" else self.resume_diff
+        return self.control_diff if self.verdict in ("exact", "inconclusive") else self.resume_diff
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +163,11 @@ class ResumeResult:
         return point.first  # type: ignore[return-value]
 
 
+def _join(words: list[str], conjunction: str) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
+
+
 def parse_stop_points(text: str) -> list[int]:
     """`--at 2,5`: the stop points, ascending, each a step of at least 1."""
     points = set()
@@ -113,11 +187,13 @@ def _comparable(result: DiffResult, what: str) -> DiffResult:
 
 
 def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | None = None,
-                 progress: Progress = lambda _: None, launch: Launcher = run_traced) -> ResumeResult:
+                 every_control: bool = False, progress: Progress = lambda _: None,
+                 launch: Launcher = run_traced) -> ResumeResult:
     """The four-arm resume proof: a continuous run, a second continuous run (equal to the first, or the run is
     nondeterministic and no resume can be judged), for each stop point K a run stopped after step K and resumed
-    (equal to the continuous run from step K on), and a negative control that must diverge. A resumed run that
-    differs is resumed once more: only a difference that repeats is blamed on the resume."""
+    (equal to the continuous run from step K on), and negative controls, one of which must diverge: tried in order
+    until one does, or each of them with `every_control`. A resumed run that differs is resumed once more: only a
+    difference that repeats is blamed on the resume."""
     if not at or any(k < 1 for k in at):
         raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), got {at}")
     if not cmd:
@@ -140,8 +216,10 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
     if repeat.verdict != "identical":
         return result
+    controls = controls_for(cmd)
     for k in at:
-        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, cmd))
+        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, cmd, controls=controls,
+                                         every_control=every_control))
     return result
 
 
@@ -154,7 +232,8 @@ def _last_step(run: Path) -> int | None:
     return None if steps is None else steps[1]
 
 
-def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str]) -> StopPoint:
+def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str], *,
+                controls: tuple[str, ...], every_control: bool) -> StopPoint:
     """One stop point's arms; `arm(out, label=..., env=...)` runs CMD traced over the proof's step window."""
     ckpt = out / "checkpoint"
     stopped, resumed = out / "stopped", out / "resumed"
@@ -173,11 +252,16 @@ def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous:
         verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
                          resumed_again=again, again_diff=again_diff)
-    control = out / "control"
-    arm(control, label=f"negative control after step {k} ({NEGATIVE_CONTROL})",
-        env={**resume_env, "DETRACE_RESUME_CONTROL": NEGATIVE_CONTROL})
-    control_diff = _comparable(diff(continuous, control), f"the continuous run and the negative control after "
-                                                          f"step {k}")
-    verdict = "exact" if control_diff.verdict == "diverged" else "inconclusive"
+    runs: list[ControlRun] = []
+    for control in controls:
+        part = PARTS[control]
+        run = out / f"control-{control.removeprefix('skip-')}"
+        arm(run, label=f"negative control after step {k} ({control}: without the {part})",
+            env={**resume_env, "DETRACE_RESUME_CONTROL": control})
+        runs.append(ControlRun(control=control, run=run, diff=_comparable(
+            diff(continuous, run), f"the continuous run and the negative control after step {k} ({control})")))
+        if runs[-1].mattered and not every_control:
+            break
+    verdict = "exact" if any(c.mattered for c in runs) else "inconclusive"
     return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
-                     control=control, control_diff=control_diff)
+                     controls=tuple(runs), untried=controls[len(runs):])

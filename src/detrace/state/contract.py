@@ -6,7 +6,8 @@ unmodified training script stop, save and resume, and the checkpoint layouts a s
     DETRACE_CKPT_EVERY=K        also save after every K-th step, keeping every version
     DETRACE_RESUME=1            load the last checkpoint in DETRACE_CKPT_DIR at start
     DETRACE_RESUME_FROM=path    load this checkpoint at start (one of the versions listed by `saved_versions`)
-    DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore: skip-rng or skip-data
+    DETRACE_RESUME_CONTROL=...  negative control, a deliberately wrong restore that leaves one part of the state
+                                out: skip-rng, skip-data, skip-optimizer or skip-model (`CONTROLS`)
     DETRACE_SKIP_STEPS=a-b      data control: the batches of global steps a..b are never trained on; at step a
                                 the loader advances past them, so steps a, a+1, ... get the batches of b+1, ...
     DETRACE_DATA_SHIFT=k        data control: from the first step this process runs (the resumed step), every
@@ -40,11 +41,18 @@ ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
 ENV_SKIP_STEPS = "DETRACE_SKIP_STEPS"
 ENV_DATA_SHIFT = "DETRACE_DATA_SHIFT"
 
-# Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice.
+# Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice, and
+# say which parts of the state the rest of the run depends on. In the order `detrace check-resume` tries them: the
+# cheapest to get wrong unnoticed first, the model (which nearly every run depends on) last.
 CONTROLS = {
     "skip-rng": "do not restore the RNG states",
     "skip-data": "do not restore the data position",
+    "skip-optimizer": "do not restore the optimizer's per-parameter state (moments, step counts): start it empty",
+    "skip-model": "do not restore the model's parameters and buffers",
 }
+MODEL_CONTROL = "skip-model"
+"""The control that a framework which restores the model itself (transformers, accelerate, Lightning) cannot apply:
+detrace's state is restored over the framework's, so leaving it out would leave the framework's restored model."""
 
 HF_STATE_DIR = "detrace"
 """transformers and detrace.integrations.accelerate: detrace's verified state lives in `checkpoint-N/detrace/`, beside
@@ -129,9 +137,10 @@ def _step_variable(name: str) -> int | None:
     return step
 
 
-def resume_requested() -> tuple[bool, str | None]:
+def resume_requested(*, framework: str | None = None) -> tuple[bool, str | None]:
     """The contract's resume request: (DETRACE_RESUME=1, the DETRACE_RESUME_CONTROL negative control or None).
-    Malformed values are UsageErrors naming the variable."""
+    Malformed values are UsageErrors naming the variable. `framework`: the framework that restores the model itself
+    (it refuses the model control, which it cannot apply)."""
     resume = os.environ.get(ENV_RESUME, "")
     if resume not in ("", "0", "1"):
         raise UsageError(f"{ENV_RESUME} must be 1 or 0, not {resume!r}")
@@ -139,6 +148,9 @@ def resume_requested() -> tuple[bool, str | None]:
     if control is not None and control not in CONTROLS:
         known = ", ".join(CONTROLS)
         raise UsageError(f"{ENV_RESUME_CONTROL}={control!r} is not a known negative control ({known})")
+    if control == MODEL_CONTROL and framework is not None:
+        raise UsageError(f"{ENV_RESUME_CONTROL}={control} cannot be applied under {framework}, which restores the "
+                         "model itself; the other controls can")
     return resume == "1", control
 
 

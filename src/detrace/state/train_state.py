@@ -194,16 +194,26 @@ class TrainState:
 
         from detrace.state import checkpoint
 
-        loaded = checkpoint.read(path, shared=self._shared(), check=self._check_fits, elastic=self.elastic)
+        template = self._shared()
+        # The skip-model control keeps the model this process has: a copy, since the read fills the template's
+        # tensors (the parameters' own storage, for a plain model) in place.
+        kept = {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                for name, value in template["model"].items()} if control == "skip-model" else None
+        loaded = checkpoint.read(path, shared=template, check=self._check_fits, elastic=self.elastic)
         shared, local = loaded.shared, loaded.local
+        model_state = kept if kept is not None else shared["model"]
         if self.optimizer is None:
-            set_model_state_dict(self.model, shared["model"])
+            set_model_state_dict(self.model, model_state)
         else:
             with _unobserved_optimizer_steps(self.optimizer):
                 set_state_dict(
                     self.model, self.optimizer,
-                    model_state_dict=shared["model"], optim_state_dict=shared["optimizer"],
+                    model_state_dict=model_state, optim_state_dict=shared["optimizer"],
                 )
+            if control == "skip-optimizer":
+                # As a fresh optimizer has it: no per-parameter state, built again at the next step. The param
+                # groups (learning rate, weight decay) are still restored: they are the scheduler's to get wrong.
+                self.optimizer.state.clear()
         if self.scheduler is not None:
             self.scheduler.load_state_dict(shared["scheduler"])
         if self.scaler is not None:
