@@ -18,7 +18,9 @@ from typing import Any
 
 from detrace.analyze import DiffResult
 from detrace.cli._args import ArgumentParser, split_command
-from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, parse_stop_points
+from detrace.errors import UsageError
+from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, forgotten, parse_stop_points
+from detrace.investigate.native_resume import NativeContract
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
 
@@ -46,6 +48,8 @@ def to_json(result: ResumeResult, cmd: list[str]) -> dict[str, Any]:
     deciding = result.deciding
     return {"schema": SCHEMA, "verdict": result.verdict, "exit_code": result.exit_code, "at": result.at,
             "first": deciding.first.to_json() if deciding.first is not None else None,
+            "forgot": forgotten(deciding.first) if result.verdict == "resume-changed-the-run" and
+            deciding.first is not None else None,
             "suggest": _locate(cmd) if result.verdict == "nondeterministic" else None,
             "runs": {"continuous": str(result.continuous), "continuous_again": str(result.again)},
             "repeat": result.repeat_diff.to_json(), "points": [_point(p) for p in result.points]}
@@ -73,6 +77,9 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
               "and a second resume differs in the same way):")
         render_diff(point.resume_diff)
+        forgot = forgotten(point.resume_diff.first) if point.resume_diff.first is not None else None
+        if forgot is not None:
+            print(f"what the resume forgot: {forgot}")
     elif verdict == "inconclusive":
         point = next(p for p in result.points if p.verdict == verdict)
         left_out = ", ".join(c.control for c in point.controls)
@@ -104,10 +111,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every-control", action="store_true",
                         help="run every negative control (each leaves out one part of the state), not only until "
                              "one diverges: says each part the rest of the run depends on, at one run per part")
+    parser.add_argument("--native", action="store_true",
+                        help="prove CMD's own checkpoints (torch.save, safetensors, torch.distributed.checkpoint; "
+                             "HF Trainer, Lightning, torchtitan-style loops) with no edit: stop right after its save "
+                             "at step K, run it again to resume from disk")
+    parser.add_argument("--resume-args", metavar="ARGS",
+                        help="with --native: arguments appended to CMD to make it resume (e.g. --init_from=resume)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --native: move a checkpoint that was there before the check aside for the check "
+                             "(put back after it) instead of refusing")
     parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)
-    result = check_resume(cmd, at=parse_stop_points(args.at), out=args.out or default_out("resume"),
-                          timeout=args.timeout, every_control=args.every_control,
+    if not args.native and (args.resume_args is not None or args.force):
+        raise UsageError("--resume-args and --force go with --native (CMD's own checkpoints)")
+    out = args.out or default_out("resume")
+    contract = NativeContract(cmd, out=out, resume_args=shlex.split(args.resume_args or ""),
+                              force=args.force) if args.native else None
+    result = check_resume(cmd, at=parse_stop_points(args.at), out=out, timeout=args.timeout,
+                          every_control=args.every_control, contract=contract,
                           progress=lambda line: print(f"detrace check-resume: {line}", file=sys.stderr))
     if args.json:
         print(json.dumps(to_json(result, cmd)))

@@ -12,17 +12,17 @@ check-resume speaks to CMD through the environment contract that `detrace.TrainS
 
 from __future__ import annotations
 
-import functools
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace._numbers import parse_count
-from detrace.analyze import DiffResult, diff
+from detrace.analyze import DiffResult, Divergence, diff
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.integrations.advice import advice, framework_of
 from detrace.investigate.check import Progress, run_checked
-from detrace.launch.launcher import Launcher, LaunchResult, run_traced
+from detrace.launch.launcher import Launcher, run_traced
 from detrace.state.contract import CONTROLS, MODEL_CONTROL
 from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
@@ -52,6 +52,8 @@ class ControlRun:
     run: Path
     diff: DiffResult
     """Continuous vs this control: diverged when the rest of the run depends on the part left out."""
+    applied: bool = True
+    """Whether the part was there to leave out (a native checkpoint may hold no RNG state, or no optimizer)."""
 
     def __post_init__(self) -> None:
         if self.control not in PARTS:
@@ -97,11 +99,15 @@ class StopPoint:
         if not self.controls:
             return None
         mattered = [c.part for c in self.controls if c.mattered]
-        unchanged = [c.part for c in self.controls if not c.mattered]
+        unchanged = [c.part for c in self.controls if not c.mattered and c.applied]
+        absent = [c.part for c in self.controls if not c.mattered and not c.applied]
         words = (f"after step {self.at} this run depends on its {_join(mattered, 'and')}" if mattered else
-                 f"after step {self.at} leaving out its {_join(unchanged, 'or')} changed nothing")
+                 f"after step {self.at} leaving out its {_join(unchanged, 'or')} changed nothing" if unchanged else
+                 f"after step {self.at} no part of the state could be left out")
         if mattered and unchanged:
             words += f", not on its {_join(unchanged, 'or')}"
+        if absent:
+            words += f" (its checkpoint holds no {_join(absent, 'or')} to leave out)"
         if self.untried:
             words += (f" (not tried: its {_join([PARTS[c] for c in self.untried], 'and')}; --every-control tries "
                       "each part)")
@@ -163,6 +169,25 @@ class ResumeResult:
         return point.first  # type: ignore[return-value]
 
 
+def forgotten(first: Divergence) -> str | None:
+    """What a resume that changed the run did not restore, in the words of a user's checkpoint, read from the first
+    divergence between the continuous and the resumed run; None when its kind says nothing about it."""
+    if first.kind != "numeric":
+        return None
+    if first.phase == "optimizer" and first.origin:
+        return ("the learning rate or optimizer state is not the one the continuous run had: an optimizer step "
+                "made other parameters from the same gradients; does your checkpoint save the scheduler (and the "
+                "optimizer's state)?")
+    if first.phase == "data":
+        return ("the data order or position is not the continuous run's: the resumed run trained on another batch; "
+                "does your checkpoint save where the data loader was (its sampler's epoch and position)?")
+    if first.phase in ("forward", "backward"):
+        return ("the RNG state (a dropout mask, an augmentation), or the model, is not the continuous run's: the "
+                "same batch gave another result; does your checkpoint save and restore the RNG states (torch's, "
+                "NumPy's, Python's) and every part of the model?")
+    return None
+
+
 def _join(words: list[str], conjunction: str) -> str:
     """"a", "a and b", "a, b and c"."""
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
@@ -186,40 +211,119 @@ def _comparable(result: DiffResult, what: str) -> DiffResult:
     return result
 
 
+class RerunArm(Exception):
+    """Raised by `Contract.after` when the arm must run again (its message says why; the run is discarded)."""
+
+
+FORCE_TRIES = 3
+"""Times an arm is run again on RerunArm before the check gives up."""
+
+
+class Contract:
+    """How check-resume makes CMD stop, resume and leave a part out: detrace's environment contract (TrainState and
+    the integrations: DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME, DETRACE_RESUME_CONTROL). The native
+    contract (detrace.investigate.native_resume) drives CMD's own checkpoints instead. Each arm runs between
+    `before(arm)` and `after(arm, run)`."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.controls = controls_for(cmd)
+        """The negative controls, in the order they are tried."""
+
+    def before(self, arm: str, point: Path | None) -> None:
+        """An arm ("continuous", "again", "stopped", "resumed", "resumed-again", "control-PART") is about to run;
+        `point` is its stop point's directory (None for the continuous arms)."""
+
+    def after(self, arm: str, run: Path, point: Path | None) -> None:
+        """The arm ran into `run`: check what it did (refuse a run that proves nothing) and tidy up after it."""
+
+    def stop(self, k: int, point: Path) -> tuple[list[str], dict[str, str]]:
+        """The command and environment of the arm stopped after step `k`."""
+        return self.cmd, {"DETRACE_CKPT_DIR": str(point / "checkpoint"), "DETRACE_STOP_AT": str(k)}
+
+    def stopped(self, k: int, run: Path, point: Path) -> None:
+        """The stopped arm ran: it must have saved a checkpoint after step `k`."""
+        ckpt = point / "checkpoint"
+        if not ckpt.exists():
+            raise CommandFailed(
+                f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use "
+                f"{advice(self.cmd)}, and does it run more than that many steps?")
+
+    def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
+        """The command and environment of a resumed arm, or of a negative control."""
+        env = {"DETRACE_CKPT_DIR": str(point / "checkpoint"), "DETRACE_RESUME": "1"}
+        if control is not None:
+            env["DETRACE_RESUME_CONTROL"] = control
+        return self.cmd, env
+
+    def applied(self, control: str, run: Path) -> bool:
+        """Whether the control run left its part out (the contract's scripts always do)."""
+        return True
+
+    def finish(self) -> None:
+        """The check is over, or stopped by an error: put back what was moved."""
+
+
 def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | None = None,
                  every_control: bool = False, progress: Progress = lambda _: None,
-                 launch: Launcher = run_traced) -> ResumeResult:
+                 launch: Launcher = run_traced, contract: Contract | None = None) -> ResumeResult:
     """The four-arm resume proof: a continuous run, a second continuous run (equal to the first, or the run is
     nondeterministic and no resume can be judged), for each stop point K a run stopped after step K and resumed
     (equal to the continuous run from step K on), and negative controls, one of which must diverge: tried in order
     until one does, or each of them with `every_control`. A resumed run that differs is resumed once more: only a
-    difference that repeats is blamed on the resume."""
+    difference that repeats is blamed on the resume. `contract`: how CMD is made to stop and resume (detrace's
+    environment contract by default)."""
     if not at or any(k < 1 for k in at):
         raise UsageError(f"--at must be a step of at least 1 (steps completed before stopping), got {at}")
     if not cmd:
         raise UsageError("no command given; put it after '--', e.g. detrace check-resume --at 3 -- python train.py")
     at = sorted(set(at))
     out = prepare_out(out, holds="runs")
+    contract = contract if contract is not None else Contract(cmd)
     # Records before the first stop point are never compared: the resumed processes start there or later.
     window = f"{at[0]}::1"
+
+    def arm(name: str, run: Path, *, label: str, point: Path | None = None, command: list[str] = cmd,
+            env: dict[str, str] | None = None) -> None:
+        for _ in range(FORCE_TRIES):
+            contract.before(name, point)
+            run_checked(command, run, progress=progress, timeout=timeout, launch=launch, steps=window, label=label,
+                        env=env)
+            try:
+                contract.after(name, run, point)
+                return
+            except RerunArm as rerun:
+                progress(f"{rerun}; running it again")
+                shutil.rmtree(run)  # detrace's own trace of a run that resumed from an old checkpoint
+        raise CommandFailed(f"the {label} still resumed from a checkpoint that was there before the check after "
+                            f"{FORCE_TRIES} tries; move CMD's checkpoints away by hand")
+
+    try:
+        return _check(cmd, at, out, arm, contract, every_control)
+    finally:
+        contract.finish()
+
+
+Arm = Callable[..., None]
+
+
+def _check(cmd: list[str], at: list[int], out: Path, arm: Arm, contract: Contract,
+           every_control: bool) -> ResumeResult:
     continuous, again = out / "continuous", out / "continuous-again"
-    arm = functools.partial(run_checked, cmd, progress=progress, timeout=timeout, launch=launch, steps=window)
-    arm(continuous, label="continuous run")
+    arm("continuous", continuous, label="continuous run")
     last = _last_step(continuous)
     if last is None or last < at[-1]:
         # Checked after the first run, not after both: a stop point at or past the end leaves nothing to resume.
         ran = f"no step from {at[0]} on" if last is None else f"its last step at {last}"
         raise UsageError(f"the continuous run ended with {ran} (steps count from 0), so stopping after "
                          f"{at[-1]} steps leaves no step to resume; give --at below the run's step count")
-    arm(again, label="continuous run, again")
+    arm("again", again, label="continuous run, again")
     repeat = _comparable(diff(continuous, again), "the two continuous runs")
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
     if repeat.verdict != "identical":
         return result
-    controls = controls_for(cmd)
     for k in at:
-        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, cmd, controls=controls,
-                                         every_control=every_control))
+        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, contract, every_control))
     return result
 
 
@@ -232,36 +336,35 @@ def _last_step(run: Path) -> int | None:
     return None if steps is None else steps[1]
 
 
-def _stop_point(arm: Callable[..., LaunchResult], k: int, out: Path, continuous: Path, cmd: list[str], *,
-                controls: tuple[str, ...], every_control: bool) -> StopPoint:
-    """One stop point's arms; `arm(out, label=..., env=...)` runs CMD traced over the proof's step window."""
-    ckpt = out / "checkpoint"
+def _stop_point(arm: Arm, k: int, out: Path, continuous: Path, contract: Contract,
+                every_control: bool) -> StopPoint:
+    """One stop point's arms, each run by `arm(name, run, label=..., point=..., command=..., env=...)`."""
     stopped, resumed = out / "stopped", out / "resumed"
-    arm(stopped, label=f"run stopped after step {k}", env={"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(k)})
-    if not ckpt.exists():
-        raise CommandFailed(
-            f"CMD wrote no checkpoint to {ckpt} when asked to stop after step {k}; does it use {advice(cmd)}, and "
-            "does it run more than that many steps?")
-    resume_env = {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}
-    arm(resumed, label=f"run resumed after step {k}", env=resume_env)
+    command, env = contract.stop(k, out)
+    arm("stopped", stopped, label=f"run stopped after step {k}", point=out, command=command, env=env)
+    contract.stopped(k, stopped, out)
+    command, env = contract.resume(out)
+    arm("resumed", resumed, label=f"run resumed after step {k}", point=out, command=command, env=env)
     resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
     if resume_diff.verdict != "identical":
         again = out / "resumed-again"
-        arm(again, label=f"run resumed after step {k}, again", env=resume_env)
+        arm("resumed-again", again, label=f"run resumed after step {k}, again", point=out, command=command, env=env)
         again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
         verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
                          resumed_again=again, again_diff=again_diff)
     runs: list[ControlRun] = []
-    for control in controls:
+    for control in contract.controls:
         part = PARTS[control]
-        run = out / f"control-{control.removeprefix('skip-')}"
-        arm(run, label=f"negative control after step {k} ({control}: without the {part})",
-            env={**resume_env, "DETRACE_RESUME_CONTROL": control})
-        runs.append(ControlRun(control=control, run=run, diff=_comparable(
+        name = f"control-{control.removeprefix('skip-')}"
+        run = out / name
+        command, env = contract.resume(out, control)
+        arm(name, run, label=f"negative control after step {k} ({control}: without the {part})", point=out,
+            command=command, env=env)
+        runs.append(ControlRun(control=control, run=run, applied=contract.applied(control, run), diff=_comparable(
             diff(continuous, run), f"the continuous run and the negative control after step {k} ({control})")))
         if runs[-1].mattered and not every_control:
             break
     verdict = "exact" if any(c.mattered for c in runs) else "inconclusive"
     return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
-                     controls=tuple(runs), untried=controls[len(runs):])
+                     controls=tuple(runs), untried=contract.controls[len(runs):])

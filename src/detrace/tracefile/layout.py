@@ -29,10 +29,17 @@ CAPTURE_DIR = "capture"
 """Subdirectory of a run that holds the kernel rung's captures."""
 RANK_GLOB = "rank-*.arrow"
 """The rank files of a run, as a pattern for messages."""
+CHECKPOINT_LOG_GLOB = "checkpoints-*.jsonl"
+"""The checkpoint saves and loads of each traced process of a run (JSON lines: detrace.tracefile.checkpoints)."""
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 _RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
 _AUX_FILE = re.compile(r"^aux-(\d+)\.(arrow|json)$")
 _CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
+
+
+def checkpoint_log_path(run_dir: str | Path, pid: int) -> Path:
+    """The checkpoint saves and loads of one traced process (see CHECKPOINT_LOG_GLOB)."""
+    return Path(run_dir) / f"checkpoints-{pid}.jsonl"
 
 
 def rank_path(run_dir: str | Path, rank: int) -> Path:

@@ -1,0 +1,194 @@
+"""`detrace check-resume --native`: the four-arm resume proof on a script's own checkpoints, with no edit to it.
+
+The tracer logs every checkpoint save and load CMD makes (`torch.save` / `torch.load`, safetensors,
+`torch.distributed.checkpoint`; detrace.record.rungs.checkpoints): the stopped arm ends as the optimizer step after
+step K begins, once CMD's own save at step K has returned (as a preemption would), and the resumed arm runs CMD
+again, which resumes by itself from what is on disk, or with `--resume-args` appended. The negative controls change
+what CMD loads (its optimizer state emptied, its RNG states replaced by the process's own).
+
+Every arm starts from a clean slate: the files an arm wrote in the working directory (and wherever its saves
+named outside it) are moved aside into OUT, never deleted; the stopped arm's files are put back in place before
+each resumed arm. At the end the first continuous run's files are put back (what one run of CMD leaves). A
+checkpoint that was there before the check, which CMD's continuous run loaded, is refused in one sentence, or with
+`--force` moved aside for the check and put back after it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from detrace.errors import CommandFailed, UsageError
+from detrace.investigate.check_resume import Contract, RerunArm
+from detrace.record.rungs.checkpoints import CONTROL_VAR, NATIVE_CONTROLS, STOP_VAR
+from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
+from detrace.tracefile.layout import RUNS_DIR
+
+_SKIPPED_DIRS = {".git", "__pycache__", RUNS_DIR}
+"""Never CMD's checkpoints: walked past when looking for the files an arm wrote."""
+OUTSIDE = "outside-working-directory"
+"""Under an arm's folder in OUT: the files its saves named outside the working directory, by their absolute path."""
+
+
+class NativeContract(Contract):
+    """check-resume's arms driven through CMD's own checkpoints (see the module's docstring)."""
+
+    def __init__(self, cmd: list[str], *, out: Path, resume_args: Sequence[str] = (), force: bool = False,
+                 root: Path | None = None) -> None:
+        super().__init__(cmd)
+        self.controls = NATIVE_CONTROLS
+        self.root = (root if root is not None else Path.cwd()).resolve()
+        self.out = out.resolve()
+        self.resume_args = list(resume_args)
+        self.force = force
+        self.aside = self.out / "saved-by-cmd"
+        """Where each arm's files go: `saved-by-cmd/<arm>/...` (a stop point's under `at-K/...`)."""
+        self.before_check = self.out / "before-check"
+        """With --force: the checkpoints that were there before the check."""
+        self.baseline_files, self.baseline_dirs = self._tree()
+        self.saves: list[CheckpointIO] = []
+        """The continuous run's saves (what --at can name)."""
+
+    # -- the arms ---------------------------------------------------------------------------------------------
+
+    def before(self, arm: str, point: Path | None) -> None:
+        if point is not None and arm != "stopped":
+            self._copy_back(self._stash(point))  # the stopped arm's checkpoint, as that arm left it
+
+    def after(self, arm: str, run: Path, point: Path | None) -> None:
+        log = read_checkpoint_log(run)
+        if point is None:  # a continuous arm
+            self._refuse_old_checkpoints(arm, log)
+            if arm == "continuous":
+                self.saves = [io for io in log if io.op == "save"]
+            self._move_aside(self.aside / arm, log)
+        elif arm == "stopped":
+            self._move_aside(self._stash(point), log)
+        else:
+            self._move_aside(self.aside / point.name / arm, log)
+            if not any(io.op == "load" for io in log):
+                given = f" even with --resume-args {' '.join(self.resume_args)}" if self.resume_args else ""
+                raise CommandFailed(f"CMD did not resume{given}: its {arm} run after {point.name} loaded no "
+                                    "checkpoint; give --resume-args with the arguments that make it resume (such as "
+                                    "--resume-args=--init_from=resume)")
+
+    def stop(self, k: int, point: Path) -> tuple[list[str], dict[str, str]]:
+        return self.cmd, {STOP_VAR: str(k)}
+
+    def stopped(self, k: int, run: Path, point: Path) -> None:
+        if any(io.op == "save" and io.completed == k for io in read_checkpoint_log(run)):
+            return
+        steps = sorted({io.completed for io in self.saves})
+        if not steps:
+            raise CommandFailed("CMD saved no checkpoint (torch.save, safetensors or torch.distributed.checkpoint) in "
+                                "its continuous run, so there is nothing of its own to resume from")
+        raise UsageError(f"CMD saved no checkpoint after step {k}: its continuous run saved after steps "
+                         f"{', '.join(map(str, steps))}; give --at one of them")
+
+    def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
+        return [*self.cmd, *self.resume_args], ({CONTROL_VAR: control} if control is not None else {})
+
+    def applied(self, control: str, run: Path) -> bool:
+        return any(io.op == "load" and io.control == control for io in read_checkpoint_log(run))
+
+    def finish(self) -> None:
+        """Put back the checkpoints that were there before the check (with --force), else the first continuous
+        run's files; the other arms' stay under OUT."""
+        source = self.before_check if self.before_check.exists() else self.aside / "continuous"
+        if not source.exists():
+            return
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            destination = self._place(path.relative_to(source))
+            if not destination.exists():  # else it stays in OUT
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(path, destination)
+
+    # -- the files --------------------------------------------------------------------------------------------
+
+    def _stash(self, point: Path) -> Path:
+        return self.aside / point.name / "stopped"
+
+    def _tree(self) -> tuple[set[str], set[str]]:
+        """The files (and directories) under the working directory, relative to it, past `_SKIPPED_DIRS` and OUT."""
+        files: set[str] = set()
+        dirs: set[str] = set()
+        for top, names, filenames in os.walk(self.root):
+            here = Path(top)
+            names[:] = [n for n in names if n not in _SKIPPED_DIRS and (here / n).resolve() != self.out]
+            dirs.update(str((here / n).relative_to(self.root)) for n in names)
+            files.update(str((here / n).relative_to(self.root)) for n in filenames)
+        return files, dirs
+
+    def _refuse_old_checkpoints(self, arm: str, log: list[CheckpointIO]) -> None:
+        """A continuous run that loaded a checkpoint it did not save resumed from one that was there before."""
+        saved = {path for io in log if io.op == "save" for path in io.paths}
+        old = next((path for io in log if io.op == "load" for path in io.paths
+                    if path not in saved and self._existed(path)), None)
+        if old is None:
+            return
+        if not self.force:
+            raise UsageError(f"CMD's {arm} run loaded {old}, a checkpoint that was there before the check, so it "
+                             "resumed instead of starting from scratch: move it away, or give --force to have it "
+                             "moved aside for the check and put back after")
+        top = self._top(Path(old))
+        target = self.before_check / self._name(top)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(top, target)
+        raise RerunArm(f"moved aside {top}, which CMD's {arm} run resumed from, into {target}")
+
+    def _existed(self, path: str) -> bool:
+        absolute = (self.root / path).resolve()
+        if not absolute.is_relative_to(self.root):
+            return absolute.exists()  # outside the working directory: not saved by this run, so there before
+        relative = str(absolute.relative_to(self.root))
+        return relative in self.baseline_files or relative in self.baseline_dirs
+
+    def _top(self, path: Path) -> Path:
+        """What --force moves aside for a checkpoint file: its folder in the working directory (the folder CMD
+        looks for its latest checkpoint in), or its own folder outside it."""
+        absolute = (self.root / path).resolve()
+        if absolute.is_relative_to(self.root):
+            parts = absolute.relative_to(self.root).parts
+            return self.root / parts[0] if len(parts) > 1 else absolute
+        return absolute.parent
+
+    def _move_aside(self, target: Path, log: list[CheckpointIO]) -> None:
+        """Move the files the arm wrote into `target` (the working directory's new files, and what its saves named
+        outside it), and remove the directories the arm created that are empty now."""
+        files, dirs = self._tree()
+        for relative in sorted(files - self.baseline_files):
+            destination = target / relative
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.root / relative, destination)
+        for relative in sorted(dirs - self.baseline_dirs, key=len, reverse=True):
+            with_files = any((self.root / relative).iterdir())
+            if not with_files:
+                (self.root / relative).rmdir()
+        for io in log:
+            for path in io.paths:
+                absolute = Path(path).absolute()
+                if io.op == "save" and not absolute.is_relative_to(self.root) and absolute.exists():
+                    destination = target / self._name(absolute)
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(absolute, destination)
+
+    def _copy_back(self, stash: Path) -> None:
+        for source in sorted(p for p in stash.rglob("*") if p.is_file()):
+            destination = self._place(source.relative_to(stash))
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination)
+
+    def _name(self, path: Path) -> Path:
+        """Where `path` goes under an arm's folder in OUT: its place in the working directory, or `OUTSIDE/...`."""
+        absolute = path.absolute()
+        if absolute.is_relative_to(self.root):
+            return absolute.relative_to(self.root)
+        return Path(OUTSIDE, *absolute.parts[1:])
+
+    def _place(self, name: Path) -> Path:
+        """The inverse of `_name`."""
+        if name.parts[0] == OUTSIDE:
+            return Path("/", *name.parts[1:])
+        return self.root / name

@@ -1,0 +1,56 @@
+"""The checkpoint saves and loads a traced run made by itself: `torch.save` / `torch.load`, safetensors files and
+`torch.distributed.checkpoint`, whoever called them (the script, HF `Trainer`, Lightning, torchtitan), each with
+the optimizer steps completed when it ran and the files it named. The tracer (detrace.record.rungs.checkpoints)
+appends one JSON line per call as it returns, so a process that is killed right after keeps what it saved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from detrace.errors import TraceError
+from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB
+
+OPS = ("save", "load")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointIO:
+    """One checkpoint save or load of a traced process."""
+
+    op: str
+    """"save" or "load"."""
+    api: str
+    """What was called: "torch.save", "torch.load", "safetensors.save_file", "dcp.save", ..."""
+    completed: int
+    """Optimizer steps completed when it ran (global steps: a resumed run counts on from its checkpoint)."""
+    paths: tuple[str, ...]
+    """The files or directories it named (none for a file object without a name, such as a buffer)."""
+    pid: int
+    control: str | None = None
+    """The negative control applied to what this load returned (check-resume --native), or None."""
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, not {self.op!r}")
+        if self.completed < 0:
+            raise ValueError(f"completed must be >= 0, not {self.completed}")
+
+
+def read_checkpoint_log(run: Path) -> list[CheckpointIO]:
+    """Every checkpoint save and load of the run's processes, in each process's order (processes by pid)."""
+    found = []
+    for path in sorted(run.glob(CHECKPOINT_LOG_GLOB)):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                found.append(CheckpointIO(op=item["op"], api=item["api"], completed=int(item["completed"]),
+                                          paths=tuple(item["paths"]), pid=int(item["pid"]),
+                                          control=item.get("control")))
+            except (ValueError, KeyError, TypeError) as err:
+                raise TraceError(f"{path}, line {number}, is not a checkpoint record ({err})") from err
+    return found
