@@ -50,6 +50,8 @@ class NativeContract(Contract):
         self.baseline_files, self.baseline_dirs = self._tree()
         self.saves: list[CheckpointIO] = []
         """The continuous run's saves (what --at can name)."""
+        self.discarded = 0
+        """Continuous runs that resumed from a checkpoint that was there before the check."""
 
     # -- the arms ---------------------------------------------------------------------------------------------
 
@@ -60,17 +62,21 @@ class NativeContract(Contract):
     def after(self, arm: str, run: Path, point: Path | None) -> None:
         log = read_checkpoint_log(run)
         if point is None:  # a continuous arm
-            self._refuse_old_checkpoints(arm, log)
+            old = self._old_checkpoint(log)
+            if old is not None:
+                self.discarded += 1  # its files (saved after it resumed) go aside as well, apart from the others
+                self._move_aside(self.aside / f"{run.name}-resumed-from-an-old-checkpoint-{self.discarded}", log)
+                self._set_aside(run.name, old)
+            self._move_aside(self.aside / run.name, log)
             if arm == "continuous":
                 self.saves = [io for io in log if io.op == "save"]
-            self._move_aside(self.aside / arm, log)
         elif arm == "stopped":
             self._move_aside(self._stash(point), log)
         else:
-            self._move_aside(self.aside / point.name / arm, log)
+            self._move_aside(self.aside / point.name / run.name, log)
             if not any(io.op == "load" for io in log):
                 given = f" even with --resume-args {' '.join(self.resume_args)}" if self.resume_args else ""
-                raise CommandFailed(f"CMD did not resume{given}: its {arm} run after {point.name} loaded no "
+                raise CommandFailed(f"CMD did not resume{given}: its {run.name} run after {point.name} loaded no "
                                     "checkpoint; give --resume-args with the arguments that make it resume (such as "
                                     "--resume-args=--init_from=resume)")
 
@@ -97,8 +103,8 @@ class NativeContract(Contract):
         """Put back the checkpoints that were there before the check (with --force), else the first continuous
         run's files; the other arms' stay under OUT."""
         source = self.before_check if self.before_check.exists() else self.aside / "continuous"
-        if not source.exists():
-            return
+        if not source.exists() or (source != self.before_check and not self.saves):
+            return  # (the continuous run was refused: its files stay in OUT)
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             destination = self._place(path.relative_to(source))
             if not destination.exists():  # else it stays in OUT
@@ -121,13 +127,14 @@ class NativeContract(Contract):
             files.update(str((here / n).relative_to(self.root)) for n in filenames)
         return files, dirs
 
-    def _refuse_old_checkpoints(self, arm: str, log: list[CheckpointIO]) -> None:
-        """A continuous run that loaded a checkpoint it did not save resumed from one that was there before."""
+    def _old_checkpoint(self, log: list[CheckpointIO]) -> str | None:
+        """A checkpoint a continuous run loaded that it did not save: one that was there before the check."""
         saved = {path for io in log if io.op == "save" for path in io.paths}
-        old = next((path for io in log if io.op == "load" for path in io.paths
-                    if path not in saved and self._existed(path)), None)
-        if old is None:
-            return
+        return next((path for io in log if io.op == "load" for path in io.paths
+                     if path not in saved and self._existed(path)), None)
+
+    def _set_aside(self, arm: str, old: str) -> None:
+        """Refuse the old checkpoint in one sentence, or with --force move its folder aside and run the arm again."""
         if not self.force:
             raise UsageError(f"CMD's {arm} run loaded {old}, a checkpoint that was there before the check, so it "
                              "resumed instead of starting from scratch: move it away, or give --force to have it "
@@ -136,6 +143,8 @@ class NativeContract(Contract):
         target = self.before_check / self._name(top)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(top, target)
+        # What was moved is no longer there before the check: the files CMD writes in its place are the arms'.
+        self.baseline_files, self.baseline_dirs = self._tree()
         raise RerunArm(f"moved aside {top}, which CMD's {arm} run resumed from, into {target}")
 
     def _existed(self, path: str) -> bool:
