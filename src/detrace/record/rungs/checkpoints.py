@@ -88,6 +88,7 @@ class _Log:
         line = {"op": op, "api": api, "completed": completed_steps(self.tracer), "paths": paths,
                 "pid": os.getpid(), "control": control}
         try:
+            self.tracer.config.out.mkdir(parents=True, exist_ok=True)  # a process that recorded nothing yet
             with open(checkpoint_log_path(self.tracer.config.out, os.getpid()), "a") as stream:
                 stream.write(json.dumps(line) + "\n")
         except OSError as err:  # the training goes on; the run's account of its checkpoints is cut short

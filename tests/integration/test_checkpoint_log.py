@@ -1,0 +1,71 @@
+"""The tracer sees a program's own checkpoints (detrace.record.rungs.checkpoints), in this process: `torch.save` /
+`torch.load` and safetensors files, logged with the optimizer steps completed and the files named, and the negative
+controls of check-resume --native applied to what `torch.load` returns."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import detrace
+from detrace.tracefile.checkpoints import read_checkpoint_log
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.ones(3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_saves_and_loads_are_logged_with_their_step_and_files(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    with detrace.trace(tmp_path / "run"):
+        model, optimizer = _trained()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "step-2.pt")
+        safetensors.save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+        with open(tmp_path / "step-2.pt", "rb") as stream:
+            torch.load(stream)
+        safetensors.load_file(str(tmp_path / "model.safetensors"))
+    log = read_checkpoint_log(tmp_path / "run")
+    assert [(io.op, io.api, io.completed) for io in log] == [
+        ("save", "torch.save", 2), ("save", "safetensors.save_file", 2), ("load", "torch.load", 2),
+        ("load", "safetensors.load_file", 2)]
+    assert log[0].paths == (str(tmp_path / "step-2.pt"),) and log[2].paths == log[0].paths  # a file object's name
+    assert all(io.control is None for io in log)
+    torch.save({}, tmp_path / "untraced.pt")  # the tracer's wrappers are gone with it
+    assert len(read_checkpoint_log(tmp_path / "run")) == 4
+
+
+@pytest.mark.parametrize("control", ["skip-optimizer", "skip-rng"])
+def test_the_native_controls_change_what_the_program_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           control: str) -> None:
+    model, optimizer = _trained()
+    torch.manual_seed(1)
+    random.seed(1)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "python": random.getstate()}
+    torch.save(saved, tmp_path / "ckpt.pt")
+    torch.manual_seed(2)
+    random.seed(2)
+    monkeypatch.setenv("DETRACE_NATIVE_CONTROL", control)
+    with detrace.trace(tmp_path / "run"):
+        loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert torch.equal(loaded["model"]["weight"], saved["model"]["weight"])  # the model is always restored
+    if control == "skip-optimizer":
+        assert loaded["optimizer"]["state"] == {}
+        assert loaded["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+        assert torch.equal(loaded["rng"], saved["rng"])
+    else:
+        assert torch.equal(loaded["rng"], torch.get_rng_state()) and not torch.equal(loaded["rng"], saved["rng"])
+        assert loaded["python"] == random.getstate() != saved["python"]
+        assert loaded["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
+    [io] = read_checkpoint_log(tmp_path / "run")
+    assert io.control == control
