@@ -111,13 +111,14 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 
 def trace_files(run_dir: str | Path) -> list[Path]:
-    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, run.json, captures
-    (nothing else)."""
+    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, run.json, captures,
+    checkpoint logs (nothing else)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     return [p for p in run_dir.iterdir() if p.name in (RUN_HEADER, CAPTURE_DIR)
-            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)]
+            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)
+            or p.match(CHECKPOINT_LOG_GLOB)]
 
 
 def default_out(kind: str, base: Path | None = None) -> Path:

@@ -1,0 +1,47 @@
+"""End to end: `detrace check-resume --native` on a loop that checkpoints by itself with `torch.save` and resumes,
+like torchtitan, from the latest checkpoint in its folder (examples/torch_save_train.py): its resume is `exact`,
+and its variant that leaves the LR scheduler out of the checkpoint changes the run, named as such. Real processes,
+one each; the logic (the clean slate, the refusals, --resume-args) is in tests/unit/test_native_resume.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from detrace.cli import main
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(Path(__file__).parents[2] / "examples" / "torch_save_train.py")
+
+
+def _check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+           *args: str) -> tuple[int, dict]:
+    monkeypatch.chdir(tmp_path)
+    code = main(["check-resume", "--native", "--at", "4", "--out", str(tmp_path / "check"), "--json", "--",
+                 sys.executable, SCRIPT, "--steps", "6", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_a_torch_save_loop_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check(tmp_path, monkeypatch, capsys)
+    assert (code, report["verdict"]) == (0, "exact"), report
+    [point] = report["points"]
+    assert point["resume"]["verdict"] == "identical" and point["controls"][0]["control"] == "skip-rng"
+    assert point["controls"][0]["mattered"]  # its dropout draws from the restored RNG state
+    # the continuous run's checkpoints are back in place, the other arms' in OUT
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
+    assert (tmp_path / "check" / "saved-by-cmd" / "at-4" / "stopped" / "checkpoints" / "step-4.pt").is_file()
+
+
+def test_a_checkpoint_without_the_scheduler_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check(tmp_path, monkeypatch, capsys, "--no-scheduler")
+    assert (code, report["verdict"]) == (1, "resume-changed-the-run"), report
+    first = report["first"]
+    assert (first["step"], first["phase"], first["origin"]) == (5, "optimizer", True)
+    assert "does your checkpoint save the scheduler" in report["forgot"]
