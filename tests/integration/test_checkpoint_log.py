@@ -69,3 +69,16 @@ def test_the_native_controls_change_what_the_program_loads(tmp_path: Path, monke
         assert loaded["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
     [io] = read_checkpoint_log(tmp_path / "run")
     assert io.control == control
+
+
+def test_a_checkpoint_call_inside_another_is_logged_once(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint writes its items with torch.save: the DCP save is the one logged."""
+    import torch.distributed.checkpoint as dcp
+
+    with detrace.trace(tmp_path / "run"):
+        model, _ = _trained()
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    log = read_checkpoint_log(tmp_path / "run")
+    assert [(io.op, io.api, io.completed, io.paths) for io in log] == [
+        ("save", "dcp.save", 2, (str(tmp_path / "dcp"),)), ("load", "dcp.load", 2, (str(tmp_path / "dcp"),))]

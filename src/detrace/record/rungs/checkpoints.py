@@ -81,6 +81,9 @@ class _Log:
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
+        self.depth = 0
+        """Checkpoint calls running now, in any thread (only the outermost is logged: DCP's writer threads save
+        its items with torch.save)."""
 
     def add(self, op: str, api: str, paths: list[str], control: str | None = None) -> None:
         if not self.tracer.enabled and self.tracer.rank is not None:
@@ -100,8 +103,14 @@ def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Ca
     """`function` run as checkpoint I/O and logged; `target(*args, **kwargs)` gives what it names."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with _events.checkpoint_io():
-            result = function(*args, **kwargs)
+        if log.depth:  # inside another checkpoint call: that one is logged
+            return function(*args, **kwargs)
+        log.depth += 1
+        try:
+            with _events.checkpoint_io():
+                result = function(*args, **kwargs)
+        finally:
+            log.depth -= 1
         control = None
         if transform is not None:
             result, control = transform(result)
