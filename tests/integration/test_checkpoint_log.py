@@ -51,7 +51,7 @@ def test_the_native_controls_change_what_the_program_loads(tmp_path: Path, monke
     torch.manual_seed(1)
     random.seed(1)
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-             "python": random.getstate()}
+             "python": random.getstate(), "pair": (torch.ones(3), 3)}  # a tuple that is no RNG state
     torch.save(saved, tmp_path / "ckpt.pt")
     torch.manual_seed(2)
     random.seed(2)
@@ -59,6 +59,7 @@ def test_the_native_controls_change_what_the_program_loads(tmp_path: Path, monke
     with detrace.trace(tmp_path / "run"):
         loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert torch.equal(loaded["model"]["weight"], saved["model"]["weight"])  # the model is always restored
+    assert torch.equal(loaded["pair"][0], saved["pair"][0])
     if control == "skip-optimizer":
         assert loaded["optimizer"]["state"] == {}
         assert loaded["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]

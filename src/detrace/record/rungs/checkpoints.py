@@ -171,10 +171,11 @@ def _fresh_rng(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
         mine = torch.get_rng_state()
         return mine if value.numel() == mine.numel() else None
-    if isinstance(value, tuple) and len(value) == 3 and value[0] == 3 and isinstance(value[1], tuple) and \
-            len(value[1]) == 625:
+    if not isinstance(value, tuple) or not value or not isinstance(value[0], int | str):
+        return None
+    if len(value) == 3 and value[0] == 3 and isinstance(value[1], tuple) and len(value[1]) == 625:
         return random.getstate()
-    if isinstance(value, tuple) and len(value) == 5 and value[0] == "MT19937":
+    if len(value) == 5 and value[0] == "MT19937":
         numpy = sys.modules.get("numpy")
         return numpy.random.get_state() if numpy is not None else None
     return None
