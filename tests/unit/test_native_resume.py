@@ -20,7 +20,8 @@ from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check_resume import check_resume, forgotten
 from detrace.investigate.native_resume import NativeContract
 from detrace.launch.launcher import LaunchResult
-from detrace.record.rungs.checkpoints import CONTROL_VAR, STOP_VAR
+from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
+from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
 from detrace.tracefile.layout import checkpoint_log_path, run_header_path
 from detrace.tracefile.writer import write_json_atomic
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check_resume import Contract, RerunArm
-from detrace.record.rungs.checkpoints import CONTROL_VAR, NATIVE_CONTROLS, STOP_VAR
+from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_STOP_AT, NATIVE_CONTROLS
 from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
 from detrace.tracefile.layout import RUNS_DIR
 
@@ -81,7 +81,7 @@ class NativeContract(Contract):
                                     "--resume-args=--init_from=resume)")
 
     def stop(self, k: int, point: Path) -> tuple[list[str], dict[str, str]]:
-        return self.cmd, {STOP_VAR: str(k)}
+        return self.cmd, {ENV_NATIVE_STOP_AT: str(k)}
 
     def stopped(self, k: int, run: Path, point: Path) -> None:
         if any(io.op == "save" and io.completed == k for io in read_checkpoint_log(run)):
@@ -94,7 +94,7 @@ class NativeContract(Contract):
                          f"{', '.join(map(str, steps))}; give --at one of them")
 
     def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
-        return [*self.cmd, *self.resume_args], ({CONTROL_VAR: control} if control is not None else {})
+        return [*self.cmd, *self.resume_args], ({ENV_NATIVE_CONTROL: control} if control is not None else {})
 
     def applied(self, control: str, run: Path) -> bool:
         return any(io.op == "load" and io.control == control for io in read_checkpoint_log(run))

@@ -54,6 +54,14 @@ MODEL_CONTROL = "skip-model"
 """The control that a framework which restores the model itself (transformers, accelerate, Lightning) cannot apply:
 detrace's state is restored over the framework's, so leaving it out would leave the framework's restored model."""
 
+# check-resume --native speaks to the tracer, not to the script (detrace.record.rungs.checkpoints acts on them).
+ENV_NATIVE_STOP_AT = "DETRACE_NATIVE_STOP_AT"
+"""The traced process ends as the optimizer step after K completed steps begins (after the script's save at K)."""
+ENV_NATIVE_CONTROL = "DETRACE_NATIVE_CONTROL"
+"""A negative control applied to what the script's `torch.load` returns: one of `NATIVE_CONTROLS`."""
+NATIVE_CONTROLS = ("skip-rng", "skip-optimizer")
+"""The controls the tracer applies at a load, in the order check-resume --native tries them."""
+
 HF_STATE_DIR = "detrace"
 """transformers and detrace.integrations.accelerate: detrace's verified state lives in `checkpoint-N/detrace/`, beside
 the framework's files."""

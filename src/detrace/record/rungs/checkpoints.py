@@ -36,12 +36,10 @@ from detrace.record.opaque import Opaque
 from detrace.record.patch import replace
 from detrace.record.rungs.clock import restored_step
 from detrace.record.session import Tracer
+from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
+from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
+from detrace.state.contract import NATIVE_CONTROLS
 from detrace.tracefile.layout import checkpoint_log_path
-
-STOP_VAR = "DETRACE_NATIVE_STOP_AT"
-CONTROL_VAR = "DETRACE_NATIVE_CONTROL"
-NATIVE_CONTROLS = ("skip-rng", "skip-optimizer")
-"""The negative controls the tracer applies at a load (in the order check-resume --native tries them)."""
 
 Undo = Callable[[], None]
 
