@@ -23,7 +23,6 @@ from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.integrations.advice import advice, framework_of
 from detrace.investigate.check import Progress, run_checked
 from detrace.launch.launcher import Launcher, run_traced
-from detrace.state.contract import CONTROLS, MODEL_CONTROL
 from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
 from detrace.verdicts import RESUME, ResumeVerdict
@@ -40,6 +39,9 @@ PARTS = {
 def controls_for(cmd: list[str]) -> tuple[str, ...]:
     """The negative controls CMD can apply, in the order they are tried: a framework that restores the model
     itself (transformers, accelerate, Lightning) cannot leave the model out."""
+    # Imported here: the package detrace.state imports torch, which the command does not need before it runs.
+    from detrace.state.contract import CONTROLS, MODEL_CONTROL
+
     return tuple(c for c in CONTROLS if c != MODEL_CONTROL or framework_of(cmd) == "plain")
 
 

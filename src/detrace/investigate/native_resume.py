@@ -22,7 +22,6 @@ from pathlib import Path
 
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check_resume import Contract, RerunArm
-from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_STOP_AT, NATIVE_CONTROLS
 from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
 from detrace.tracefile.layout import RUNS_DIR
 
@@ -37,6 +36,9 @@ class NativeContract(Contract):
 
     def __init__(self, cmd: list[str], *, out: Path, resume_args: Sequence[str] = (), force: bool = False,
                  root: Path | None = None) -> None:
+        # Imported here: the package detrace.state imports torch, which the command does not need before it runs.
+        from detrace.state.contract import NATIVE_CONTROLS
+
         super().__init__(cmd)
         self.controls = NATIVE_CONTROLS
         self.root = (root if root is not None else Path.cwd()).resolve()
@@ -81,6 +83,8 @@ class NativeContract(Contract):
                                     "--resume-args=--init_from=resume)")
 
     def stop(self, k: int, point: Path) -> tuple[list[str], dict[str, str]]:
+        from detrace.state.contract import ENV_NATIVE_STOP_AT  # see __init__
+
         return self.cmd, {ENV_NATIVE_STOP_AT: str(k)}
 
     def stopped(self, k: int, run: Path, point: Path) -> None:
@@ -94,6 +98,8 @@ class NativeContract(Contract):
                          f"{', '.join(map(str, steps))}; give --at one of them")
 
     def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
+        from detrace.state.contract import ENV_NATIVE_CONTROL  # see __init__
+
         return [*self.cmd, *self.resume_args], ({ENV_NATIVE_CONTROL: control} if control is not None else {})
 
     def applied(self, control: str, run: Path) -> bool:
