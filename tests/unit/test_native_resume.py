@@ -5,6 +5,7 @@ The real tracer and a real script: tests/e2e/test_native_resume.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -106,6 +107,20 @@ def test_a_command_that_does_not_resume_by_itself_is_one_sentence(tmp_path: Path
                                             r"give --resume-args"):
         _check(tmp_path, OwnCheckpoints(resumes=False))
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
+
+
+def test_an_arm_that_fails_leaves_no_file_behind(tmp_path: Path, work: Path) -> None:
+    class Crashes(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            done = super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+            return dataclasses.replace(done, returncode=1) if out.name == "resumed" else done
+
+    with pytest.raises(CommandFailed, match="run resumed after step 2 exited with code 1"):
+        _check(tmp_path, Crashes())
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
+    assert (work / "checkpoints" / "step-6.pt").read_text() == "continuous 6"  # not the failed arm's
+    assert (tmp_path / "out" / "saved-by-cmd" / "unfinished-arm" / "checkpoints" / "step-6.pt").read_text() == (
+        "resumed 6")
 
 
 def test_resume_args_are_appended_to_the_resumed_runs_only(tmp_path: Path, work: Path) -> None:

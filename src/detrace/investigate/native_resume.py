@@ -107,7 +107,9 @@ class NativeContract(Contract):
 
     def finish(self) -> None:
         """Put back the checkpoints that were there before the check (with --force), else the first continuous
-        run's files; the other arms' stay under OUT."""
+        run's files; the other arms' stay under OUT. An arm that failed left its files in place: they go aside
+        first."""
+        self._move_aside(self.aside / "unfinished-arm", [])
         source = self.before_check if self.before_check.exists() else self.aside / "continuous"
         if not source.exists() or (source != self.before_check and not self.saves):
             return  # (the continuous run was refused: its files stay in OUT)
