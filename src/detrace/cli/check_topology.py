@@ -1,7 +1,7 @@
-"""`detrace check-topology [--worlds 1,2,4 | --layouts 1x1,1x2,2x2] [--resume-at K] [--threads N] [--out DIR]
-[--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same losses and
-parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world size and
-resumed at each other must give the bits of the run that never stopped.
+"""`detrace check-topology [--worlds 1,2,4 | --layouts fsdp1,fsdp2 | 1x1,1x2,2x2] [--resume-at K] [--threads N]
+[--out DIR] [--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same
+losses and parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world
+size and resumed at each other must give the bits of the run that never stopped.
 Exit 0 the same bits, 1 not (the first step and tensor are named), 2 error."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
                             "require the same losses and parameters, bit for bit, at every step.",
                             usage="detrace check-topology [options] -- CMD...")
     parser.add_argument("--worlds", help="world sizes to run, the first the reference (default 1,2,4)")
-    parser.add_argument("--layouts", help="DP x TP meshes to run instead, e.g. 1x1,1x2,2x2 (CMD gets DETRACE_TP=T)")
+    parser.add_argument("--layouts", help="layouts to run instead: named dimensions joined by x, e.g. "
+                        "fsdp1,fsdp2,fsdp4, or DxT meshes 1x1,1x2,2x2 (CMD gets DETRACE_LAYOUT=NAME and DETRACE_TP=T)")
     parser.add_argument("--resume-at", type=int, metavar="K",
                         help="elastic resume: stop the first world size after step K, resume at each other")
     parser.add_argument("--threads", type=int, default=1,

@@ -221,7 +221,7 @@ def _microbatch_rng(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossOf, *, microbatches: int,
-                       group: dist.ProcessGroup | None = None, exchange: str = "auto"
+                       group: dist.ProcessGroup | None = None, exchange: str = "auto", sharded: bool = False
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One step's gradients, the same bits at every world size: run `loss_of(i).backward()` for each global
     microbatch i this rank owns, sum the gradients in the fixed tree and exchange them. Afterwards every
@@ -231,6 +231,10 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
     batch's token count, never by a per-rank count), optionally with a 1-D tensor of values to log:
     `(loss, values)`. Returns the tree sum over all M microbatches of the detached losses, and of the values
     when given: the same on every rank and at every world size. Collective over `group` (default: the world).
+
+    `sharded`: the model is `fully_shard`ed with `detrace.parallel.fsdp.shard_invariantly`, whose reduce-scatter
+    sums the gradients in the same tree; here each microbatch only starts from cleared (sharded) gradients, and the
+    losses and values are summed.
     """
     if exchange not in EXCHANGES:
         raise UsageError(f"exchange {exchange!r} must be one of {', '.join(EXCHANGES)}")
@@ -258,20 +262,21 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
             with_values = values is not None
             loss.backward()
         extras = [loss.detach().reshape(1)] + ([values.detach().reshape(-1)] if values is not None else [])
-        entries: list[torch.Tensor | None] = [*(p.grad for p in params), *extras]
+        summed = [] if sharded else params
+        entries: list[torch.Tensor | None] = [*(p.grad for p in summed), *extras]
         if buckets is None:
-            buckets = _buckets([p if p.grad is None else p.grad for p in params] + extras)
+            buckets = _buckets([p if p.grad is None else p.grad for p in summed] + extras)
         acc.push(_flatten(buckets, entries))
     assert buckets is not None
     flats = _exchange(acc.result(), group=group, rank=rank, world=world, how=exchange)
-    results: list[torch.Tensor] = [torch.empty(0)] * (len(params) + len(extras))
+    results: list[torch.Tensor] = [torch.empty(0)] * (len(summed) + len(extras))
     for b, flat in zip(buckets, flats, strict=True):
         for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
             results[i] = part
-    for p, g in zip(params, results, strict=False):
+    for p, g in zip(summed, results, strict=False):
         p.grad = g.view_as(p)  # a view of the summed buffer: no copy
-    loss_sum = results[len(params)].reshape(())
-    return (loss_sum, results[len(params) + 1]) if with_values else loss_sum
+    loss_sum = results[len(summed)].reshape(())
+    return (loss_sum, results[len(summed) + 1]) if with_values else loss_sum
 
 
 def _digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | dp-invariant | dp=W (or 1) | the global batch's M microbatches, in blocks  | fixed tree (detrace.parallel.data) |
 | tp-invariant | dp=W/T, tp=T | dp-invariant's; attention/MLP projections in chunks | fixed trees over dp and tp |
 | tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
+| fsdp-invariant | fsdp=W (or 1) | dp-invariant's; parameters sharded on dim 0 | fixed tree in the reduce-scatter |
+| fsdp-plain | fsdp=W (or 1) | as fsdp-invariant (the control)            | fully_shard's accumulation, reduce-scatter |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -42,7 +44,8 @@ from torch import nn
 
 from detrace._compat import all_to_all_single_autograd
 from detrace.errors import UsageError
-from detrace.parallel.data import InvariantDataParallel, _digests
+from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
+from detrace.parallel.fsdp import shard_invariantly
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 from detrace.workload.layouts import INVARIANT, Layout
 from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, lm_losses, local_tensor
@@ -107,6 +110,13 @@ def _shard_experts(model: HybridLM, layout: Layout) -> None:
             rows = w.detach()[r * n_local : (r + 1) * n_local].clone()
             setattr(moe.experts, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
         moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered over its mesh: an exact copy); any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _is_expert(name: str) -> bool:
@@ -218,7 +228,7 @@ class ParallelModel:
             # buffers than the run that never stopped (`detrace check-resume` sees the bucket shapes differ).
             # With find_unused_parameters the Reducer never rebuilds: one layout for the whole run.
             self.module = DistributedDataParallel(self.raw, find_unused_parameters=True)
-        elif kind == "fsdp":
+        elif kind == "fsdp" or (kind.startswith("fsdp-") and layout.mesh is not None):
             from torch.distributed.fsdp import fully_shard
 
             assert layout.mesh is not None
@@ -232,17 +242,37 @@ class ParallelModel:
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
         self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
+        self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
-            dp = layout.group("dp") if layout.mesh is not None else None
-            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
+            if kind.startswith("fsdp-"):
+                self._fsdp = microbatches, layout.group("fsdp") if layout.mesh is not None else None
+                self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
+            else:
+                dp = layout.group("dp") if layout.mesh is not None else None
+                self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
         if layout.size("pp") > 1:
             self._build_pipeline(batch_size, seq_len)
         # parameter lists for the hand-written gradient averages
         named = list(self.raw.named_parameters())
         self._experts = [p for n, p in named if _is_expert(n)]
         self._dense = [p for n, p in named if not _is_expert(n)]
+
+    def _shard_fsdp(self, microbatches: int, *, invariant: bool) -> None:
+        """fsdp-invariant: fully_shard's reduce-scatter as the fixed tree over the global microbatches
+        (`detrace.parallel.fsdp`); fsdp-plain: its own, summing (the loss is already scaled by the global batch)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.layout.mesh is None:  # one process: nothing is sharded, the tree is invariant_backward's
+            return
+        if invariant:
+            shard_invariantly(self.raw, microbatches=microbatches // self.layout.world)
+        else:
+            for module in self.raw.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
     def _build_pipeline(self, batch_size: int, seq_len: int) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -286,7 +316,7 @@ class ParallelModel:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
-        if self.invariant is not None:
+        if self.invariant is not None or self._fsdp is not None:
             self._invariant_step(inputs, targets)
             return
         if self.schedule is not None:
@@ -313,12 +343,22 @@ class ParallelModel:
             _average_gradients(self._experts + self._dense, layout.group("dp"))
 
     def _invariant_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree."""
-        assert self.invariant is not None
-        cfg, M = self.cfg, self.invariant.microbatches
+        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree (the
+        fsdp layouts: the tree, or fully_shard's accumulation, in their reduce-scatter)."""
+        cfg = self.cfg
+        if self._fsdp is not None:
+            M, group = self._fsdp
+        else:
+            assert self.invariant is not None
+            M, group = self.invariant.microbatches, None
         xs, ys = inputs.chunk(M), targets.chunk(M)
+        last = owned_microbatches(M, group)[-1]
+        plain_fsdp = self.layout.kind == "fsdp-plain" and self.layout.mesh is not None
 
         def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if plain_fsdp:  # fully_shard's gradient accumulation: one reduce-scatter after the last microbatch
+                # mypy, ignored below: fully_shard made the model an FSDPModule, which its static type does not say
+                self.raw.set_requires_gradient_sync(i == last)  # type: ignore[operator]
             # Every microbatch holds B / M sequences of T tokens: dividing its mean loss by M is dividing its sum
             # by the global token count, a constant (never a per-rank count).
             lm, mtp = lm_losses(self.raw(xs[i]), ys[i])
@@ -326,7 +366,11 @@ class ParallelModel:
             logged = torch.stack([lm.detach(), mtp.detach(), aux.to(lm.device)]) / M
             return (lm + cfg.mtp_loss_coef * mtp) / M, logged
 
-        _, sums = self.invariant.backward(loss_of)
+        if self._fsdp is not None:
+            _, sums = invariant_backward(self.raw, loss_of, microbatches=M, group=group, sharded=group is not None)
+        else:
+            assert self.invariant is not None
+            _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
     def fingerprint(self) -> str:
@@ -335,7 +379,8 @@ class ParallelModel:
         from detrace.digest import fingerprint
 
         named = list(self.raw.named_parameters())
-        digests = dict(zip((n for n, _ in named), _digests([p.detach() for _, p in named]).unbind(), strict=True))
+        whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
+        digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
         return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:
@@ -358,11 +403,11 @@ class ParallelModel:
         if self._invariant_sums is not None:
             # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()
-            if layout.kind == "dp-invariant":
+            if not layout.kind.startswith("tp-"):  # fsdp: each gradient gathered (exact), summed as at one rank
                 sq = torch.zeros((), device=layout.device)
                 for p in self.raw.parameters():
                     if p.grad is not None:
-                        sq += p.grad.float().square().sum()
+                        sq += _whole(p.grad).float().square().sum()
             else:  # one squared norm per parameter of the whole model, by global name, summed in that order
                 squares = {n: p.grad.float().square().sum()
                            for n, p in self.raw.named_parameters() if p.grad is not None}

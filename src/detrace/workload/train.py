@@ -31,6 +31,7 @@ import torch
 
 from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
+from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.parallel.tensor import TP_ENV
 from detrace.state.loader import ResumableSampler
 from detrace.workload import layouts
@@ -39,6 +40,8 @@ from detrace.workload.corpus import Poisoned, SyntheticTokens, split_batch
 from detrace.workload.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
 
 PROG = "detrace.workload.train"
+NAMED = ("invariant", "plain")
+"""--parallel values that take a named layout (--layout): its invariant layers, or their ordinary control."""
 SPIKES = ("data", "state", "both")
 """The planted spikes' kinds (`TrainConfig.spike`)."""
 STATE_BUMP = 300.0
@@ -74,7 +77,8 @@ class TrainConfig:
     quant: str = "none"
     """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
     parallel: str = "none"
-    """Parallel layout: a key of `layouts.LAYOUTS`."""
+    """Parallel layout: a key of `layouts.LAYOUTS` (`parse_args` turns --parallel invariant and plain with a named
+    layout into one of them: `resolve_layout`)."""
     deterministic: bool = False
     """Apply `detrace.deterministic(seed)` before anything else."""
     lr: float = 3e-3
@@ -147,7 +151,11 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--dispatch", default="index", choices=DISPATCHES)
     p.add_argument("--recompute", action="store_true", help="activation recompute on every layer")
     p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
-    p.add_argument("--parallel", default="none", choices=list(layouts.LAYOUTS))
+    p.add_argument("--parallel", default="none", choices=[*layouts.LAYOUTS, *NAMED],
+                   help="a layout kind, or invariant / plain on the named --layout")
+    p.add_argument("--layout", default=None,
+                   help=f"--parallel invariant or plain: a named layout such as fsdp2 or 2x2 (default: ${LAYOUT_ENV}, "
+                        "else dp over every process)")
     p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
@@ -167,7 +175,33 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                         "or a poisoned batch under a smaller bump (both); off by default")
     p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k != "tp"}, tp=_tp_size(args.tp))
+    kind, tp = resolve_layout(args.parallel, args.layout, args.tp)
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("tp", "layout", "parallel")},
+                       parallel=kind, tp=tp)
+
+
+def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int]:
+    """(layout kind, tensor-parallel size) of --parallel, --layout and --tp: --parallel invariant or plain runs the
+    named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE processes) with the invariant layers or
+    their control; any other --parallel is itself, with --tp."""
+    if parallel not in NAMED:
+        if layout is not None:
+            raise UsageError("--layout goes with --parallel invariant or plain")
+        return parallel, _tp_size(tp)
+    if tp is not None:
+        raise UsageError(f"--parallel {parallel} takes the tensor-parallel size from the layout, not from --tp")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    named = Layout.parse(layout or os.environ.get(LAYOUT_ENV) or f"dp{world}")
+    if named.world != world:
+        raise UsageError(f"layout {named} takes {named.world} processes, not {world}: launch it with torchrun "
+                         f"--nproc-per-node {named.world}")
+    t = named.size("tp")
+    if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
+        return ("tp-" + parallel if t > 1 else "dp-invariant"), t
+    if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
+        return f"fsdp-{parallel}", 1
+    raise UsageError(f"layout {named}: the reference trainer runs dp, fsdp and dp x tp layouts "
+                     f"(--parallel {parallel}); not {', '.join(sorted(named.dims))} together")
 
 
 def _tp_size(flag: int | None) -> int:
