@@ -308,6 +308,8 @@ class _Fake:
     """A second injected fault, like `fault`."""
     fail: str | None = None
     """Injected fault: the run in this directory exits 1."""
+    lines: dict[str, str] = field(default_factory=dict)
+    """More output of the run in that directory, before its final params line."""
 
     def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
         assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
@@ -340,7 +342,8 @@ class _Fake:
             write_training_rank(run, rank, steps, world_size=world)
         final = self.final.get(run.name, "0123456789abcdef")
         return LaunchResult(returncode=1 if self.fail == run.name else 0, out=run, command=tuple(argv), elapsed=0.1,
-                            output_tail=f"step 3\nfinal params {final}\n" if last == self.steps else "step 2\n")
+                            output_tail=f"step 3\n{self.lines.get(run.name, '')}final params {final}\n"
+                            if last == self.steps else "step 2\n")
 
 
 CMD = ["python", "train.py", "--x"]
@@ -377,6 +380,25 @@ def test_layouts_compare_parameters_by_global_name_and_losses_by_microbatch(tmp_
     assert result.first is not None and (result.first.kind, result.first.step) == ("loss", 1)
     assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", 2)
     assert result.to_json()["first_param"]["name"] == "b"  # type: ignore[index]
+
+
+def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None:
+    # FSDP: each rank records its shard of a parameter under the parameter's name; those are not compared (a fault
+    # in one shows nowhere), the losses by global microbatch and the final params lines are
+    result = _topology(tmp_path, _Fake(fault=("layout-fsdp2", 1, "b")), layouts="fsdp1,fsdp2,fsdp4")
+    assert result.identical and result.steps == 3 and result.tensors == 0
+    assert [r.path.name for r in result.runs] == ["layout-fsdp1", "layout-fsdp2", "layout-fsdp4"]
+    first = _topology(tmp_path, _Fake(fault=("layout-fsdp4", 2, "loss")), layouts="fsdp1,fsdp4").first
+    assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 2)
+    # the final params differ: the first parameter whose `final param` line differs is named
+    lines = {"layout-fsdp1": "final param a 00000000000000aa\nfinal param b 00000000000000bb\n",
+             "layout-fsdp2": "final param a 00000000000000aa\nfinal param b 00000000000000bc\n"}
+    result = _topology(tmp_path, _Fake(final={"layout-fsdp2": "fedcba9876543210"}, lines=lines),
+                       layouts="fsdp1,fsdp2")
+    assert result.first is not None and result.first.kind == "final params"
+    assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", -1)
+    with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
+        _topology(tmp_path, _Fake(final={"layout-fsdp2": "none"}), layouts="fsdp1,fsdp2")
 
 
 def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:

@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
               f"({result.steps} steps, {result.tensors} parameters{', final params ' + final if final else ''})")
     else:
         param = result.first_param
-        also = f"; the first parameter that differs: {param.name} at step {param.step}" if param else ""
+        when = "at the end" if param is not None and param.step < 0 else f"at step {param.step}" if param else ""
+        also = f"; the first parameter that differs: {param.name} {when}" if param else ""
         print(f"diverged: {result.first.sentence(result.reference)}{also}")
     return TOPOLOGY["identical" if result.identical else "diverged"]
 

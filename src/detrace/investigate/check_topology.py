@@ -48,6 +48,9 @@ from detrace.tracefile.reader import open_run, read_rank
 RUNG = "semantic"
 """The cheapest rung that records the parameters after every optimizer step."""
 FINAL = re.compile(r"^final params ([0-9a-f]{16})\s*$", re.MULTILINE)
+FINAL_PARAM = re.compile(r"^final param (\S+) ([0-9a-f]{16})\s*$", re.MULTILINE)
+"""One parameter's final fingerprint (of the whole tensor), which a trainer on a sharded layout may print besides the
+`final params` line, so that the verdict names the first parameter that differs at the end."""
 
 Progress = Callable[[str], None]
 Launch = Callable[[list[str], Path, dict[str, str], "float | None"], LaunchResult]
@@ -317,6 +320,7 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
     plan = plan_runs(meshes, out, resume_at=resume_at, tp_env=tp_env)
     prepare_out(out, holds="runs")
     finals: dict[str, str | None] = {}
+    by_name: dict[str, dict[str, str]] = {}
     for run, env in plan:
         progress(f"{run.label}: {run.path}")
         result = launch(torchrun_command(cmd, run.mesh.world), run.path, {"OMP_NUM_THREADS": str(threads), **env},
@@ -326,6 +330,7 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
                                 f"with:\n{result.output_tail.rstrip()}")
         found = FINAL.findall(result.output_tail)
         finals[run.label] = found[-1] if found else None
+        by_name[run.label] = dict(FINAL_PARAM.findall(result.output_tail))
     runs = tuple(run for run, _ in plan)
     first, first_param, steps, tensors = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
@@ -338,8 +343,21 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         if odd is not None:
             first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
                              detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
+    if first is not None and first_param is None:
+        odd = next((r for r in ended if r.label == first.run), None)
+        first_param = None if odd is None else _final_param(by_name[ended[0].label], by_name[odd.label], odd)
     return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
                           first_param=first_param, resume_at=resume_at)
+
+
+def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> Mismatch | None:
+    """The first parameter (by name) whose `final param` line differs, when both runs printed them."""
+    if not reference or not other:
+        return None
+    name = next((n for n in sorted(set(reference) | set(other)) if reference.get(n) != other.get(n)), None)
+    return None if name is None else Mismatch(
+        step=-1, kind="param", name=name, world=run.mesh.world, run=run.label,
+        detail=f"{reference.get(name, 'missing')} vs {other.get(name, 'missing')}")
 
 
 def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, int, int]:

@@ -373,15 +373,18 @@ class ParallelModel:
             _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
         """The `final params` line's fingerprint of every parameter of the whole model in name order (the
-        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T."""
+        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T; and on the
+        fsdp layouts each parameter's fingerprint by name (the `final param` lines: each rank holds shards, which
+        the tracer records, so these name the parameter that differs)."""
         from detrace.digest import fingerprint
 
         named = list(self.raw.named_parameters())
         whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
-        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex
+        each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} if self._fsdp is not None else {}
+        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:
         """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over

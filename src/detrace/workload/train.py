@@ -333,8 +333,10 @@ def train(cfg: TrainConfig) -> None:
             if state.end_of_step(step):
                 break
         if cfg.parallel in layouts.INVARIANT:
-            final = pm.fingerprint()  # collective over tp: every rank
+            final, each = pm.fingerprint()  # collective over tp and fsdp: every rank
             if layout.rank == 0:
+                for name, digest in sorted(each.items()):
+                    print(f"final param {name} {digest}")
                 print(f"final params {final}", flush=True)  # the same line at every W (and T, tp-invariant)
         completed = True
     finally:

@@ -1,0 +1,109 @@
+"""Layouts by name (detrace.parallel.layout), the reference trainer's choice of layout, and FSDP-invariant's
+fixed-order reduce-scatter (detrace.parallel.fsdp) with the ranks simulated in one process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from detrace.errors import UsageError
+from detrace.parallel.data import _tree_sum
+from detrace.parallel.fsdp import FixedOrderReduceScatter
+from detrace.parallel.layout import LAYOUT_ENV, Layout
+from detrace.workload.train import resolve_layout
+
+
+def test_layout_names() -> None:
+    layout = Layout.parse("tp2xfsdp2")  # any order in the name; the mesh is outermost first
+    assert layout.sizes == (("fsdp", 2), ("tp", 2)) and layout.world == 4 and str(layout) == "tp2xfsdp2"
+    assert Layout.parse("2x2").sizes == (("dp", 2), ("tp", 2))  # the older D x T form
+    assert Layout.parse("pp2xdp2").size("pp") == 2 and Layout.parse("ep2").size("tp") == 1
+    assert Layout.parse("pp3").world == 3  # stages need not be a power of two
+    assert Layout.parse("fsdp1").dims == frozenset() and Layout.parse("fsdp4xtp1").dims == {"fsdp"}
+    # the data block of each rank: its coordinate over dp and fsdp, tensor parallelism innermost, pp outermost
+    assert [Layout.parse("fsdp2xtp2").data_block(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [Layout.parse("pp2xdp2").data_block(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [Layout.parse("dp2xfsdp2").data_block(r) for r in range(4)] == [0, 1, 2, 3]
+    for bad in ("", "fsdp", "fsdp2xfsdp2", "zz2", "tp3", "dp0", "2x", "fsdp2x", "2x2x2", "FSDP2"):
+        with pytest.raises(UsageError):
+            Layout.parse(bad)
+    with pytest.raises(UsageError, match="in the order"):
+        Layout(name="x", sizes=(("tp", 2), ("dp", 2)))
+    with pytest.raises(UsageError, match="is not one of"):
+        Layout.parse("tp2").data_block(2)
+
+
+def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_layout("invariant", "fsdp4", None) == ("fsdp-invariant", 1)
+    assert resolve_layout("plain", "fsdp4", None) == ("fsdp-plain", 1)
+    assert resolve_layout("invariant", "2x2", None) == ("tp-invariant", 2)
+    assert resolve_layout("plain", "dp2xtp2", None) == ("tp-plain", 2)
+    assert resolve_layout("invariant", None, None) == ("dp-invariant", 1)  # dp over every process
+    monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
+    assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1)
+    assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1)  # sizes 1: one process, unsplit
+    for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
+                               (2, ("invariant", "pp2", None), "runs dp, fsdp and dp x tp"),
+                               (4, ("invariant", "fsdp2xtp2", None), "not fsdp, tp together"),
+                               (1, ("plain", "dp1", None), "runs dp, fsdp and dp x tp"),
+                               (1, ("invariant", "fsdp1", 2), "not from --tp"),
+                               (1, ("ddp", "fsdp1", None), "--layout goes with")]:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(UsageError, match=match):
+            resolve_layout(*args)
+
+
+def _grads(microbatches: int, numel: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    # magnitudes spread over orders of magnitude: a sum's bits depend on its order
+    return [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 4, (numel,), generator=g)
+            for _ in range(microbatches)]
+
+
+def _simulated_fsdp(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Every rank's reduce-scatter output for its shard, with W ranks simulated: rank r computes the microbatches
+    [r n, (r + 1) n), and each calls its comm with its microbatch's whole gradient as fully_shard lays it out (row s
+    for rank s); the all-to-all hands rank r row r of every rank's input."""
+    n = len(grads) // world
+    inputs: dict[int, torch.Tensor] = {}
+
+    def exchange_for(rank: int) -> Any:
+        return lambda tensor, group: torch.stack([inputs[s].view(world, -1)[rank] for s in range(world)]).view(-1)
+
+    comms = [FixedOrderReduceScatter(n, exchange_for(r)) for r in range(world)]
+    group: Any = SimpleNamespace(size=lambda: world)
+    outputs = [torch.full((grads[0].numel() // world,), float("nan")) for _ in range(world)]
+    for k in range(n):
+        inputs.clear()
+        inputs.update({r: grads[r * n + k].clone() for r in range(world)})
+        for r in range(world):
+            comms[r](outputs[r], inputs[r], group)
+            if k < n - 1:  # the earlier microbatches output zeros: the trainer clears them before the next
+                assert not outputs[r].any()
+    return outputs
+
+
+def test_fixed_order_reduce_scatter_gives_the_same_bits_at_every_shard_count() -> None:
+    M, numel = 8, 64
+    grads = _grads(M, numel)
+    tree = _tree_sum([[g.clone()] for g in grads])[0]  # one process, M microbatches of accumulation
+    for world in (1, 2, 4, 8):
+        shards = _simulated_fsdp(grads, world)
+        assert torch.equal(torch.cat(shards), tree), world
+    # the test can fail: a sum in another order (fully_shard's accumulation, then a ring) gives other bits
+    sequential = grads[0].clone()
+    for g in grads[1:]:
+        sequential += g
+    assert not torch.equal(sequential, tree)
+
+
+def test_fixed_order_reduce_scatter_refuses_no_microbatches() -> None:
+    with pytest.raises(UsageError, match="must be positive"):
+        FixedOrderReduceScatter(0)
