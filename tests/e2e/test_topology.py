@@ -431,8 +431,11 @@ def test_elastic_resume_runs_and_comparisons(tmp_path: Path) -> None:
     # a resumed run that starts at the wrong step misses the reference's step-2 records
     plan = plan_runs((Mesh(dp=2), Mesh(dp=4)), tmp_path, resume_at=2)
     assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1"}
-    with pytest.raises(UsageError, match="--resume-at goes with --worlds"):
-        plan_runs((Mesh(dp=1), Mesh(dp=1, tp=2)), tmp_path, resume_at=2, tp_env=True)
+    plan = plan_runs(parse_layouts("fsdp2,2x1"), tmp_path, resume_at=2, tp_env=True)  # layouts resume too
+    assert [run.label for run, _ in plan] == ["layout fsdp2", "layout fsdp2 stopped after step 2",
+                                             "layout 2x1 resumed after step 2"]
+    assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1",
+                          "DETRACE_LAYOUT": "2x1", TP_ENV: "1"}
     with pytest.raises(UsageError, match="1 or more"):
         plan_runs((Mesh(dp=1), Mesh(dp=2)), tmp_path, resume_at=0)
 
@@ -556,3 +559,30 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
     assert parse_worlds(f"{too_many},2", force=True) == (too_many, 2)
     assert cli(["check-topology", "--worlds", f"{too_many},2", "--", "true"]) == 2  # before torchrun starts
     assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_plain_fsdp_does_not(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # fsdp2 runs on, and stops after step 1; fsdp4 and fsdp1 resume from its checkpoint (DCP reshards): each equals
+    # the run that never stopped, step by step (losses by global microbatch) and in the final parameters
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "fsdp2,fsdp4,fsdp1", "--resume-at", "1", "--",
+                              *TRAIN, "--parallel", "invariant", "--steps", "2")
+    assert code == 0, report
+    assert list(report["runs"]) == ["layout fsdp2", "layout fsdp2 stopped after step 1",  # type: ignore[call-overload]
+                                    "layout fsdp4 resumed after step 1", "layout fsdp1 resumed after step 1"]
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and finals.pop("layout fsdp2 stopped after step 1") != finals["layout fsdp2"]
+    assert len(set(finals.values())) == 1 and None not in finals.values()
+    # the control: fully_shard's own reduce-scatter at 4 shards sums the 4 microbatches in another order than one
+    # process does; check-topology names the first parameter that differs
+    code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp4", "--", *TRAIN, "--parallel",
+                              "plain", "--steps", "1")
+    assert code == 1 and report["first"]["kind"] == "final params", report  # type: ignore[index]
+    assert report["first_param"]["name"] in {n for n, _ in _tiny().named_parameters()}  # type: ignore[index]
+
+
+def _tiny() -> nn.Module:
+    from detrace.workload.model import PRESETS, HybridLM
+
+    return HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]

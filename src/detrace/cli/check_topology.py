@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layouts", help="layouts to run instead: named dimensions joined by x, e.g. "
                         "fsdp1,fsdp2,fsdp4, or DxT meshes 1x1,1x2,2x2 (CMD gets DETRACE_LAYOUT=NAME and DETRACE_TP=T)")
     parser.add_argument("--resume-at", type=int, metavar="K",
-                        help="elastic resume: stop the first world size after step K, resume at each other")
+                        help="elastic resume: stop the first world size (or layout) after step K, resume on each other")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
@@ -58,10 +58,13 @@ def main(argv: list[str]) -> int:
 
 def _what(meshes: tuple[Mesh, ...], *, layouts: bool, resume_at: int | None) -> str:
     """What the identical verdict says was the same."""
-    if layouts:
-        return f"layouts {', '.join(m.label for m in meshes)} give the same bits"
     if resume_at is None:
+        if layouts:
+            return f"layouts {', '.join(m.label for m in meshes)} give the same bits"
         return f"worlds {', '.join(str(m.world) for m in meshes)} give the same bits"
+    if layouts:
+        return (f"layout {meshes[0].label} stopped after step {resume_at} and resumed on layout "
+                f"{', '.join(m.label for m in meshes[1:])} gives the bits of the run that never stopped")
     others = ", ".join(str(m.world) for m in meshes[1:])
     return (f"world {meshes[0].world} stopped after step {resume_at} and resumed at world {others} gives the bits "
             "of the run that never stopped")

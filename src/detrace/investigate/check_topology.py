@@ -284,8 +284,9 @@ def plan_runs(meshes: tuple[Mesh, ...], out: Path, *, resume_at: int | None = No
               ) -> list[tuple[Run, dict[str, str]]]:
     """The runs of the check, the reference first, each with the variables it adds to CMD's environment.
 
-    `tp_env` (`--layouts`) names runs by mesh and sets DETRACE_TP; else by world size. With `resume_at` K
-    (world sizes only): the first world size continuous, then stopped after K, then resumed at each other."""
+    `tp_env` (`--layouts`) names runs by layout and sets DETRACE_LAYOUT and DETRACE_TP; else by world size. With
+    `resume_at` K: the first layout continuous, then stopped after K, then resumed on each other (CMD refuses a
+    checkpoint it cannot resume on another mesh)."""
     def label(m: Mesh) -> str:
         return f"layout {m.label}" if tp_env else f"world {m.world}"
 
@@ -297,18 +298,17 @@ def plan_runs(meshes: tuple[Mesh, ...], out: Path, *, resume_at: int | None = No
 
     if resume_at is None:
         return [(Run(label=label(m), mesh=m, path=out / directory(m)), env(m)) for m in meshes]
-    if tp_env:
-        raise UsageError("--resume-at goes with --worlds (an elastic resume changes the data-parallel size)")
     if resume_at < 1:
         raise UsageError(f"--resume-at must be a step of 1 or more, not {resume_at}")
     first, ckpt = meshes[0], out / "checkpoint"
-    plan = [(Run(label=label(first), mesh=first, path=out / directory(first)), {}),
+    plan = [(Run(label=label(first), mesh=first, path=out / directory(first)), env(first)),
             (Run(label=f"{label(first)} stopped after step {resume_at}", mesh=first, until_step=resume_at,
                  path=out / f"{directory(first)}-stopped"),
-             {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(resume_at)})]
+             {**env(first), "DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(resume_at)})]
     for m in meshes[1:]:
         plan.append((Run(label=f"{label(m)} resumed after step {resume_at}", mesh=m, from_step=resume_at,
-                         path=out / f"{directory(m)}-resumed"), {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}))
+                         path=out / f"{directory(m)}-resumed"),
+                     {**env(m), "DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}))
     return plan
 
 
