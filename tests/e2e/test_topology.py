@@ -586,3 +586,14 @@ def _tiny() -> nn.Module:
     from detrace.workload.model import PRESETS, HybridLM
 
     return HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_pipeline_invariant_gives_the_bits_of_one_stage_under_gpipe_and_1f1b(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # every parameter by name after every step (each stage holds its own), and the losses by microbatch
+    for schedule in ("gpipe", "1f1b"):
+        code, report = _check_cli(capsys, tmp_path, schedule, "--layouts", "pp2,pp1", "--", *TRAIN, "--parallel",
+                                  "invariant", "--schedule", schedule, "--steps", "2")
+        assert code == 0, report
+        assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))

@@ -209,6 +209,16 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGrou
     gather(out, tensor, group=group)
 
 
+def step_seed() -> int:
+    """The step's one draw from the global generator (the same on every rank at every layout)."""
+    return int(torch.randint(0, _SEED_BOUND, (), dtype=torch.int64))
+
+
+def microbatch_seed(base: int, i: int) -> int:
+    """The seed of global microbatch i's generators in the step whose draw is `base`."""
+    return (base + i * 0x9E3779B97F4A7C15) % _SEED_BOUND
+
+
 @contextlib.contextmanager
 def _microbatch_rng(seed: int, device: torch.device) -> Iterator[None]:
     """Run under generators seeded from `seed`, then give the global generators their state back."""
@@ -245,14 +255,14 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
     owned = owned_microbatches(microbatches, group)
     # One draw from the global generator per step, the same on every rank at every world size; microbatch i
     # runs under a generator seeded from it and i, so its randomness does not depend on the rank that runs it.
-    base = int(torch.randint(0, _SEED_BOUND, (), dtype=torch.int64))
+    base = step_seed()
     acc = _Accumulator(len(owned))
     buckets: list[_Bucket] | None = None
     with_values: bool | None = None
     for i in owned:
         for p in params:
             p.grad = None  # each microbatch's gradient alone: nothing to accumulate into
-        with _microbatch_rng((base + i * 0x9E3779B97F4A7C15) % _SEED_BOUND, params[0].device):
+        with _microbatch_rng(microbatch_seed(base, i), params[0].device):
             out = loss_of(i)
             loss, values = out if isinstance(out, tuple) else (out, None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -31,14 +31,16 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "tp-plain": (("dp", None), ("tp", None)),
     "fsdp-invariant": (("fsdp", None),),
     "fsdp-plain": (("fsdp", None),),
+    "pp-invariant": (("pp", None),),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
 
-INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain")
+INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant")
 """Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
 fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
 tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
-fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant)."""
+fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
+over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,8 @@ global name (`by_global_name`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,9 +50,12 @@ from detrace.parallel.data import InvariantDataParallel, _digests, invariant_bac
 from detrace.parallel.fsdp import shard_invariantly
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 from detrace.workload.layouts import INVARIANT, Layout
-from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, lm_losses, local_tensor
+from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
 
 PP_MICROBATCHES = 4
+"""Microbatches of --parallel pp (pp-invariant takes --microbatches)."""
+SCHEDULES = ("1f1b", "gpipe")
+"""The pipeline schedules: torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe."""
 TP_CHUNK = 16
 """Features per chunk of the tp layouts' projections: fixed by the model, never by the TP size or the device
 (each projection's chunks must divide by T; a column chunk holds whole heads when n_heads divides by T)."""
@@ -203,12 +208,85 @@ def _pipeline_stage(model: HybridLM, stage: int, stages: int) -> HybridLM:
     return model
 
 
+class _InvariantPipeline:
+    """pp-invariant's bookkeeping on one stage: the tree over microbatch gradients and the seeded forwards
+    (`detrace.parallel.pipeline`), and each microbatch's logged values, reduced to the bits that dp-invariant
+    computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
+    model order)."""
+
+    def __init__(self, model: HybridLM, microbatches: int, device: torch.device) -> None:
+        self.M, self.device = microbatches, device
+        # the whole model's order, before the stage is cut out of it
+        self.names = [n for n, _ in model.named_parameters()]
+        self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+        self.table = torch.zeros(0)
+        self.forwards = 0
+
+    def attach(self, stage: HybridLM, cfg: ModelConfig) -> None:
+        from detrace.parallel.pipeline import SeededForwards, TreeGradients
+
+        self.stage, self.cfg = stage, cfg
+        self.grads = TreeGradients(stage.parameters(), self.M)
+        self.seeds = SeededForwards(stage, self.device)
+        here = dict(stage.named_modules())
+        self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
+        stage.register_forward_hook(self._aux)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        from detrace.parallel.data import step_seed
+
+        self.table = torch.zeros(self.M, 2 + len(self.moe_names), device=self.device)  # lm, mtp, aux per layer
+        self.forwards, self.losses = 0, 0
+        self.seeds.begin(step_seed())
+        self.grads.begin()
+        yield
+        self.grads.finish()
+
+    def _aux(self, module: nn.Module, args: Any, output: Any) -> None:
+        for col, moe in self.moes:
+            self.table[self.forwards, col] = moe.pop_aux_loss().to(self.device)
+        self.forwards += 1
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lm, mtp = lm_losses(logits, targets)
+        self.table[self.losses, 0], self.table[self.losses, 1] = lm.detach(), mtp.detach()
+        self.losses += 1
+        return (lm + self.cfg.mtp_loss_coef * mtp) / self.M
+
+    def sums(self, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """([lm, mtp, aux] summed over the microbatches in the tree, the squared gradient norm), from every
+        stage's part: each value is held by one stage and gathered (x + 0 is x), then reduced as in one process."""
+        from detrace.parallel.data import _tree_sum
+
+        squares = torch.zeros(len(self.names), device=self.device)
+        index = {n: i for i, n in enumerate(self.names)}
+        for name, p in self.stage.named_parameters():
+            if p.grad is not None:
+                squares[index[name]] = p.grad.float().square().sum()
+        mine = torch.cat([self.table.reshape(-1), squares])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        whole = every[0].clone()
+        for other in every[1:]:
+            whole += other
+        table, squares = whole[:self.table.numel()].view_as(self.table), whole[self.table.numel():]
+        logged = []
+        for row in table:
+            aux = sum(row[2:].unbind(), torch.zeros((), device=self.device))
+            logged.append([torch.stack([row[0], row[1], aux]) / self.M])
+        sq = torch.zeros((), device=self.device)
+        for value in squares:
+            sq += value
+        return _tree_sum(logged)[0], sq
+
+
 class ParallelModel:
     """The reference model placed on a layout, with the trainer's per-step operations:
     `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int,
-                 microbatches: int | None = None) -> None:
+                 microbatches: int | None = None, schedule: str = "1f1b") -> None:
         self.cfg, self.layout = cfg, layout
         # Same initial weights on every rank: each shards what it was given.
         torch.manual_seed(seed)
@@ -243,16 +321,20 @@ class ParallelModel:
         self._invariant_sums: torch.Tensor | None = None
         self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
         self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
+        self._pipeline: _InvariantPipeline | None = None
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
-            if kind.startswith("fsdp-"):
+            if kind == "pp-invariant" and layout.mesh is not None:
+                self._pipeline = _InvariantPipeline(self.raw, microbatches, layout.device)
+                self._build_pipeline(batch_size, seq_len, microbatches=microbatches, schedule=schedule)
+            elif kind.startswith("fsdp-"):
                 self._fsdp = microbatches, layout.group("fsdp") if layout.mesh is not None else None
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
             else:
                 dp = layout.group("dp") if layout.mesh is not None else None
                 self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
-        if layout.size("pp") > 1:
+        if layout.size("pp") > 1 and self.schedule is None:
             self._build_pipeline(batch_size, seq_len)
         # parameter lists for the hand-written gradient averages
         named = list(self.raw.named_parameters())
@@ -274,21 +356,25 @@ class ParallelModel:
                     module.set_gradient_divide_factor(1.0)
                     module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
-    def _build_pipeline(self, batch_size: int, seq_len: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    def _build_pipeline(self, batch_size: int, seq_len: int, *, microbatches: int = PP_MICROBATCHES,
+                        schedule: str = "1f1b") -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        if batch_size % PP_MICROBATCHES:
-            raise UsageError(f"batch size {batch_size} must divide into {PP_MICROBATCHES} pipeline microbatches")
+        if batch_size % microbatches:
+            raise UsageError(f"batch size {batch_size} must divide into {microbatches} pipeline microbatches")
+        if schedule not in SCHEDULES:
+            raise UsageError(f"pipeline schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
         layout = self.layout
         stage, stages = layout.coord("pp"), layout.size("pp")
         _pipeline_stage(self.raw, stage, stages)
         # Example microbatches for the stage's input and output, so the stage does not infer shapes with
         # an extra forward (which would run the MoE layers once more than the schedule does).
-        mb, cfg, dev = batch_size // PP_MICROBATCHES, self.cfg, layout.device
+        mb, cfg, dev = batch_size // microbatches, self.cfg, layout.device
         hidden = torch.empty(mb, seq_len, cfg.dim, device=dev, requires_grad=True)  # grads flow back
         tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
         logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
-        self.schedule = Schedule1F1B(
+        invariant = self._pipeline is not None
+        self.schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
             PipelineStage(
                 self.raw,
                 stage,
@@ -298,9 +384,13 @@ class ParallelModel:
                 output_args=logits if stage == stages - 1 else hidden,
                 group=layout.group("pp"),
             ),
-            n_microbatches=PP_MICROBATCHES,
-            loss_fn=self._loss,
+            n_microbatches=microbatches,
+            loss_fn=self._pipeline.loss if self._pipeline is not None else self._loss,
+            # pp-invariant: the loss is divided by M and the gradients summed in the tree, never scaled after
+            scale_grads=not invariant,
         )
+        if self._pipeline is not None:
+            self._pipeline.attach(self.raw, self.cfg)
         # The schedule sets its stage up at its first step: a vote over p2p between the stages, then the
         # buffers. Done here, every process does it before training, so the first step of a resumed process
         # makes the same calls as that step of a run that never stopped (`detrace check-resume`).
@@ -316,6 +406,15 @@ class ParallelModel:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
+        if self._pipeline is not None:
+            with self._pipeline.step():
+                if self.layout.coord("pp") == 0:
+                    self.schedule.step(inputs)
+                elif self.layout.coord("pp") == self.layout.size("pp") - 1:
+                    self.schedule.step(target=targets, losses=[])
+                else:
+                    self.schedule.step()
+            return
         if self.invariant is not None or self._fsdp is not None:
             self._invariant_step(inputs, targets)
             return
@@ -403,6 +502,11 @@ class ParallelModel:
         loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
         """
         layout, cfg = self.layout, self.cfg
+        if self._pipeline is not None:
+            self._invariant_sums, sq = self._pipeline.sums(layout.group("pp"))
+            lm, mtp, aux = self._invariant_sums.unbind()
+            loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+            return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
         if self._invariant_sums is not None:
             # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()

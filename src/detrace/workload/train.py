@@ -94,6 +94,8 @@ class TrainConfig:
     data-parallel size)."""
     tp: int = 1
     """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -133,6 +135,8 @@ class TrainConfig:
             # Same bits at every world size needs each microbatch's kernels deterministic first.
             raise UsageError(f"--parallel {self.parallel} needs --dispatch fixed or --deterministic (the index "
                              "dispatch's backward races)")
+        if self.schedule not in parallel.SCHEDULES:
+            raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
         if self.tp != 1 and not self.parallel.startswith("tp-"):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
 
@@ -170,6 +174,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                    help="dp-invariant, tp-invariant, tp-plain: microbatches M of the global batch")
     p.add_argument("--tp", type=int, default=None,
                    help=f"tp-invariant, tp-plain: tensor-parallel size T (default: ${TP_ENV} or 1)")
+    p.add_argument("--schedule", default="1f1b", choices=parallel.SCHEDULES,
+                   help="pipeline schedule of the pp layouts (default 1f1b)")
     p.add_argument("--spike", default=None, choices=SPIKES,
                    help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
                         "or a poisoned batch under a smaller bump (both); off by default")
@@ -200,7 +206,9 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
         return ("tp-" + parallel if t > 1 else "dp-invariant"), t
     if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
         return f"fsdp-{parallel}", 1
-    raise UsageError(f"layout {named}: the reference trainer runs dp, fsdp and dp x tp layouts "
+    if "pp" in dict(named.sizes) and named.dims <= {"pp"} and parallel == "invariant":
+        return "pp-invariant", 1
+    raise UsageError(f"layout {named}: the reference trainer runs dp, fsdp, pp (invariant) and dp x tp layouts "
                      f"(--parallel {parallel}); not {', '.join(sorted(named.dims))} together")
 
 
@@ -275,7 +283,7 @@ def train(cfg: TrainConfig) -> None:
         seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
         model_cfg = cfg.model_config()
         pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len,
-                                    microbatches=cfg.microbatches)
+                                    microbatches=cfg.microbatches, schedule=cfg.schedule)
         params = [p for p in pm.raw.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
         bump_at, bump = _lr_bump(cfg)
@@ -299,7 +307,8 @@ def train(cfg: TrainConfig) -> None:
         # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
         # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
-                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1)
+                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1
+                                   and cfg.parallel != "pp-invariant")
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
@@ -332,7 +341,7 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
-        if cfg.parallel in layouts.INVARIANT:
+        if cfg.parallel in layouts.INVARIANT and pm.schedule is None:  # a stage holds its own parameters only
             final, each = pm.fingerprint()  # collective over tp and fsdp: every rank
             if layout.rank == 0:
                 for name, digest in sorted(each.items()):
