@@ -44,15 +44,17 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "2x2", None) == ("tp-invariant", 2)
     assert resolve_layout("plain", "dp2xtp2", None) == ("tp-plain", 2)
     assert resolve_layout("invariant", None, None) == ("dp-invariant", 1)  # dp over every process
+    assert resolve_layout("invariant", "pp4", None) == ("pp-invariant", 1)
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
     assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1)
     assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1)  # sizes 1: one process, unsplit
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
-                               (2, ("invariant", "pp2", None), "runs dp, fsdp and dp x tp"),
+                               (2, ("invariant", "ep2", None), "runs dp, fsdp, pp"),
+                               (2, ("plain", "pp2", None), "runs dp, fsdp, pp"),
                                (4, ("invariant", "fsdp2xtp2", None), "not fsdp, tp together"),
-                               (1, ("plain", "dp1", None), "runs dp, fsdp and dp x tp"),
+                               (1, ("plain", "dp1", None), "runs dp, fsdp, pp"),
                                (1, ("invariant", "fsdp1", 2), "not from --tp"),
                                (1, ("ddp", "fsdp1", None), "--layout goes with")]:
         monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -107,3 +109,55 @@ def test_fixed_order_reduce_scatter_gives_the_same_bits_at_every_shard_count() -
 def test_fixed_order_reduce_scatter_refuses_no_microbatches() -> None:
     with pytest.raises(UsageError, match="must be positive"):
         FixedOrderReduceScatter(0)
+
+
+def test_a_stage_sums_its_microbatches_as_one_process_does_whatever_the_schedule() -> None:
+    """detrace.parallel.pipeline on one stage, schedules emulated: GPipe (every forward, then every backward) and
+    1F1B-like (each forward then its backward) give invariant_backward's bits, dropout included."""
+    from torch import nn
+
+    from detrace.parallel.data import invariant_backward, step_seed
+    from detrace.parallel.pipeline import SeededForwards, TreeGradients
+
+    M = 8
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, 4, 16, generator=g) * 10.0 ** torch.randint(-2, 3, (M, 4, 16), generator=g)
+    y = torch.randint(0, 4, (M, 4), generator=g)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.3), nn.Linear(64, 4))
+
+    def loss(m: nn.Module, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x[i]), y[i]) / M
+
+    one = model()
+    torch.manual_seed(5)
+    invariant_backward(one, lambda i: loss(one, i), microbatches=M)
+    expected = [p.grad.clone() for p in one.parameters()]  # type: ignore[union-attr]
+    for gpipe in (True, False):
+        stage = model()
+        grads, seeds = TreeGradients(stage.parameters(), M), SeededForwards(stage, torch.device("cpu"))
+        torch.manual_seed(5)
+        seeds.begin(step_seed())
+        grads.begin()
+        if gpipe:
+            for out in [loss(stage, i) for i in range(M)]:
+                out.backward()
+        else:
+            for i in range(M):
+                loss(stage, i).backward()
+        grads.finish()
+        assert all(torch.equal(p.grad, e) for p, e in zip(stage.parameters(), expected, strict=True)), gpipe
+    # the control: autograd's own accumulation (a running sum) gives other bits
+    plain = model()
+    seeds = SeededForwards(plain, torch.device("cpu"))
+    torch.manual_seed(5)
+    seeds.begin(step_seed())
+    for i in range(M):
+        loss(plain, i).backward()
+    assert not all(torch.equal(p.grad, e) for p, e in zip(plain.parameters(), expected, strict=True))
+    with pytest.raises(UsageError, match="received 1 gradients in a step of 8"):
+        grads.begin()
+        loss(stage, 0).backward()
+        grads.finish()
