@@ -589,11 +589,12 @@ def _tiny() -> nn.Module:
 
 
 @pytest.mark.slow
-def test_pipeline_invariant_gives_the_bits_of_one_stage_under_gpipe_and_1f1b(
+def test_pipeline_invariant_gives_the_bits_of_one_process_under_gpipe_and_1f1b_and_times_dp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # every parameter by name after every step (each stage holds its own), and the losses by microbatch
-    for schedule in ("gpipe", "1f1b"):
-        code, report = _check_cli(capsys, tmp_path, schedule, "--layouts", "pp2,pp1", "--", *TRAIN, "--parallel",
+    # every parameter by name after every step (each stage holds its own, its dp replicas agree), and the losses by
+    # global microbatch; 1F1B on the composed mesh: 2 stages, each data-parallel over 2
+    for schedule, layouts in (("gpipe", "pp2,pp1"), ("1f1b", "pp2xdp2,pp1")):
+        code, report = _check_cli(capsys, tmp_path, schedule, "--layouts", layouts, "--", *TRAIN, "--parallel",
                                   "invariant", "--schedule", schedule, "--steps", "2")
         assert code == 0, report
         assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))

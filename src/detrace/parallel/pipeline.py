@@ -87,9 +87,10 @@ class SeededForwards:
         module.register_forward_pre_hook(self._enter)
         module.register_forward_hook(self._exit)
 
-    def begin(self, base: int) -> None:
-        """Start a step whose draw from the global generator is `base` (`detrace.parallel.data.step_seed`)."""
-        self.base, self.count = base, 0
+    def begin(self, base: int, *, first: int = 0) -> None:
+        """Start a step whose draw from the global generator is `base` (`detrace.parallel.data.step_seed`) and
+        whose first forward here is global microbatch `first` (a data-parallel rank's block starts there)."""
+        self.base, self.count = base, first
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._rng = contextlib.ExitStack()

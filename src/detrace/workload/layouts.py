@@ -31,7 +31,7 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "tp-plain": (("dp", None), ("tp", None)),
     "fsdp-invariant": (("fsdp", None),),
     "fsdp-plain": (("fsdp", None),),
-    "pp-invariant": (("pp", None),),
+    "pp-invariant": (("pp", None), ("dp", None)),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
 
@@ -92,9 +92,9 @@ class Layout:
         return self.coord("dp") * self.size("ep") + self.coord("ep")
 
 
-def setup(kind: str, *, tp: int = 1) -> Layout:
+def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
-    tensor-parallel size of the tp layouts."""
+    tensor-parallel size of the tp layouts, `pp` the stages of pp-invariant (data-parallel over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -105,6 +105,10 @@ def setup(kind: str, *, tp: int = 1) -> Layout:
         if tp != 1:
             raise UsageError(f"--tp {tp} needs {tp} processes or a multiple: launch it with torchrun")
         return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
+    if kind == "pp-invariant":
+        if pp < 2 or world % pp:
+            raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
+        return _mesh(kind, world, {"pp": pp, "dp": world // pp}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

@@ -214,8 +214,14 @@ class _InvariantPipeline:
     computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
     model order)."""
 
-    def __init__(self, model: HybridLM, microbatches: int, device: torch.device) -> None:
-        self.M, self.device = microbatches, device
+    def __init__(self, model: HybridLM, microbatches: int, layout: Layout) -> None:
+        dp = layout.size("dp")
+        if microbatches % dp:
+            raise UsageError(f"{microbatches} microbatches do not split evenly over {dp} data-parallel ranks")
+        self.M, self.device, self.layout = microbatches, layout.device, layout
+        # this rank's block of the global microbatches, as in detrace.parallel.data
+        self.n = microbatches // dp
+        self.first = layout.coord("dp") * self.n
         # the whole model's order, before the stage is cut out of it
         self.names = [n for n, _ in model.named_parameters()]
         self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
@@ -226,7 +232,7 @@ class _InvariantPipeline:
         from detrace.parallel.pipeline import SeededForwards, TreeGradients
 
         self.stage, self.cfg = stage, cfg
-        self.grads = TreeGradients(stage.parameters(), self.M)
+        self.grads = TreeGradients(stage.parameters(), self.n)
         self.seeds = SeededForwards(stage, self.device)
         here = dict(stage.named_modules())
         self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
@@ -237,11 +243,22 @@ class _InvariantPipeline:
         from detrace.parallel.data import step_seed
 
         self.table = torch.zeros(self.M, 2 + len(self.moe_names), device=self.device)  # lm, mtp, aux per layer
-        self.forwards, self.losses = 0, 0
-        self.seeds.begin(step_seed())
+        self.forwards, self.losses = self.first, self.first
+        self.seeds.begin(step_seed(), first=self.first)
         self.grads.begin()
         yield
         self.grads.finish()
+        if self.layout.size("dp") > 1:  # complete the tree over the data-parallel blocks
+            from detrace.parallel.data import _buckets, _exchange, _flatten
+
+            params = [p for p in self.stage.parameters() if p.grad is not None]
+            grads = [p.grad for p in params]
+            buckets = _buckets([g for g in grads if g is not None])
+            flats = _exchange(_flatten(buckets, grads), group=self.layout.group("dp"),
+                              rank=self.layout.coord("dp"), world=self.layout.size("dp"), how="auto")
+            for b, flat in zip(buckets, flats, strict=True):
+                for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
+                    params[i].grad = part.view_as(params[i])
 
     def _aux(self, module: nn.Module, args: Any, output: Any) -> None:
         for col, moe in self.moes:
@@ -254,7 +271,7 @@ class _InvariantPipeline:
         self.losses += 1
         return (lm + self.cfg.mtp_loss_coef * mtp) / self.M
 
-    def sums(self, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([lm, mtp, aux] summed over the microbatches in the tree, the squared gradient norm), from every
         stage's part: each value is held by one stage and gathered (x + 0 is x), then reduced as in one process."""
         from detrace.parallel.data import _tree_sum
@@ -262,11 +279,11 @@ class _InvariantPipeline:
         squares = torch.zeros(len(self.names), device=self.device)
         index = {n: i for i, n in enumerate(self.names)}
         for name, p in self.stage.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and self.layout.coord("dp") == 0:  # the dp replicas hold the same gradient
                 squares[index[name]] = p.grad.float().square().sum()
         mine = torch.cat([self.table.reshape(-1), squares])
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
         whole = every[0].clone()
         for other in every[1:]:
             whole += other
@@ -326,8 +343,9 @@ class ParallelModel:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
             if kind == "pp-invariant" and layout.mesh is not None:
-                self._pipeline = _InvariantPipeline(self.raw, microbatches, layout.device)
-                self._build_pipeline(batch_size, seq_len, microbatches=microbatches, schedule=schedule)
+                self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)
+                self._build_pipeline(batch_size // layout.size("dp"), seq_len,
+                                     microbatches=microbatches // layout.size("dp"), schedule=schedule)
             elif kind.startswith("fsdp-"):
                 self._fsdp = microbatches, layout.group("fsdp") if layout.mesh is not None else None
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
@@ -407,6 +425,9 @@ class ParallelModel:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
         if self._pipeline is not None:
+            # this data-parallel rank's block of the global batch: its microbatches [d n, (d + 1) n)
+            inputs = inputs.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
+            targets = targets.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
             with self._pipeline.step():
                 if self.layout.coord("pp") == 0:
                     self.schedule.step(inputs)
@@ -503,7 +524,7 @@ class ParallelModel:
         """
         layout, cfg = self.layout, self.cfg
         if self._pipeline is not None:
-            self._invariant_sums, sq = self._pipeline.sums(layout.group("pp"))
+            self._invariant_sums, sq = self._pipeline.sums()
             lm, mtp, aux = self._invariant_sums.unbind()
             loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
             return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}

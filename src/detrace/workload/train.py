@@ -96,6 +96,8 @@ class TrainConfig:
     """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
     schedule: str = "1f1b"
     """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
+    stages: int = 1
+    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / P ranks)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -137,6 +139,8 @@ class TrainConfig:
                              "dispatch's backward races)")
         if self.schedule not in parallel.SCHEDULES:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
+        if self.stages < 1 or (self.stages != 1 and self.parallel != "pp-invariant"):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant")
         if self.tp != 1 and not self.parallel.startswith("tp-"):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
 
@@ -181,19 +185,19 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                         "or a poisoned batch under a smaller bump (both); off by default")
     p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
-    kind, tp = resolve_layout(args.parallel, args.layout, args.tp)
+    kind, tp, stages = resolve_layout(args.parallel, args.layout, args.tp)
     return TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("tp", "layout", "parallel")},
-                       parallel=kind, tp=tp)
+                       parallel=kind, tp=tp, stages=stages)
 
 
-def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int]:
-    """(layout kind, tensor-parallel size) of --parallel, --layout and --tp: --parallel invariant or plain runs the
-    named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE processes) with the invariant layers or
-    their control; any other --parallel is itself, with --tp."""
+def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int, int]:
+    """(layout kind, tensor-parallel size, pipeline stages) of --parallel, --layout and --tp: --parallel invariant
+    or plain runs the named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE processes) with the
+    invariant layers or their control; any other --parallel is itself, with --tp."""
     if parallel not in NAMED:
         if layout is not None:
             raise UsageError("--layout goes with --parallel invariant or plain")
-        return parallel, _tp_size(tp)
+        return parallel, _tp_size(tp), 1
     if tp is not None:
         raise UsageError(f"--parallel {parallel} takes the tensor-parallel size from the layout, not from --tp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -203,11 +207,11 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
                          f"--nproc-per-node {named.world}")
     t = named.size("tp")
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
-        return ("tp-" + parallel if t > 1 else "dp-invariant"), t
+        return ("tp-" + parallel if t > 1 else "dp-invariant"), t, 1
     if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
-        return f"fsdp-{parallel}", 1
-    if "pp" in dict(named.sizes) and named.dims <= {"pp"} and parallel == "invariant":
-        return "pp-invariant", 1
+        return f"fsdp-{parallel}", 1, 1
+    if "pp" in dict(named.sizes) and named.dims <= {"pp", "dp"} and parallel == "invariant":
+        return "pp-invariant", 1, named.size("pp")
     raise UsageError(f"layout {named}: the reference trainer runs dp, fsdp, pp (invariant) and dp x tp layouts "
                      f"(--parallel {parallel}); not {', '.join(sorted(named.dims))} together")
 
@@ -273,7 +277,7 @@ def train(cfg: TrainConfig) -> None:
         detrace.deterministic(cfg.seed)
     else:
         torch.manual_seed(cfg.seed)
-    layout = layouts.setup(cfg.parallel, tp=cfg.tp)
+    layout = layouts.setup(cfg.parallel, tp=cfg.tp, pp=cfg.stages)
     completed = False
     try:
         preset = PRESETS[cfg.preset]
