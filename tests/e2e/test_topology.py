@@ -489,6 +489,16 @@ def test_the_command_prints_its_verdict_and_exit_code(tmp_path: Path, monkeypatc
     assert {k: report["first"][k] for k in ("step", "kind", "world", "run")} == {
         "step": 0, "kind": "loss", "world": 2, "run": "world 2"}
     assert report["first_param"]["name"] == "b" and report["first_param"]["step"] == 1
+    # sharded layouts: no parameter is compared per step, the verdict says what was
+    _cli_with(monkeypatch, _Fake())
+    assert cli(["check-topology", "--layouts", "fsdp1,fsdp2", "--out", str(tmp_path / "fsdp"), "--", *CMD]) == 0
+    assert capsys.readouterr().out == ("identical: layouts fsdp1, fsdp2 give the same bits (3 steps, final params "
+                                       "0123456789abcdef)\n")
+    lines = {"layout-fsdp2": "final param b 00000000000000bc\nfinal param a 00000000000000aa\n",
+             "layout-fsdp1": "final param b 00000000000000bb\nfinal param a 00000000000000aa\n"}
+    _cli_with(monkeypatch, _Fake(final={"layout-fsdp2": "fedcba9876543210"}, lines=lines))
+    assert cli(["check-topology", "--layouts", "fsdp1,fsdp2", "--out", str(tmp_path / "fsdp-apart"), "--", *CMD]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("; the first parameter that differs: b at the end")
 
 
 def test_a_failing_command_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

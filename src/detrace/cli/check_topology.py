@@ -46,8 +46,12 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result.to_json()))
     elif result.first is None:
         final = result.finals[result.reference]
+        # sharded layouts: their parameters are compared through the final params line only
+        tensors = "" if any(m.shards for m in meshes) else f"{result.tensors} parameters, "
         print(f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
-              f"({result.steps} steps, {result.tensors} parameters{', final params ' + final if final else ''})")
+              f"({result.steps} steps, {tensors}final params {final})" if final else
+              f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
+              f"({result.steps} steps, {result.tensors} parameters)")
     else:
         param = result.first_param
         when = "at the end" if param is not None and param.step < 0 else f"at step {param.step}" if param else ""

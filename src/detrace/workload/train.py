@@ -212,8 +212,8 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
         return f"fsdp-{parallel}", 1, 1
     if "pp" in dict(named.sizes) and named.dims <= {"pp", "dp"} and parallel == "invariant":
         return "pp-invariant", 1, named.size("pp")
-    raise UsageError(f"layout {named}: the reference trainer runs dp, fsdp, pp (invariant) and dp x tp layouts "
-                     f"(--parallel {parallel}); not {', '.join(sorted(named.dims))} together")
+    raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
+                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD layouts")
 
 
 def _tp_size(flag: int | None) -> int:
