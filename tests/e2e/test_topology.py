@@ -572,7 +572,7 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_plain_fsdp_does_not(
+def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_fully_shard_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # fsdp2 runs on, and stops after step 1; fsdp4 and fsdp1 resume from its checkpoint (DCP reshards): each equals
     # the run that never stopped, step by step (losses by global microbatch) and in the final parameters
@@ -584,10 +584,10 @@ def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_
     finals = report["final_params"]
     assert isinstance(finals, dict) and finals.pop("layout fsdp2 stopped after step 1") != finals["layout fsdp2"]
     assert len(set(finals.values())) == 1 and None not in finals.values()
-    # the control: fully_shard's own reduce-scatter at 4 shards sums the 4 microbatches in another order than one
-    # process does; check-topology names the first parameter that differs
-    code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp4", "--", *TRAIN, "--parallel",
-                              "plain", "--steps", "1")
+    # the control: fully_shard's own gradient accumulation and reduce-scatter (2 shards, 4 of 8 microbatches each)
+    # sums in another order than one process does; check-topology names the first parameter that differs
+    code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp2", "--", *TRAIN, "--parallel",
+                              "plain", "--microbatches", "8", "--steps", "1")
     assert code == 1 and report["first"]["kind"] == "final params", report  # type: ignore[index]
     assert report["first_param"]["name"] in {n for n, _ in _tiny().named_parameters()}  # type: ignore[index]
 
