@@ -592,6 +592,17 @@ def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_
     assert report["first_param"]["name"] in {n for n, _ in _tiny().named_parameters()}  # type: ignore[index]
 
 
+@pytest.mark.slow
+def test_fsdp_times_tp_gives_the_bits_of_the_tp_invariant_layers(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # the composed mesh: 2 FSDP shards of each rank's projection chunks, against one process with T = 1
+    code, report = _check_cli(capsys, tmp_path, "fsdptp", "--layouts", "fsdp2xtp2,1x1", "--", *TRAIN, "--parallel",
+                              "invariant", "--steps", "1")
+    assert code == 0, report
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
+
+
 def _tiny() -> nn.Module:
     from detrace.workload.model import PRESETS, HybridLM
 

@@ -109,6 +109,10 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
         if pp < 2 or world % pp:
             raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // pp}, cuda)
+    if kind == "fsdp-invariant" and tp > 1:
+        if tp & (tp - 1) or world % tp:
+            raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")
+        return _mesh(kind, world, {"fsdp": world // tp, "tp": tp}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

@@ -327,16 +327,20 @@ class ParallelModel:
             from torch.distributed.fsdp import fully_shard
 
             assert layout.mesh is not None
+            mesh = layout.mesh
+            if layout.size("tp") > 1:  # fsdp x tp: the invariant chunked projections, each rank's chunks sharded
+                _chunked_tensor_parallel(self.raw, layout, "invariant")
+                mesh = layout.mesh["fsdp"]
             for layer in self.raw.layers.values():
-                fully_shard(layer, mesh=layout.mesh)
-            fully_shard(self.raw, mesh=layout.mesh)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.raw, mesh=mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
         elif kind in ("tp-invariant", "tp-plain"):
             _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-"))
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
-        self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
+        self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
         self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
         self._pipeline: _InvariantPipeline | None = None
         if kind in INVARIANT:
@@ -367,7 +371,7 @@ class ParallelModel:
         if self.layout.mesh is None:  # one process: nothing is sharded, the tree is invariant_backward's
             return
         if invariant:
-            shard_invariantly(self.raw, microbatches=microbatches // self.layout.world)
+            shard_invariantly(self.raw, microbatches=microbatches // self.layout.size("fsdp"))
         else:
             for module in self.raw.modules():
                 if isinstance(module, FSDPModule):
@@ -503,7 +507,8 @@ class ParallelModel:
         named = list(self.raw.named_parameters())
         whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
-        each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} if self._fsdp is not None else {}
+        each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
+            if self._fsdp is not None and self._tp_group is None else {}
         return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:
@@ -531,13 +536,13 @@ class ParallelModel:
         if self._invariant_sums is not None:
             # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()
-            if not layout.kind.startswith("tp-"):  # fsdp: each gradient gathered (exact), summed as at one rank
+            if self._tp_group is None:  # fsdp: each gradient gathered (exact), summed as at one rank
                 sq = torch.zeros((), device=layout.device)
                 for p in self.raw.parameters():
                     if p.grad is not None:
                         sq += _whole(p.grad).float().square().sum()
             else:  # one squared norm per parameter of the whole model, by global name, summed in that order
-                squares = {n: p.grad.float().square().sum()
+                squares = {n: _whole(p.grad).float().square().sum()
                            for n, p in self.raw.named_parameters() if p.grad is not None}
                 sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
             loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux

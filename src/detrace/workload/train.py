@@ -141,7 +141,7 @@ class TrainConfig:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
         if self.stages < 1 or (self.stages != 1 and self.parallel != "pp-invariant"):
             raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant")
-        if self.tp != 1 and not self.parallel.startswith("tp-"):
+        if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel == "fsdp-invariant"):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
 
     def model_config(self) -> ModelConfig:
@@ -207,13 +207,16 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
                          f"--nproc-per-node {named.world}")
     t = named.size("tp")
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
-        return ("tp-" + parallel if t > 1 else "dp-invariant"), t, 1
+        # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
+        return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1
     if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
         return f"fsdp-{parallel}", 1, 1
+    if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp", "tp"} and parallel == "invariant":
+        return "fsdp-invariant", t, 1
     if "pp" in dict(named.sizes) and named.dims <= {"pp", "dp"} and parallel == "invariant":
         return "pp-invariant", 1, named.size("pp")
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD layouts")
+                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD and fsdpFxtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
