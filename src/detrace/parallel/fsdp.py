@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from detrace.errors import UsageError
 from detrace.parallel.data import _tree_sum
@@ -96,6 +95,8 @@ class FixedOrderReduceScatter:
 def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll = _all_to_all) -> None:
     """Give every FSDP module of `model` (after `fully_shard`) a `FixedOrderReduceScatter` for `microbatches`
     microbatches per rank and per step, and a gradient divide factor of 1."""
+    from torch.distributed.fsdp import FSDPModule  # imported here: importing detrace.parallel stays light
+
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise UsageError("the model has no fully_shard module: call fully_shard first")
