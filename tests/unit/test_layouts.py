@@ -11,7 +11,7 @@ import torch
 
 from detrace.errors import UsageError
 from detrace.parallel.data import _tree_sum
-from detrace.parallel.fsdp import FixedOrderReduceScatter
+from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete
 from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.workload.train import resolve_layout
 
@@ -110,9 +110,15 @@ def test_fixed_order_reduce_scatter_gives_the_same_bits_at_every_shard_count() -
     assert not torch.equal(sequential, tree)
 
 
-def test_fixed_order_reduce_scatter_refuses_no_microbatches() -> None:
+def test_fixed_order_reduce_scatter_refuses_no_microbatches_and_an_incomplete_tree() -> None:
     with pytest.raises(UsageError, match="must be positive"):
         FixedOrderReduceScatter(0)
+    # a module that one microbatch did not use: 1 call of 2, its tree would take the next step's contributions
+    comm = FixedOrderReduceScatter(2, lambda tensor, group: tensor)
+    comm(torch.empty(4), torch.ones(4), SimpleNamespace(size=lambda: 1))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="received 1 of its 2 microbatches' gradients in a step"):
+        check_complete([FixedOrderReduceScatter(2), comm])  # a complete (fresh) one and the incomplete one
+    assert not comm.received  # the next step starts afresh
 
 
 def test_a_stage_sums_its_microbatches_as_one_process_does_whatever_the_schedule() -> None:

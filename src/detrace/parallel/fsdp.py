@@ -39,7 +39,7 @@ from torch import nn
 from detrace.errors import UsageError
 from detrace.parallel.data import _tree_sum
 
-__all__ = ["FixedOrderReduceScatter", "shard_invariantly"]
+__all__ = ["FixedOrderReduceScatter", "check_complete", "shard_invariantly"]
 
 AllToAll = Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]
 """Takes this rank's reduce-scatter input [W * n] (row s for rank s) and the group, returns [W * n] whose row s is
@@ -92,17 +92,33 @@ class FixedOrderReduceScatter:
         return _tree_sum(leaves)[0]
 
 
-def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll = _all_to_all) -> None:
+def check_complete(comms: Sequence[FixedOrderReduceScatter]) -> None:
+    """After a step's backwards: refuse a step in which some FSDP module's tree did not complete (a module that a
+    microbatch did not use gets no reduce-scatter call, and its shard would take the next step's contributions)."""
+    pending = [c for c in comms if c.received]
+    if pending:
+        got = len(pending[0].received)
+        for comm in comms:
+            comm.received = []
+        raise UsageError(f"an FSDP module received {got} of its {pending[0].microbatches} microbatches' gradients "
+                         "in a step: every module must take part in every microbatch's backward")
+
+
+def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll = _all_to_all
+                      ) -> list[FixedOrderReduceScatter]:
     """Give every FSDP module of `model` (after `fully_shard`) a `FixedOrderReduceScatter` for `microbatches`
-    microbatches per rank and per step, and a gradient divide factor of 1."""
+    microbatches per rank and per step, and a gradient divide factor of 1. Returns them, for `check_complete`."""
     from torch.distributed.fsdp import FSDPModule  # imported here: importing detrace.parallel stays light
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise UsageError("the model has no fully_shard module: call fully_shard first")
+    comms = []
     for module in modules:
         comm = FixedOrderReduceScatter(microbatches, exchange)
+        comms.append(comm)
         # mypy, ignored below: the parameter is typed as the interface's base class, private to torch; fully_shard
         # only calls allocate and __call__, which FixedOrderReduceScatter has
         module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
         module.set_gradient_divide_factor(1.0)
+    return comms

@@ -47,7 +47,7 @@ from torch import nn
 from detrace._compat import all_to_all_single_autograd
 from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
-from detrace.parallel.fsdp import shard_invariantly
+from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 from detrace.workload.layouts import INVARIANT, Layout
 from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
@@ -342,6 +342,7 @@ class ParallelModel:
         self._invariant_sums: torch.Tensor | None = None
         self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
         self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
+        self._comms: list[FixedOrderReduceScatter] = []  # fsdp-invariant's reduce-scatters
         self._pipeline: _InvariantPipeline | None = None
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
@@ -371,7 +372,7 @@ class ParallelModel:
         if self.layout.mesh is None:  # one process: nothing is sharded, the tree is invariant_backward's
             return
         if invariant:
-            shard_invariantly(self.raw, microbatches=microbatches // self.layout.size("fsdp"))
+            self._comms = shard_invariantly(self.raw, microbatches=microbatches // self.layout.size("fsdp"))
         else:
             for module in self.raw.modules():
                 if isinstance(module, FSDPModule):
@@ -492,6 +493,7 @@ class ParallelModel:
 
         if self._fsdp is not None:
             _, sums = invariant_backward(self.raw, loss_of, microbatches=M, group=group, sharded=group is not None)
+            check_complete(self._comms)
         else:
             assert self.invariant is not None
             _, sums = self.invariant.backward(loss_of)
