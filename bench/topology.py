@@ -23,9 +23,18 @@ forward and backward of one MLP block alone (a column-parallel layer [width -> 4
 one back, --tokens rows). Figures: the median over pairs of invariant / plain, with the interquartile range.
 Plain concatenates the rank's chunks into one weight at each call (a copy the size of its block).
 
+FSDP (`--part fsdp`): fsdp-invariant (`detrace.parallel.fsdp`: fully_shard with the fixed-tree reduce-scatter)
+against fsdp-plain (fully_shard's own reduce-scatter, gradient accumulation without sync until the last
+microbatch), the reference model's whole step over the global batch of M microbatches (`ParallelModel`), at each
+fsdp size of --worlds, one set of ranks running both interleaved. Figure: the median of invariant / plain.
+
+Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over microbatch gradients, seeded
+forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
+whole step on 2 stages, interleaved the same way.
+
 The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
 
-    python bench/topology.py [--part dp|tp|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
+    python bench/topology.py [--part dp|tp|fsdp|pp|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
         [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64]
 """
 
@@ -256,6 +265,77 @@ def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendez
     dist.destroy_process_group()
 
 
+def _fsdp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
+    """fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter and accumulation), the reference
+    model's whole step on the global batch of M microbatches, interleaved on one set of ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from detrace.workload.layouts import Layout
+    from detrace.workload.sharding import ParallelModel
+
+    _setup(rank, world, rendezvous, args.threads)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    cfg, batch, seq, _ = _reference(args.preset)
+    gen = torch.Generator().manual_seed(0)
+    steps = {}
+    for mode in ("invariant", "plain"):
+        layout = Layout(kind=f"fsdp-{mode}", rank=rank, world=world, device=torch.device("cpu"),
+                        sizes={"fsdp": world}, coords={"fsdp": rank}, mesh=mesh)
+        pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq, microbatches=args.microbatches)
+        opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
+
+        def step(pm: ParallelModel = pm, opt: torch.optim.Optimizer = opt) -> None:
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen)
+            pm.forward_backward(tokens[:, :seq], tokens[:, 1:])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[mode] = step
+    for fn in steps.values():  # warm-up
+        fn()
+    result = {"step": _interleaved(steps, args.steps)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _pp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
+    """pp-invariant against torch's own schedule (1F1B, gradients accumulated by autograd and scaled), the
+    reference model's whole step on 2 stages, M microbatches, interleaved on one set of ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from detrace.workload.layouts import Layout
+    from detrace.workload.sharding import ParallelModel
+
+    _setup(rank, world, rendezvous, args.threads)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    cfg, batch, seq, _ = _reference(args.preset)
+    gen = torch.Generator().manual_seed(0)
+    steps = {}
+    for mode, kind in (("invariant", "pp-invariant"), ("plain", "pp")):
+        layout = Layout(kind=kind, rank=rank, world=world, device=torch.device("cpu"), sizes={"pp": world},
+                        coords={"pp": rank}, mesh=mesh)
+        pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq,
+                           microbatches=args.microbatches if mode == "invariant" else None)
+        opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
+
+        def step(pm: ParallelModel = pm, opt: torch.optim.Optimizer = opt) -> None:
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen)
+            pm.forward_backward(tokens[:, :seq], tokens[:, 1:])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[mode] = step
+    for fn in steps.values():  # warm-up
+        fn()
+    result = {"step": _interleaved(steps, args.steps)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawn(fn, world: int, *args: object) -> None:  # type: ignore[no-untyped-def]
     rendezvous = tempfile.mktemp(prefix="detrace-bench-topology-")  # a file the ranks meet in (no port)
     mp.start_processes(fn, args=(world, *args, rendezvous), nprocs=world, start_method="spawn")
@@ -273,16 +353,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--part", default="all", choices=("dp", "tp", "all"))
+    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "all"))
     p.add_argument("--tp-sizes", default="2,4")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=64)
     args = p.parse_args()
-    worlds = [int(w) for w in args.worlds.split(",")] if args.part != "tp" else []
+    worlds = [int(w) for w in args.worlds.split(",")] if args.part in ("dp", "all") else []
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for tp in [int(t) for t in args.tp_sizes.split(",")] if args.part != "dp" else []:
+        for tp in [int(t) for t in args.tp_sizes.split(",")] if args.part in ("tp", "all") else []:
             path = f"{tmp}/tp-{tp}.json"
             _spawn(_tp_timing, tp, args, path)
             data = json.loads(Path(path).read_text())
@@ -291,6 +371,18 @@ def main() -> None:
                 lo, mid, hi = _quartiles(data[what])
                 figures.append(f"{label} tp-invariant/plain: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
                                f"{len(data[what])} pairs)")
+        for world in [int(w) for w in args.worlds.split(",")] if args.part in ("fsdp", "all") else []:
+            path = f"{tmp}/fsdp-{world}.json"
+            _spawn(_fsdp_timing, world, args, path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time fsdp{world} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
+                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+        if args.part in ("pp", "all"):
+            path = f"{tmp}/pp-2.json"
+            _spawn(_pp_timing, 2, args, path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule: "
+                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)

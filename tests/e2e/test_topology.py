@@ -308,6 +308,8 @@ class _Fake:
     """A second injected fault, like `fault`."""
     fail: str | None = None
     """Injected fault: the run in this directory exits 1."""
+    lines: dict[str, str] = field(default_factory=dict)
+    """More output of the run in that directory, before its final params line."""
 
     def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
         assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
@@ -340,7 +342,8 @@ class _Fake:
             write_training_rank(run, rank, steps, world_size=world)
         final = self.final.get(run.name, "0123456789abcdef")
         return LaunchResult(returncode=1 if self.fail == run.name else 0, out=run, command=tuple(argv), elapsed=0.1,
-                            output_tail=f"step 3\nfinal params {final}\n" if last == self.steps else "step 2\n")
+                            output_tail=f"step 3\n{self.lines.get(run.name, '')}final params {final}\n"
+                            if last == self.steps else "step 2\n")
 
 
 CMD = ["python", "train.py", "--x"]
@@ -379,6 +382,25 @@ def test_layouts_compare_parameters_by_global_name_and_losses_by_microbatch(tmp_
     assert result.to_json()["first_param"]["name"] == "b"  # type: ignore[index]
 
 
+def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None:
+    # FSDP: each rank records its shard of a parameter under the parameter's name; those are not compared (a fault
+    # in one shows nowhere), the losses by global microbatch and the final params lines are
+    result = _topology(tmp_path, _Fake(fault=("layout-fsdp2", 1, "b")), layouts="fsdp1,fsdp2,fsdp4")
+    assert result.identical and result.steps == 3 and result.tensors == 0
+    assert [r.path.name for r in result.runs] == ["layout-fsdp1", "layout-fsdp2", "layout-fsdp4"]
+    first = _topology(tmp_path, _Fake(fault=("layout-fsdp4", 2, "loss")), layouts="fsdp1,fsdp4").first
+    assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 2)
+    # the final params differ: the first parameter whose `final param` line differs is named
+    lines = {"layout-fsdp1": "final param a 00000000000000aa\nfinal param b 00000000000000bb\n",
+             "layout-fsdp2": "final param a 00000000000000aa\nfinal param b 00000000000000bc\n"}
+    result = _topology(tmp_path, _Fake(final={"layout-fsdp2": "fedcba9876543210"}, lines=lines),
+                       layouts="fsdp1,fsdp2")
+    assert result.first is not None and result.first.kind == "final params"
+    assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", -1)
+    with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
+        _topology(tmp_path, _Fake(final={"layout-fsdp2": "none"}), layouts="fsdp1,fsdp2")
+
+
 def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:
     # the tracer's grad_norm is of a rank's own shards: rank 1 of a tp pair differs from rank 0 (the fake's
     # t * 10 + s), and with T > 1 anywhere it is not compared; with world sizes only, it is
@@ -409,8 +431,11 @@ def test_elastic_resume_runs_and_comparisons(tmp_path: Path) -> None:
     # a resumed run that starts at the wrong step misses the reference's step-2 records
     plan = plan_runs((Mesh(dp=2), Mesh(dp=4)), tmp_path, resume_at=2)
     assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1"}
-    with pytest.raises(UsageError, match="--resume-at goes with --worlds"):
-        plan_runs((Mesh(dp=1), Mesh(dp=1, tp=2)), tmp_path, resume_at=2, tp_env=True)
+    plan = plan_runs(parse_layouts("fsdp2,2x1"), tmp_path, resume_at=2, tp_env=True)  # layouts resume too
+    assert [run.label for run, _ in plan] == ["layout fsdp2", "layout fsdp2 stopped after step 2",
+                                             "layout 2x1 resumed after step 2"]
+    assert plan[2][1] == {"DETRACE_CKPT_DIR": str(tmp_path / "checkpoint"), "DETRACE_RESUME": "1",
+                          "DETRACE_LAYOUT": "2x1", TP_ENV: "1"}
     with pytest.raises(UsageError, match="1 or more"):
         plan_runs((Mesh(dp=1), Mesh(dp=2)), tmp_path, resume_at=0)
 
@@ -464,6 +489,16 @@ def test_the_command_prints_its_verdict_and_exit_code(tmp_path: Path, monkeypatc
     assert {k: report["first"][k] for k in ("step", "kind", "world", "run")} == {
         "step": 0, "kind": "loss", "world": 2, "run": "world 2"}
     assert report["first_param"]["name"] == "b" and report["first_param"]["step"] == 1
+    # sharded layouts: no parameter is compared per step, the verdict says what was
+    _cli_with(monkeypatch, _Fake())
+    assert cli(["check-topology", "--layouts", "fsdp1,fsdp2", "--out", str(tmp_path / "fsdp"), "--", *CMD]) == 0
+    assert capsys.readouterr().out == ("identical: layouts fsdp1, fsdp2 give the same bits (3 steps, final params "
+                                       "0123456789abcdef)\n")
+    lines = {"layout-fsdp2": "final param b 00000000000000bc\nfinal param a 00000000000000aa\n",
+             "layout-fsdp1": "final param b 00000000000000bb\nfinal param a 00000000000000aa\n"}
+    _cli_with(monkeypatch, _Fake(final={"layout-fsdp2": "fedcba9876543210"}, lines=lines))
+    assert cli(["check-topology", "--layouts", "fsdp1,fsdp2", "--out", str(tmp_path / "fsdp-apart"), "--", *CMD]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("; the first parameter that differs: b at the end")
 
 
 def test_a_failing_command_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -534,3 +569,53 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
     assert parse_worlds(f"{too_many},2", force=True) == (too_many, 2)
     assert cli(["check-topology", "--worlds", f"{too_many},2", "--", "true"]) == 2  # before torchrun starts
     assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_fully_shard_does_not(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # fsdp2 runs on, and stops after step 1; fsdp4 and fsdp1 resume from its checkpoint (DCP reshards): each equals
+    # the run that never stopped, step by step (losses by global microbatch) and in the final parameters
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "fsdp2,fsdp4,fsdp1", "--resume-at", "1", "--",
+                              *TRAIN, "--parallel", "invariant", "--steps", "2")
+    assert code == 0, report
+    assert list(report["runs"]) == ["layout fsdp2", "layout fsdp2 stopped after step 1",  # type: ignore[call-overload]
+                                    "layout fsdp4 resumed after step 1", "layout fsdp1 resumed after step 1"]
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and finals.pop("layout fsdp2 stopped after step 1") != finals["layout fsdp2"]
+    assert len(set(finals.values())) == 1 and None not in finals.values()
+    # the control: fully_shard's own gradient accumulation and reduce-scatter (2 shards, 4 of 8 microbatches each)
+    # sums in another order than one process does; check-topology names the first parameter that differs
+    code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp2", "--", *TRAIN, "--parallel",
+                              "plain", "--microbatches", "8", "--steps", "1")
+    assert code == 1 and report["first"]["kind"] == "final params", report  # type: ignore[index]
+    assert report["first_param"]["name"] in {n for n, _ in _tiny().named_parameters()}  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_fsdp_times_tp_gives_the_bits_of_the_tp_invariant_layers(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # the composed mesh: 2 FSDP shards of each rank's projection chunks, against one process with T = 1
+    code, report = _check_cli(capsys, tmp_path, "fsdptp", "--layouts", "fsdp2xtp2,1x1", "--", *TRAIN, "--parallel",
+                              "invariant", "--steps", "1")
+    assert code == 0, report
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
+
+
+def _tiny() -> nn.Module:
+    from detrace.workload.model import PRESETS, HybridLM
+
+    return HybridLM(PRESETS["tiny"]["model"])  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_pipeline_invariant_gives_the_bits_of_one_process_under_gpipe_and_1f1b_and_times_dp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # every parameter by name after every step (each stage holds its own, its dp replicas agree), and the losses by
+    # global microbatch; 1F1B on the composed mesh: 2 stages, each data-parallel over 2
+    for schedule, layouts in (("gpipe", "pp2,pp1"), ("1f1b", "pp2xdp2,pp1")):
+        code, report = _check_cli(capsys, tmp_path, schedule, "--layouts", layouts, "--", *TRAIN, "--parallel",
+                                  "invariant", "--schedule", schedule, "--steps", "2")
+        assert code == 0, report
+        assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))

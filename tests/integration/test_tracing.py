@@ -108,6 +108,17 @@ def test_metrics_are_exact_and_stepped(tmp_path: Path) -> None:
     assert [r["seq"] for r in records] == list(range(len(records)))
 
 
+def test_a_loss_given_no_gradient_in_a_list_is_a_loss(tmp_path: Path) -> None:
+    # a pipeline schedule's last stage: torch.autograd.backward([loss], grad_tensors=[None]); a non-loss root with
+    # its gradient (an earlier stage's output) is not one
+    w = torch.ones(3, requires_grad=True)
+    with detrace.trace(tmp_path / "p"):
+        torch.autograd.backward([(w * 2).sum()], grad_tensors=[None])
+        torch.autograd.backward([(w * 3).sum().reshape(1)], grad_tensors=[torch.ones(1)])
+        torch.autograd.backward((w * 4).sum())
+    assert [r["value"] for r in rows(tmp_path / "p") if r["name"] == "loss"] == [6.0, 12.0]
+
+
 def test_step_without_optimizer_and_set_step(tmp_path: Path) -> None:
     with detrace.trace(tmp_path / "s"):
         for i in range(3):

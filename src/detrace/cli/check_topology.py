@@ -1,7 +1,7 @@
-"""`detrace check-topology [--worlds 1,2,4 | --layouts 1x1,1x2,2x2] [--resume-at K] [--threads N] [--out DIR]
-[--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same losses and
-parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world size and
-resumed at each other must give the bits of the run that never stopped.
+"""`detrace check-topology [--worlds 1,2,4 | --layouts fsdp1,fsdp2 | 1x1,1x2,2x2] [--resume-at K] [--threads N]
+[--out DIR] [--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same
+losses and parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world
+size and resumed at each other must give the bits of the run that never stopped.
 Exit 0 the same bits, 1 not (the first step and tensor are named), 2 error."""
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def main(argv: list[str]) -> int:
                             "require the same losses and parameters, bit for bit, at every step.",
                             usage="detrace check-topology [options] -- CMD...")
     parser.add_argument("--worlds", help="world sizes to run, the first the reference (default 1,2,4)")
-    parser.add_argument("--layouts", help="DP x TP meshes to run instead, e.g. 1x1,1x2,2x2 (CMD gets DETRACE_TP=T)")
+    parser.add_argument("--layouts", help="layouts to run instead: named dimensions joined by x, e.g. "
+                        "fsdp1,fsdp2,fsdp4, or DxT meshes 1x1,1x2,2x2 (CMD gets DETRACE_LAYOUT=NAME and DETRACE_TP=T)")
     parser.add_argument("--resume-at", type=int, metavar="K",
-                        help="elastic resume: stop the first world size after step K, resume at each other")
+                        help="elastic resume: stop the first world size (or layout) after step K, resume on each other")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
@@ -45,21 +46,29 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result.to_json()))
     elif result.first is None:
         final = result.finals[result.reference]
+        # sharded layouts: their parameters are compared through the final params line only
+        tensors = "" if any(m.shards for m in meshes) else f"{result.tensors} parameters, "
         print(f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
-              f"({result.steps} steps, {result.tensors} parameters{', final params ' + final if final else ''})")
+              f"({result.steps} steps, {tensors}final params {final})" if final else
+              f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
+              f"({result.steps} steps, {result.tensors} parameters)")
     else:
         param = result.first_param
-        also = f"; the first parameter that differs: {param.name} at step {param.step}" if param else ""
+        when = "at the end" if param is not None and param.step < 0 else f"at step {param.step}" if param else ""
+        also = f"; the first parameter that differs: {param.name} {when}" if param else ""
         print(f"diverged: {result.first.sentence(result.reference)}{also}")
     return TOPOLOGY["identical" if result.identical else "diverged"]
 
 
 def _what(meshes: tuple[Mesh, ...], *, layouts: bool, resume_at: int | None) -> str:
     """What the identical verdict says was the same."""
-    if layouts:
-        return f"layouts {', '.join(m.label for m in meshes)} give the same bits"
     if resume_at is None:
+        if layouts:
+            return f"layouts {', '.join(m.label for m in meshes)} give the same bits"
         return f"worlds {', '.join(str(m.world) for m in meshes)} give the same bits"
+    if layouts:
+        return (f"layout {meshes[0].label} stopped after step {resume_at} and resumed on layout "
+                f"{', '.join(m.label for m in meshes[1:])} gives the bits of the run that never stopped")
     others = ", ".join(str(m.world) for m in meshes[1:])
     return (f"world {meshes[0].world} stopped after step {resume_at} and resumed at world {others} gives the bits "
             "of the run that never stopped")

@@ -1,15 +1,18 @@
 """`detrace check-topology`: the same bits at every layout, and across an elastic resume.
 
 CMD runs under torchrun once per layout, traced at the semantic rung (which records every parameter after each
-optimizer step, by qualified name, and the exact losses and gradient norm). A layout is a world size W
-(`--worlds`) or a DP x TP mesh D x T (`--layouts`: W = D * T processes, DETRACE_TP=T in CMD's environment).
-Records are aligned by global identity, not by rank: a parameter by (global step, qualified name); a loss by
-(global step, global microbatch index), where the k-th loss of a step on data-parallel coordinate d is
-microbatch d * n + k when every rank computes n (the contiguous blocks of `detrace.parallel.data`; d = rank // T,
-tensor parallelism innermost); the gradient norm by global step, compared only when no layout has T > 1 (the
-tracer's norm is of the rank's own shards). A name that several ranks of a run hold (a replica) must have the
-same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it. Every run must equal
-the first layout's. A `final params HEX` line in CMD's output, if every run prints one, is compared too.
+optimizer step, by qualified name, and the exact losses and gradient norm). A layout is a world size W (`--worlds`)
+or a named layout (`--layouts`, `detrace.parallel.layout`: `fsdp2`, `2x2` for D x T; its world size in processes,
+its name in DETRACE_LAYOUT and its T in DETRACE_TP in CMD's environment). Records are aligned by global identity,
+not by rank: a parameter by (global step, qualified name); a loss by (global step, global microbatch index), where
+the k-th loss of a step on data-parallel coordinate d is microbatch d * n + k when every rank computes n (the
+contiguous blocks of `detrace.parallel.data`; d the rank's coordinate over the data dimensions,
+`Layout.data_block`); the gradient norm by global step, compared only when no layout splits the gradients (T > 1,
+FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own part). Where ranks hold shards of one
+parameter under one name (FSDP, expert parallelism) the tracer records each shard: parameters are then compared
+through the `final params` line, which every run must print. A name that several ranks of a run hold (a replica)
+must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it. Every run
+must equal the first layout's. A `final params HEX` line in CMD's output, if every run prints one, is compared too.
 
 With `resume_at=K` (`--resume-at K`), the first world size's continuous run is the reference; CMD then runs at
 that world size stopped after step K (the resume contract: DETRACE_CKPT_DIR, DETRACE_STOP_AT), and is resumed
@@ -37,6 +40,7 @@ import pyarrow.compute as pc
 from detrace._numbers import parse_count
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.launch.launcher import LaunchResult, run_traced
+from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.parallel.tensor import TP_ENV
 from detrace.tracefile.layout import prepare_out
 from detrace.tracefile.reader import open_run, read_rank
@@ -44,6 +48,9 @@ from detrace.tracefile.reader import open_run, read_rank
 RUNG = "semantic"
 """The cheapest rung that records the parameters after every optimizer step."""
 FINAL = re.compile(r"^final params ([0-9a-f]{16})\s*$", re.MULTILINE)
+FINAL_PARAM = re.compile(r"^final param (\S+) ([0-9a-f]{16})\s*$", re.MULTILINE)
+"""One parameter's final fingerprint (of the whole tensor), which a trainer on a sharded layout may print besides the
+`final params` line, so that the verdict names the first parameter that differs at the end."""
 
 Progress = Callable[[str], None]
 Launch = Callable[[list[str], Path, dict[str, str], "float | None"], LaunchResult]
@@ -53,26 +60,47 @@ Key = tuple[int, str, str]
 """(global step, kind, name): kind is "loss", "grad_norm" or "param"; name the microbatch or parameter."""
 
 
-@dataclass(frozen=True, kw_only=True, order=True)
+@dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """One layout of the check: D data-parallel by T tensor-parallel ranks (T innermost)."""
+    """One layout of the check: D data-parallel by T tensor-parallel ranks (T innermost), or a named `Layout`."""
 
     dp: int
-    """D: data-parallel ranks."""
+    """D: data-parallel ranks (the data blocks of `layout` when given)."""
     tp: int = 1
     """T: tensor-parallel ranks; 1 for `--worlds`."""
+    layout: Layout | None = None
+    """The named layout (`--layouts`), None for a world size."""
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1:
             raise UsageError(f"a layout needs positive sizes, not {self.dp}x{self.tp}")
 
+    @classmethod
+    def of(cls, layout: Layout) -> Mesh:
+        return cls(dp=layout.data, tp=layout.size("tp"), layout=layout)
+
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.layout.world if self.layout is not None else self.dp * self.tp
 
     @property
     def label(self) -> str:
-        return f"{self.dp}x{self.tp}"
+        return self.layout.name if self.layout is not None else f"{self.dp}x{self.tp}"
+
+    def block(self, rank: int) -> int:
+        """The data block (of the global batch's microbatches) that `rank` computes."""
+        return self.layout.data_block(rank) if self.layout is not None else rank // self.tp
+
+    @property
+    def shards(self) -> bool:
+        """Whether ranks hold shards of one parameter under one name (FSDP, expert parallelism): the tracer records
+        each rank's shard, so its parameters are compared through the `final params` line only."""
+        return self.layout is not None and self.layout.size("fsdp") * self.layout.size("ep") > 1
+
+    @property
+    def local_norms(self) -> bool:
+        """Whether the tracer's gradient norm is of each rank's own part of the gradients (not comparable)."""
+        return self.tp > 1 or self.shards or (self.layout is not None and self.layout.size("pp") > 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,18 +198,12 @@ def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
 
 
 def parse_layouts(text: str) -> tuple[Mesh, ...]:
-    """`1x1,1x2,2x2` -> the DP x TP meshes: two or more distinct ones, T a power of two."""
-    meshes = []
-    for part in text.split(","):
-        d, sep, t = part.partition("x")
-        if not (sep and d.isdigit() and t.isdigit()):
-            raise UsageError(f"--layouts must be comma-separated DxT meshes such as 1x1,1x2,2x2, not {text!r}")
-        meshes.append(Mesh(dp=int(d), tp=int(t)))
+    """`fsdp1,fsdp2,fsdp4` or `1x1,1x2,2x2` (see `detrace.parallel.layout`) -> the meshes: two or more distinct
+    ones."""
+    meshes = tuple(Mesh.of(Layout.parse(part)) for part in text.split(","))
     if len(meshes) < 2 or len(set(meshes)) != len(meshes):
-        raise UsageError(f"--layouts needs two or more distinct meshes, not {text!r}")
-    if any(m.tp & (m.tp - 1) for m in meshes):
-        raise UsageError(f"--layouts: the tensor-parallel size T must be a power of two ({text!r})")
-    return tuple(meshes)
+        raise UsageError(f"--layouts needs two or more distinct layouts, not {text!r}")
+    return meshes
 
 
 def torchrun_command(cmd: list[str], world: int) -> list[str]:
@@ -218,11 +240,11 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str) -> tuple[dic
                 losses.setdefault(row["step"], []).append(row["value"])
             elif row["name"] == "grad_norm" and grad_norm:
                 keyed[(row["step"], "grad_norm", "")] = _bits(row["value"])
-        block = rank // mesh.tp  # the data-parallel coordinate: tp ranks of one block share its microbatches
+        block = mesh.block(rank)  # the data-parallel coordinate: tp ranks of one block share its microbatches
         for step, values in losses.items():  # data-parallel rank d computes the block [d n, (d + 1) n)
             for k, loss in enumerate(values):
                 keyed[(step, "loss", str(block * len(values) + k))] = _bits(loss)
-        for row in params.select(["step", "name", "digest"]).to_pylist():
+        for row in [] if mesh.shards else params.select(["step", "name", "digest"]).to_pylist():
             digest = row["digest"]
             keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
         for key, bits in keyed.items():
@@ -262,8 +284,9 @@ def plan_runs(meshes: tuple[Mesh, ...], out: Path, *, resume_at: int | None = No
               ) -> list[tuple[Run, dict[str, str]]]:
     """The runs of the check, the reference first, each with the variables it adds to CMD's environment.
 
-    `tp_env` (`--layouts`) names runs by mesh and sets DETRACE_TP; else by world size. With `resume_at` K
-    (world sizes only): the first world size continuous, then stopped after K, then resumed at each other."""
+    `tp_env` (`--layouts`) names runs by layout and sets DETRACE_LAYOUT and DETRACE_TP; else by world size. With
+    `resume_at` K: the first layout continuous, then stopped after K, then resumed on each other (CMD refuses a
+    checkpoint it cannot resume on another mesh)."""
     def label(m: Mesh) -> str:
         return f"layout {m.label}" if tp_env else f"world {m.world}"
 
@@ -271,22 +294,21 @@ def plan_runs(meshes: tuple[Mesh, ...], out: Path, *, resume_at: int | None = No
         return f"layout-{m.label}" if tp_env else f"world-{m.world}"
 
     def env(m: Mesh) -> dict[str, str]:
-        return {TP_ENV: str(m.tp)} if tp_env else {}
+        return {TP_ENV: str(m.tp), LAYOUT_ENV: m.label} if tp_env else {}
 
     if resume_at is None:
         return [(Run(label=label(m), mesh=m, path=out / directory(m)), env(m)) for m in meshes]
-    if tp_env:
-        raise UsageError("--resume-at goes with --worlds (an elastic resume changes the data-parallel size)")
     if resume_at < 1:
         raise UsageError(f"--resume-at must be a step of 1 or more, not {resume_at}")
     first, ckpt = meshes[0], out / "checkpoint"
-    plan = [(Run(label=label(first), mesh=first, path=out / directory(first)), {}),
+    plan = [(Run(label=label(first), mesh=first, path=out / directory(first)), env(first)),
             (Run(label=f"{label(first)} stopped after step {resume_at}", mesh=first, until_step=resume_at,
                  path=out / f"{directory(first)}-stopped"),
-             {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(resume_at)})]
+             {**env(first), "DETRACE_CKPT_DIR": str(ckpt), "DETRACE_STOP_AT": str(resume_at)})]
     for m in meshes[1:]:
         plan.append((Run(label=f"{label(m)} resumed after step {resume_at}", mesh=m, from_step=resume_at,
-                         path=out / f"{directory(m)}-resumed"), {"DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}))
+                         path=out / f"{directory(m)}-resumed"),
+                     {**env(m), "DETRACE_CKPT_DIR": str(ckpt), "DETRACE_RESUME": "1"}))
     return plan
 
 
@@ -298,6 +320,7 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
     plan = plan_runs(meshes, out, resume_at=resume_at, tp_env=tp_env)
     prepare_out(out, holds="runs")
     finals: dict[str, str | None] = {}
+    by_name: dict[str, dict[str, str]] = {}
     for run, env in plan:
         progress(f"{run.label}: {run.path}")
         result = launch(torchrun_command(cmd, run.mesh.world), run.path, {"OMP_NUM_THREADS": str(threads), **env},
@@ -307,16 +330,34 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
                                 f"with:\n{result.output_tail.rstrip()}")
         found = FINAL.findall(result.output_tail)
         finals[run.label] = found[-1] if found else None
+        by_name[run.label] = dict(FINAL_PARAM.findall(result.output_tail))
     runs = tuple(run for run, _ in plan)
     first, first_param, steps, tensors = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
+    sharded = next((r for r in ended if r.mesh.shards), None)
+    if sharded is not None and not all(finals[r.label] for r in ended):
+        raise CommandFailed(f"CMD printed no `final params HEX` line in every run: on {sharded.label} each rank "
+                            "holds a shard of the parameters, which are compared through that line")
     if first is None and all(finals[r.label] for r in ended):
         odd = next((r for r in ended if finals[r.label] != finals[ended[0].label]), None)
         if odd is not None:
             first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
                              detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
+    if first is not None and first_param is None:
+        odd = next((r for r in ended if r.label == first.run), None)
+        first_param = None if odd is None else _final_param(by_name[ended[0].label], by_name[odd.label], odd)
     return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
                           first_param=first_param, resume_at=resume_at)
+
+
+def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> Mismatch | None:
+    """The first parameter (by name) whose `final param` line differs, when both runs printed them."""
+    if not reference or not other:
+        return None
+    name = next((n for n in sorted(set(reference) | set(other)) if reference.get(n) != other.get(n)), None)
+    return None if name is None else Mismatch(
+        step=-1, kind="param", name=name, world=run.mesh.world, run=run.label,
+        detail=f"{reference.get(name, 'missing')} vs {other.get(name, 'missing')}")
 
 
 def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, int, int]:
@@ -324,17 +365,20 @@ def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, in
     mismatch or None, the first differing parameter of that run when the mismatch is another record, steps
     compared, parameters per step). A run resumed after step K is compared from K on, a run stopped after step
     K up to K."""
-    grad_norm = all(r.mesh.tp == 1 for r in runs)
+    grad_norm = not any(r.mesh.local_norms for r in runs)
     records: dict[str, dict[Key, str]] = {}
     first: Mismatch | None = None
     first_param: Mismatch | None = None
     for run in runs:
         records[run.label], inner = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
         first = first or inner
-    reference = records[runs[0].label]
-    if not any(kind == "param" for _, kind, _ in reference):
+    if any(run.mesh.shards for run in runs):  # the parameters of every run, or of none, are compared per step
+        records = {label: {key: bits for key, bits in keyed.items() if key[1] != "param"}
+                   for label, keyed in records.items()}
+    elif not any(kind == "param" for _, kind, _ in records[runs[0].label]):
         raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
                             "step a torch.optim optimizer?")
+    reference = records[runs[0].label]
     for run in runs[1:]:
         until = run.until_step if run.until_step is not None else sys.maxsize
         expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until}

@@ -1,17 +1,28 @@
 """Same bits on any layout (public): `data`, the data-parallel sum in one fixed binary tree over microbatches,
 whatever the number of ranks (`InvariantDataParallel`, `invariant_backward`); `tensor`, linear layers whose
 tensor-parallel sums are fixed trees over model-sized chunks, whatever the TP size (`ColumnParallelLinear`,
-`RowParallelLinear`). See docs/topology.md."""
+`RowParallelLinear`); `fsdp`, fully_shard's reduce-scatter as the same tree over microbatches, whatever the number
+of shards (`shard_invariantly`); `pipeline`, a pipeline stage's gradients as that tree, whatever the schedule and
+the number of stages (`TreeGradients`, `SeededForwards`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`).
+See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
+from detrace.parallel.fsdp import FixedOrderReduceScatter, shard_invariantly
+from detrace.parallel.layout import Layout
+from detrace.parallel.pipeline import SeededForwards, TreeGradients
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 
 __all__ = [
     "ColumnParallelLinear",
+    "FixedOrderReduceScatter",
     "InvariantDataParallel",
+    "Layout",
     "RowParallelLinear",
+    "SeededForwards",
+    "TreeGradients",
     "by_global_name",
     "invariant_backward",
     "owned_microbatches",
     "parameters_fingerprint",
+    "shard_invariantly",
 ]

@@ -209,6 +209,16 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGrou
     gather(out, tensor, group=group)
 
 
+def step_seed() -> int:
+    """The step's one draw from the global generator (the same on every rank at every layout)."""
+    return int(torch.randint(0, _SEED_BOUND, (), dtype=torch.int64))
+
+
+def microbatch_seed(base: int, i: int) -> int:
+    """The seed of global microbatch i's generators in the step whose draw is `base`."""
+    return (base + i * 0x9E3779B97F4A7C15) % _SEED_BOUND
+
+
 @contextlib.contextmanager
 def _microbatch_rng(seed: int, device: torch.device) -> Iterator[None]:
     """Run under generators seeded from `seed`, then give the global generators their state back."""
@@ -221,7 +231,7 @@ def _microbatch_rng(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossOf, *, microbatches: int,
-                       group: dist.ProcessGroup | None = None, exchange: str = "auto"
+                       group: dist.ProcessGroup | None = None, exchange: str = "auto", sharded: bool = False
                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One step's gradients, the same bits at every world size: run `loss_of(i).backward()` for each global
     microbatch i this rank owns, sum the gradients in the fixed tree and exchange them. Afterwards every
@@ -231,6 +241,10 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
     batch's token count, never by a per-rank count), optionally with a 1-D tensor of values to log:
     `(loss, values)`. Returns the tree sum over all M microbatches of the detached losses, and of the values
     when given: the same on every rank and at every world size. Collective over `group` (default: the world).
+
+    `sharded`: the model is `fully_shard`ed with `detrace.parallel.fsdp.shard_invariantly`, whose reduce-scatter
+    sums the gradients in the same tree; here each microbatch only starts from cleared (sharded) gradients, and the
+    losses and values are summed.
     """
     if exchange not in EXCHANGES:
         raise UsageError(f"exchange {exchange!r} must be one of {', '.join(EXCHANGES)}")
@@ -241,14 +255,14 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
     owned = owned_microbatches(microbatches, group)
     # One draw from the global generator per step, the same on every rank at every world size; microbatch i
     # runs under a generator seeded from it and i, so its randomness does not depend on the rank that runs it.
-    base = int(torch.randint(0, _SEED_BOUND, (), dtype=torch.int64))
+    base = step_seed()
     acc = _Accumulator(len(owned))
     buckets: list[_Bucket] | None = None
     with_values: bool | None = None
     for i in owned:
         for p in params:
             p.grad = None  # each microbatch's gradient alone: nothing to accumulate into
-        with _microbatch_rng((base + i * 0x9E3779B97F4A7C15) % _SEED_BOUND, params[0].device):
+        with _microbatch_rng(microbatch_seed(base, i), params[0].device):
             out = loss_of(i)
             loss, values = out if isinstance(out, tuple) else (out, None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -258,20 +272,21 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
             with_values = values is not None
             loss.backward()
         extras = [loss.detach().reshape(1)] + ([values.detach().reshape(-1)] if values is not None else [])
-        entries: list[torch.Tensor | None] = [*(p.grad for p in params), *extras]
+        summed = [] if sharded else params
+        entries: list[torch.Tensor | None] = [*(p.grad for p in summed), *extras]
         if buckets is None:
-            buckets = _buckets([p if p.grad is None else p.grad for p in params] + extras)
+            buckets = _buckets([p if p.grad is None else p.grad for p in summed] + extras)
         acc.push(_flatten(buckets, entries))
     assert buckets is not None
     flats = _exchange(acc.result(), group=group, rank=rank, world=world, how=exchange)
-    results: list[torch.Tensor] = [torch.empty(0)] * (len(params) + len(extras))
+    results: list[torch.Tensor] = [torch.empty(0)] * (len(summed) + len(extras))
     for b, flat in zip(buckets, flats, strict=True):
         for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
             results[i] = part
-    for p, g in zip(params, results, strict=False):
+    for p, g in zip(summed, results, strict=False):
         p.grad = g.view_as(p)  # a view of the summed buffer: no copy
-    loss_sum = results[len(params)].reshape(())
-    return (loss_sum, results[len(params) + 1]) if with_values else loss_sum
+    loss_sum = results[len(summed)].reshape(())
+    return (loss_sum, results[len(summed) + 1]) if with_values else loss_sum
 
 
 def _digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

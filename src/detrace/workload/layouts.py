@@ -29,12 +29,18 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "dp-invariant": (("dp", None),),
     "tp-invariant": (("dp", None), ("tp", None)),
     "tp-plain": (("dp", None), ("tp", None)),
+    "fsdp-invariant": (("fsdp", None),),
+    "fsdp-plain": (("fsdp", None),),
+    "pp-invariant": (("pp", None), ("dp", None)),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
 
-INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain")
-"""Layouts whose every rank reads the whole global batch and sums its M microbatches in the fixed tree of
-`detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of tp-invariant)."""
+INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant")
+"""Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
+fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
+tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
+fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
+over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,9 +92,9 @@ class Layout:
         return self.coord("dp") * self.size("ep") + self.coord("ep")
 
 
-def setup(kind: str, *, tp: int = 1) -> Layout:
+def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
-    tensor-parallel size of the tp layouts."""
+    tensor-parallel size of the tp layouts, `pp` the stages of pp-invariant (data-parallel over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -99,6 +105,14 @@ def setup(kind: str, *, tp: int = 1) -> Layout:
         if tp != 1:
             raise UsageError(f"--tp {tp} needs {tp} processes or a multiple: launch it with torchrun")
         return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
+    if kind == "pp-invariant":
+        if pp < 2 or world % pp:
+            raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
+        return _mesh(kind, world, {"pp": pp, "dp": world // pp}, cuda)
+    if kind == "fsdp-invariant" and tp > 1:
+        if tp & (tp - 1) or world % tp:
+            raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")
+        return _mesh(kind, world, {"fsdp": world // tp, "tp": tp}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

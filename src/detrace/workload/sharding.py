@@ -14,6 +14,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | dp-invariant | dp=W (or 1) | the global batch's M microbatches, in blocks  | fixed tree (detrace.parallel.data) |
 | tp-invariant | dp=W/T, tp=T | dp-invariant's; attention/MLP projections in chunks | fixed trees over dp and tp |
 | tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
+| fsdp-invariant | fsdp=W (or 1) | dp-invariant's; parameters sharded on dim 0 | fixed tree in the reduce-scatter |
+| fsdp-plain | fsdp=W (or 1) | as fsdp-invariant (the control)            | fully_shard's accumulation, reduce-scatter |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -34,6 +36,8 @@ global name (`by_global_name`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,12 +46,16 @@ from torch import nn
 
 from detrace._compat import all_to_all_single_autograd
 from detrace.errors import UsageError
-from detrace.parallel.data import InvariantDataParallel, _digests
+from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
+from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 from detrace.workload.layouts import INVARIANT, Layout
-from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, lm_losses, local_tensor
+from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
 
 PP_MICROBATCHES = 4
+"""Microbatches of --parallel pp (pp-invariant takes --microbatches)."""
+SCHEDULES = ("1f1b", "gpipe")
+"""The pipeline schedules: torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe."""
 TP_CHUNK = 16
 """Features per chunk of the tp layouts' projections: fixed by the model, never by the TP size or the device
 (each projection's chunks must divide by T; a column chunk holds whole heads when n_heads divides by T)."""
@@ -107,6 +115,13 @@ def _shard_experts(model: HybridLM, layout: Layout) -> None:
             rows = w.detach()[r * n_local : (r + 1) * n_local].clone()
             setattr(moe.experts, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
         moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered over its mesh: an exact copy); any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _is_expert(name: str) -> bool:
@@ -193,12 +208,102 @@ def _pipeline_stage(model: HybridLM, stage: int, stages: int) -> HybridLM:
     return model
 
 
+class _InvariantPipeline:
+    """pp-invariant's bookkeeping on one stage: the tree over microbatch gradients and the seeded forwards
+    (`detrace.parallel.pipeline`), and each microbatch's logged values, reduced to the bits that dp-invariant
+    computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
+    model order)."""
+
+    def __init__(self, model: HybridLM, microbatches: int, layout: Layout) -> None:
+        dp = layout.size("dp")
+        if microbatches % dp:
+            raise UsageError(f"{microbatches} microbatches do not split evenly over {dp} data-parallel ranks")
+        self.M, self.device, self.layout = microbatches, layout.device, layout
+        # this rank's block of the global microbatches, as in detrace.parallel.data
+        self.n = microbatches // dp
+        self.first = layout.coord("dp") * self.n
+        # the whole model's order, before the stage is cut out of it
+        self.names = [n for n, _ in model.named_parameters()]
+        self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
+        self.table = torch.zeros(0)
+        self.forwards = 0
+
+    def attach(self, stage: HybridLM, cfg: ModelConfig) -> None:
+        from detrace.parallel.pipeline import SeededForwards, TreeGradients
+
+        self.stage, self.cfg = stage, cfg
+        self.grads = TreeGradients(stage.parameters(), self.n)
+        self.seeds = SeededForwards(stage, self.device)
+        here = dict(stage.named_modules())
+        self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
+        stage.register_forward_hook(self._aux)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        from detrace.parallel.data import step_seed
+
+        self.table = torch.zeros(self.M, 2 + len(self.moe_names), device=self.device)  # lm, mtp, aux per layer
+        self.forwards, self.losses = self.first, self.first
+        self.seeds.begin(step_seed(), first=self.first)
+        self.grads.begin()
+        yield
+        self.grads.finish()
+        if self.layout.size("dp") > 1:  # complete the tree over the data-parallel blocks
+            from detrace.parallel.data import _buckets, _exchange, _flatten
+
+            params = [p for p in self.stage.parameters() if p.grad is not None]
+            grads = [p.grad for p in params]
+            buckets = _buckets([g for g in grads if g is not None])
+            flats = _exchange(_flatten(buckets, grads), group=self.layout.group("dp"),
+                              rank=self.layout.coord("dp"), world=self.layout.size("dp"), how="auto")
+            for b, flat in zip(buckets, flats, strict=True):
+                for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
+                    params[i].grad = part.view_as(params[i])
+
+    def _aux(self, module: nn.Module, args: Any, output: Any) -> None:
+        for col, moe in self.moes:
+            self.table[self.forwards, col] = moe.pop_aux_loss().to(self.device)
+        self.forwards += 1
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lm, mtp = lm_losses(logits, targets)
+        self.table[self.losses, 0], self.table[self.losses, 1] = lm.detach(), mtp.detach()
+        self.losses += 1
+        return (lm + self.cfg.mtp_loss_coef * mtp) / self.M
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([lm, mtp, aux] summed over the microbatches in the tree, the squared gradient norm), from every
+        stage's part: each value is held by one stage and gathered (x + 0 is x), then reduced as in one process."""
+        from detrace.parallel.data import _tree_sum
+
+        squares = torch.zeros(len(self.names), device=self.device)
+        index = {n: i for i, n in enumerate(self.names)}
+        for name, p in self.stage.named_parameters():
+            if p.grad is not None and self.layout.coord("dp") == 0:  # the dp replicas hold the same gradient
+                squares[index[name]] = p.grad.float().square().sum()
+        mine = torch.cat([self.table.reshape(-1), squares])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        whole = every[0].clone()
+        for other in every[1:]:
+            whole += other
+        table, squares = whole[:self.table.numel()].view_as(self.table), whole[self.table.numel():]
+        logged = []
+        for row in table:
+            aux = sum(row[2:].unbind(), torch.zeros((), device=self.device))
+            logged.append([torch.stack([row[0], row[1], aux]) / self.M])
+        sq = torch.zeros((), device=self.device)
+        for value in squares:
+            sq += value
+        return _tree_sum(logged)[0], sq
+
+
 class ParallelModel:
     """The reference model placed on a layout, with the trainer's per-step operations:
     `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, *, seed: int, batch_size: int, seq_len: int,
-                 microbatches: int | None = None) -> None:
+                 microbatches: int | None = None, schedule: str = "1f1b") -> None:
         self.cfg, self.layout = cfg, layout
         # Same initial weights on every rank: each shards what it was given.
         torch.manual_seed(seed)
@@ -218,47 +323,81 @@ class ParallelModel:
             # buffers than the run that never stopped (`detrace check-resume` sees the bucket shapes differ).
             # With find_unused_parameters the Reducer never rebuilds: one layout for the whole run.
             self.module = DistributedDataParallel(self.raw, find_unused_parameters=True)
-        elif kind == "fsdp":
+        elif kind == "fsdp" or (kind.startswith("fsdp-") and layout.mesh is not None):
             from torch.distributed.fsdp import fully_shard
 
             assert layout.mesh is not None
+            mesh = layout.mesh
+            if layout.size("tp") > 1:  # fsdp x tp: the invariant chunked projections, each rank's chunks sharded
+                _chunked_tensor_parallel(self.raw, layout, "invariant")
+                mesh = layout.mesh["fsdp"]
             for layer in self.raw.layers.values():
-                fully_shard(layer, mesh=layout.mesh)
-            fully_shard(self.raw, mesh=layout.mesh)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.raw, mesh=mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
         elif kind in ("tp-invariant", "tp-plain"):
             _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-"))
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
-        self._tp_group = layout.group("tp") if kind.startswith("tp-") and layout.mesh is not None else None
+        self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
+        self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
+        self._comms: list[FixedOrderReduceScatter] = []  # fsdp-invariant's reduce-scatters
+        self._pipeline: _InvariantPipeline | None = None
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
-            dp = layout.group("dp") if layout.mesh is not None else None
-            self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
-        if layout.size("pp") > 1:
+            if kind == "pp-invariant" and layout.mesh is not None:
+                self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)
+                self._build_pipeline(batch_size // layout.size("dp"), seq_len,
+                                     microbatches=microbatches // layout.size("dp"), schedule=schedule)
+            elif kind.startswith("fsdp-"):
+                self._fsdp = microbatches, layout.group("fsdp") if layout.mesh is not None else None
+                self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
+            else:
+                dp = layout.group("dp") if layout.mesh is not None else None
+                self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
+        if layout.size("pp") > 1 and self.schedule is None:
             self._build_pipeline(batch_size, seq_len)
         # parameter lists for the hand-written gradient averages
         named = list(self.raw.named_parameters())
         self._experts = [p for n, p in named if _is_expert(n)]
         self._dense = [p for n, p in named if not _is_expert(n)]
 
-    def _build_pipeline(self, batch_size: int, seq_len: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    def _shard_fsdp(self, microbatches: int, *, invariant: bool) -> None:
+        """fsdp-invariant: fully_shard's reduce-scatter as the fixed tree over the global microbatches
+        (`detrace.parallel.fsdp`); fsdp-plain: its own, summing (the loss is already scaled by the global batch)."""
+        from torch.distributed.fsdp import FSDPModule
 
-        if batch_size % PP_MICROBATCHES:
-            raise UsageError(f"batch size {batch_size} must divide into {PP_MICROBATCHES} pipeline microbatches")
+        if self.layout.mesh is None:  # one process: nothing is sharded, the tree is invariant_backward's
+            return
+        if invariant:
+            self._comms = shard_invariantly(self.raw, microbatches=microbatches // self.layout.size("fsdp"))
+        else:
+            for module in self.raw.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+    def _build_pipeline(self, batch_size: int, seq_len: int, *, microbatches: int = PP_MICROBATCHES,
+                        schedule: str = "1f1b") -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if batch_size % microbatches:
+            raise UsageError(f"batch size {batch_size} must divide into {microbatches} pipeline microbatches")
+        if schedule not in SCHEDULES:
+            raise UsageError(f"pipeline schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
         layout = self.layout
         stage, stages = layout.coord("pp"), layout.size("pp")
         _pipeline_stage(self.raw, stage, stages)
         # Example microbatches for the stage's input and output, so the stage does not infer shapes with
         # an extra forward (which would run the MoE layers once more than the schedule does).
-        mb, cfg, dev = batch_size // PP_MICROBATCHES, self.cfg, layout.device
+        mb, cfg, dev = batch_size // microbatches, self.cfg, layout.device
         hidden = torch.empty(mb, seq_len, cfg.dim, device=dev, requires_grad=True)  # grads flow back
         tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
         logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
-        self.schedule = Schedule1F1B(
+        invariant = self._pipeline is not None
+        self.schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
             PipelineStage(
                 self.raw,
                 stage,
@@ -268,9 +407,13 @@ class ParallelModel:
                 output_args=logits if stage == stages - 1 else hidden,
                 group=layout.group("pp"),
             ),
-            n_microbatches=PP_MICROBATCHES,
-            loss_fn=self._loss,
+            n_microbatches=microbatches,
+            loss_fn=self._pipeline.loss if self._pipeline is not None else self._loss,
+            # pp-invariant: the loss is divided by M and the gradients summed in the tree, never scaled after
+            scale_grads=not invariant,
         )
+        if self._pipeline is not None:
+            self._pipeline.attach(self.raw, self.cfg)
         # The schedule sets its stage up at its first step: a vote over p2p between the stages, then the
         # buffers. Done here, every process does it before training, so the first step of a resumed process
         # makes the same calls as that step of a run that never stopped (`detrace check-resume`).
@@ -286,7 +429,19 @@ class ParallelModel:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
-        if self.invariant is not None:
+        if self._pipeline is not None:
+            # this data-parallel rank's block of the global batch: its microbatches [d n, (d + 1) n)
+            inputs = inputs.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
+            targets = targets.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
+            with self._pipeline.step():
+                if self.layout.coord("pp") == 0:
+                    self.schedule.step(inputs)
+                elif self.layout.coord("pp") == self.layout.size("pp") - 1:
+                    self.schedule.step(target=targets, losses=[])
+                else:
+                    self.schedule.step()
+            return
+        if self.invariant is not None or self._fsdp is not None:
             self._invariant_step(inputs, targets)
             return
         if self.schedule is not None:
@@ -313,12 +468,22 @@ class ParallelModel:
             _average_gradients(self._experts + self._dense, layout.group("dp"))
 
     def _invariant_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree."""
-        assert self.invariant is not None
-        cfg, M = self.cfg, self.invariant.microbatches
+        """dp-invariant: the global batch [B, ...] as M microbatches of B / M rows, summed in the fixed tree (the
+        fsdp layouts: the tree, or fully_shard's accumulation, in their reduce-scatter)."""
+        cfg = self.cfg
+        if self._fsdp is not None:
+            M, group = self._fsdp
+        else:
+            assert self.invariant is not None
+            M, group = self.invariant.microbatches, None
         xs, ys = inputs.chunk(M), targets.chunk(M)
+        last = owned_microbatches(M, group)[-1]
+        plain_fsdp = self.layout.kind == "fsdp-plain" and self.layout.mesh is not None
 
         def loss_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if plain_fsdp:  # fully_shard's gradient accumulation: one reduce-scatter after the last microbatch
+                # mypy, ignored below: fully_shard made the model an FSDPModule, which its static type does not say
+                self.raw.set_requires_gradient_sync(i == last)  # type: ignore[operator]
             # Every microbatch holds B / M sequences of T tokens: dividing its mean loss by M is dividing its sum
             # by the global token count, a constant (never a per-rank count).
             lm, mtp = lm_losses(self.raw(xs[i]), ys[i])
@@ -326,17 +491,27 @@ class ParallelModel:
             logged = torch.stack([lm.detach(), mtp.detach(), aux.to(lm.device)]) / M
             return (lm + cfg.mtp_loss_coef * mtp) / M, logged
 
-        _, sums = self.invariant.backward(loss_of)
+        if self._fsdp is not None:
+            _, sums = invariant_backward(self.raw, loss_of, microbatches=M, group=group, sharded=group is not None)
+            check_complete(self._comms)
+        else:
+            assert self.invariant is not None
+            _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
         """The `final params` line's fingerprint of every parameter of the whole model in name order (the
-        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T."""
+        fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T; and on the
+        fsdp layouts each parameter's fingerprint by name (the `final param` lines: each rank holds shards, which
+        the tracer records, so these name the parameter that differs)."""
         from detrace.digest import fingerprint
 
         named = list(self.raw.named_parameters())
-        digests = dict(zip((n for n, _ in named), _digests([p.detach() for _, p in named]).unbind(), strict=True))
-        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex
+        whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
+        digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
+        each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
+            if self._fsdp is not None and self._tp_group is None else {}
+        return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:
         """Whether this rank counts `param`'s local gradient in the global norm: a parameter is split over
@@ -355,16 +530,21 @@ class ParallelModel:
         loss = lm + mtp_coef * mtp + aux_coef * aux, the objective the gradients are of.
         """
         layout, cfg = self.layout, self.cfg
+        if self._pipeline is not None:
+            self._invariant_sums, sq = self._pipeline.sums()
+            lm, mtp, aux = self._invariant_sums.unbind()
+            loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
+            return {"loss": loss, "lm": lm, "mtp": mtp, "aux": aux, "grad_norm": sq.sqrt()}
         if self._invariant_sums is not None:
             # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()
-            if layout.kind == "dp-invariant":
+            if self._tp_group is None:  # fsdp: each gradient gathered (exact), summed as at one rank
                 sq = torch.zeros((), device=layout.device)
                 for p in self.raw.parameters():
                     if p.grad is not None:
-                        sq += p.grad.float().square().sum()
+                        sq += _whole(p.grad).float().square().sum()
             else:  # one squared norm per parameter of the whole model, by global name, summed in that order
-                squares = {n: p.grad.float().square().sum()
+                squares = {n: _whole(p.grad).float().square().sum()
                            for n, p in self.raw.named_parameters() if p.grad is not None}
                 sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
             loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux

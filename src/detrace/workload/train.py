@@ -31,6 +31,7 @@ import torch
 
 from detrace._exit import leave
 from detrace.errors import DetraceError, UsageError
+from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.parallel.tensor import TP_ENV
 from detrace.state.loader import ResumableSampler
 from detrace.workload import layouts
@@ -39,6 +40,8 @@ from detrace.workload.corpus import Poisoned, SyntheticTokens, split_batch
 from detrace.workload.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConfig
 
 PROG = "detrace.workload.train"
+NAMED = ("invariant", "plain")
+"""--parallel values that take a named layout (--layout): its invariant layers, or their ordinary control."""
 SPIKES = ("data", "state", "both")
 """The planted spikes' kinds (`TrainConfig.spike`)."""
 STATE_BUMP = 300.0
@@ -74,7 +77,8 @@ class TrainConfig:
     quant: str = "none"
     """Fake-quantized linears: "none", "mxfp8" or "nvfp4"."""
     parallel: str = "none"
-    """Parallel layout: a key of `layouts.LAYOUTS`."""
+    """Parallel layout: a key of `layouts.LAYOUTS` (`parse_args` turns --parallel invariant and plain with a named
+    layout into one of them: `resolve_layout`)."""
     deterministic: bool = False
     """Apply `detrace.deterministic(seed)` before anything else."""
     lr: float = 3e-3
@@ -90,6 +94,10 @@ class TrainConfig:
     data-parallel size)."""
     tp: int = 1
     """--parallel tp-invariant, tp-plain: the tensor-parallel size T (a power of two dividing the world size)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
+    stages: int = 1
+    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / P ranks)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -129,7 +137,11 @@ class TrainConfig:
             # Same bits at every world size needs each microbatch's kernels deterministic first.
             raise UsageError(f"--parallel {self.parallel} needs --dispatch fixed or --deterministic (the index "
                              "dispatch's backward races)")
-        if self.tp != 1 and not self.parallel.startswith("tp-"):
+        if self.schedule not in parallel.SCHEDULES:
+            raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
+        if self.stages < 1 or (self.stages != 1 and self.parallel != "pp-invariant"):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant")
+        if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel == "fsdp-invariant"):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
 
     def model_config(self) -> ModelConfig:
@@ -147,7 +159,11 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
     p.add_argument("--dispatch", default="index", choices=DISPATCHES)
     p.add_argument("--recompute", action="store_true", help="activation recompute on every layer")
     p.add_argument("--quant", default="none", choices=QUANT_FORMATS)
-    p.add_argument("--parallel", default="none", choices=list(layouts.LAYOUTS))
+    p.add_argument("--parallel", default="none", choices=[*layouts.LAYOUTS, *NAMED],
+                   help="a layout kind, or invariant / plain on the named --layout")
+    p.add_argument("--layout", default=None,
+                   help=f"--parallel invariant or plain: a named layout such as fsdp2 or 2x2 (default: ${LAYOUT_ENV}, "
+                        "else dp over every process)")
     p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
@@ -162,12 +178,45 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                    help="dp-invariant, tp-invariant, tp-plain: microbatches M of the global batch")
     p.add_argument("--tp", type=int, default=None,
                    help=f"tp-invariant, tp-plain: tensor-parallel size T (default: ${TP_ENV} or 1)")
+    p.add_argument("--schedule", default="1f1b", choices=parallel.SCHEDULES,
+                   help="pipeline schedule of the pp layouts (default 1f1b)")
     p.add_argument("--spike", default=None, choices=SPIKES,
                    help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
                         "or a poisoned batch under a smaller bump (both); off by default")
     p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k != "tp"}, tp=_tp_size(args.tp))
+    kind, tp, stages = resolve_layout(args.parallel, args.layout, args.tp)
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("tp", "layout", "parallel")},
+                       parallel=kind, tp=tp, stages=stages)
+
+
+def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int, int]:
+    """(layout kind, tensor-parallel size, pipeline stages) of --parallel, --layout and --tp: --parallel invariant
+    or plain runs the named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE processes) with the
+    invariant layers or their control; any other --parallel is itself, with --tp."""
+    if parallel not in NAMED:
+        if layout is not None:
+            raise UsageError("--layout goes with --parallel invariant or plain")
+        return parallel, _tp_size(tp), 1
+    if tp is not None:
+        raise UsageError(f"--parallel {parallel} takes the tensor-parallel size from the layout, not from --tp")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    named = Layout.parse(layout or os.environ.get(LAYOUT_ENV) or f"dp{world}")
+    if named.world != world:
+        raise UsageError(f"layout {named} takes {named.world} processes, not {world}: launch it with torchrun "
+                         f"--nproc-per-node {named.world}")
+    t = named.size("tp")
+    if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
+        # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
+        return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1
+    if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
+        return f"fsdp-{parallel}", 1, 1
+    if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp", "tp"} and parallel == "invariant":
+        return "fsdp-invariant", t, 1
+    if "pp" in dict(named.sizes) and named.dims <= {"pp", "dp"} and parallel == "invariant":
+        return "pp-invariant", 1, named.size("pp")
+    raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
+                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD and fsdpFxtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
@@ -231,7 +280,7 @@ def train(cfg: TrainConfig) -> None:
         detrace.deterministic(cfg.seed)
     else:
         torch.manual_seed(cfg.seed)
-    layout = layouts.setup(cfg.parallel, tp=cfg.tp)
+    layout = layouts.setup(cfg.parallel, tp=cfg.tp, pp=cfg.stages)
     completed = False
     try:
         preset = PRESETS[cfg.preset]
@@ -241,7 +290,7 @@ def train(cfg: TrainConfig) -> None:
         seq_len = int(preset["seq_len"])  # type: ignore[call-overload]
         model_cfg = cfg.model_config()
         pm = parallel.ParallelModel(model_cfg, layout, seed=cfg.seed, batch_size=batch_size, seq_len=seq_len,
-                                    microbatches=cfg.microbatches)
+                                    microbatches=cfg.microbatches, schedule=cfg.schedule)
         params = [p for p in pm.raw.parameters()]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.1)
         bump_at, bump = _lr_bump(cfg)
@@ -265,7 +314,8 @@ def train(cfg: TrainConfig) -> None:
         # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
         # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
-                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1)
+                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1
+                                   and cfg.parallel != "pp-invariant")
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
@@ -298,9 +348,11 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
-        if cfg.parallel in layouts.INVARIANT:
-            final = pm.fingerprint()  # collective over tp: every rank
+        if cfg.parallel in layouts.INVARIANT and pm.schedule is None:  # a stage holds its own parameters only
+            final, each = pm.fingerprint()  # collective over tp and fsdp: every rank
             if layout.rank == 0:
+                for name, digest in sorted(each.items()):
+                    print(f"final param {name} {digest}")
                 print(f"final params {final}", flush=True)  # the same line at every W (and T, tp-invariant)
         completed = True
     finally:

@@ -1,7 +1,8 @@
 """Rung 0, metrics: exact bits of the step's scalars.
 
-- loss: every scalar root of `backward()` (torch.autograd.backward is what Tensor.backward calls), so a loop
-  that calls `loss.backward()` is traced without edits. Several backward calls in a step (gradient
+- loss: every scalar root of `backward()` given no gradient of its own (torch.autograd.backward is what
+  Tensor.backward calls; a pipeline schedule passes `grad_tensors=[None]` for its loss), so a loop that calls
+  `loss.backward()` is traced without edits. Several backward calls in a step (gradient
   accumulation) are told apart by their occurrence.
 - grad_norm: the 2-norm of this rank's gradients as the optimizer step begins (local shards for DTensor
   parameters: never gathered, so no collective is added).
@@ -50,9 +51,12 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
 
     def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
         tracer.clock.backward_begins()
-        if grad_tensors is None and tracer.on["metrics"]:
-            for root in _roots(tensors):
-                if isinstance(root, torch.Tensor) and root.numel() == 1:
+        if tracer.on["metrics"]:
+            roots = _roots(tensors)
+            # a root without its own gradient is a loss (a pipeline schedule passes [None] for its loss)
+            grads = [None] * len(roots) if grad_tensors is None else _roots(grad_tensors)
+            for root, grad in zip(roots, grads, strict=False):
+                if grad is None and isinstance(root, torch.Tensor) and root.numel() == 1:
                     record(tracer, "loss", root)
         phase, tracer.phase = tracer.phase, "backward"
         try:

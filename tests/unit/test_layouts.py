@@ -1,0 +1,173 @@
+"""Layouts by name (detrace.parallel.layout), the reference trainer's choice of layout, and FSDP-invariant's
+fixed-order reduce-scatter (detrace.parallel.fsdp) with the ranks simulated in one process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from detrace.errors import UsageError
+from detrace.parallel.data import _tree_sum
+from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete
+from detrace.parallel.layout import LAYOUT_ENV, Layout
+from detrace.workload.train import resolve_layout
+
+
+def test_layout_names() -> None:
+    layout = Layout.parse("tp2xfsdp2")  # any order in the name; the mesh is outermost first
+    assert layout.sizes == (("fsdp", 2), ("tp", 2)) and layout.world == 4 and str(layout) == "tp2xfsdp2"
+    assert Layout.parse("2x2").sizes == (("dp", 2), ("tp", 2))  # the older D x T form
+    assert Layout.parse("pp2xdp2").size("pp") == 2 and Layout.parse("ep2").size("tp") == 1
+    assert Layout.parse("pp3").world == 3  # stages need not be a power of two
+    assert Layout.parse("fsdp1").dims == frozenset() and Layout.parse("fsdp4xtp1").dims == {"fsdp"}
+    # the data block of each rank: its coordinate over dp and fsdp, tensor parallelism innermost, pp outermost
+    assert [Layout.parse("fsdp2xtp2").data_block(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [Layout.parse("pp2xdp2").data_block(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [Layout.parse("dp2xfsdp2").data_block(r) for r in range(4)] == [0, 1, 2, 3]
+    for bad in ("", "fsdp", "fsdp2xfsdp2", "zz2", "tp3", "dp0", "2x", "fsdp2x", "2x2x2", "FSDP2"):
+        with pytest.raises(UsageError):
+            Layout.parse(bad)
+    with pytest.raises(UsageError, match="in the order"):
+        Layout(name="x", sizes=(("tp", 2), ("dp", 2)))
+    with pytest.raises(UsageError, match="is not one of"):
+        Layout.parse("tp2").data_block(2)
+
+
+def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_layout("invariant", "fsdp4", None) == ("fsdp-invariant", 1, 1)
+    assert resolve_layout("plain", "fsdp4", None) == ("fsdp-plain", 1, 1)
+    assert resolve_layout("invariant", "2x2", None) == ("tp-invariant", 2, 1)
+    assert resolve_layout("plain", "dp2xtp2", None) == ("tp-plain", 2, 1)
+    assert resolve_layout("invariant", None, None) == ("dp-invariant", 1, 1)  # dp over every process
+    assert resolve_layout("invariant", "pp4", None) == ("pp-invariant", 1, 4)
+    assert resolve_layout("invariant", "pp2xdp2", None) == ("pp-invariant", 1, 2)
+    assert resolve_layout("invariant", "fsdp2xtp2", None) == ("fsdp-invariant", 2, 1)
+    monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
+    assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1, 1)
+    assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1)  # sizes 1: one process, unsplit
+    assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1)  # a named tp: the chunked layers
+    for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
+                               (2, ("invariant", "ep2", None), "not one the reference trainer runs"),
+                               (2, ("plain", "pp2", None), "not one the reference trainer runs"),
+                               (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
+                               (4, ("invariant", "fsdp2xpp2", None), "runs with --parallel invariant"),
+                               (1, ("plain", "dp1", None), "not one the reference trainer runs"),
+                               (1, ("invariant", "fsdp1", 2), "not from --tp"),
+                               (1, ("ddp", "fsdp1", None), "--layout goes with")]:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        with pytest.raises(UsageError, match=match):
+            resolve_layout(*args)
+
+
+def _grads(microbatches: int, numel: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    # magnitudes spread over orders of magnitude: a sum's bits depend on its order
+    return [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-3, 4, (numel,), generator=g)
+            for _ in range(microbatches)]
+
+
+def _simulated_fsdp(grads: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """Every rank's reduce-scatter output for its shard, with W ranks simulated: rank r computes the microbatches
+    [r n, (r + 1) n), and each calls its comm with its microbatch's whole gradient as fully_shard lays it out (row s
+    for rank s); the all-to-all hands rank r row r of every rank's input."""
+    n = len(grads) // world
+    inputs: dict[int, torch.Tensor] = {}
+
+    def exchange_for(rank: int) -> Any:
+        return lambda tensor, group: torch.stack([inputs[s].view(world, -1)[rank] for s in range(world)]).view(-1)
+
+    comms = [FixedOrderReduceScatter(n, exchange_for(r)) for r in range(world)]
+    group: Any = SimpleNamespace(size=lambda: world)
+    outputs = [torch.full((grads[0].numel() // world,), float("nan")) for _ in range(world)]
+    for k in range(n):
+        inputs.clear()
+        inputs.update({r: grads[r * n + k].clone() for r in range(world)})
+        for r in range(world):
+            comms[r](outputs[r], inputs[r], group)
+            if k < n - 1:  # the earlier microbatches output zeros: the trainer clears them before the next
+                assert not outputs[r].any()
+    return outputs
+
+
+def test_fixed_order_reduce_scatter_gives_the_same_bits_at_every_shard_count() -> None:
+    M, numel = 8, 64
+    grads = _grads(M, numel)
+    tree = _tree_sum([[g.clone()] for g in grads])[0]  # one process, M microbatches of accumulation
+    for world in (1, 2, 4, 8):
+        shards = _simulated_fsdp(grads, world)
+        assert torch.equal(torch.cat(shards), tree), world
+    # the test can fail: a sum in another order (fully_shard's accumulation, then a ring) gives other bits
+    sequential = grads[0].clone()
+    for g in grads[1:]:
+        sequential += g
+    assert not torch.equal(sequential, tree)
+
+
+def test_fixed_order_reduce_scatter_refuses_no_microbatches_and_an_incomplete_tree() -> None:
+    with pytest.raises(UsageError, match="must be positive"):
+        FixedOrderReduceScatter(0)
+    # a module that one microbatch did not use: 1 call of 2, its tree would take the next step's contributions
+    comm = FixedOrderReduceScatter(2, lambda tensor, group: tensor)
+    comm(torch.empty(4), torch.ones(4), SimpleNamespace(size=lambda: 1))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="received 1 of its 2 microbatches' gradients in a step"):
+        check_complete([FixedOrderReduceScatter(2), comm])  # a complete (fresh) one and the incomplete one
+    assert not comm.received  # the next step starts afresh
+
+
+def test_a_stage_sums_its_microbatches_as_one_process_does_whatever_the_schedule() -> None:
+    """detrace.parallel.pipeline on one stage, schedules emulated: GPipe (every forward, then every backward) and
+    1F1B-like (each forward then its backward) give invariant_backward's bits, dropout included."""
+    from torch import nn
+
+    from detrace.parallel.data import invariant_backward, step_seed
+    from detrace.parallel.pipeline import SeededForwards, TreeGradients
+
+    M = 8
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(M, 4, 16, generator=g) * 10.0 ** torch.randint(-2, 3, (M, 4, 16), generator=g)
+    y = torch.randint(0, 4, (M, 4), generator=g)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.3), nn.Linear(64, 4))
+
+    def loss(m: nn.Module, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(x[i]), y[i]) / M
+
+    one = model()
+    torch.manual_seed(5)
+    invariant_backward(one, lambda i: loss(one, i), microbatches=M)
+    expected = [p.grad.clone() for p in one.parameters()]  # type: ignore[union-attr]
+    for gpipe in (True, False):
+        stage = model()
+        grads, seeds = TreeGradients(stage.parameters(), M), SeededForwards(stage, torch.device("cpu"))
+        torch.manual_seed(5)
+        seeds.begin(step_seed())
+        grads.begin()
+        if gpipe:
+            for out in [loss(stage, i) for i in range(M)]:
+                out.backward()
+        else:
+            for i in range(M):
+                loss(stage, i).backward()
+        grads.finish()
+        assert all(torch.equal(p.grad, e) for p, e in zip(stage.parameters(), expected, strict=True)), gpipe
+    # the control: autograd's own accumulation (a running sum) gives other bits
+    plain = model()
+    seeds = SeededForwards(plain, torch.device("cpu"))
+    torch.manual_seed(5)
+    seeds.begin(step_seed())
+    for i in range(M):
+        loss(plain, i).backward()
+    assert not all(torch.equal(p.grad, e) for p, e in zip(plain.parameters(), expected, strict=True))
+    with pytest.raises(UsageError, match="received 1 gradients in a step of 8"):
+        grads.begin()
+        loss(stage, 0).backward()
+        grads.finish()
