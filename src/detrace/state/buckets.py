@@ -25,12 +25,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detrace._compat import pin_ddp_bucket_order
 
+_PINNED: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+
+def pinned(ddp: DistributedDataParallel) -> bool:
+    """Whether `pin_layout` pinned this DDP module's layout (`detrace audit` then does not report its rebuild)."""
+    return ddp in _PINNED
+
+
+def _pin(ddp: DistributedDataParallel) -> None:
+    pin_ddp_bucket_order(ddp)
+    _PINNED.add(ddp)
+
 
 def pin_layout(model: torch.nn.Module) -> None:
     """Pin the bucket layout of `model` if it is a DDP module, else of the DDP module that will wrap it (found at
     that module's first forward: `accelerator.unwrap_model(model)` or HF's model are the wrapped module)."""
     if isinstance(model, DistributedDataParallel):
-        pin_ddp_bucket_order(model)
+        _pin(model)
         return
     if not (dist.is_available() and dist.is_initialized()):
         return  # no process group: no DDP module can wrap it
@@ -39,7 +51,7 @@ def pin_layout(model: torch.nn.Module) -> None:
     def pin_the_wrapper(module: torch.nn.Module, args: Any) -> None:
         watched = target()
         if isinstance(module, DistributedDataParallel) and module.module is watched:
-            pin_ddp_bucket_order(module)
+            _pin(module)
             handle.remove()
         elif module is watched or watched is None:  # it runs unwrapped (or is gone): no need to watch every call
             handle.remove()

@@ -6,7 +6,8 @@ Each function is pure over what it is given, so tests judge synthetic calls and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,11 +18,12 @@ from detrace.investigate.audit.records import Certainty, Fixer, Hazard
 from detrace.recipe import Finding
 
 
-def repeated(indices: Any, how: str, dim: int = 0) -> tuple[int, int]:
+def repeated(indices: Any, how: str, dim: int = 0, spatial: int = 0) -> tuple[int, int]:
     """(how many index entries hit a destination an earlier entry already hit, how many entries there are).
 
     `how` is a `catalog.Repeats`: index-list (index_put's list, None for a dimension taken whole; a boolean
-    mask selects each position once), flat, or along-dim (scatter: destinations are (line, index) pairs)."""
+    mask selects each position once), flat, along-dim (scatter: destinations are (line, index) pairs) or planes
+    (max_unpool: (plane, index) pairs, a plane being the last `spatial` dimensions)."""
     with torch.no_grad():
         if how == "index-list":
             longs = [t for t in indices if isinstance(t, torch.Tensor) and t.dtype != torch.bool]
@@ -32,37 +34,77 @@ def repeated(indices: Any, how: str, dim: int = 0) -> tuple[int, int]:
         if how == "flat":
             flat = indices.reshape(-1)
             return flat.numel() - torch.unique(flat).numel(), flat.numel()
-        if how == "along-dim":
+        if how in ("along-dim", "planes"):
             if indices.numel() == 0:
                 return 0, 0
-            lines = indices.movedim(dim, -1).reshape(-1, indices.shape[dim] if indices.dim() else 1)
+            if how == "planes":
+                lines = indices.reshape(-1, math.prod(indices.shape[-spatial:]))
+            else:
+                lines = indices.movedim(dim, -1).reshape(-1, indices.shape[dim] if indices.dim() else 1)
             line_ids = torch.arange(lines.shape[0], device=lines.device).unsqueeze(1).expand_as(lines)
             pairs = torch.stack([line_ids, lines], dim=-1).reshape(-1, 2)
             return pairs.shape[0] - torch.unique(pairs, dim=0).shape[0], pairs.shape[0]
     raise ValueError(f"unknown way of reading indices: {how!r}")
 
 
+def _tensors(arguments: Mapping[str, Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for value in arguments.values():
+        values = value if isinstance(value, list | tuple) else [value]
+        found += [v for v in values if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _holds(condition: str, arguments: Mapping[str, Any]) -> bool:
+    """Whether a call meets a `catalog.Condition`."""
+    this = arguments.get("self")
+    if condition == "floating":
+        dtype = arguments.get("dtype") or getattr(this, "dtype", None)
+        return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+    if condition == "weights":
+        return arguments.get("weights") is not None
+    if condition == "quantized":
+        return isinstance(this, torch.Tensor) and this.is_quantized
+    if condition == "sparse":
+        return any(t.layout != torch.strided for t in _tensors(arguments))
+    if condition == "with-indices":
+        return "dim" in arguments
+    if condition == "mode-max":
+        return arguments.get("mode") == 2  # EmbeddingBag's modes: 0 sum, 1 mean, 2 max
+    if condition == "src-tensor":
+        return isinstance(arguments.get("src"), torch.Tensor)
+    return True
+
+
 def judge_op(entry: OpEntry, *, device: str, arguments: Mapping[str, Any], deterministic: bool,
-             threads: int) -> tuple[Certainty, str] | None:
-    """Whether one call of a catalogued op is a hazard, how sure, and why (None: not a hazard).
+             threads: int) -> tuple[Certainty, str, Fixer] | None:
+    """Whether one call of a catalogued op is a hazard, how sure, why, and what removes it (None: not a hazard).
 
     `arguments`: the call's arguments by schema name. Not a hazard: under torch.use_deterministic_algorithms
-    (torch then runs a deterministic kernel or raises), on a device whose kernel does not race, when the op does
-    not accumulate (`requires` false), or when no index repeats. On the CPU at one thread it is possible (it races
-    at 2+ threads); otherwise certain."""
-    if deterministic or device not in entry.devices:
-        return None
-    if entry.requires and not arguments.get(entry.requires):
+    (torch then runs a deterministic kernel or raises), when the call does not meet the entry's condition, or
+    when no index repeats. Certain on a device whose kernel races (the CPU: at 2+ threads); possible on the CPU
+    at one thread, and on a device whose kernel does not race when another device's does (a CUDA-only race seen
+    in a CPU run: it strikes when the same code runs on a GPU)."""
+    if deterministic or not _holds(entry.condition, arguments):
         return None
     why = entry.why
     if entry.indices:
-        repeats, total = repeated(arguments.get(entry.indices), entry.repeats, int(arguments.get("dim") or 0))
+        repeats, total = repeated(arguments.get(entry.indices), entry.repeats, int(arguments.get("dim") or 0),
+                                  entry.spatial)
         if repeats == 0:
             return None
         why = f"{why}: {repeats} of its {total} indices repeat an earlier one"
+    fixer: Fixer = entry.fixed_by
+    if fixer == "kernels" and device != "cuda":
+        fixer = "deterministic"  # detrace.ops routes these ops on CUDA only
+    if entry.raises_without and not arguments.get(entry.raises_without):
+        fixer = "code"
+    if device not in entry.devices:
+        others = " and ".join(d.upper() for d in entry.devices)
+        return "possible", f"on {others} it {why} (this {device.upper()} run's kernel does not race)", fixer
     if device == "cpu" and threads < 2:
-        return "possible", f"{why}; it races at 2+ threads, and this run used 1"
-    return "certain", why if device != "cpu" else f"{why}, at {threads} threads"
+        return "possible", f"{why}; it races at 2+ threads, and this run used 1", fixer
+    return "certain", why if device != "cpu" else f"{why}, at {threads} threads", fixer
 
 
 def settings_hazards(findings: Iterable[Finding]) -> list[Hazard]:
@@ -105,22 +147,27 @@ def communication_hazards(environ: Mapping[str, str], backend: str | None, world
             for name, fine, what, fix in _NCCL if not fine(environ.get(name, ""))]
 
 
-def parallel_hazards(ddp_modules: Sequence[Any], world_size: int, rank: int | None) -> list[Hazard]:
+def parallel_hazards(ddp_modules: Sequence[Any], world_size: int, rank: int | None,
+                     pinned: Callable[[Any], bool] = lambda ddp: False) -> list[Hazard]:
     """DistributedDataParallel wrappers: the bucket layout rebuilt after the first step (a resumed run all-reduces
-    other buckets in its first step: certain on resume), and the gradient all-reduce whose reduction order depends
-    on the world size (possible: another world size gives other bits)."""
+    other buckets in its first step: certain on resume) unless `pinned` says detrace pinned it (TrainState,
+    `detrace.integrations.accelerate.register`, the Lightning callback), and the gradient all-reduce whose
+    reduction order depends on the world size (possible: another world size gives other bits)."""
     hazards = []
     ranks = (rank,) if rank is not None else ()
     for i, ddp in enumerate(ddp_modules):
         subject = f"DistributedDataParallel #{i} ({type(ddp.module).__name__})"
-        if not getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False):
+        if not getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False) \
+                and not pinned(ddp):
             hazards.append(Hazard(
                 kind="parallel", certainty="certain", subject=subject, ranks=ranks,
                 what=("DDP rebuilds its gradient buckets after the first step, in the order the gradients became "
                       "ready; a run resumed from a checkpoint starts with the initial layout and all-reduces other "
                       "buffers in its first step, so its bits differ from the run that never stopped"),
-                fix=("pass find_unused_parameters=True (the Reducer then keeps one bucket layout), or check with "
-                     "`detrace check-resume`"), fixed_by="code", source="torch DDP Reducer"))
+                fix=("build a detrace.TrainState for the model before the first step (or use the accelerate or "
+                     "Lightning integration): it pins one layout in every process; or pass "
+                     "find_unused_parameters=True (docs/resume.md); `detrace check-resume` checks"),
+                fixed_by="code", source="torch DDP Reducer"))
         if world_size > 1:
             hazards.append(Hazard(
                 kind="parallel", certainty="possible", subject=subject, ranks=ranks,
@@ -133,20 +180,34 @@ def parallel_hazards(ddp_modules: Sequence[Any], world_size: int, rank: int | No
     return hazards
 
 
-def data_hazards(loaders: Sequence[Any], collate_draws: Iterable[str]) -> list[Hazard]:
-    """DataLoaders: workers with no worker_init_fn or generator, a sampler without state, an IterableDataset
-    without state_dict; and the collate functions seen drawing random numbers (`collate_draws`)."""
+def data_hazards(loaders: Sequence[Any], collate_draws: Iterable[str], *, torch_unseeded: bool = False,
+                 workers_draw: bool = False) -> list[Hazard]:
+    """DataLoaders: workers with no generator, a sampler without state, an IterableDataset without state_dict;
+    and the collate functions seen drawing random numbers (`collate_draws`).
+
+    Workers seed torch, random and numpy from a base seed each iterator draws from the loader's generator (the
+    main process's global one without it). Certain when that generator was never seeded and the workers draw
+    (`workers_draw`: a fetch in a worker changed a global RNG): every run feeds other data; else possible, as a
+    restarted run draws another base seed than the run that never stopped."""
     hazards = []
     for i, loader in enumerate(loaders):
         subject = f"DataLoader #{i} ({type(loader.dataset).__name__})"
-        if loader.num_workers > 0 and loader.worker_init_fn is None and loader.generator is None:
-            hazards.append(Hazard(
-                kind="data", certainty="possible", subject=subject,
-                what=(f"{loader.num_workers} workers seeded from a base seed drawn from the main process's global "
-                      "RNG, with no worker_init_fn or generator: numpy's RNG is not reseeded in workers, and a "
-                      "restarted run draws another base seed than the run that never stopped"),
-                fix=("pass generator=torch.Generator().manual_seed(seed) and a worker_init_fn that seeds numpy "
-                     "and random from torch.initial_seed()"), fixed_by="code", source="torch DataLoader"))
+        if loader.num_workers > 0 and loader.generator is None and loader.worker_init_fn is None:
+            if torch_unseeded and workers_draw:
+                hazards.append(Hazard(
+                    kind="data", certainty="certain", subject=subject,
+                    what=(f"{loader.num_workers} workers draw random numbers, seeded from a base seed drawn from "
+                          "torch's global generator, which this run never seeds: every run feeds other data"),
+                    fix=("pass generator=torch.Generator().manual_seed(seed), or seed torch with "
+                         "detrace.deterministic(seed) before the loop"), fixed_by="code", source="torch DataLoader"))
+            else:
+                hazards.append(Hazard(
+                    kind="data", certainty="possible", subject=subject,
+                    what=(f"{loader.num_workers} workers seeded (torch, random and numpy) from a base seed drawn from "
+                          "the main process's global generator, with no generator of their own: a restarted run "
+                          "draws another base seed than the run that never stopped"),
+                    fix="pass generator=torch.Generator().manual_seed(seed)", fixed_by="code",
+                    source="torch DataLoader"))
         # The order's source: the sampler inside a BatchSampler, else a custom batch sampler itself. Resumable:
         # one with state_dict; an order fixed in advance (sequential, or the list of batches that
         # detrace.state.loader.ResumableLoader passes); one set by (seed, epoch): set_epoch (DistributedSampler), or

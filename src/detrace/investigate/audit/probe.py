@@ -20,6 +20,7 @@ import json
 import os
 import random
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,9 +43,12 @@ from detrace._compat import (
 from detrace.investigate.audit import judge
 from detrace.investigate.audit.catalog import BY_OP
 from detrace.investigate.audit.kernels import KernelScan, scan
-from detrace.investigate.audit.records import AUDIT_DIR, SCHEMA, Hazard, rank_file
+from detrace.investigate.audit.records import AUDIT_DIR, SCHEMA, Fixer, Hazard, rank_file
+from detrace.investigate.audit.seeding import SeedWatch
 from detrace.record.patch import replace as patch
+from detrace.record.rungs.module import owner
 from detrace.record.session import Tracer
+from detrace.state.buckets import pinned
 from detrace.tracefile.writer import write_json_atomic
 
 Undo = Callable[[], None]
@@ -78,6 +82,15 @@ def _device(args: tuple) -> str:
     return "cpu"
 
 
+_FIXES: dict[Fixer, str] = {
+    "deterministic": "detrace.deterministic(seed) (torch.use_deterministic_algorithms) runs a deterministic kernel",
+    "kernels": ("detrace.deterministic(seed) (torch.use_deterministic_algorithms) runs a deterministic kernel; "
+                'kernels="detrace" routes it to detrace.ops\' faster one'),
+    "code": ("torch has no deterministic kernel for this call (under torch.use_deterministic_algorithms it "
+             "raises): write it another way (distinct indices, or a sort then a segment sum)"),
+}
+
+
 class _OpProbe(TorchDispatchMode):
     """Judges every call of a catalogued op (others pass straight through)."""
 
@@ -98,14 +111,10 @@ class _OpProbe(TorchDispatchMode):
                                      deterministic=torch.are_deterministic_algorithms_enabled(),
                                      threads=torch.get_num_threads())
             if verdict is not None:
-                certainty, why = verdict
-                fixed_by = entry.fixed_by if entry.fixed_by != "kernels" or _device(args) == "cuda" else \
-                    "deterministic"
-                fix = ("detrace.deterministic(seed) (torch.use_deterministic_algorithms) runs a deterministic kernel"
-                       + ('; kernels="detrace" routes it to detrace.ops\' faster one' if fixed_by == "kernels"
-                          else ""))
-                self.probe.saw(Hazard(kind="op", certainty=certainty, subject=str(func), what=why, fix=fix,
-                                      fixed_by=fixed_by, source=entry.source, **self.probe.place()))
+                certainty, why, fixed_by = verdict
+                self.probe.saw(Hazard(kind="op", certainty=certainty, subject=str(func), what=why,
+                                      fix=_FIXES[fixed_by], fixed_by=fixed_by, source=entry.source,
+                                      **self.probe.place()))
         return func(*args, **kwargs)
 
 
@@ -140,6 +149,11 @@ class AuditProbe:
         self.seen: dict[tuple[Any, ...], _Seen] = {}
         self.kernels: list[tuple[KernelScan, dict[str, Any]]] = []
         self.collate_draws: set[str] = set()
+        self.worker_drew = False
+        """A fetch in this DataLoader worker changed a global RNG (told to the parent once)."""
+        self.threads_set = False
+        """CMD called torch.set_num_threads."""
+        self.seeds = SeedWatch()
         self.started = False
         self.written = False
         self.inductor = False
@@ -158,8 +172,10 @@ class AuditProbe:
 
     def place(self) -> dict[str, Any]:
         tracer = self.tracer
-        return {"step": tracer.clock.step, "phase": tracer.phase,
-                "module": tracer.scope[-1] if tracer.scope else None}
+        # In the backward the module is the one whose forward created the running node (the scope stack follows
+        # the modules' tensor hooks, not the nodes: code in the root's own forward would be named after the last
+        # submodule whose backward began).
+        return {"step": tracer.clock.step, "phase": tracer.phase, "module": owner(tracer.phase, tracer.scope)}
 
     def saw(self, hazard: Hazard) -> None:
         key = hazard.key()
@@ -207,9 +223,12 @@ class AuditProbe:
             self.collate_draws.add(name)
             return
         # In a worker: the parent never sees this object again; a file tells it.
+        self._tell_parent("collate", {"collate_fn": name})
+
+    def _tell_parent(self, what: str, data: dict[str, Any]) -> None:
         folder = Path(self.tracer.config.out) / AUDIT_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(folder / f"collate-{os.getpid()}.json", {"collate_fn": name})
+        write_json_atomic(folder / f"{what}-{os.getpid()}.json", data)
 
     def patch_fetchers(self) -> None:
         for fetcher in dataset_fetchers():
@@ -218,9 +237,33 @@ class AuditProbe:
             def watched_fetch(self_: Any, index: Any, _fetch: Callable[..., Any] = fetch) -> Any:
                 if not isinstance(self_.collate_fn, _WatchedCollate):
                     self_.collate_fn = _WatchedCollate(self_.collate_fn, self.collate_drew)
-                return _fetch(self_, index)
+                worker = torch.utils.data.get_worker_info()
+                before = _global_rng_states() if worker is not None and not self.worker_drew else None
+                batch = _fetch(self_, index)
+                if before is not None and _global_rng_states() != before:
+                    self.worker_drew = True  # once per worker: the parent needs to know that one did
+                    self._tell_parent("draws", {"worker": worker.id})  # type: ignore[union-attr]
+                return batch
 
             self.undo.append(patch(fetcher, "fetch", watched_fetch))
+
+    def patch_threads(self) -> None:
+        """Training in `threading.Thread`s: the dispatch mode is per thread, so each thread started while the
+        probe watches takes it at its first call (threading.setprofile's hook, removed at once)."""
+        def enter(frame: Any, event: str, arg: Any) -> None:
+            sys.setprofile(None)
+            if self.watching and not self.written:
+                push_mode(self.mode)
+
+        threading.setprofile(enter)
+        self.undo.append(lambda: threading.setprofile(None))  # type: ignore[arg-type]  # None clears it
+        original = torch.set_num_threads
+
+        def set_num_threads(threads: int) -> None:
+            self.threads_set = True
+            original(threads)
+
+        self.undo.append(patch(torch, "set_num_threads", set_num_threads))
 
     # -- the end of the audited steps -----------------------------------------------------------------------------
 
@@ -250,14 +293,19 @@ class AuditProbe:
         found = [replace(seen.hazard, count=seen.count, ranks=ranks) for seen in self.seen.values()]
         found += self._kernel_hazards(ranks)
         # doctor's "torch.compile in use" only sees that Dynamo is imported (torch.optim imports it): here it
-        # counts only when Inductor loaded compiled code.
-        found += judge.settings_hazards(f for f in audit() if f.name != "torch.compile" or self.compiled)
+        # counts only when Inductor loaded compiled code; OMP_NUM_THREADS unset is no risk once CMD set the count.
+        found += judge.settings_hazards(f for f in audit() if (f.name != "torch.compile" or self.compiled)
+                                        and (f.name != "OMP_NUM_THREADS" or not self.threads_set))
+        found += self.seeds.hazards()
         found += judge.communication_hazards(os.environ, backend, world_size, rank)
-        found += judge.parallel_hazards(_live(_ddp_type()), world_size, rank)
+        found += judge.parallel_hazards(_live(_ddp_type()), world_size, rank, pinned)
+        folder = Path(self.tracer.config.out) / AUDIT_DIR
         draws = set(self.collate_draws)
-        for path in (Path(self.tracer.config.out) / AUDIT_DIR).glob("collate-*.json"):
+        for path in folder.glob("collate-*.json"):
             draws.add(json.loads(path.read_text())["collate_fn"])
-        found += judge.data_hazards(_live(torch.utils.data.DataLoader), draws)
+        found += judge.data_hazards(_live(torch.utils.data.DataLoader), draws,
+                                    torch_unseeded=self.seeds.torch_unseeded,
+                                    workers_draw=any(folder.glob("draws-*.json")))
         return [replace(h, ranks=ranks) if not h.ranks else h for h in found]
 
     def _kernel_hazards(self, ranks: tuple[int, ...]) -> list[Hazard]:
@@ -292,8 +340,11 @@ class AuditProbe:
             hazards = self.hazards()
             path = rank_file(Path(self.tracer.config.out), rank)
             path.parent.mkdir(parents=True, exist_ok=True)
+            # The steps that ran in the window, not the steps asked for: a run that ends (or crashes) early
+            # audited fewer, and one that never stepped audited none.
             write_json_atomic(path,
-                              {"schema": SCHEMA, "rank": rank, "world_size": world_size, "steps": self.steps,
+                              {"schema": SCHEMA, "rank": rank, "world_size": world_size,
+                               "steps": min(self.steps, self.tracer.clock.step),
                                "hazards": [h.to_json() for h in hazards]})
         except Exception as err:  # the program must run on; say why this rank's audit is missing
             print(f"detrace: the audit of rank {rank} was not written: {err}", file=sys.stderr)
@@ -334,7 +385,9 @@ def _live(kind: type) -> list[Any]:
 def install(tracer: Tracer, steps: int) -> list[Undo]:
     """Arm the probe in this process (the tracer's rung must include module, its window the audited steps)."""
     probe = AuditProbe(tracer, steps)
+    probe.undo += probe.seeds.install()
     probe.patch_fetchers()
+    probe.patch_threads()
     if inductor_imported():
         probe.patch_inductor()
     else:

@@ -88,8 +88,8 @@ class Hazard:
             parts.append(f"step {self.step}")
         if self.phase:
             parts.append(self.phase)
-        if self.module:
-            parts.append(f"module {self.module}")
+        if self.module is not None:
+            parts.append(f"module {self.module}" if self.module else "the root module")
         return ", ".join(parts)
 
     def key(self) -> tuple[Any, ...]:
@@ -138,7 +138,8 @@ class AuditReport:
     ranks: tuple[int, ...] = ()
     """The ranks whose probe reported."""
     steps: int = 0
-    """How many steps were audited per rank."""
+    """How many steps were audited: the most any rank ran in the window (fewer than asked when CMD ended
+    early)."""
     out: str | None = None
     """The run directory."""
     notes: tuple[str, ...] = field(default=())

@@ -56,10 +56,16 @@ def audit_command(command: Sequence[str], *, out: Path, steps: int = 2, timeout:
         tail = result.output_tail.strip().splitlines()[-1:] or ["no output"]
         raise CommandFailed(f"{command[0]} exited with code {result.returncode} before any rank wrote its audit "
                             f"(last line: {tail[0]})")
+    if audited == 0:
+        ended = "crashed" if result.returncode else "ended"
+        raise CommandFailed(f"nothing audited: {command[0]} {ended} (exit code {result.returncode}) before its first "
+                            f"optimizer step; what its ranks saw until then is in {Path(result.out) / AUDIT_DIR}")
     if result.returncode != 0:
         notes.append(f"CMD exited with code {result.returncode}: the audit covers what ran before")
+    if audited < steps:
+        notes.append(f"CMD ran {audited} step{'s' * (audited != 1)} of the {steps} asked for")
     return AuditReport(hazards=tuple(merge(hazards)), command=tuple(command), returncode=result.returncode,
-                       ranks=tuple(ranks), steps=audited or steps, out=str(result.out), notes=tuple(notes))
+                       ranks=tuple(ranks), steps=audited, out=str(result.out), notes=tuple(notes))
 
 
 def prediction(run: Path, culprit: str) -> str | None:
