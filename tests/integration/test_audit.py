@@ -16,11 +16,13 @@ import json
 import random
 import re
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -505,3 +507,138 @@ def test_a_command_that_cannot_start_is_one_sentence_and_exit_2(tmp_path: Path,
 
     assert main(["audit", "--out", str(tmp_path / "a"), "--", "detrace-no-such-command"]) == 2
     assert capsys.readouterr().err == "detrace audit: error: command not found: detrace-no-such-command\n"
+
+
+# -- where a script's hazards are, and what it ran (the cases of docs/audit.md's table, in process) ----------------
+
+class _NanoGPT(nn.Module):
+    """nanoGPT's own forward indexes its token table (`wte.weight[idx]`) in the root module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.wpe = nn.Embedding(6, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.wte.weight[idx] + self.wpe(torch.arange(idx.shape[0]))).sum()
+
+
+def test_a_race_in_the_root_modules_forward_is_placed_in_the_root(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    with _audited(tmp_path / "run"):
+        torch.manual_seed(0)
+        model = _NanoGPT()
+        model(torch.tensor([1, 1, 1, 2, 5, 5])).backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    [op] = [h for h in read_ranks(tmp_path / "run")[0] if h.kind == "op"]
+    assert (op.certainty, op.phase, op.module) == ("certain", "backward", "")
+    assert op.place == "rank 0, step 0, backward, the root module"
+
+
+def test_training_in_a_thread_is_audited(tmp_path: Path) -> None:
+    torch.set_num_threads(2)
+    with _audited(tmp_path / "run"):
+        torch.manual_seed(0)
+        worker = threading.Thread(target=_train_gather, args=(1,))
+        worker.start()
+        worker.join()
+    hazards, _, steps = read_ranks(tmp_path / "run")
+    [op] = [h for h in hazards if h.kind == "op"]
+    assert (op.subject, op.certainty, steps) == ("aten.index_put.default", "certain", 1)
+
+
+def test_the_audit_says_how_many_steps_ran_and_nothing_audited_is_an_error(tmp_path: Path) -> None:
+    with _audited(tmp_path / "run", steps=3):
+        torch.manual_seed(0)
+        _train_gather(steps=1)  # a 1-step script audited with --steps 3
+    assert read_ranks(tmp_path / "run")[2] == 1
+
+    def crashes_before_its_first_step(cmd: list[str], out: Path, **options: object) -> LaunchResult:
+        path = rank_file(Path(out), 0)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"schema": SCHEMA, "rank": 0, "world_size": 1, "steps": 0, "hazards": []}))
+        return LaunchResult(returncode=1, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="boom\n")
+
+    with pytest.raises(CommandFailed, match=r"^nothing audited: python crashed \(exit code 1\) before its first "
+                                            r"optimizer step"):
+        audit_command(["python", "x.py"], out=tmp_path / "a", steps=99, launch=crashes_before_its_first_step)
+
+    def three_steps(cmd: list[str], out: Path, **options: object) -> LaunchResult:
+        path = rank_file(Path(out), 0)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"schema": SCHEMA, "rank": 0, "world_size": 1, "steps": 3, "hazards": []}))
+        return LaunchResult(returncode=0, out=Path(out), command=tuple(cmd), elapsed=0.1, output_tail="")
+
+    report = audit_command(["python", "x.py"], out=tmp_path / "b", steps=99, launch=three_steps)
+    assert report.steps == 3 and report.notes == ("CMD ran 3 steps of the 99 asked for",)
+
+
+def test_a_run_that_never_seeds_the_rngs_it_draws_from_is_certain(tmp_path: Path) -> None:
+    with _audited(tmp_path / "unseeded"):
+        model = nn.Linear(4, 4)  # initial weights from the unseeded generator
+        random.random(), np.random.rand()
+        model(torch.ones(4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    certain = {h.subject for h in read_ranks(tmp_path / "unseeded")[0] if h.certainty == "certain"}
+    assert certain == {"torch's default generator never seeded", "Python's random never seeded",
+                       "numpy's global RNG never seeded"}
+    with _audited(tmp_path / "seeded"):
+        detrace.deterministic(0)  # seeds torch, random and numpy
+        model = nn.Linear(4, 4)
+        random.random(), np.random.rand()
+        model(torch.ones(4)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert [h for h in read_ranks(tmp_path / "seeded")[0] if h.certainty == "certain"] == []
+
+
+class _Noisy(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2)  # an augmentation drawn in the worker
+
+
+def test_dataloader_workers_that_draw_from_an_unseeded_base_seed_are_certain(tmp_path: Path) -> None:
+    def train(seed: int | None) -> list[Hazard]:
+        out = tmp_path / f"seed-{seed}"
+        with _audited(out):
+            if seed is not None:
+                torch.manual_seed(seed)
+            weight = nn.Parameter(torch.zeros(2))
+            loader = DataLoader(_Noisy(), batch_size=2, num_workers=1)  # alive when the audit is written
+            for batch in loader:
+                (weight * batch).sum().backward()
+                torch.optim.SGD([weight], lr=0.1).step()
+                break
+        return [h for h in read_ranks(out)[0] if h.kind == "data"]
+
+    [unseeded] = train(None)
+    assert unseeded.certainty == "certain" and "never seeds" in unseeded.what
+    [seeded] = train(0)  # a restart still draws another base seed
+    assert seeded.certainty == "possible" and "not reseeded" not in seeded.what  # torch reseeds numpy in workers
+
+
+def test_ddp_whose_layout_detrace_pinned_is_not_reported_and_set_num_threads_is_a_thread_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for pin in (True, False):  # every live DDP is judged: the pinned one first, which stays silent later too
+            out = tmp_path / f"pin-{pin}"
+            with _audited(out):
+                torch.manual_seed(0)
+                torch.set_num_threads(2)
+                model = DistributedDataParallel(nn.Linear(4, 4))
+                if pin:
+                    detrace.TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+                model(torch.ones(4)).sum().backward()
+                torch.optim.SGD(model.parameters(), lr=0.1).step()
+            hazards = read_ranks(out)[0]
+            assert [h.certainty for h in hazards if h.kind == "parallel"] == ([] if pin else ["certain"])
+            assert not any(h.subject.startswith("OMP_NUM_THREADS") for h in hazards)
+    finally:
+        dist.destroy_process_group()

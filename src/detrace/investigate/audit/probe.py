@@ -344,7 +344,7 @@ class AuditProbe:
             # audited fewer, and one that never stepped audited none.
             write_json_atomic(path,
                               {"schema": SCHEMA, "rank": rank, "world_size": world_size,
-                               "steps": min(self.steps, self.tracer.clock.step),
+                               "steps": min(self.steps, self.tracer.clock.step + self.tracer.clock.trailing),
                                "hazards": [h.to_json() for h in hazards]})
         except Exception as err:  # the program must run on; say why this rank's audit is missing
             print(f"detrace: the audit of rank {rank} was not written: {err}", file=sys.stderr)

@@ -5,7 +5,8 @@ Each starts from a seed the operating system gives (torch's default generator to
 from process to process until `torch.manual_seed`), so a run that draws from one it never seeded gets other
 numbers in every run: other initial weights, dropout masks, shuffles, augmentations. That is certain, and `detrace
 check` sees it. What is watched, from the moment the probe is armed (before CMD's own code):
-- torch: the initial seed (a `manual_seed` changes it) and the generator's state, which a draw advances. The draw
+- torch: `manual_seed` (patched to note a call), the initial seed (which a call through another path changes) and
+  the generator's state, which a draw advances. The draw
   of the base seed a DataLoader makes for every iterator (`_BaseDataLoaderIter`, whether or not anything uses it)
   is set apart: it is judged with the loader (`judge.data_hazards`): it matters only when a worker draws;
 - random and numpy: their `seed` functions (patched to note a call) and their state.
@@ -43,7 +44,7 @@ class SeedWatch:
         """A draw from torch's generator other than a DataLoader's base seed."""
         self.random_state, self.numpy_state = random.getstate(), _numpy_state()
         self.seeded: set[str] = set()
-        """`random` and `numpy` once their seed function was called."""
+        """`torch`, `random` and `numpy` once their seed function was called."""
         self.undo: list[Undo] = []
 
     def install(self) -> list[Undo]:
@@ -54,7 +55,9 @@ class SeedWatch:
             return seeded
 
         self.undo += [patch(random, "seed", noting("random", random.seed)),
-                      patch(np.random, "seed", noting("numpy", np.random.seed))]
+                      patch(np.random, "seed", noting("numpy", np.random.seed)),
+                      patch(torch, "manual_seed", noting("torch", torch.manual_seed)),
+                      patch(torch.random, "manual_seed", noting("torch", torch.random.manual_seed))]
         loader_iter = torch.utils.data.DataLoader.__iter__
 
         def watched_iter(loader: Any) -> Any:
@@ -73,7 +76,7 @@ class SeedWatch:
 
     @property
     def torch_unseeded(self) -> bool:
-        return torch.initial_seed() == self.torch_seed
+        return "torch" not in self.seeded and torch.initial_seed() == self.torch_seed
 
     def hazards(self) -> list[Hazard]:
         """The global RNGs drawn from and never seeded in this process: certain."""
