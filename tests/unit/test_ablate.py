@@ -96,7 +96,7 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
     # The runs: the baseline and skip-batches from C = 8, data-from-earlier from C' = 4 fed 4 batches ahead.
     envs = {call[1].get("DETRACE_SKIP_STEPS") or call[1].get("DETRACE_DATA_SHIFT") or "base": call[1]
             for call in world.calls}
-    assert envs["10-12"]["DETRACE_RESUME_FROM"].endswith("step-00000008")
+    assert envs["8-12"]["DETRACE_RESUME_FROM"].endswith("step-00000008")  # by default the window starts at C
     assert envs["4"]["DETRACE_RESUME_FROM"].endswith("step-00000004") and envs["4"]["DETRACE_STOP_AT"] == "11"
     assert envs["base"]["DETRACE_STOP_AT"] == "15"
     earlier = next(o for o in result.outcomes if o.variant.name == "data-from-earlier")
@@ -120,7 +120,9 @@ def test_a_user_variant_that_removes_the_spike_is_a_setting(tmp_path: Path) -> N
     result = ablate(config(tmp_path, original(tmp_path, "setting"), builtins=False,
                            variants=("lr_half=--lr 1.5e-3", "fixed=ENV:FIX=1", "noop=ENV:OTHER=1")), world)
     assert result.cause == "setting", result.summary
-    assert result.summary == "setting: no change of data or state removes the spike at step 12, but lr_half, fixed do"
+    assert result.summary.startswith("setting: no change of data or state removes the spike at step 12, but "
+                                     "lr_half, fixed do; noop computed the baseline's very bits: nothing it changes "
+                                     "reaches the computation after the checkpoint")
     by_name = {o.variant.name: o for o in result.outcomes}
     assert not by_name["lr_half"].spiked and not by_name["fixed"].spiked and by_name["noop"].spiked
     assert ("train", "--lr", "1.5e-3") in [call[0] for call in world.calls]
@@ -211,3 +213,44 @@ def test_a_semantic_original_is_held_to_every_record(tmp_path: Path) -> None:
     assert reproduces(original_run, faulty, 9, S) == "rank 0, step 10: collective all_reduce#0 output[0] differs"
     (original_run / "run.json").write_text(json.dumps({"rung": "metrics"}))
     assert reproduces(original_run, faulty, 9, S) is None  # the same losses: a metrics-rung original cannot tell
+
+
+class Framework(World):
+    """A world whose program applies the data controls only where a run starts, and refuses a skip elsewhere
+    (as the HF and Lightning callbacks do)."""
+
+    def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        start = int(Path(env["DETRACE_RESUME_FROM"]).name.split("-")[1]) if "DETRACE_RESUME_FROM" in env else 0
+        if "DETRACE_SKIP_STEPS" in env and int(env["DETRACE_SKIP_STEPS"].split("-")[0]) != start:
+            self.calls.append((tuple(cmd), dict(env)))
+            raise CommandFailed(f"CMD exited with status 1 in {out.name}: the callback applies DETRACE_SKIP_STEPS "
+                                "where the run starts")
+        return super().__call__(cmd, out, env)
+
+
+def test_a_variant_that_cannot_run_is_unavailable_and_the_verdict_comes_from_the_others(tmp_path: Path) -> None:
+    result = run_ablation(config(tmp_path, original(tmp_path, "data")), Framework("data"))
+    assert (result.verdict, result.cause) == ("isolated", "data"), result.summary
+    by_name = {o.variant.name: o for o in result.outcomes}
+    assert by_name["state-only"].unavailable is not None and "DETRACE_SKIP_STEPS" in by_name["state-only"].unavailable
+    assert by_name["skip-batches"].unavailable is None and not by_name["skip-batches"].spiked
+    assert result.summary.endswith("; state-only could not run (ablate.json says why), the verdict comes from the "
+                                   "others")
+    record = json.loads((result.config.out / "ablate.json").read_text())
+    [only] = [v for v in record["variants"] if v["name"] == "state-only"]
+    assert only["unavailable"].startswith("CMD exited with status 1") and only["value"] is None
+
+
+def test_hostile_options_are_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = original(tmp_path, "data")
+    world = World("data")
+    with pytest.raises(UsageError, match=r"^--variant \"q='unterminated\": its arguments do not parse"):
+        parse_variant("q='unterminated")
+    assert main(["ablate", "--step", "12", "--run", str(run), "--variant", "q='unterminated", "--", "t"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("detrace ablate: error: --variant") and err.count("\n") == 1
+    with pytest.raises(UsageError, match=r"^the original run recorded no loss at step 100 \(its last step is 14\)$"):
+        ablate(AblateConfig(command=("t",), run=run, step=100, out=tmp_path / "x"), world)
+    with pytest.raises(UsageError, match=r"^--variant a given twice"):
+        config(tmp_path, run, variants=("a=--lr 1", "a=ENV:X=1"))
+    assert world.calls == []

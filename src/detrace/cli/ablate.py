@@ -18,7 +18,6 @@ from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import DetraceError
 from detrace.investigate.ablate import (
     DEFAULT_AFTER,
-    DEFAULT_WINDOW,
     SCHEMA,
     AblateConfig,
     AblateResult,
@@ -57,6 +56,9 @@ def render(result: AblateResult) -> None:
         shown = "-" if base.value is None else f"{base.value:.6g}"
         print(f"  baseline           {shown:>10}  {'spikes' if base.spiked else 'no spike'}  ({base.run})")
     for o in result.outcomes:
+        if o.unavailable is not None:
+            print(f"  {o.variant.name:<18} {'-':>10}  unavailable  {o.variant.change}; {o.unavailable}")
+            continue
         shown = "-" if o.value is None else f"{o.value:.6g}"
         where = "identical" if o.departure is None and o.variant.start >= result.checkpoint else (
             o.departure.where() if o.departure else f"starts from the checkpoint after {o.variant.start} steps")
@@ -96,8 +98,9 @@ def _ablate(options: list[str], command: list[str]) -> int:
     parser.add_argument("--metric", default=DEFAULT_METRIC, help="the metric that spikes (default %(default)s)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC",
                         help="a user variant: NAME=--extra args, or NAME=ENV:K=V[,K=V]; repeatable")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
-                        help="skip-batches skips the batches of steps S-W..S (default %(default)s)")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="skip-batches skips the batches of steps S-W..S (default: from the checkpoint C on, "
+                             "the window every program accepts)")
     parser.add_argument("--after", type=int, default=DEFAULT_AFTER, help="steps each replay runs past S "
                         "(default %(default)s)")
     parser.add_argument("--k", type=float, default=DEFAULT_K, help="the threshold's MADs (default %(default)s)")

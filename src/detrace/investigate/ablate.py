@@ -29,6 +29,7 @@ import dataclasses
 import re
 import shlex
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,6 @@ from detrace.verdicts import ABLATE, AblateCause, AblateVerdict
 
 SCHEMA = "detrace.ablate/1"
 BUILTINS = ("skip-batches", "state-only", "data-from-earlier")
-DEFAULT_WINDOW = 2
-"""w: skip-batches skips the batches of steps S-w..S."""
 DEFAULT_AFTER = 2
 """Steps each replay runs past S."""
 
@@ -103,7 +102,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str], tuple[str, ...]]:
                 raise UsageError(f"--variant {spec!r}: {item!r} is not K=V")
             env[key.strip()] = value
         return name, env, ()
-    return name, {}, tuple(shlex.split(body))
+    try:
+        return name, {}, tuple(shlex.split(body))
+    except ValueError as err:  # an unterminated quote
+        raise UsageError(f"--variant {spec!r}: its arguments do not parse as a shell would ({err})") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,8 +124,9 @@ class AblateConfig:
     """The metric that spikes."""
     rule: SpikeRule = field(default_factory=SpikeRule)
     """The spike threshold: median + k x MAD of the original run's window before S."""
-    window: int = DEFAULT_WINDOW
-    """w of skip-batches."""
+    window: int | None = None
+    """w: skip-batches skips the batches of steps S-w..S (from C at the earliest). None: from C (w = S - C), the
+    window every program accepts (the framework integrations apply the data controls where a run starts)."""
     after: int = DEFAULT_AFTER
     """Steps each replay runs past S."""
     checkpoint: Path | None = None
@@ -140,10 +143,12 @@ class AblateConfig:
             raise UsageError("ablate needs the training command after '--'")
         if self.step < 1:
             raise UsageError(f"--step must be a global step of at least 1, not {self.step}")
-        if self.window < 0 or self.after < 0:
+        if (self.window is not None and self.window < 0) or self.after < 0:
             raise UsageError("--window and --after must be 0 or more")
-        for spec in self.variants:
-            parse_variant(spec)
+        names = [parse_variant(spec)[0] for spec in self.variants]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise UsageError(f"--variant {', '.join(twice)} given twice: each variant needs a name of its own")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,11 +188,15 @@ class Outcome:
     seconds: float
     steps: int
     """Steps it executed."""
+    unavailable: str | None = None
+    """Why the variant could not run (its run failed: a data control the program refuses, a crash); None when
+    it ran. The verdict is given from the others."""
 
     def to_json(self, baseline: float) -> dict[str, Any]:
         v = self.variant
         return {"name": v.name, "change": v.change, "start": v.start, "env": v.env, "args": list(v.args),
                 "run": str(self.run), "at": self.at, "value": self.value, "spiked": self.spiked,
+                "unavailable": self.unavailable,
                 "effect": None if self.value is None else self.value - baseline,
                 "departure": self.departure.to_json() if self.departure else None,
                 "seconds": round(self.seconds, 3), "steps": self.steps, "series": _series_json(self.series)}
@@ -275,7 +284,7 @@ def plan(config: AblateConfig, versions: Mapping[int, Path]) -> tuple[int, list[
     runs = [Variant(name="baseline", change=f"none: resumed from the checkpoint after {c} steps", start=c,
                     resume_from=c_path)]
     if config.builtins:
-        low = max(c, s - config.window)
+        low = c if config.window is None else max(c, s - config.window)
         runs.append(Variant(name="skip-batches", change=f"skips the batches of steps {low}-{s}", start=c,
                             resume_from=c_path, env={"DETRACE_SKIP_STEPS": f"{low}-{s}"}))
         # From the checkpoint after S steps where there is one: the state at S exactly, and the skip applies where
@@ -331,6 +340,10 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
     """Run the ablation of `config` with `launch`; see the module docstring."""
     s = config.step
     rank, original = series_of(config.run, config.metric)
+    if s not in original:  # before any run: a step the run never reached cannot be replayed
+        last = max(original, default=None)
+        raise UsageError(f"the original run recorded no {config.metric} at step {s}"
+                         + (f" (its last step is {last})" if last is not None and s > last else ""))
     versions = checkpoints_of(config.run, config.checkpoints)
     c, runs = plan(config, versions)
     threshold = config.rule.threshold([original[t] for t in sorted(original) if t < s])
@@ -346,14 +359,24 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
         if variant.resume_from is not None:
             env["DETRACE_RESUME_FROM"] = variant.resume_from
         progress(f"run {variant.name}: {variant.change}")
-        seconds = launch([*config.command, *variant.args], out, env)
-        shutil.rmtree(scratch, ignore_errors=True)  # the stop's save: nothing resumes from it
-        series = metric_series(out, rank).get(config.metric, {}) if rank in open_run(out).ranks else {}
+        began = time.perf_counter()
         at = s - variant.shift
+        steps = stop - variant.shift - variant.start
+        try:
+            seconds = launch([*config.command, *variant.args], out, env)
+            series = metric_series(out, rank).get(config.metric, {}) if rank in open_run(out).ranks else {}
+        except (CommandFailed, TraceError) as err:
+            if variant.name == "baseline":
+                raise
+            progress(f"{variant.name} is unavailable: {err}")
+            return Outcome(variant=variant, run=out, at=at, value=None, spiked=False, departure=None, series={},
+                           seconds=time.perf_counter() - began, steps=steps, unavailable=str(err))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)  # the stop's save: nothing resumes from it
         value = series.get(at)
         return Outcome(variant=variant, run=out, at=at, value=value,
                        spiked=value is not None and value > threshold, departure=None, series=series,
-                       seconds=seconds, steps=stop - variant.shift - variant.start)
+                       seconds=seconds, steps=steps)
 
     baseline = execute(runs[0])
     difference = reproduces(config.run, baseline.run, c + 1, s)
@@ -370,7 +393,7 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
     outcomes = []
     for variant in runs[1:]:
         outcome = execute(variant)
-        if variant.start >= c:  # an earlier start departs where it starts, with other data
+        if variant.start >= c and outcome.unavailable is None:  # an earlier start departs where it starts
             outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
         outcomes.append(outcome)
     ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None else o.value)
@@ -380,7 +403,24 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
 
 
 def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[AblateCause, str]:
-    """What the variants' evidence points to, in one sentence."""
+    """What the variants' evidence points to, in one sentence (what could not run, and a user variant that
+    changed nothing, said at its end)."""
+    cause, summary = _cause(config, c, [o for o in outcomes if o.unavailable is None])
+    same = [o.variant.name for o in outcomes if o.variant.name not in BUILTINS and o.unavailable is None
+            and o.departure is None and o.variant.start >= c]
+    if same:
+        summary += (f"; {', '.join(same)} computed the baseline's very bits: nothing it changes reaches the "
+                    f"computation after the checkpoint (a setting the checkpoint after {c} steps already holds, "
+                    "restored with the optimizer's or scheduler's state, or one read only at the start), so it "
+                    "cannot remove the spike from there")
+    unavailable = [o.variant.name for o in outcomes if o.unavailable is not None]
+    if unavailable:
+        summary += (f"; {', '.join(unavailable)} could not run (ablate.json says why), the verdict comes from the "
+                    "others")
+    return cause, summary
+
+
+def _cause(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[AblateCause, str]:
     by_name = {o.variant.name: o for o in outcomes}
     skip, earlier, only = (by_name.get(name) for name in ("skip-batches", "data-from-earlier", "state-only"))
     removed_by_users = [o.variant.name for o in outcomes
