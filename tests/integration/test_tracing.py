@@ -119,6 +119,23 @@ def test_a_loss_given_no_gradient_in_a_list_is_a_loss(tmp_path: Path) -> None:
     assert [r["value"] for r in rows(tmp_path / "p") if r["name"] == "loss"] == [6.0, 12.0]
 
 
+def test_grad_norm_is_the_norm_before_clipping(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    totals = []
+    with detrace.trace(tmp_path / "c"):
+        for clip in (True, False):
+            (model(torch.ones(8)) * 100).sum().backward()
+            if clip:
+                totals.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+    norms = [(r["step"], r["value"]) for r in rows(tmp_path / "c") if r["name"] == "grad_norm"]
+    # step 0 clipped to 1.0: its grad_norm is the total before clipping, once; step 1 the optimizer's
+    assert [step for step, _ in norms] == [0, 1] and norms[0][1] == totals[0] and totals[0] > 100
+
+
 def test_step_without_optimizer_and_set_step(tmp_path: Path) -> None:
     with detrace.trace(tmp_path / "s"):
         for i in range(3):
