@@ -26,10 +26,11 @@ def test_a_nanogpt_script_under_ddp_x2_shows_the_resume_parallel_and_data_hazard
     script = Path(__file__).parents[1] / "support" / "scripts" / "audit_nanogpt.py"
     code, report = _audit_cli(tmp_path, PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                               str(script))
-    assert code == 1 and report["ranks"] == [0, 1]
-    [rebuild] = report["certain"]
+    # Seeded and with no racing op: nothing strikes in two runs from the start (exit 0); the bucket rebuild strikes
+    # on a resume, a script that never builds a TrainState is told so.
+    assert code == 0 and report["ranks"] == [0, 1] and report["certain"] == [] and report["steps"] == 2
+    [rebuild] = [h for h in report["possible"] if "rebuilds its gradient buckets" in h["what"]]
     assert rebuild["subject"] == "DistributedDataParallel #0 (GPT)" and rebuild["ranks"] == [0, 1]
-    assert "rebuilds its gradient buckets" in rebuild["what"]
     possible = {(h["kind"], h["subject"]) for h in report["possible"]}
     assert {("parallel", "DistributedDataParallel #0 (GPT)"), ("data", "DataLoader #0 (Tokens)"),
             ("data", "DataLoader #0 (Tokens) sampler RandomSampler"),

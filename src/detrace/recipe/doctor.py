@@ -109,9 +109,10 @@ def _risks() -> list[Finding]:
                 value=UNSET,
                 status="risk",
                 detail=(
-                    f"torch uses {torch.get_num_threads()} threads here, one per core: CPU reductions split "
-                    "their work by thread count, so runs on machines with other core counts may differ; "
-                    "set OMP_NUM_THREADS (or torch.set_num_threads) explicitly"
+                    f"torch uses {torch.get_num_threads()} thread{'s' * (torch.get_num_threads() != 1)} here, a "
+                    "count it derived from this machine's cores: CPU reductions split their work by thread count, "
+                    "so runs on machines with other core counts may differ; set OMP_NUM_THREADS (or "
+                    "torch.set_num_threads) explicitly"
                 ),
             )
         )

@@ -115,9 +115,10 @@ ENTRIES: Final[tuple[OpEntry, ...]] = (
               source="torch-alert", why=_SCATTER, documented=("torch.Tensor.scatter_reduce",)),
     *_entries(("index_reduce_", "index_reduce"), devices=("cuda",), indices="index", repeats="flat",
               source="torch-alert", why=_SCATTER),
-    OpEntry(op="_embedding_bag_dense_backward", devices=("cuda",), indices="indices", repeats="flat",
-            condition="mode-max", fixed_by="code", source="torch-alert", documented=("torch.nn.EmbeddingBag",),
-            why="adds the gradients of repeated bag entries with atomic adds"),
+    # The CPU dispatches the first; the second is what it calls on CUDA.
+    *_entries(("_embedding_bag_backward", "_embedding_bag_dense_backward"), devices=("cuda",), indices="indices",
+              repeats="flat", condition="mode-max", fixed_by="code", source="torch-alert",
+              documented=("torch.nn.EmbeddingBag",), why="adds the gradients of repeated bag entries with atomic adds"),
     # CUDA kernels that race whatever their inputs (atomics, or an algorithm chosen at run time).
     *_entries(("convolution", "convolution_backward"), devices=("cuda",), source="torch-alert", why=_CONV,
               documented=tuple(f"torch.nn.Conv{t}{d}d" for t in ("", "Transpose") for d in (1, 2, 3))),

@@ -150,7 +150,8 @@ def communication_hazards(environ: Mapping[str, str], backend: str | None, world
 def parallel_hazards(ddp_modules: Sequence[Any], world_size: int, rank: int | None,
                      pinned: Callable[[Any], bool] = lambda ddp: False) -> list[Hazard]:
     """DistributedDataParallel wrappers: the bucket layout rebuilt after the first step (a resumed run all-reduces
-    other buckets in its first step: certain on resume) unless `pinned` says detrace pinned it (TrainState,
+    other buckets in its first step: possible, as it strikes on a resume, not in two runs from the start) unless
+    `pinned` says detrace pinned it (TrainState,
     `detrace.integrations.accelerate.register`, the Lightning callback), and the gradient all-reduce whose
     reduction order depends on the world size (possible: another world size gives other bits)."""
     hazards = []
@@ -160,7 +161,7 @@ def parallel_hazards(ddp_modules: Sequence[Any], world_size: int, rank: int | No
         if not getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False) \
                 and not pinned(ddp):
             hazards.append(Hazard(
-                kind="parallel", certainty="certain", subject=subject, ranks=ranks,
+                kind="parallel", certainty="possible", subject=subject, ranks=ranks,
                 what=("DDP rebuilds its gradient buckets after the first step, in the order the gradients became "
                       "ready; a run resumed from a checkpoint starts with the initial layout and all-reduces other "
                       "buffers in its first step, so its bits differ from the run that never stopped"),
