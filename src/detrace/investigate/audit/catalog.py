@@ -75,7 +75,7 @@ class OpEntry:
 
 
 _WRITE = ("writes or adds values, from several threads (CPU) or with atomics (CUDA), into destinations that "
-          "indices share: the order of the writes decides the result")
+          "indices share, in an order that changes from run to run")
 _SCATTER = "adds values with atomic adds into destinations that indices share"
 _BACKWARD = "accumulates gradients with atomic adds into overlapping input positions"
 _PICK = "returns the index of one of several equal values, whichever thread wins"
