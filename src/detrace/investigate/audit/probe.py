@@ -256,7 +256,7 @@ class AuditProbe:
                 push_mode(self.mode)
 
         threading.setprofile(enter)
-        self.undo.append(lambda: threading.setprofile(None))  # type: ignore[arg-type]  # None clears it
+        self.undo.append(lambda: threading.setprofile(None))  # None clears it
         original = torch.set_num_threads
 
         def set_num_threads(threads: int) -> None:
