@@ -657,7 +657,7 @@ def _audit_source(source: str) -> list[Hazard]:
     undo = seeds.install()
     push_mode(probe._OpProbe(stub))  # type: ignore[arg-type]
     try:
-        exec(compile(source.replace("range(6)", "range(1)").replace("200000", "20000"), "<case>", "exec"),
+        exec(compile(source.replace("range(6)", "range(1)").replace("200000", "4000"), "<case>", "exec"),
              {"__name__": "__case__"})
     finally:
         pop_mode()
