@@ -2,7 +2,7 @@
 of tests/support/audit_cases.py (every op on torch's documented list, seeding and data cases, compiled code, DDP
 with and without the recipe, the HF and Lightning integrations), as real processes on this machine.
 
-    python bench/audit_precision.py [--out DIR] [--only NAME-SUBSTRING]
+    python bench/audit_precision.py [--out DIR] [--only PART,PART...]
 
 For each script: `detrace audit --json` once (its verdict: a certain hazard or none; the op hazards it names) and
 `detrace check --runs 3` (identical or diverged: a race that strikes in some runs only needs a few). A script is
@@ -53,10 +53,13 @@ def _run(case: Case, folder: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary directory)")
-    parser.add_argument("--only", default="", help="run only the scripts whose name contains this")
+    parser.add_argument("--only", default="", help="run only the scripts whose name contains one of these "
+                        "comma-separated parts")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="audit-precision-"))
-    cases = sorted((c for c in (*CASES, *HEAVY) if args.only in c.name), key=lambda c: "CUDA only" in c.name)
+    parts = args.only.split(",")
+    cases = sorted((c for c in (*CASES, *HEAVY) if any(part in c.name for part in parts)),
+                   key=lambda c: "CUDA only" in c.name)
     tp = fp = fn = tn = 0
     stale, silent = [], []
     print("| script | audit: certain | check: runs differ |\n|---|---|---|", flush=True)
