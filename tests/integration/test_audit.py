@@ -585,13 +585,18 @@ def test_a_run_that_never_seeds_the_rngs_it_draws_from_is_certain(tmp_path: Path
     certain = {h.subject for h in read_ranks(tmp_path / "unseeded")[0] if h.certainty == "certain"}
     assert certain == {"torch's default generator never seeded", "Python's random never seeded",
                        "numpy's global RNG never seeded"}
-    with _audited(tmp_path / "seeded"):
-        detrace.deterministic(0)  # seeds torch, random and numpy
-        model = nn.Linear(4, 4)
-        random.random(), np.random.rand()
-        model(torch.ones(4)).sum().backward()
-        torch.optim.SGD(model.parameters(), lr=0.1).step()
-    assert [h for h in read_ranks(tmp_path / "seeded")[0] if h.certainty == "certain"] == []
+    saved = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+    for how in ("seeded", "restored"):
+        with _audited(tmp_path / how):
+            if how == "seeded":
+                detrace.deterministic(0)  # seeds torch, random and numpy
+            else:  # a resumed run restores the states it saved
+                torch.set_rng_state(saved[0]), random.setstate(saved[1]), np.random.set_state(saved[2])
+            model = nn.Linear(4, 4)
+            random.random(), np.random.rand()
+            model(torch.ones(4)).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert [h for h in read_ranks(tmp_path / how)[0] if h.certainty == "certain"] == [], how
 
 
 class _Noisy(Dataset):

@@ -5,11 +5,11 @@ Each starts from a seed the operating system gives (torch's default generator to
 from process to process until `torch.manual_seed`), so a run that draws from one it never seeded gets other
 numbers in every run: other initial weights, dropout masks, shuffles, augmentations. That is certain, and `detrace
 check` sees it. What is watched, from the moment the probe is armed (before CMD's own code):
-- torch: `manual_seed` (patched to note a call), the initial seed (which a call through another path changes) and
-  the generator's state, which a draw advances. The draw
-  of the base seed a DataLoader makes for every iterator (`_BaseDataLoaderIter`, whether or not anything uses it)
-  is set apart: it is judged with the loader (`judge.data_hazards`): it matters only when a worker draws;
-- random and numpy: their `seed` functions (patched to note a call) and their state.
+- torch: `manual_seed` and `set_rng_state` (patched to note a call: a resumed run restores the state), the
+  initial seed (which a call through another path changes) and the generator's state, which a draw advances. The
+  draw of the base seed a DataLoader makes for every iterator (`_BaseDataLoaderIter`, whether or not anything
+  uses it) is set apart: it is judged with the loader (`judge.data_hazards`): it matters only when a worker draws;
+- random and numpy: their `seed` and state-setting functions (patched to note a call) and their state.
 Draws in DataLoader workers are not this process's: torch reseeds the three RNGs in each worker from the base seed.
 """
 
@@ -54,10 +54,12 @@ class SeedWatch:
                 return seed(*args, **kwargs)
             return seeded
 
-        self.undo += [patch(random, "seed", noting("random", random.seed)),
-                      patch(np.random, "seed", noting("numpy", np.random.seed)),
-                      patch(torch, "manual_seed", noting("torch", torch.manual_seed)),
-                      patch(torch.random, "manual_seed", noting("torch", torch.random.manual_seed))]
+        # Restoring a saved state (a resumed run) sets the stream as much as a seed does.
+        for owner, name, rng in ((random, "seed", "random"), (random, "setstate", "random"),
+                                 (np.random, "seed", "numpy"), (np.random, "set_state", "numpy"),
+                                 (torch, "manual_seed", "torch"), (torch.random, "manual_seed", "torch"),
+                                 (torch, "set_rng_state", "torch"), (torch.random, "set_rng_state", "torch")):
+            self.undo.append(patch(owner, name, noting(rng, getattr(owner, name))))
         loader_iter = torch.utils.data.DataLoader.__iter__
 
         def watched_iter(loader: Any) -> Any:
