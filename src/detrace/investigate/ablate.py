@@ -7,12 +7,13 @@ at a time to isolate its cause.
    then "not-reproducible" (exit 2). A baseline whose metric at S is under the spike threshold is "no-spike"
    (exit 0): nothing to isolate.
 2. Variants, each resumed from a checkpoint and changing one thing (the data controls: docs/resume.md):
-   - skip-batches: the batches of steps S-w..S are skipped (DETRACE_SKIP_STEPS);
+   - skip-batches: the batches of steps S-w..S are skipped (DETRACE_SKIP_STEPS; by default from C);
    - state-only: the batch of step S alone is skipped: the state at S is the baseline's, the data is other
      (resumed from the checkpoint after S steps when the run saved one, else from C);
    - data-from-earlier: resumed from the checkpoint C' before C, fed the batches steps C..S saw
      (DETRACE_DATA_SHIFT=C-C'): the batch of S arrives at step S-(C-C'), in another state;
    - user variants: NAME=--extra args (appended to CMD) or NAME=ENV:K=V[,K=V] (an environment change).
+   A variant whose run fails is unavailable (its reason kept); the verdict is given from the others.
 3. Per variant: the metric at (its) S against the baseline, whether it still spikes by the same threshold (the
    original run's median + k x MAD over the window before S), and where its trace first departs from the
    baseline's (`detrace.diff`: step, phase, module, op).
