@@ -195,7 +195,7 @@ class Tokens(torch.utils.data.Dataset):
         return 16
     def __getitem__(self, i):
         ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {{"input_ids": ids, "labels": ids}}
+        return {"input_ids": ids, "labels": ids}
 args = transformers.TrainingArguments(output_dir=sys.argv[1] if len(sys.argv) > 1 else "hf-out", max_steps=2,
                                       per_device_train_batch_size=4, report_to=[], save_strategy="no",
                                       use_cpu=True, seed=0, logging_steps=1)
