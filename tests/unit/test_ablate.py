@@ -3,6 +3,7 @@ has a known cause, and the verdict must name it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -239,6 +240,18 @@ def test_a_variant_that_cannot_run_is_unavailable_and_the_verdict_comes_from_the
     record = json.loads((result.config.out / "ablate.json").read_text())
     [only] = [v for v in record["variants"] if v["name"] == "state-only"]
     assert only["unavailable"].startswith("CMD exited with status 1") and only["value"] is None
+
+    def refuses_every_variant(cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        if out.name != "baseline":
+            raise CommandFailed("CMD exited with status 1; the end of its output: Traceback ...\n  File ...\n"
+                                "UsageError: past the end of its epoch")
+        return World("data")(cmd, out, env)
+
+    result = ablate(dataclasses.replace(result.config, out=tmp_path / "none"), refuses_every_variant)
+    assert result.cause == "undetermined" and result.summary.startswith(
+        "undetermined: no variant could run from the checkpoint after 8 steps")  # not "survives every variant"
+    assert {o.unavailable.split(" (its run")[0] for o in result.outcomes} == {  # type: ignore[union-attr]
+        "UsageError: past the end of its epoch"}
 
 
 def test_hostile_options_are_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -369,9 +369,11 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
         except (CommandFailed, TraceError) as err:
             if variant.name == "baseline":
                 raise
-            progress(f"{variant.name} is unavailable: {err}")
+            # The error's last line: the program's own sentence (a refused data control), not its traceback.
+            reason = f"{str(err).strip().splitlines()[-1]} (its run: {out})"
+            progress(f"{variant.name} is unavailable: {reason}")
             return Outcome(variant=variant, run=out, at=at, value=None, spiked=False, departure=None, series={},
-                           seconds=time.perf_counter() - began, steps=steps, unavailable=str(err))
+                           seconds=time.perf_counter() - began, steps=steps, unavailable=reason)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)  # the stop's save: nothing resumes from it
         value = series.get(at)
@@ -406,7 +408,12 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
 def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[AblateCause, str]:
     """What the variants' evidence points to, in one sentence (what could not run, and a user variant that
     changed nothing, said at its end)."""
-    cause, summary = _cause(config, c, [o for o in outcomes if o.unavailable is None])
+    ran = [o for o in outcomes if o.unavailable is None]
+    if outcomes and not ran:
+        return "undetermined", (f"undetermined: no variant could run from the checkpoint after {c} steps "
+                                f"({', '.join(o.variant.name for o in outcomes)}: ablate.json says why), so nothing "
+                                "tells the spike's cause apart")
+    cause, summary = _cause(config, c, ran)
     same = [o.variant.name for o in outcomes if o.variant.name not in BUILTINS and o.unavailable is None
             and o.departure is None and o.variant.start >= c]
     if same:
