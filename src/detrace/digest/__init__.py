@@ -2,10 +2,12 @@
 
 This module holds the public entry points; the package is one module per concern:
 
-- `scheme`: the definition of ``detrace-fp1`` and why it has its guarantees, in NumPy; the `Fingerprint` record.
+- `scheme`: the definitions of ``detrace-fp1`` and ``detrace-fp2`` and why they have their guarantees, in NumPy;
+  the `Fingerprint` record.
 - `inputs`: what can be fingerprinted (tensors, component objects, chunks) and its logical bytes.
-- `kernels`: the PyTorch kernels (eager, compiled) and which kernel runs (``DETRACE_FINGERPRINT_BACKEND``).
-- `native`: the loader of the C kernel for the CPU (`detrace._fp1`).
+- `kernels`: the PyTorch kernels (eager, compiled) and which scheme and kernel run (``DETRACE_FINGERPRINT_SCHEME``,
+  ``DETRACE_FINGERPRINT_BACKEND``).
+- `native`: the loaders of the C kernels for the CPU (`detrace._fp1`, `detrace._fp2`); `_triton`: fp2 on GPUs.
 - `plan`: batches: packing pieces into row buffers, partial sums per device, one read-back per device.
 """
 
@@ -29,14 +31,17 @@ from detrace.digest.inputs import (
     part_chunks,
     plain,
 )
-from detrace.digest.kernels import BACKENDS, selected_backend
+from detrace.digest.kernels import BACKENDS, SCHEME_NAMES, selected_backend, selected_scheme
 from detrace.digest.kernels import ENV_BACKEND as ENV_BACKEND  # re-exported: the variable users set
+from detrace.digest.kernels import ENV_SCHEME as ENV_SCHEME
 from detrace.digest.plan import Planner, StagedFingerprints, collect
-from detrace.digest.scheme import M64, SCHEME, Fingerprint, combine, header, np_bytes_sum
+from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, combine, header, np_bytes_sum
+from detrace.errors import UsageError
 
 __all__ = [
     "BACKENDS",
     "SCHEME",
+    "SCHEME2",
     "Fingerprint",
     "StagedFingerprints",
     "collect",
@@ -54,63 +59,80 @@ def _quiet_modes() -> Iterator[None]:
         yield
 
 
-def stage(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0) -> StagedFingerprints:
+def scheme_named(scheme: str | None) -> str:
+    """The full name of a scheme given as fp1/fp2/detrace-fp1/detrace-fp2, or the selected one for None."""
+    if scheme is None:
+        return selected_scheme()
+    if scheme not in SCHEME_NAMES:
+        raise UsageError(f"fingerprint scheme {scheme!r} is not one of fp1, fp2")
+    return SCHEME_NAMES[scheme]
+
+
+def stage(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0,
+          scheme: str | None = None) -> StagedFingerprints:
     """Start fingerprinting `tensors` on their devices; read the results later with `.result()`/`collect`.
 
-    `chunks` and `dim` apply to every tensor (see `fingerprint`).
+    `chunks`, `dim` and `scheme` apply to every tensor (see `fingerprint`).
     """
     check_chunks(chunks, dim)
+    name = scheme_named(scheme)
     backend = selected_backend()
     if backend == "reference":
-        return StagedFingerprints([], {}, [], [], [reference_fingerprint(t, chunks=chunks, dim=dim) for t in tensors])
-    planner = Planner(backend)
+        return StagedFingerprints([], {}, [], [], [reference_fingerprint(t, chunks=chunks, dim=dim, scheme=name)
+                                                   for t in tensors], scheme=name)
+    planner = Planner(backend, name)
     with _quiet_modes():
         return planner.stage([planner.add(t, chunks, dim) for t in tensors])
 
 
-def fingerprint_many(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0) -> list[Fingerprint]:
+def fingerprint_many(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0,
+                     scheme: str | None = None) -> list[Fingerprint]:
     """Fingerprints of many tensors, computed on their devices and read back in one transfer per device."""
-    return stage(tensors, chunks=chunks, dim=dim).result()
+    return stage(tensors, chunks=chunks, dim=dim, scheme=scheme).result()
 
 
-def fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0) -> Fingerprint:
+def fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0, scheme: str | None = None) -> Fingerprint:
     """The fingerprint of one tensor: a 64-bit digest of its bits, shape and dtype.
 
     With `chunks=N`, dimension `dim` is split into N near-equal chunks (as `torch.tensor_split`; N at least
     the size of `dim` gives one chunk per row/token), and `Fingerprint.chunks` holds the digest of each
     chunk: the digest that `fingerprint` gives for that slice on its own. A tensor or object implementing
-    `__detrace_components__()` is fingerprinted as its components.
+    `__detrace_components__()` is fingerprinted as its components. `scheme` (``"fp1"`` or ``"fp2"``) overrides
+    ``DETRACE_FINGERPRINT_SCHEME`` (fp1 when unset); digests of different schemes are never comparable.
     """
-    return fingerprint_many([tensor], chunks=chunks, dim=dim)[0]
+    return fingerprint_many([tensor], chunks=chunks, dim=dim, scheme=scheme)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The reference implementation: one tensor at a time, NumPy on a host copy, read straight off the definition
 
 
-def _reference_digest(t: torch.Tensor) -> int:
+def _reference_digest(t: torch.Tensor, scheme: str) -> int:
     data = logical_bytes(t).cpu().numpy()
-    return (np_bytes_sum(data) + header(dtype_name(t.dtype), tuple(t.shape))) & M64
+    return add(np_bytes_sum(data, scheme), header(dtype_name(t.dtype), tuple(t.shape), scheme), scheme)
 
 
-def reference_fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0) -> Fingerprint:
+def reference_fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0,
+                          scheme: str | None = None) -> Fingerprint:
     """Same result as `fingerprint`, computed by the slow, simple reference path (for tests and audits)."""
     check_chunks(chunks, dim)
+    name = scheme_named(scheme)
     with _quiet_modes():
         parts = components_of(tensor)
         if parts is not None:
             children = tuple(
-                (str(name), reference_fingerprint(part, chunks=part_chunks(part, chunks, dim), dim=dim))
-                for name, part in parts.items()
+                (str(part_name), reference_fingerprint(part, chunks=part_chunks(part, chunks, dim), dim=dim,
+                                                       scheme=name))
+                for part_name, part in parts.items()
             )
             dtype, shape = component_meta(tensor)
-            return Fingerprint(combine(dtype, shape, children), dtype, shape, math.prod(shape),
-                               components=children)
+            return Fingerprint(combine(dtype, shape, children, name), dtype, shape, math.prod(shape),
+                               components=children, scheme=name)
         t = plain(tensor)
-        digest = _reference_digest(t)
+        digest = _reference_digest(t, name)
         if chunks is None:
-            return Fingerprint(digest, dtype_name(t.dtype), tuple(t.shape), t.numel())
+            return Fingerprint(digest, dtype_name(t.dtype), tuple(t.shape), t.numel(), scheme=name)
         dim = chunk_dim(t, dim)
         pieces = torch.tensor_split(t, min(chunks, t.shape[dim]), dim=dim) if t.shape[dim] else ()
         return Fingerprint(digest, dtype_name(t.dtype), tuple(t.shape), t.numel(),
-                           tuple(_reference_digest(p) for p in pieces), dim)
+                           tuple(_reference_digest(p, name) for p in pieces), dim, scheme=name)

@@ -1,6 +1,6 @@
-"""The kernels that compute the scheme's per-row sums on a tensor's device, and which of them runs.
+"""The kernels that compute a scheme's per-row sums on a tensor's device, and which scheme and kernel run.
 
-Four implementations compute the same bits, and the tests compare them:
+Four implementations compute the same bits of each scheme, and the tests compare them:
 
 - ``reference``: NumPy ``uint64`` arithmetic on a host copy, written to read like the definition
   (`detrace.digest.scheme`).
@@ -9,6 +9,10 @@ Four implementations compute the same bits, and the tests compare them:
 - ``compiled``: that eager function under ``torch.compile`` (one fused Inductor kernel on CPU, Triton on
   CUDA), compiled once per row width with a dynamic number of rows, cached on disk by Inductor.
 - ``native``: on the CPU, the same loop in C, compiled when detrace is installed (`detrace.digest.native`).
+
+For ``detrace-fp2`` on CUDA, ``auto`` and ``compiled`` run a Triton kernel (`detrace.digest._triton`) instead of
+torch.compile: nothing to compile per shape beyond Triton's own cache. ``DETRACE_FINGERPRINT_SCHEME=fp1|fp2``
+picks the scheme of new fingerprints (fp1 by default).
 
 ``DETRACE_FINGERPRINT_BACKEND=reference|eager|compiled|native|auto`` picks one. The default, ``auto``, hashes
 small CPU batches in NumPy and larger ones with the native kernel from the first call, so no step pauses for
@@ -29,25 +33,36 @@ import torch
 
 from detrace._compat import mark_dynamic
 from detrace.digest.native import kernel as cpu_kernel
+from detrace.digest.native import kernel2 as cpu_kernel2
 from detrace.digest.scheme import (
     COL_BITS,
+    M32,
     M55,
     MIX_C1,
     MIX_C2,
     MIX_SHIFT,
+    MIXA,
+    MIXB,
     RK_ADD,
     RK_C1,
     RK_C2,
     RK_S1,
     RK_S2,
     ROW_BYTES,
+    SCHEME,
+    SCHEME2,
     T_U64,
+    TA_U32,
+    TB_U32,
+    np_rowkeys2,
     signed,
 )
 from detrace.errors import FingerprintError, UsageError
 
 BACKENDS = ("auto", "reference", "eager", "compiled", "native")
 ENV_BACKEND = "DETRACE_FINGERPRINT_BACKEND"
+ENV_SCHEME = "DETRACE_FINGERPRINT_SCHEME"
+SCHEME_NAMES = {"fp1": SCHEME, "fp2": SCHEME2, SCHEME: SCHEME, SCHEME2: SCHEME2}
 
 # Work smaller than this (in 64-bit words) is not worth a compiled kernel; on CPU it runs in NumPy.
 COMPILE_MIN_WORDS = 1 << 15
@@ -103,16 +118,69 @@ def _torch_rowkeys(rows: torch.Tensor) -> torch.Tensor:
     return x << COL_BITS
 
 
+# ---------------------------------------------------------------------------------------------------------
+# detrace-fp2 in PyTorch: 32-bit lanes held in int64 (products wrap mod 2**64, masked to their low 32 bits)
+
+
+def _torch_mix32(x: torch.Tensor, constants: tuple[int, int, int, int, int]) -> torch.Tensor:
+    s1, c1, s2, c2, s3 = constants
+    x = x ^ (x >> s1)
+    x = (x * c1) & M32
+    x = x ^ (x >> s2)
+    x = (x * c2) & M32
+    return x ^ (x >> s3)
+
+
+def _torch_lanes(words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-row (SA, SB) of int64 words [N, W] read as 2W 32-bit words, not yet reduced mod 2**32."""
+    w = words.view(torch.int32).to(torch.int64) & M32
+    sa = _torch_mix32(w ^ colkeys[0] ^ (rowkeys & M32)[:, None], MIXA).sum(dim=1)
+    sb = _torch_mix32(w ^ colkeys[1] ^ ((rowkeys >> 32) & M32)[:, None], MIXB).sum(dim=1)
+    return sa, sb
+
+
+def _pack(sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    return (sa & M32) | ((sb & M32) << 32)
+
+
+def _torch_row_sums2(words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor) -> torch.Tensor:
+    return _pack(*_torch_lanes(words, rowkeys, colkeys))
+
+
+def _torch_total2(words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor) -> torch.Tensor:
+    sa, sb = _torch_lanes(words, rowkeys, colkeys)
+    return _pack(sa.sum(), sb.sum()).reshape(1)
+
+
+def lane_total(rows: torch.Tensor) -> torch.Tensor:
+    """The fp2 sum of packed per-row lane sums (int64 [N]) as int64 [1]."""
+    return _pack((rows & M32).sum(), ((rows >> 32) & M32).sum()).reshape(1)
+
+
+_TORCH_KERNELS = {(SCHEME, "rows"): _torch_row_sums, (SCHEME, "total"): _torch_total,
+                  (SCHEME2, "rows"): _torch_row_sums2, (SCHEME2, "total"): _torch_total2}
+
+
 class _DeviceTables:
     """Per-device constants: column keys, a zero buffer for padding, and row keys 0..n-1 (grown on demand)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.colkeys = torch.from_numpy(T_U64.view(np.int64).copy()).to(device)
+        # fp2: [2, 1024] int64 (TA, TB) for the torch kernels, and the 2048 uint32 the C and Triton kernels read
+        self.colkeys2 = torch.from_numpy(np.stack([TA_U32, TB_U32]).astype(np.int64)).to(device)
+        self.colkeys2_u32 = torch.from_numpy(np.concatenate([TA_U32, TB_U32]).view(np.int32)).to(device)
         self.zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
         self._rowkeys = torch.empty(0, dtype=torch.int64, device=device)
+        self._rowkeys2 = torch.empty(0, dtype=torch.int64, device=device)
 
-    def rowkeys(self, n: int) -> torch.Tensor:
+    def rowkeys(self, n: int, scheme: str = SCHEME) -> torch.Tensor:
+        """Row keys of rows 0..n-1 of `scheme` on the device."""
+        if scheme == SCHEME2:
+            if n > self._rowkeys2.numel():
+                size = max(n, 2 * self._rowkeys2.numel(), 1024)
+                self._rowkeys2 = torch.from_numpy(np_rowkeys2(np.arange(size)).view(np.int64)).to(self.device)
+            return self._rowkeys2[:n]
         if n > self._rowkeys.numel():
             size = max(n, 2 * self._rowkeys.numel(), 1024)
             self._rowkeys = _torch_rowkeys(torch.arange(size, dtype=torch.int64, device=self.device))
@@ -141,31 +209,30 @@ class _CompiledKernels:
         self._broken: dict[str, str] = {}
         self._checked: set[tuple[str, str, int]] = set()
 
-    def _fn(self, kind: str) -> Callable[..., torch.Tensor]:
-        fn = self._fns.get(kind)
+    def _fn(self, scheme: str, kind: str) -> Callable[..., torch.Tensor]:
+        fn = self._fns.get(scheme + kind)
         if fn is None:
             with self._lock:
-                fn = self._fns.get(kind)
+                fn = self._fns.get(scheme + kind)
                 if fn is None:
-                    eager = _torch_total if kind == "total" else _torch_row_sums
-                    fn = torch.compile(eager, dynamic=False, fullgraph=True)
-                    self._fns[kind] = fn
+                    fn = torch.compile(_TORCH_KERNELS[scheme, kind], dynamic=False, fullgraph=True)
+                    self._fns[scheme + kind] = fn
         return fn
 
-    def run(self, kind: str, words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor,
+    def run(self, scheme: str, kind: str, words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor,
             forced: bool) -> torch.Tensor | None:
         device_type = words.device.type
         if device_type in self._broken:
             return None
         try:
-            fn = self._fn(kind)
+            fn = self._fn(scheme, kind)
             mark_dynamic(words, 0)
             mark_dynamic(rowkeys, 0)
             out = fn(words, rowkeys, colkeys).reshape(-1)
-            key = (device_type, kind, words.shape[1])
+            key = (device_type, scheme + kind, words.shape[1])
             if key not in self._checked:
                 # One-time self-check per kernel, width and device type: the compiled kernel gives the eager bits.
-                if not torch.equal(out, _eager_kernel(kind, words, rowkeys, colkeys)):
+                if not torch.equal(out, _eager_kernel(scheme, kind, words, rowkeys, colkeys)):
                     raise RuntimeError("the compiled kernel disagrees with the eager kernel")
                 self._checked.add(key)
             return out
@@ -188,17 +255,28 @@ class _CompiledKernels:
 _compiled = _CompiledKernels()
 
 
-def _eager_kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor) -> torch.Tensor:
+def _eager_kernel(scheme: str, kind: str, words: torch.Tensor, rowkeys: torch.Tensor,
+                  colkeys: torch.Tensor) -> torch.Tensor:
     """The kernel in eager PyTorch, a block of rows at a time (cache-sized temporaries on CPU)."""
     block = max(1, (_EAGER_BLOCK_WORDS if words.device.type == "cpu" else 1 << 24) // max(words.shape[1], 1))
-    sums = [_torch_row_sums(words[i : i + block], rowkeys[i : i + block], colkeys)
-            for i in range(0, words.shape[0], block)]
+    row_sums = _TORCH_KERNELS[scheme, "rows"]
+    sums = [row_sums(words[i : i + block], rowkeys[i : i + block], colkeys) for i in range(0, words.shape[0], block)]
     rows = torch.cat(sums) if len(sums) != 1 else sums[0]
-    return rows.sum().reshape(1) if kind == "total" else rows
+    if kind == "rows":
+        return rows
+    return rows.sum().reshape(1) if scheme == SCHEME else lane_total(rows)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Which kernel runs
+
+
+def selected_scheme() -> str:
+    """The scheme that DETRACE_FINGERPRINT_SCHEME names (detrace-fp1 when unset), or UsageError."""
+    value = os.environ.get(ENV_SCHEME, "").strip().lower() or "fp1"
+    if value not in SCHEME_NAMES:
+        raise UsageError(f"{ENV_SCHEME}={value!r} is not one of fp1, fp2")
+    return SCHEME_NAMES[value]
 
 
 def selected_backend() -> str:
@@ -229,19 +307,30 @@ class _AutoPolicy:
 _auto = _AutoPolicy()
 
 
-def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str) -> torch.Tensor:
+def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:
     """Per-row sums (kind "rows", shape [N]) or the total (kind "total", shape [1]) as int64 on the device."""
-    colkeys = device_tables(words.device).colkeys[: words.shape[1]]
-    if words.device.type == "cpu" and (backend == "native" or (backend == "auto" and cpu_kernel.usable)):
+    tables = device_tables(words.device)
+    fp2 = scheme == SCHEME2
+    colkeys = tables.colkeys2[:, : 2 * words.shape[1]] if fp2 else tables.colkeys[: words.shape[1]]
+    native = cpu_kernel2 if fp2 else cpu_kernel
+    if words.device.type == "cpu" and (backend == "native" or (backend == "auto" and native.usable)):
         # On the CPU `auto` never pauses for torch.compile: the native kernel from the first call
-        if not cpu_kernel.usable:
-            raise FingerprintError(f"{ENV_BACKEND}=native, but {cpu_kernel.failed}")
-        host = cpu_kernel.row_sums(words.numpy().view(np.uint64), rowkeys.numpy().view(np.uint64),
-                                   colkeys.numpy().view(np.uint64), torch.get_num_threads())
+        if not native.usable:
+            raise FingerprintError(f"{ENV_BACKEND}=native, but {native.failed}")
+        host_words = words.numpy().view(np.uint32 if fp2 else np.uint64)
+        host_colkeys = tables.colkeys2_u32.numpy().view(np.uint32) if fp2 else colkeys.numpy().view(np.uint64)
+        host = native.row_sums(host_words, rowkeys.numpy().view(np.uint64), host_colkeys, torch.get_num_threads())
         rows = torch.from_numpy(host.view(np.int64))
-        return rows.sum().reshape(1) if kind == "total" else rows
+        if kind == "rows":
+            return rows
+        return rows.sum().reshape(1) if not fp2 else lane_total(rows)
+    if fp2 and words.device.type == "cuda" and backend in ("auto", "compiled"):
+        from detrace.digest._triton import fp2_row_sums
+
+        rows = fp2_row_sums(words, rowkeys, tables.colkeys2_u32)
+        return rows if kind == "rows" else lane_total(rows)
     if words.shape[0] >= 2 and (backend == "compiled" or (backend == "auto" and _auto.wants_compiled(words.numel()))):
-        out = _compiled.run(kind, words, rowkeys, colkeys, forced=backend == "compiled")
+        out = _compiled.run(scheme, kind, words, rowkeys, colkeys, forced=backend == "compiled")
         if out is not None:
             return out
-    return _eager_kernel(kind, words, rowkeys, colkeys)
+    return _eager_kernel(scheme, kind, words, rowkeys, colkeys)

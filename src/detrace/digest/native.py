@@ -1,19 +1,20 @@
-"""The `detrace-fp1` kernel on the CPU: the same bits as the eager and compiled kernels of
+"""The CPU kernels of `detrace-fp1` and `detrace-fp2`: the same bits as the eager and compiled kernels of
 `detrace.digest.kernels`, at full speed from the first call of a process.
 
 torch.compile's CPU kernel is fast once built, but building it costs seconds (14.5 s cold, 4.2 s from a warm
 Inductor cache), a JIT such as numba costs most of a second to import and load in every fresh process, and the
-eager kernel is several times slower than `torch.hash_tensor`. This kernel is a plain loop over 64-bit words in C
-(`_fp1.c`), compiled when detrace is installed: importing it takes microseconds. The rows are split over
-`torch.get_num_threads()` Python threads (the loop releases the GIL), so no threading layer of its own is started
-in the traced process.
+eager kernel is several times slower than `torch.hash_tensor`. Each kernel is a plain loop in C (`_fp1.c` over
+64-bit words, `_fp2.c` over 32-bit lanes that the compiler vectorizes), compiled when detrace is installed:
+importing it takes microseconds. The rows are split over `torch.get_num_threads()` Python threads (the loop
+releases the GIL), so no threading layer of its own is started in the traced process.
 
-The extension is optional (setup.py): where it was not built, `kernel.usable` is False and `detrace.digest` hashes
+The extensions are optional (setup.py): where one was not built, its `usable` is False and `detrace.digest` hashes
 on the CPU with NumPy and eager kernels instead.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,15 +28,13 @@ _MIN_WORDS_PER_THREAD = 1 << 16
 class _Kernel:
     """The compiled kernel, when the extension was built, and the threads that share its rows."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str) -> None:
         self.fn: Callable[..., None] | None = None
         self.failed: str | None = None
         try:
-            from detrace._fp1 import row_sums
+            self.fn = importlib.import_module(module).row_sums
         except ImportError as err:
-            self.failed = f"the C extension detrace._fp1 was not built at install ({err})"
-        else:
-            self.fn = row_sums
+            self.failed = f"the C extension {module} was not built at install ({err})"
         self._pool: tuple[int, ThreadPoolExecutor] | None = None
 
     @property
@@ -50,7 +49,7 @@ class _Kernel:
         return self._pool[1]
 
     def row_sums(self, words: np.ndarray, rowkeys: np.ndarray, colkeys: np.ndarray, threads: int) -> np.ndarray:
-        """Per-row sums (uint64 [N]) of words [N, W] (uint64)."""
+        """Per-row sums (uint64 [N]) of words [N, W] (uint64 for fp1, uint32 for fp2)."""
         fn = self.fn
         if fn is None:
             raise RuntimeError(f"the CPU fingerprint kernel is unavailable: {self.failed}")
@@ -58,7 +57,7 @@ class _Kernel:
         colkeys = np.ascontiguousarray(colkeys)
         rows, width = words.shape
         out = np.empty(rows, dtype=np.uint64)
-        threads = max(1, min(threads, words.size // _MIN_WORDS_PER_THREAD, rows))
+        threads = max(1, min(threads, words.nbytes // 8 // _MIN_WORDS_PER_THREAD, rows))
         if threads == 1:
             fn(words, width, rowkeys, colkeys, out, 0, rows)
             return out
@@ -72,4 +71,5 @@ class _Kernel:
         return out
 
 
-kernel = _Kernel()
+kernel = _Kernel("detrace._fp1")
+kernel2 = _Kernel("detrace._fp2")

@@ -29,7 +29,7 @@ from detrace.digest.inputs import (
     plain,
 )
 from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel
-from detrace.digest.scheme import M64, RK0, ROW_BYTES, Z0, Fingerprint, combine, header, np_row_sums, np_rowkeys
+from detrace.digest.scheme import ROW_BYTES, SPECS, Fingerprint, add, combine, header, np_accumulate
 
 # Tensors from this size on are hashed in place (no copy) by the one-pass body kernel.
 BODY_MIN_BYTES = 1 << 18
@@ -47,9 +47,11 @@ def _narrow_width(nbytes: int) -> int:
 class _DevicePlan:
     """Everything one device contributes to a batch: partial sums (device) and their owners (host)."""
 
-    def __init__(self, device: torch.device, backend: str) -> None:
+    def __init__(self, device: torch.device, backend: str, scheme: str) -> None:
         self.device = device
         self.backend = backend
+        self.scheme = scheme
+        self.spec = SPECS[scheme]
         self.tables = device_tables(device)
         self.narrow: dict[int, list[tuple[torch.Tensor, int]]] = {w: [] for w in _NARROW_WIDTHS}
         self.packed: list[tuple[torch.Tensor, int, int]] = []  # (bytes, first row, owner)
@@ -74,14 +76,14 @@ class _DevicePlan:
         """Row sums of words [N, W] (int64 on the device, or uint64 in NumPy) with host row keys (uint64 [N])."""
         if isinstance(words, np.ndarray) or self._use_numpy(words.numel()):
             host = words if isinstance(words, np.ndarray) else words.numpy().view(np.uint64)
-            self._emit(np_row_sums(host, rowkeys).view(np.int64), owners)
+            self._emit(self.spec.row_sums(host, rowkeys).view(np.int64), owners)
             return
         rk = torch.from_numpy(rowkeys.view(np.int64))
         if self.device.type == "cuda":  # pinned + non_blocking: the copy is queued, the host never waits
             rk = rk.pin_memory().to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
             rk = rk.to(self.device)
-        self._emit(kernel("rows", words, rk, self.backend), owners)
+        self._emit(kernel("rows", words, rk, self.backend, self.scheme), owners)
 
     def add_bytes(self, data: torch.Tensor, owner: int, consts: list[int]) -> None:
         """Add S(data) to digest `owner` (data: 1-D uint8 on this device, the whole logical tensor)."""
@@ -91,7 +93,7 @@ class _DevicePlan:
         if n <= ROW_BYTES:
             width = _narrow_width(n)
             self.narrow[width].append((data, owner))
-            consts[owner] = (consts[owner] + Z0[width]) & M64
+            consts[owner] = add(consts[owner], self.spec.z0[width], self.scheme)
             return
         if n < BODY_MIN_BYTES:
             self._pack(data, 0, owner)
@@ -101,7 +103,7 @@ class _DevicePlan:
         if body is None:  # storage offset not 8-byte aligned: hash an aligned copy
             body = as_rows(data[: body_rows * ROW_BYTES].clone(), body_rows)
         assert body is not None
-        self._emit(kernel("total", body, self.tables.rowkeys(body_rows), self.backend),
+        self._emit(kernel("total", body, self.tables.rowkeys(body_rows, self.scheme), self.backend, self.scheme),
                    np.array([owner], dtype=np.int64))
         if n > body_rows * ROW_BYTES:
             self._pack(data[body_rows * ROW_BYTES :], body_rows, owner)
@@ -122,14 +124,14 @@ class _DevicePlan:
             if nbytes <= ROW_BYTES:
                 width = _narrow_width(nbytes)
                 words = torch.nn.functional.pad(block, (0, 8 * width - nbytes)).view(torch.int64)
-                self._rows(words, np.full(m, RK0, dtype=np.uint64), owner_arr)
+                self._rows(words, np.full(m, self.spec.rk0, dtype=np.uint64), owner_arr)
                 for o in owners:
-                    consts[o] = (consts[o] + Z0[width]) & M64
+                    consts[o] = add(consts[o], self.spec.z0[width], self.scheme)
                 continue
             rows = -(-nbytes // ROW_BYTES)
             padded = torch.nn.functional.pad(block, (0, rows * ROW_BYTES - nbytes))
             words = padded.reshape(m * rows, ROW_BYTES).view(torch.int64)
-            rowkeys = np.tile(np_rowkeys(np.arange(rows)), m)
+            rowkeys = np.tile(self.spec.rowkeys(np.arange(rows)), m)
             self._rows(words, rowkeys, np.repeat(owner_arr, rows))
 
     def finish(self) -> None:
@@ -153,7 +155,7 @@ class _DevicePlan:
                         parts.append(zeros[: stride - data.numel()])
                 words = torch.cat(parts).view(len(items), stride).view(torch.int64)
             owners = np.fromiter((o for _, o in items), dtype=np.int64, count=len(items))
-            self._rows(words, np.full(len(items), RK0, dtype=np.uint64), owners)
+            self._rows(words, np.full(len(items), self.spec.rk0, dtype=np.uint64), owners)
         self._run_packed()
         self.narrow = {w: [] for w in _NARROW_WIDTHS}
 
@@ -176,7 +178,7 @@ class _DevicePlan:
         words = torch.cat(parts).view(-1, ROW_BYTES).view(torch.int64)
         starts = np.repeat(np.cumsum(counts) - counts, counts)
         row_numbers = np.arange(counts.sum(), dtype=np.int64) - starts + np.repeat(firsts, counts)
-        self._rows(words, np_rowkeys(row_numbers), np.repeat(owners, counts))
+        self._rows(words, self.spec.rowkeys(row_numbers), np.repeat(owners, counts))
         self.packed = []
         self.packed_bytes = 0
 
@@ -202,7 +204,8 @@ class StagedFingerprints:
     """
 
     def __init__(self, nodes: list[_Node], plans: dict[torch.device, _DevicePlan], headers: list[int],
-                 consts: list[int], result: list[Fingerprint] | None = None) -> None:
+                 consts: list[int], result: list[Fingerprint] | None = None, *, scheme: str) -> None:
+        self.scheme = scheme
         self._nodes = nodes
         self._plans = plans
         self._headers = headers
@@ -222,23 +225,26 @@ class StagedFingerprints:
         acc = np.zeros(len(self._headers), dtype=np.uint64)
         for device, plan in self._plans.items():
             if plan.owners:
-                np.add.at(acc, np.concatenate(plan.owners), device_sums[device].view(np.uint64))
+                np_accumulate(acc, np.concatenate(plan.owners), device_sums[device].view(np.uint64), self.scheme)
             if plan.host_owners:
-                np.add.at(acc, np.concatenate(plan.host_owners), np.concatenate(plan.host_results).view(np.uint64))
-        acc += np.array(self._headers, dtype=np.uint64)
-        acc += np.array(self._consts, dtype=np.uint64)
+                np_accumulate(acc, np.concatenate(plan.host_owners),
+                              np.concatenate(plan.host_results).view(np.uint64), self.scheme)
+        every = np.arange(len(acc))
+        for constants in (self._headers, self._consts):
+            np_accumulate(acc, every, np.array(constants, dtype=np.uint64), self.scheme)
         digests = [int(v) for v in acc]
-        self._result = [_resolve(node, digests) for node in self._nodes]
+        self._result = [_resolve(node, digests, self.scheme) for node in self._nodes]
         self._plans = {}
 
 
-def _resolve(node: _Node, digests: list[int]) -> Fingerprint:
+def _resolve(node: _Node, digests: list[int], scheme: str) -> Fingerprint:
     if node.components:
-        parts = tuple((name, _resolve(child, digests)) for name, child in node.components)
-        return Fingerprint(combine(node.dtype, node.shape, parts), node.dtype, node.shape, node.numel,
-                           components=parts)
+        parts = tuple((name, _resolve(child, digests, scheme)) for name, child in node.components)
+        return Fingerprint(combine(node.dtype, node.shape, parts, scheme), node.dtype, node.shape, node.numel,
+                           components=parts, scheme=scheme)
     chunks = None if node.chunk_slots is None else tuple(digests[s] for s in node.chunk_slots)
-    return Fingerprint(digests[node.slot], node.dtype, node.shape, node.numel, chunks, node.chunk_dim)
+    return Fingerprint(digests[node.slot], node.dtype, node.shape, node.numel, chunks, node.chunk_dim,
+                       scheme=scheme)
 
 
 def collect(staged: Sequence[StagedFingerprints]) -> list[list[Fingerprint]]:
@@ -266,8 +272,9 @@ def collect(staged: Sequence[StagedFingerprints]) -> list[list[Fingerprint]]:
 class Planner:
     """Turns the inputs of one batch into digest slots (one per digest and per chunk) and device plans."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, scheme: str) -> None:
         self.backend = backend
+        self.scheme = scheme
         self.plans: dict[torch.device, _DevicePlan] = {}
         self.headers: list[int] = []
         self.consts: list[int] = []
@@ -280,7 +287,7 @@ class Planner:
     def _plan(self, device: torch.device) -> _DevicePlan:
         plan = self.plans.get(device)
         if plan is None:
-            plan = self.plans[device] = _DevicePlan(device, self.backend)
+            plan = self.plans[device] = _DevicePlan(device, self.backend, self.scheme)
         return plan
 
     def add(self, obj: Any, chunks: int | None, dim: int) -> _Node:
@@ -290,7 +297,7 @@ class Planner:
         t = plain(obj)
         dtype = dtype_name(t.dtype)
         shape = tuple(t.shape)
-        node = _Node(dtype, shape, t.numel(), slot=self._slot(header(dtype, shape)))
+        node = _Node(dtype, shape, t.numel(), slot=self._slot(header(dtype, shape, self.scheme)))
         plan = self._plan(t.device)
         plan.add_bytes(logical_bytes(t), node.slot, self.consts)
         if chunks is not None:
@@ -300,7 +307,7 @@ class Planner:
             groups = []
             for block, size, m in chunk_groups(t, dim, sizes):
                 chunk_shape = (*shape[:dim], size, *shape[dim + 1 :])
-                owners = [self._slot(header(dtype, chunk_shape)) for _ in range(m)]
+                owners = [self._slot(header(dtype, chunk_shape, self.scheme)) for _ in range(m)]
                 slots.extend(owners)
                 groups.append((block, owners))
             plan.add_chunks(groups, self.consts)
@@ -316,4 +323,4 @@ class Planner:
     def stage(self, nodes: list[_Node]) -> StagedFingerprints:
         for plan in self.plans.values():
             plan.finish()
-        return StagedFingerprints(nodes, self.plans, self.headers, self.consts)
+        return StagedFingerprints(nodes, self.plans, self.headers, self.consts, scheme=self.scheme)

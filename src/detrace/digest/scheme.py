@@ -1,4 +1,4 @@
-"""The definition of the fingerprint scheme ``detrace-fp1``, in NumPy, and the `Fingerprint` record.
+"""The definitions of the fingerprint schemes ``detrace-fp1`` and ``detrace-fp2``, in NumPy; the `Fingerprint` record.
 
 The digest is defined on the tensor's logical bytes, so it depends only on bits, shape and dtype, never on
 strides, storage offset, device, thread count or process:
@@ -30,17 +30,38 @@ This module is the definition written to read like the steps above (NumPy ``uint
 2**64); the reference implementation is built from it, and the faster kernels (`detrace.digest.kernels`,
 `detrace.digest.native`) are held to it by the tests. An object made of several tensors (a quantized tensor)
 is fingerprinted through its components, combined by `combine`.
+
+``detrace-fp2`` (format version 2, selected with ``DETRACE_FINGERPRINT_SCHEME=fp2``) keeps the rows of 4096 bytes
+and the keyed sum, in 32-bit lanes that vector units multiply natively (fp1's 64-bit multiplies are emulated in
+vector code), so it hashes faster than memory is read:
+
+1. The same zero-padded rows, read as 1024 unsigned 32-bit words ``w[r, c]``.
+2. Two keys per position: ``A[r, c] = TA[c] ^ RA(r)`` and ``B[r, c] = TB[c] ^ RB(r)``, 32 bits each, the column
+   number in the low 10 bits of ``TA[c]``/``TB[c]`` and a 22-bit bijection of the row above them. ``RA`` keys the
+   row number modulo 2**22 and ``RB`` the row's high bits XOR its low bits, so the pair ``(A, B)`` differs at
+   every two positions of the first 2**44 rows (64 PiB), and ``A`` alone at every two of the first 16 GiB.
+3. Two sums mod 2**32: ``SA = sum of mixA(w ^ A)`` and ``SB = sum of mixB(w ^ B)``, ``mixA``/``mixB`` two 32-bit
+   finalizers (xorshift-multiply, odd constants: bijections).
+4. ``digest = (SA + HA) mod 2**32 + 2**32 * ((SB + HB) mod 2**32)``, ``HA``/``HB`` the low/high halves of the
+   BLAKE2b header of ``detrace-fp2|dtype|shape``.
+
+A change confined to one 32-bit word changes both ``SA`` and ``SB`` (each term is a bijection of the word); a
+swap or any other change of several words passes both sums only with probability about 2**-64 (two independent
+keyed 32-bit sums). Partial sums combine lane by lane (`add`), in any order.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 SCHEME = "detrace-fp1"
+SCHEME2 = "detrace-fp2"
+SCHEMES = (SCHEME, SCHEME2)
 
 ROW_WORDS = 512  # 64-bit words per row
 ROW_BYTES = ROW_WORDS * 8  # 4096
@@ -115,12 +136,12 @@ Z0 = [int(v) for v in np.concatenate([np.cumsum(np_mix(T_U64 ^ np.uint64(RK0))[:
 
 
 @lru_cache(maxsize=65536)
-def header(dtype: str, shape: tuple[int, ...]) -> int:
-    text = f"{SCHEME}|{dtype}|{','.join(map(str, shape))}"
+def header(dtype: str, shape: tuple[int, ...], scheme: str = SCHEME) -> int:
+    text = f"{scheme}|{dtype}|{','.join(map(str, shape))}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def np_bytes_sum(data: np.ndarray) -> int:
+def np_bytes_sum(data: np.ndarray, scheme: str = SCHEME) -> int:
     """S for a 1-D uint8 array: pad to whole rows, key, mix, sum (the definition, step by step)."""
     if data.size == 0:
         return 0
@@ -128,7 +149,128 @@ def np_bytes_sum(data: np.ndarray) -> int:
     padded = np.zeros(rows * ROW_BYTES, dtype=np.uint8)
     padded[: data.size] = data
     words = padded.view("<u8").reshape(rows, ROW_WORDS)
-    return int(np_row_sums(words, np_rowkeys(np.arange(rows))).sum(dtype=np.uint64))
+    spec = SPECS[scheme]
+    return np_total(spec.row_sums(words, spec.rowkeys(np.arange(rows))), scheme)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# detrace-fp2: the same rows in 32-bit lanes, two keyed sums mod 2**32
+
+M32 = (1 << 32) - 1
+M22 = (1 << 22) - 1
+ROW_WORDS32 = 1024
+COL2_BITS = 10  # log2(ROW_WORDS32)
+# the two 32-bit finalizers (lowbias32 and a second xorshift-multiply of the same shape; odd multipliers)
+MIXA = (16, 0x7FEB352D, 15, 0x846CA68B, 16)
+MIXB = (16, 0x21F0AAAD, 15, 0x735A2D97, 15)
+# row-key bijections on 22 bits: add, multiply by odd constants, xorshift (all mod 2**22)
+RA = (0x2F5A3B1, 0x1D7E6A5, 11, 0x3A9C4E7, 12)
+RB = (0x0C6E2D9, 0x2B17F43, 11, 0x15E3A9B, 12)
+
+
+def _col_table(seed: int) -> np.ndarray:
+    return np.array([(_splitmix64(seed + c) & M32 & ~((1 << COL2_BITS) - 1)) | c for c in range(ROW_WORDS32)],
+                    dtype=np.uint32)
+
+
+TA_U32 = _col_table(0xF2A_0000)
+TB_U32 = _col_table(0xF2B_0000)
+
+
+def np_mix32(x: np.ndarray, constants: tuple[int, int, int, int, int]) -> np.ndarray:
+    s1, c1, s2, c2, s3 = constants
+    x = x ^ (x >> np.uint32(s1))
+    x = x * np.uint32(c1)
+    x = x ^ (x >> np.uint32(s2))
+    x = x * np.uint32(c2)
+    return x ^ (x >> np.uint32(s3))
+
+
+def _bij22(x: np.ndarray, constants: tuple[int, int, int, int, int]) -> np.ndarray:
+    add, c1, s1, c2, s2 = constants
+    m = np.uint64(M22)
+    x = (x + np.uint64(add)) & m
+    x = (x * np.uint64(c1 | 1)) & m
+    x = x ^ (x >> np.uint64(s1))
+    x = (x * np.uint64(c2 | 1)) & m
+    return x ^ (x >> np.uint64(s2))
+
+
+def np_rowkeys2(rows: np.ndarray) -> np.ndarray:
+    """(RA(r), RB(r)) for an array of row numbers, packed as uint64: RA in the low 32 bits, RB in the high."""
+    r = rows.astype(np.uint64)
+    low = r & np.uint64(M22)
+    high = (r >> np.uint64(22)) & np.uint64(M22)
+    ra = _bij22(low, RA) << np.uint64(COL2_BITS)
+    rb = _bij22(high ^ low, RB) << np.uint64(COL2_BITS)
+    return ra | (rb << np.uint64(32))
+
+
+def np_row_sums2(words: np.ndarray, rowkeys: np.ndarray) -> np.ndarray:
+    """Per-row (SA, SB) packed as uint64 for words [N, W] (uint64 rows, read as 2W 32-bit words) and row keys [N]."""
+    w32 = np.ascontiguousarray(words).view(np.uint32)
+    width = w32.shape[1]
+    ka = (rowkeys & np.uint64(M32)).astype(np.uint32)[:, None]
+    kb = (rowkeys >> np.uint64(32)).astype(np.uint32)[:, None]
+    sa = np_mix32(w32 ^ TA_U32[None, :width] ^ ka, MIXA).sum(axis=1, dtype=np.uint32)
+    sb = np_mix32(w32 ^ TB_U32[None, :width] ^ kb, MIXB).sum(axis=1, dtype=np.uint32)
+    return sa.astype(np.uint64) | (sb.astype(np.uint64) << np.uint64(32))
+
+
+def add(a: int, b: int, scheme: str = SCHEME) -> int:
+    """a + b for partial sums of `scheme`: mod 2**64 (fp1), or lane by lane mod 2**32 (fp2)."""
+    if scheme == SCHEME:
+        return (a + b) & M64
+    return ((a + b) & M32) | (((a >> 32) + (b >> 32)) & M32) << 32
+
+
+def np_total(values: np.ndarray, scheme: str = SCHEME) -> int:
+    """The sum of uint64 partial sums of `scheme` (see `add`)."""
+    if scheme == SCHEME:
+        return int(values.sum(dtype=np.uint64))
+    lanes = np.ascontiguousarray(values, dtype=np.uint64).view(np.uint32).reshape(-1, 2).sum(axis=0, dtype=np.uint32)
+    return int(lanes[0]) | int(lanes[1]) << 32
+
+
+def np_accumulate(acc: np.ndarray, owners: np.ndarray, values: np.ndarray, scheme: str = SCHEME) -> None:
+    """acc[owners[i]] += values[i] in place (uint64 arrays), with `scheme`'s addition."""
+    if scheme == SCHEME:
+        np.add.at(acc, owners, values)
+    else:
+        np.add.at(acc.view(np.uint32).reshape(-1, 2), owners,
+                  np.ascontiguousarray(values).view(np.uint32).reshape(-1, 2))
+
+
+RK0_2 = int(np_rowkeys2(np.zeros(1, dtype=np.int64))[0])
+
+
+def _fp2_zero_tails() -> list[int]:
+    """Z0 of fp2: for W = 0..512, the lane sums of the zero 32-bit words 2W..1023 of row 0."""
+    ka, kb = np.uint32(RK0_2 & M32), np.uint32(RK0_2 >> 32)
+    tails = [np.concatenate([np.cumsum(np_mix32(table ^ key, mix)[::-1], dtype=np.uint32)[::-1],
+                             np.zeros(1, dtype=np.uint32)])
+             for table, key, mix in ((TA_U32, ka, MIXA), (TB_U32, kb, MIXB))]
+    return [int(tails[0][2 * w]) | int(tails[1][2 * w]) << 32 for w in range(ROW_WORDS + 1)]
+
+
+Z0_2 = _fp2_zero_tails()
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """What the planner needs of a scheme: its row keys, row sums and row-0 padding constants (host side)."""
+
+    name: str
+    rowkeys: Callable[[np.ndarray], np.ndarray]
+    row_sums: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    rk0: int
+    z0: list[int]
+
+
+SPECS = {
+    SCHEME: SchemeSpec(SCHEME, np_rowkeys, np_row_sums, RK0, Z0),
+    SCHEME2: SchemeSpec(SCHEME2, np_rowkeys2, np_row_sums2, RK0_2, Z0_2),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -146,6 +288,7 @@ class Fingerprint:
     chunks: tuple[int, ...] | None = None  # chunk-wise mode: one digest per chunk along chunk_dim
     chunk_dim: int | None = None
     components: tuple[tuple[str, Fingerprint], ...] = ()  # quantized tensors: ("data", fp), ("scales", fp)
+    scheme: str = SCHEME  # the scheme that computed the digest: digests of two schemes are never compared
 
     @property
     def hex(self) -> str:
@@ -156,8 +299,9 @@ class Fingerprint:
         return f"{self.hex} {self.dtype}[{shape}]"
 
 
-def combine(dtype: str, shape: tuple[int, ...], parts: tuple[tuple[str, Fingerprint], ...]) -> int:
+def combine(dtype: str, shape: tuple[int, ...], parts: tuple[tuple[str, Fingerprint], ...],
+            scheme: str = SCHEME) -> int:
     """The digest of a component object: BLAKE2b of its dtype, shape and each named component digest."""
     text = "|".join(f"{name}={fp.hex}" for name, fp in parts)
-    head = f"{SCHEME}:components|{dtype}|{','.join(map(str, shape))}|{text}"
+    head = f"{scheme}:components|{dtype}|{','.join(map(str, shape))}|{text}"
     return int.from_bytes(hashlib.blake2b(head.encode(), digest_size=8).digest(), "little")
