@@ -625,3 +625,135 @@ def test_fingerprinting_is_invisible_to_dispatch_modes():
     with Recorder() as recorder:
         got = fingerprint(x)
     assert got == expected and recorder.ops == []
+
+
+# --------------------------------------------------------------------------------------------------
+# detrace-fp2: 32-bit lanes, the same properties, the same bits from every implementation
+
+
+@pytest.fixture
+def fp2(monkeypatch):
+    monkeypatch.setenv(dg.ENV_SCHEME, "fp2")
+
+
+def test_fp2_every_path_gives_the_reference_bits(backend, fp2):
+    zoo = size_zoo() + [random_bits((33, 65), torch.float32, seed=3).t(), random_bits((9, 4100), torch.bfloat16)[:, 3:]]
+    expected = [reference_fingerprint(t) for t in zoo]
+    assert {fp.scheme for fp in expected} == {scheme.SCHEME2}
+    assert fingerprint_many(zoo) == expected
+    chunked = random_bits((300, 1500), torch.bfloat16, seed=5)
+    assert fingerprint(chunked, chunks=7) == reference_fingerprint(chunked, chunks=7)
+    # fp1 and fp2 are different functions of the same bits
+    assert {fp.digest for fp in expected[3:8]}.isdisjoint(fp.digest for fp in fingerprint_many(zoo[3:8], scheme="fp1"))
+
+
+def test_fp2_kernels_match_the_definition_row_by_row():
+    gen = np.random.default_rng(2)
+    rows = np.array([0, 1, 2, 1000, 2**22 + 1000, 2**40 + 3], dtype=np.int64)
+    rowkeys = scheme.np_rowkeys2(rows)
+    tables = kernels.device_tables(torch.device("cpu"))
+    for width in (8, 32, 128, 512):
+        words = gen.integers(0, 2**64, size=(6, width), dtype=np.uint64)
+        expected = scheme.np_row_sums2(words, rowkeys)
+        args = (torch.from_numpy(words.view(np.int64)), torch.from_numpy(rowkeys.view(np.int64)))
+        eager = kernels._eager_kernel(scheme.SCHEME2, "rows", *args, tables.colkeys2[:, : 2 * width])
+        assert np.array_equal(eager.numpy().view(np.uint64), expected)
+        native = kernels.cpu_kernel2.row_sums(words.view(np.uint32), rowkeys, tables.colkeys2_u32.numpy(), 2)
+        assert np.array_equal(native, expected)
+        total = kernels._eager_kernel(scheme.SCHEME2, "total", *args, tables.colkeys2[:, : 2 * width])
+        assert total.numpy().view(np.uint64)[0] == scheme.np_total(expected, scheme.SCHEME2)
+    with pytest.raises(ValueError, match="width"):
+        kernels.cpu_kernel2.fn(np.zeros(2048, np.uint32), 2048, np.zeros(1, np.uint64), tables.colkeys2_u32.numpy(),
+                               np.zeros(1, np.uint64), 0, 1)
+
+
+def test_fp2_triton_kernel_gives_the_definition_bits():
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
+    from detrace.digest._triton import fp2_row_sums
+
+    device = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+    gen = np.random.default_rng(3)
+    tables = kernels.device_tables(device)
+    for width, n in ((8, 3), (32, 9), (128, 2), (512, 11)):  # row counts around the kernel's block of 8 rows
+        words = gen.integers(0, 2**64, size=(n, width), dtype=np.uint64)
+        rowkeys = scheme.np_rowkeys2(np.arange(5, 5 + n) * 4099)
+        got = fp2_row_sums(torch.from_numpy(words.view(np.int64)).to(device),
+                           torch.from_numpy(rowkeys.view(np.int64)).to(device), tables.colkeys2_u32)
+        assert np.array_equal(got.cpu().numpy().view(np.uint64), scheme.np_row_sums2(words, rowkeys))
+
+
+def test_fp2_positions_have_distinct_keys():
+    cols = np.stack([scheme.TA_U32, scheme.TB_U32]) & np.uint32(1023)
+    assert (cols == np.arange(1024, dtype=np.uint32)).all()
+    rowkeys = scheme.np_rowkeys2(np.concatenate([np.arange(1 << 16), (1 << 22) + np.arange(1 << 16)]))
+    assert np.all(rowkeys & np.uint64(1023 | 1023 << 32) == 0)
+    assert np.unique(rowkeys).size == rowkeys.size  # (A, B) distinct, also 2**22 rows apart
+    assert np.unique(rowkeys[: 1 << 16] & np.uint64(2**32 - 1)).size == 1 << 16  # A alone within 16 GiB
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.complex128], ids=str)
+def test_fp2_every_single_bit_flip_changes_the_digest(dtype, fp2):
+    x = random_bits((1100,), dtype, seed=19)  # more than one row for every dtype
+    bits = x.element_size() * 8
+    variants = [flip_bit(x, index, bit) for index in (0, 1, 550, 1099) for bit in range(bits)]
+    digests = [fp.digest for fp in fingerprint_many([x, *variants])]
+    assert len(set(digests)) == len(digests), "every flip gives its own digest, all differ from the original"
+
+
+@given(n=st.integers(2, 3000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_fp2_swaps_flips_and_moved_chunks_change_the_digest(n, dtype, data):
+    os.environ[dg.ENV_SCHEME] = "fp2"  # hypothesis runs each example without function-scoped fixtures
+    try:
+        x = random_bits((n,), dtype, seed=n)
+        raw = x.view(torch.uint8)
+        base = fingerprint(x).digest
+        i, j = data.draw(st.lists(st.integers(0, n - 1), min_size=2, max_size=2, unique=True))
+        swapped = x.clone()
+        swapped[[i, j]] = swapped[[j, i]]
+        if not torch.equal(swapped.view(torch.uint8), raw):
+            assert fingerprint(swapped).digest != base, "a swap of two elements"
+        bit = data.draw(st.integers(0, raw.numel() * 8 - 1))
+        assert fingerprint(flip_bit(raw, bit // 8, bit % 8).view(dtype)).digest != base, "a one-bit flip"
+        size = data.draw(st.integers(1, n - 1))
+        start = data.draw(st.integers(0, n - size))
+        to = data.draw(st.integers(0, n - size))
+        rest = torch.cat([x[:start], x[start + size :]])
+        moved = torch.cat([rest[:to], x[start : start + size], rest[to:]])
+        if not torch.equal(moved.view(torch.uint8), raw):
+            assert fingerprint(moved).digest != base, "a moved chunk"
+        paired = x.view(torch.uint8).clone()
+        delta = data.draw(st.integers(1, 255))
+        paired[[i, j]] ^= delta  # the same change at two positions does not cancel
+        assert fingerprint(paired.view(dtype)).digest != base
+    finally:
+        del os.environ[dg.ENV_SCHEME]
+
+
+def test_fp2_layout_and_threads_do_not_matter(fp2):
+    base = random_bits((257, 130), torch.float32, seed=4)
+    views = [base.t().contiguous().t(), base[:, 1:].contiguous(), torch.empty(300, 140)[:257, :130].copy_(base)]
+    expected = fingerprint(base)
+    assert all(fingerprint(v) == expected for v in views[::2])
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fingerprint(random_bits((1 << 20,), torch.bfloat16, seed=6))
+        torch.set_num_threads(2)
+        assert fingerprint(random_bits((1 << 20,), torch.bfloat16, seed=6)) == one
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_the_scheme_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypatch):
+    x = torch.arange(10.0)
+    assert fingerprint(x).scheme == scheme.SCHEME  # fp1 stays the default
+    assert fingerprint(x, scheme="fp2") == fingerprint(x, scheme=scheme.SCHEME2) != fingerprint(x)
+    monkeypatch.setenv(dg.ENV_SCHEME, "fp2")
+    assert fingerprint(x).scheme == scheme.SCHEME2
+    monkeypatch.setenv(dg.ENV_SCHEME, "fp3")
+    with pytest.raises(UsageError, match="DETRACE_FINGERPRINT_SCHEME='fp3' is not one of fp1, fp2"):
+        fingerprint(x)
+    with pytest.raises(UsageError, match="'md5' is not one of fp1, fp2"):
+        fingerprint(x, scheme="md5")

@@ -55,6 +55,7 @@ from detrace.digest.scheme import (
     TA_U32,
     TB_U32,
     np_rowkeys2,
+    np_total,
     signed,
 )
 from detrace.errors import FingerprintError, UsageError
@@ -320,10 +321,9 @@ def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, 
         host_words = words.numpy().view(np.uint32 if fp2 else np.uint64)
         host_colkeys = tables.colkeys2_u32.numpy().view(np.uint32) if fp2 else colkeys.numpy().view(np.uint64)
         host = native.row_sums(host_words, rowkeys.numpy().view(np.uint64), host_colkeys, torch.get_num_threads())
-        rows = torch.from_numpy(host.view(np.int64))
-        if kind == "rows":
-            return rows
-        return rows.sum().reshape(1) if not fp2 else lane_total(rows)
+        if kind == "total":  # in NumPy: a few microseconds less per call than torch ops on a small vector
+            host = np.array([np_total(host, scheme)], dtype=np.uint64)
+        return torch.from_numpy(host.view(np.int64))
     if fp2 and words.device.type == "cuda" and backend in ("auto", "compiled"):
         from detrace.digest._triton import fp2_row_sums
 

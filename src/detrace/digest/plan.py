@@ -29,7 +29,7 @@ from detrace.digest.inputs import (
     plain,
 )
 from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel
-from detrace.digest.scheme import ROW_BYTES, SPECS, Fingerprint, add, combine, header, np_accumulate
+from detrace.digest.scheme import ROW_BYTES, SPECS, Fingerprint, add, combine, header, np_accumulate, np_add
 
 # Tensors from this size on are hashed in place (no copy) by the one-pass body kernel.
 BODY_MIN_BYTES = 1 << 18
@@ -229,9 +229,8 @@ class StagedFingerprints:
             if plan.host_owners:
                 np_accumulate(acc, np.concatenate(plan.host_owners),
                               np.concatenate(plan.host_results).view(np.uint64), self.scheme)
-        every = np.arange(len(acc))
         for constants in (self._headers, self._consts):
-            np_accumulate(acc, every, np.array(constants, dtype=np.uint64), self.scheme)
+            np_add(acc, np.array(constants, dtype=np.uint64), self.scheme)
         digests = [int(v) for v in acc]
         self._result = [_resolve(node, digests, self.scheme) for node in self._nodes]
         self._plans = {}

@@ -232,6 +232,15 @@ def np_total(values: np.ndarray, scheme: str = SCHEME) -> int:
     return int(lanes[0]) | int(lanes[1]) << 32
 
 
+def np_add(acc: np.ndarray, values: np.ndarray, scheme: str = SCHEME) -> None:
+    """acc += values in place (uint64 arrays of one length), with `scheme`'s addition."""
+    if scheme == SCHEME:
+        acc += values
+    else:
+        lanes = acc.view(np.uint32)
+        lanes += values.view(np.uint32)
+
+
 def np_accumulate(acc: np.ndarray, owners: np.ndarray, values: np.ndarray, scheme: str = SCHEME) -> None:
     """acc[owners[i]] += values[i] in place (uint64 arrays), with `scheme`'s addition."""
     if scheme == SCHEME:
