@@ -99,6 +99,29 @@ def test_a_flipped_bit_is_reported_by_tensor_name(tmp_path: Path) -> None:
     assert all(map(torch.equal, before, other.model.parameters()))  # nothing was loaded
 
 
+def test_manifests_of_either_fingerprint_scheme_verify_whatever_the_scheme_in_force(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest names its fingerprint scheme; one without the key (written before fp2) is fp1, and verify and load
+    recompute each manifest's own scheme, whatever DETRACE_FINGERPRINT_SCHEME says now."""
+    state = make_state()
+    old = state.save(tmp_path / "fp1")
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest.pop("fingerprint") == "detrace-fp1"
+    (old / "manifest.json").write_text(json.dumps(manifest))  # as written before fp2 existed
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp2")
+    new = state.save(tmp_path / "fp2")
+    manifest2 = json.loads((new / "manifest.json").read_text())
+    assert manifest2["fingerprint"] == "detrace-fp2"
+    assert manifest2["tensors"]["model.2.weight"] != manifest["tensors"]["model.2.weight"]
+    assert verify_checkpoint(old).fingerprint == "detrace-fp1"
+    make_state(seed=1).load(tmp_path / "fp1")
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp1")
+    assert verify_checkpoint(new).fingerprint == "detrace-fp2"
+    flip_one_bit(new, state.model[2].weight)
+    with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.2\.weight'"):
+        verify_checkpoint(new)
+
+
 def test_an_edited_state_file_is_reported_by_name(tmp_path: Path) -> None:
     version = make_state().save(tmp_path)
     text = (version / "rank-0.json").read_text().replace("0.01", "0.02")
@@ -341,6 +364,7 @@ def test_an_unusable_checkpoint_directory_is_one_sentence(tmp_path: Path, where:
     ("world_size", "x", "field 'world_size' must be a positive integer"),
     ("files", [1], "field 'files' must be an object"),
     ("tensors", {"model.0.weight": [{"offsets": "x"}]}, "the chunks of tensor 'model.0.weight' must be"),
+    ("fingerprint", "detrace-fp9", "field 'fingerprint' must be one of detrace-fp1, detrace-fp2"),
 ])
 def test_a_manifest_of_wrong_types_is_refused_by_verify_and_load_alike(
         tmp_path: Path, field: str, value: object, words: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -637,7 +637,7 @@ def fp2(monkeypatch):
 
 
 def test_fp2_every_path_gives_the_reference_bits(backend, fp2):
-    zoo = size_zoo() + [random_bits((33, 65), torch.float32, seed=3).t(), random_bits((9, 4100), torch.bfloat16)[:, 3:]]
+    zoo = [*size_zoo(), random_bits((33, 65), torch.float32, seed=3).t(), random_bits((9, 4100), torch.bfloat16)[:, 3:]]
     expected = [reference_fingerprint(t) for t in zoo]
     assert {fp.scheme for fp in expected} == {scheme.SCHEME2}
     assert fingerprint_many(zoo) == expected

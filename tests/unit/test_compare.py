@@ -297,6 +297,13 @@ def test_runs_of_different_rungs_and_layouts_are_incomparable(tmp_path: Path) ->
     (a / "run.json").write_text('{"world_size": 2, "rung": "op"}')
     (b / "run.json").write_text('{"world_size": 2, "rung": "semantic"}')
     assert diff(a, b).reason == f"{a} was recorded with rung op and {b} with rung semantic."
+    (b / "run.json").write_text('{"world_size": 2, "rung": "op", "fingerprint": "detrace-fp2"}')
+    result = diff(a, b)  # A names no scheme: written before fp2 existed, so fp1
+    assert result.verdict == "incomparable" and result.exit_code == 2
+    assert result.reason == (f"{a} was recorded with fingerprint scheme detrace-fp1 and {b} with fingerprint scheme "
+                             "detrace-fp2.")
+    (b / "run.json").write_text('{"world_size": 2, "rung": "op", "fingerprint": "detrace-fp1"}')
+    assert diff(a, b).verdict == "identical"  # fp1 named and fp1 implied compare as always
     (b / "run.json").unlink()
     footer = json.loads(footer_path(b, 0).read_text())
     footer_path(b, 0).write_text(json.dumps({**footer, "groups": ["0,1", "1"]}))

@@ -121,7 +121,7 @@ def _command(run: RunInfo) -> list[str] | None:
 def _facts(run: RunInfo) -> dict[str, Any]:
     """What must agree for two runs to be comparable record by record, by how a sentence names it."""
     header, windows = run.header, run.header.windows
-    return {"trace schema": header.schema, "rung": header.rung,
+    return {"trace schema": header.schema, "fingerprint scheme": header.fingerprint, "rung": header.rung,
             "step windows": windows.steps if windows else None,
             "rank window": windows.ranks if windows and windows.ranks is not None else header.ranks,
             "--max-numel": windows.max_numel if windows else None}

@@ -96,7 +96,7 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
         first = ranks[min(ranks)]
         sizes = [h.world_size for h in ranks.values() if h.world_size]
         header.update(world_size=max(sizes) if sizes else len(ranks), versions=first.versions,
-                      determinism=first.determinism, traced_ranks=sorted(ranks))
+                      determinism=first.determinism, traced_ranks=sorted(ranks), fingerprint=first.fingerprint)
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
     if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
         header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}

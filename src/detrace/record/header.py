@@ -41,7 +41,9 @@ def determinism() -> dict[str, Any] | None:
 
 def base_header(config: TraceConfig, *, world_size: int | None) -> dict[str, Any]:
     """What run.json and every rank header share."""
+    from detrace.digest.kernels import selected_scheme
+
     command = list(config.command) if config.command else list(sys.argv)
     return {"schema": SCHEMA_VERSION, "command": command, "world_size": world_size, "rung": config.rung,
             "windows": config.windows(), "ranks": config.rank_window.spec, "versions": versions(),
-            "determinism": determinism()}
+            "determinism": determinism(), "fingerprint": selected_scheme()}

@@ -1,7 +1,9 @@
 """The fingerprint manifest of a checkpoint: built last when saving, checked first when loading.
 
 `manifest.json` lists the fingerprint (detrace.digest) of every tensor chunk that torch.distributed.checkpoint
-stored and the SHA-256 of every JSON file beside them. A checkpoint without it is incomplete (the commit
+stored, the scheme of those fingerprints (key `fingerprint`; detrace-fp1 when absent, as in every manifest written
+before detrace-fp2 existed, so old checkpoints verify as they always did) and the SHA-256 of every JSON file beside
+them. A checkpoint without it is incomplete (the commit
 protocol writes it last), and any stored bit that no longer matches it is reported by tensor name, so a
 corrupted checkpoint is never trained on silently.
 """
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from detrace import __version__
+from detrace.digest.scheme import SCHEME, SCHEMES
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
@@ -33,22 +36,31 @@ _BATCH_BYTES = 256 * 2**20
 
 
 def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> list[dict[str, Any]]:
-    """Manifest records of (fqn, offsets, data) chunks: fingerprints computed in one bulk call."""
+    """Manifest records of (fqn, offsets, data) chunks: fingerprints computed in one bulk call, each record naming
+    the scheme (the manifest keeps it once)."""
     from detrace.digest import fingerprint_many
 
     chunks = list(chunks)
     prints = fingerprint_many([data for _, _, data in chunks])
     return [
-        {"fqn": fqn, "offsets": list(offsets), **_record(print_)}
+        {"fqn": fqn, "offsets": list(offsets), **_record(print_), "fingerprint": print_.scheme}
         for (fqn, offsets, _), print_ in zip(chunks, prints, strict=True)
     ]
 
 
 def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], files: Sequence[Path]) -> dict:
     """The manifest document of a checkpoint whose chunks have `records` and whose JSON files are `files`."""
+    from detrace.digest.kernels import selected_scheme
+
     tensors: dict[str, list[dict[str, Any]]] = {}
+    schemes = set()
     for record in records:
-        tensors.setdefault(record["fqn"], []).append({key: value for key, value in record.items() if key != "fqn"})
+        schemes.add(record["fingerprint"])
+        tensors.setdefault(record["fqn"], []).append(
+            {key: value for key, value in record.items() if key not in ("fqn", "fingerprint")})
+    if len(schemes) > 1:
+        raise CheckpointError(f"the ranks fingerprinted this checkpoint with different schemes "
+                              f"({', '.join(sorted(schemes))}): set DETRACE_FINGERPRINT_SCHEME alike on every rank")
     for entries in tensors.values():
         entries.sort(key=lambda entry: entry["offsets"])
     return {
@@ -57,6 +69,7 @@ def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], file
         "world_size": world_size,
         "detrace": __version__,
         "torch": torch.__version__,
+        "fingerprint": schemes.pop() if schemes else selected_scheme(),
         "files": {path.name: file_sha256(path) for path in sorted(files)},
         "tensors": dict(sorted(tensors.items())),
     }
@@ -95,6 +108,8 @@ class Manifest:
     """JSON file name -> SHA-256."""
     tensors: dict[str, list[dict[str, Any]]]
     """Tensor name -> its chunks: offsets, digest, dtype, shape, numel."""
+    fingerprint: str = SCHEME
+    """The scheme of the chunk digests (detrace-fp1 in manifests that name none)."""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], source: Path) -> Manifest:
@@ -116,7 +131,11 @@ class Manifest:
         for name, entries in tensors.items():
             if not isinstance(entries, list) or not all(_chunk_entry(e) for e in entries):
                 raise fail(f"the chunks of tensor {name!r}", "objects with offsets, digest, dtype, shape and numel")
-        return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors)
+        fingerprint = raw.get("fingerprint", SCHEME)
+        if fingerprint not in SCHEMES:
+            raise fail("field 'fingerprint'", f"one of {', '.join(SCHEMES)}")
+        return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors,
+                   fingerprint=fingerprint)
 
 
 def _chunk_entry(entry: object) -> bool:
@@ -202,7 +221,7 @@ def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]
     batch: list[tuple[StoredChunk, torch.Tensor]] = []
 
     def flush() -> None:
-        prints = fingerprint_many([data for _, data in batch])
+        prints = fingerprint_many([data for _, data in batch], scheme=manifest.fingerprint)
         for (chunk, _), print_ in zip(batch, prints, strict=True):
             if _record(print_) != expected[(chunk.fqn, chunk.offsets)]:
                 problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detrace.digest.scheme import SCHEME, SCHEMES
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile.layout import require_regular
 from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
@@ -149,6 +150,9 @@ class RunHeader:
     """The determinism settings the run saw (`record.header.determinism`)."""
     steps: tuple[int, int] | None
     """run.json of a finished run: the first and last global step its ranks ran (from their footers)."""
+    fingerprint: str
+    """The fingerprint scheme of its digests (`detrace.digest.scheme`); detrace-fp1 when the header has none, as
+    every trace written before detrace-fp2 existed."""
     raw: dict[str, Any] = field(repr=False)
     """The object as read (validated), for the keys above and any others."""
 
@@ -177,7 +181,8 @@ class RunHeader:
                    status=fields.get("status", str, "a string", default=None),
                    returncode=fields.get("returncode", int, "an integer", default=None),
                    rank=fields.count("rank", default=None), pid=pid, versions=versions, determinism=determinism,
-                   steps=None if steps is None else (steps["first"], steps["last"]), raw=fields.raw)
+                   steps=None if steps is None else (steps["first"], steps["last"]),
+                   fingerprint=fields.choice("fingerprint", SCHEMES, default=SCHEME), raw=fields.raw)
 
 
 @dataclass(frozen=True, kw_only=True)
