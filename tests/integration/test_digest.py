@@ -136,9 +136,9 @@ def test_numpy_definition_matches_torch_kernels_row_by_row():
     colkeys = torch.from_numpy(scheme.T_U64.view(np.int64).copy())
     args = (torch.from_numpy(words.view(np.int64)), torch.from_numpy(rowkeys.view(np.int64)), colkeys)
     assert np.array_equal(kernels._torch_row_sums(*args).numpy().view(np.uint64), expected)
-    assert np.array_equal(kernels._eager_kernel("rows", *args).numpy().view(np.uint64), expected)
+    assert np.array_equal(kernels._eager_kernel(scheme.SCHEME, "rows", *args).numpy().view(np.uint64), expected)
     total = np.uint64(expected.sum(dtype=np.uint64))
-    assert kernels._eager_kernel("total", *args).numpy().view(np.uint64)[0] == total
+    assert kernels._eager_kernel(scheme.SCHEME, "total", *args).numpy().view(np.uint64)[0] == total
 
 
 def test_positions_have_distinct_keys():
