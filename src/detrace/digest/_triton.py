@@ -19,19 +19,16 @@ _BLOCK_ROWS = 8
 
 
 @triton.jit
-def _mix32(x, S1: tl.constexpr, C1: tl.constexpr, S2: tl.constexpr, C2: tl.constexpr, S3: tl.constexpr):
-    x = x ^ (x >> S1)
-    x = x * tl.full(x.shape, C1, tl.uint32)
-    x = x ^ (x >> S2)
-    x = x * tl.full(x.shape, C2, tl.uint32)
-    return x ^ (x >> S3)
+def _round(x, C: tl.constexpr, S: tl.constexpr):
+    x = x * tl.full(x.shape, C, tl.uint32)
+    return x ^ (x >> S)
 
 
 @triton.jit
 def _fp2_rows_kernel(words, rowkeys, colkeys, out, n_rows,
                      WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                     A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr, A4: tl.constexpr, A5: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, B5: tl.constexpr):
+                     A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr, A4: tl.constexpr,
+                     B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, WIDTH)
     live = rows < n_rows
@@ -41,8 +38,10 @@ def _fp2_rows_kernel(words, rowkeys, colkeys, out, n_rows,
     kb = (key >> 32).to(tl.uint32)
     ta = tl.load(colkeys + cols).to(tl.uint32, bitcast=True)
     tb = tl.load(colkeys + 1024 + cols).to(tl.uint32, bitcast=True)
-    xa = _mix32(w ^ ta[None, :] ^ ka[:, None], A1, A2, A3, A4, A5)
-    xb = _mix32(w ^ tb[None, :] ^ kb[:, None], B1, B2, B3, B4, B5)
+    xa = w ^ ta[None, :] ^ ka[:, None]
+    xa = _round(_round(xa ^ (xa >> A0), A1, A2), A3, A4)  # mixA: two rounds
+    xb = w ^ tb[None, :] ^ kb[:, None]
+    xb = _round(xb ^ (xb >> B0), B1, B2)  # mixB: one round
     sa = tl.sum(xa.to(tl.uint64), axis=1) & 0xFFFFFFFF
     sb = tl.sum(xb.to(tl.uint64), axis=1) & 0xFFFFFFFF
     tl.store(out + rows, (sa | (sb << 32)).to(tl.int64, bitcast=True), mask=live)
@@ -54,9 +53,9 @@ def fp2_row_sums(words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tens
     w32 = words.contiguous().view(torch.int32)
     n, width = w32.shape
     out = torch.empty(n, dtype=torch.int64, device=words.device)
+    (a0, ((a1, a2), (a3, a4))), (b0, ((b1, b2),)) = MIXA, MIXB
     if n:
         _fp2_rows_kernel[(triton.cdiv(n, _BLOCK_ROWS),)](w32, rowkeys.contiguous(), colkeys, out, n, WIDTH=width,
-                                                        BLOCK_ROWS=_BLOCK_ROWS, A1=MIXA[0], A2=MIXA[1], A3=MIXA[2],
-                                                        A4=MIXA[3], A5=MIXA[4], B1=MIXB[0], B2=MIXB[1], B3=MIXB[2],
-                                                        B4=MIXB[3], B5=MIXB[4])
+                                                        BLOCK_ROWS=_BLOCK_ROWS, A0=a0, A1=a1, A2=a2, A3=a3, A4=a4,
+                                                        B0=b0, B1=b1, B2=b2)
     return out

@@ -54,6 +54,7 @@ from detrace.digest.scheme import (
     T_U64,
     TA_U32,
     TB_U32,
+    Mix,
     np_rowkeys2,
     np_total,
     signed,
@@ -123,13 +124,13 @@ def _torch_rowkeys(rows: torch.Tensor) -> torch.Tensor:
 # detrace-fp2 in PyTorch: 32-bit lanes held in int64 (products wrap mod 2**64, masked to their low 32 bits)
 
 
-def _torch_mix32(x: torch.Tensor, constants: tuple[int, int, int, int, int]) -> torch.Tensor:
-    s1, c1, s2, c2, s3 = constants
-    x = x ^ (x >> s1)
-    x = (x * c1) & M32
-    x = x ^ (x >> s2)
-    x = (x * c2) & M32
-    return x ^ (x >> s3)
+def _torch_mix32(x: torch.Tensor, mix: Mix) -> torch.Tensor:
+    first, steps = mix
+    x = x ^ (x >> first)
+    for factor, shift in steps:
+        x = (x * factor) & M32
+        x = x ^ (x >> shift)
+    return x
 
 
 def _torch_lanes(words: torch.Tensor, rowkeys: torch.Tensor, colkeys: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -40,8 +40,8 @@ vector code), so it hashes faster than memory is read:
    number in the low 10 bits of ``TA[c]``/``TB[c]`` and a 22-bit bijection of the row above them. ``RA`` keys the
    row number modulo 2**22 and ``RB`` the row's high bits XOR its low bits, so the pair ``(A, B)`` differs at
    every two positions of the first 2**44 rows (64 PiB), and ``A`` alone at every two of the first 16 GiB.
-3. Two sums mod 2**32: ``SA = sum of mixA(w ^ A)`` and ``SB = sum of mixB(w ^ B)``, ``mixA``/``mixB`` two 32-bit
-   finalizers (xorshift-multiply, odd constants: bijections).
+3. Two sums mod 2**32: ``SA = sum of mixA(w ^ A)`` and ``SB = sum of mixB(w ^ B)``, ``mixA`` a 32-bit finalizer
+   (lowbias32: two xorshift-multiply rounds), ``mixB`` one such round; odd multipliers, so both are bijections.
 4. ``digest = (SA + HA) mod 2**32 + 2**32 * ((SB + HB) mod 2**32)``, ``HA``/``HB`` the low/high halves of the
    BLAKE2b header of ``detrace-fp2|dtype|shape``.
 
@@ -160,9 +160,13 @@ M32 = (1 << 32) - 1
 M22 = (1 << 22) - 1
 ROW_WORDS32 = 1024
 COL2_BITS = 10  # log2(ROW_WORDS32)
-# the two 32-bit finalizers (lowbias32 and a second xorshift-multiply of the same shape; odd multipliers)
-MIXA = (16, 0x7FEB352D, 15, 0x846CA68B, 16)
-MIXB = (16, 0x21F0AAAD, 15, 0x735A2D97, 15)
+# The two 32-bit mixes, as (first shift, ((multiplier, shift), ...)): x ^= x >> s0, then per step x *= c;
+# x ^= x >> s. mixA is lowbias32 (two rounds, full avalanche); mixB one round with other constants: its sum is
+# keyed apart from A's and only adds the second 32 bits, and a third multiply per word would cost a quarter of
+# the speed. Odd multipliers: both are bijections.
+MIXA = (16, ((0x7FEB352D, 15), (0x846CA68B, 16)))
+MIXB = (16, ((0x21F0AAAD, 15),))
+Mix = tuple[int, tuple[tuple[int, int], ...]]
 # row-key bijections on 22 bits: add, multiply by odd constants, xorshift (all mod 2**22)
 RA = (0x2F5A3B1, 0x1D7E6A5, 11, 0x3A9C4E7, 12)
 RB = (0x0C6E2D9, 0x2B17F43, 11, 0x15E3A9B, 12)
@@ -177,13 +181,13 @@ TA_U32 = _col_table(0xF2A_0000)
 TB_U32 = _col_table(0xF2B_0000)
 
 
-def np_mix32(x: np.ndarray, constants: tuple[int, int, int, int, int]) -> np.ndarray:
-    s1, c1, s2, c2, s3 = constants
-    x = x ^ (x >> np.uint32(s1))
-    x = x * np.uint32(c1)
-    x = x ^ (x >> np.uint32(s2))
-    x = x * np.uint32(c2)
-    return x ^ (x >> np.uint32(s3))
+def np_mix32(x: np.ndarray, mix: Mix) -> np.ndarray:
+    first, steps = mix
+    x = x ^ (x >> np.uint32(first))
+    for factor, shift in steps:
+        x = x * np.uint32(factor)
+        x = x ^ (x >> np.uint32(shift))
+    return x
 
 
 def _bij22(x: np.ndarray, constants: tuple[int, int, int, int, int]) -> np.ndarray:
