@@ -3,8 +3,10 @@
     python bench/gpu_check.py [--quick]
 
 Sections (each prints its figures; a failed determinism check makes the exit status 1):
-  fingerprints     CUDA fingerprints equal to CPU fingerprints, for every dtype detrace fingerprints
-  throughput       fingerprint GiB/s against torch.hash_tensor and against a copy (clone) of the same tensor
+  fingerprints     CUDA fingerprints equal to CPU fingerprints, for every dtype detrace fingerprints, in both
+                   schemes (fp2 on CUDA is the Triton kernel of detrace.digest._triton)
+  throughput       fp1 and fp2 fingerprint GiB/s against torch.hash_tensor, a copy (clone) and a sum of the same
+                   tensor
   kernels          detrace.ops' Triton kernels: identical bits across runs and tile shapes, bit-equal to the
                    PyTorch path where the order is the same, and time ratios against the racing (atomic) ops and
                    against torch's deterministic mode
@@ -96,18 +98,24 @@ def random_bits(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def check_fingerprints(quick: bool) -> list[str]:
     from detrace.digest import fingerprint
 
-    equal = []
-    for i, dtype in enumerate(DTYPES):
-        for numel in (1, 1000, 3 * 2**20 + 7):
-            t = random_bits(numel, dtype, seed=i)
-            for chunks in (None, 4):
-                if chunks is not None and numel < 4:
-                    continue
-                cpu, cuda = fingerprint(t, chunks=chunks), fingerprint(t.cuda(), chunks=chunks)
-                if cpu != cuda:
-                    raise CheckFailed(f"{dtype} numel {numel} chunks {chunks}: CUDA {cuda.hex} != CPU {cpu.hex}")
-        equal.append(str(dtype).removeprefix("torch."))
-    return [f"fingerprint cuda == cpu: {len(equal)}/{len(DTYPES)} dtypes (sizes 1, 1000, 3Mi+7; whole and 4 chunks)"]
+    figures = []
+    for scheme in ("fp1", "fp2"):
+        equal = []
+        for i, dtype in enumerate(DTYPES):
+            for numel in (1, 1000, 3 * 2**20 + 7):
+                t = random_bits(numel, dtype, seed=i)
+                for chunks in (None, 4):
+                    if chunks is not None and numel < 4:
+                        continue
+                    cpu = fingerprint(t, chunks=chunks, scheme=scheme)
+                    cuda = fingerprint(t.cuda(), chunks=chunks, scheme=scheme)
+                    if cpu != cuda:
+                        raise CheckFailed(f"{scheme} {dtype} numel {numel} chunks {chunks}: CUDA {cuda.hex} != CPU "
+                                          f"{cpu.hex}")
+            equal.append(str(dtype).removeprefix("torch."))
+        figures.append(f"{scheme} fingerprint cuda == cpu: {len(equal)}/{len(DTYPES)} dtypes (sizes 1, 1000, 3Mi+7; "
+                       "whole and 4 chunks)")
+    return figures
 
 
 def check_throughput(quick: bool) -> list[str]:
@@ -117,14 +125,17 @@ def check_throughput(quick: bool) -> list[str]:
     for dtype in (torch.float32, torch.bfloat16):
         mib = 256
         x = torch.randn(mib * 2**20 // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
-        fns = {"fingerprint": (lambda x=x: fingerprint(x), False),
-               "hash_tensor": (lambda x=x: torch.hash_tensor(x), False), "copy": (lambda x=x: x.clone(), False)}
+        fns = {"fp2": (lambda x=x: fingerprint(x, scheme="fp2"), False),
+               "fp1": (lambda x=x: fingerprint(x, scheme="fp1"), False),
+               "hash_tensor": (lambda x=x: torch.hash_tensor(x), False), "copy": (lambda x=x: x.clone(), False),
+               "sum": (lambda x=x: x.sum(), False)}
         times = interleaved(fns, 5 if quick else 11)
         name = str(dtype).removeprefix("torch.")
         speeds = ", ".join(f"{k} {mib / 1024 / statistics.median(v):.0f} GiB/s" for k, v in times.items())
         figures.append(f"cuda {name} {mib}MiB: {speeds}")
-        figures.append(f"cuda fingerprint time / hash_tensor {name}: {ratio(times, 'fingerprint', 'hash_tensor')}")
-        figures.append(f"cuda fingerprint time / copy {name}: {ratio(times, 'fingerprint', 'copy')}")
+        for scheme in ("fp2", "fp1"):
+            for base in ("hash_tensor", "copy", "sum"):
+                figures.append(f"cuda {scheme} time / {base} {name}: {ratio(times, scheme, base)}")
         del x
     return figures
 

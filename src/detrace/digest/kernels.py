@@ -23,6 +23,7 @@ batches use the compiled kernels (eager again if compilation fails, with a warni
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -309,6 +310,16 @@ class _AutoPolicy:
 _auto = _AutoPolicy()
 
 
+@functools.cache
+def _triton_fp2() -> Callable[..., torch.Tensor] | None:
+    """fp2's Triton kernel, or None where Triton is not installed (then the torch kernels run, same bits)."""
+    try:
+        from detrace.digest._triton import fp2_row_sums
+    except ImportError:
+        return None
+    return fp2_row_sums
+
+
 def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:
     """Per-row sums (kind "rows", shape [N]) or the total (kind "total", shape [1]) as int64 on the device."""
     tables = device_tables(words.device)
@@ -325,10 +336,9 @@ def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, 
         if kind == "total":  # in NumPy: a few microseconds less per call than torch ops on a small vector
             host = np.array([np_total(host, scheme)], dtype=np.uint64)
         return torch.from_numpy(host.view(np.int64))
-    if fp2 and words.device.type == "cuda" and backend in ("auto", "compiled"):
-        from detrace.digest._triton import fp2_row_sums
-
-        rows = fp2_row_sums(words, rowkeys, tables.colkeys2_u32)
+    triton_kernel = _triton_fp2() if fp2 and words.device.type == "cuda" and backend in ("auto", "compiled") else None
+    if triton_kernel is not None:
+        rows = triton_kernel(words, rowkeys, tables.colkeys2_u32)
         return rows if kind == "rows" else lane_total(rows)
     if words.shape[0] >= 2 and (backend == "compiled" or (backend == "auto" and _auto.wants_compiled(words.numel()))):
         out = _compiled.run(scheme, kind, words, rowkeys, colkeys, forced=backend == "compiled")
