@@ -399,3 +399,22 @@ def test_a_manifest_of_two_ranks_with_one_rank_file_names_the_missing_rank(tmp_p
     with pytest.raises(CheckpointCorrupted, match=r"rank 1's state file rank-1\.json is missing \(the manifest "
                                                   r"says world size 2\)"):
         verify_checkpoint(tmp_path)
+
+
+def test_verify_reads_chunks_ahead_in_order_and_keeps_damage_in_place(tmp_path: Path) -> None:
+    """verify reads the next chunks in threads while it hashes: same chunks, same order, a damaged record reported
+    where it stands (and the rest still read)."""
+    from detrace.state import manifest
+    from detrace.state.storage import load_chunk, stored_chunks
+
+    version = make_state().save(tmp_path)
+    chunks = stored_chunks(version)
+    sequential = [load_chunk(version, chunk) for chunk in chunks]
+    ahead = list(manifest._read_ahead(version, chunks, 3))
+    assert [chunk for chunk, _ in ahead] == chunks
+    assert all(torch.equal(a, b) for (_, a), b in zip(ahead, sequential, strict=True))  # type: ignore[arg-type]
+    broken = [chunks[0], type(chunks[1])(fqn=chunks[1].fqn, offsets=chunks[1].offsets, file=chunks[1].file,
+                                         start=chunks[1].start, length=chunks[1].length + 10**9), chunks[2]]
+    got = [data for _, data in manifest._read_ahead(version, broken, 2)]
+    assert isinstance(got[1], CheckpointCorrupted) and "is truncated" in str(got[1])
+    assert torch.equal(got[0], sequential[0]) and torch.equal(got[2], sequential[2])  # type: ignore[arg-type]

@@ -10,7 +10,9 @@ corrupted checkpoint is never trained on silently.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,14 +230,15 @@ def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]
         batch.clear()
 
     size = 0
+    known = []
     for chunk in chunks:
-        if (chunk.fqn, chunk.offsets) not in expected:
+        if (chunk.fqn, chunk.offsets) in expected:
+            known.append(chunk)
+        else:
             problems.append(f"tensor {_describe(chunk)} has no fingerprint in the manifest")
-            continue
-        try:
-            data = load_chunk(directory, chunk)
-        except CheckpointCorrupted as err:
-            problems.append(str(err))
+    for chunk, data in _read_ahead(directory, known, torch.get_num_threads()):
+        if isinstance(data, CheckpointCorrupted):
+            problems.append(str(data))
             continue
         batch.append((chunk, data))
         size += data.numel() * data.element_size()
@@ -245,6 +248,33 @@ def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]
     if batch:
         flush()
     return problems
+
+
+def _read_ahead(directory: Path, chunks: list[StoredChunk],
+                workers: int) -> Iterator[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]]:
+    """The chunks read back in order, the next `workers` of them read in threads while the caller hashes: file
+    reads and torch's record reader release the GIL, so reading overlaps hashing. A damaged record comes back as
+    its CheckpointCorrupted; any other CheckpointError is raised."""
+
+    def load(chunk: StoredChunk) -> torch.Tensor | CheckpointCorrupted:
+        try:
+            return load_chunk(directory, chunk)
+        except CheckpointCorrupted as err:
+            return err
+
+    if workers <= 1:
+        yield from ((chunk, load(chunk)) for chunk in chunks)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detrace-verify") as pool:
+        pending: deque[tuple[StoredChunk, Future[torch.Tensor | CheckpointCorrupted]]] = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(load, chunk)))
+            if len(pending) > workers:
+                first, future = pending.popleft()
+                yield first, future.result()
+        while pending:
+            first, future = pending.popleft()
+            yield first, future.result()
 
 
 def _describe(chunk: StoredChunk) -> str:
