@@ -505,3 +505,21 @@ def test_a_traced_process_never_imports_pandas(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False" and read_rank(tmp_path / "run", 0).table.num_rows > 0
+
+
+def test_a_trace_names_its_fingerprint_scheme_and_records_its_digests(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """DETRACE_FINGERPRINT_SCHEME=fp2: the header says detrace-fp2 and every digest is fp2's; a bad value refuses
+    the tracer at start in one sentence."""
+    from detrace.digest import fingerprint
+
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp2")
+    with detrace.trace(tmp_path / "fp2", rung="semantic"):
+        net, _ = train(steps=1)
+    trace = read_rank(tmp_path / "fp2", 0)
+    assert trace.header.fingerprint == open_run(tmp_path / "fp2").header.fingerprint == "detrace-fp2"
+    params = {row["name"]: row["digest"] for row in trace.table.to_pylist() if row["role"] == "param"}
+    assert params == {name: fingerprint(p, scheme="fp2").digest for name, p in net.named_parameters()}
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp3")
+    with pytest.raises(UsageError, match="DETRACE_FINGERPRINT_SCHEME='fp3' is not one of fp1, fp2"):
+        detrace.trace(tmp_path / "bad", rung="semantic").__enter__()

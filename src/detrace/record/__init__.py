@@ -43,7 +43,7 @@ def active() -> object | None:
 def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     global _tracer
     from detrace.defects.arming import arm_from_env as arm_guard_and_fault
-    from detrace.digest.kernels import selected_backend
+    from detrace.digest.kernels import selected_backend, selected_scheme
     from detrace.record.rungs import install
     from detrace.record.session import Tracer
     from detrace.record.steps import step_offset
@@ -52,6 +52,7 @@ def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     # The variables the tracer reads later, checked now: a bad one refuses the tracer at start in one sentence
     # (the start-up hook prints it and the program runs on), never at its first flush.
     selected_backend()
+    selected_scheme()
     step_offset()
     tracer = Tracer(config)
     if check_out_dir:
