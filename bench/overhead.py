@@ -16,6 +16,15 @@ that are switched off.
 
 The last lines are the figures, one per line: `overhead small op: 1.936x [1.90, 1.97]`.
 
+Where the module rung's time goes (a profile by CPU time, 2026-12-04, 1 thread, on the loaded shared machine):
+on `small` the module rung cost 1.06x the untraced step's CPU time; on `tiny` 1.71x (34 ms untraced, 59 ms traced).
+In `tiny` the largest single item is `record.rungs.module._tag`, the walk of the autograd graph that names the
+module owning each backward node (about 14% of the traced step under the profiler): every module call walks back
+from its outputs to its inputs, through the nodes its inner modules already tagged, so nested modules walk the same
+nodes once per level. Then the snapshots of each call's tensors (`record.snapshots.snapshot`, with the planner's
+`add` per tensor) and the per-record column building (`tracefile.columns`). Nothing was changed in this stop: the
+candidate is a walk that skips from an inner module's outputs straight to its inputs (each node walked once).
+
     python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0]
 """
 
