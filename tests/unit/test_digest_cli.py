@@ -69,6 +69,18 @@ def test_safetensors_file(tmp_path, capsys):
     assert code == 0
     got = {r["name"]: r["digest"] for r in map(json.loads, out.splitlines())}
     assert got == {name: fingerprint(t).hex for name, t in tensors.items()}
+    assert {r["scheme"] for r in map(json.loads, out.splitlines())} == {"detrace-fp1"}
+
+
+def test_json_names_the_scheme_that_the_variable_picks(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "weights.safetensors"
+    tensor = torch.randn(5, 2)
+    write_safetensors(path, {"a": tensor})
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp2")
+    code, out, _ = run(capsys, str(path), "--json")
+    record = json.loads(out)
+    assert code == 0 and record["scheme"] == "detrace-fp2"
+    assert record["digest"] == fingerprint(tensor, scheme="fp2").hex != fingerprint(tensor, scheme="fp1").hex
 
 
 def test_errors_exit_2_with_one_line(tmp_path, capsys):

@@ -119,7 +119,8 @@ def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -
     for (name, _), fp in zip(named, fingerprints, strict=True):
         if as_json:
             record = {"name": name, "digest": fp.hex, "dtype": fp.dtype, "shape": list(fp.shape),
-                      "numel": fp.numel, "chunks": None if fp.chunks is None else [f"{c:016x}" for c in fp.chunks]}
+                      "numel": fp.numel, "chunks": None if fp.chunks is None else [f"{c:016x}" for c in fp.chunks],
+                      "scheme": fp.scheme}
             print(json.dumps(record))
             continue
         shape = "x".join(map(str, fp.shape)) or "scalar"
