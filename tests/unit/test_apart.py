@@ -128,7 +128,7 @@ def test_the_tracer_records_checkpoint_io_and_bookkeeping_in_their_phases(tmp_pa
     assert len(calls) > broadcast + 1  # dcp.save called by the user's code: checkpoint I/O too
 
 
-@pytest.mark.parametrize("phase", ["checkpoint", "bookkeeping"])
+@pytest.mark.parametrize("phase", ["checkpoint", "bookkeeping", "evaluation"])
 def test_the_schema_names_the_phases(phase: str) -> None:
     from detrace.tracefile import PHASES
 

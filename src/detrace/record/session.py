@@ -74,6 +74,8 @@ class Tracer:
         self._recorded: list[int] = []
         """[first, last] global step that holds records."""
         self.phase = "forward"
+        """What runs now: "forward" (the training's own work outside the backward and the optimizer step, including
+        what trails the step), "backward", "optimizer", or "evaluation" (see `evaluation_begins`)."""
         self.scope: list[str] = []
         """Qualified names of the modules being run, innermost last (kept by the module rung)."""
         self.collectives = 0
@@ -139,16 +141,33 @@ class Tracer:
                 if self._recorded and self._recorded[-1] == before:
                     self._recorded = [step, step] if self._recorded[0] == before else [self._recorded[0], step]
 
+    def evaluation_begins(self) -> None:
+        """A forward of the trained model outside the training (`detrace.record.rungs.batch.evaluates`): what runs
+        from now until the training's work begins again is the evaluation, in the step it follows."""
+        with self._lock:
+            if self.phase == "forward":
+                self.phase = "evaluation"
+
+    def training_begins(self) -> None:
+        """The training's work begins (a training forward, a backward, an optimizer's closure): an evaluation is
+        over, and so is the trailing work of the step before (`StepClock.work_begins`)."""
+        with self._lock:
+            if self.phase == "evaluation":
+                self.phase = "forward"
+            self.clock.work_begins()
+
     def end_step(self) -> None:
         """The step is over: move the clock on and write the step's records."""
         with self._lock:
+            if self.phase == "evaluation":
+                self.phase = "forward"
             self.clock.advance()
             self.flush(step_ended=True)
 
     def user_step(self) -> None:
         """`detrace.step()`: ends the step, or its trailing work when an optimizer step ended its compute."""
         if self.clock.trailing:
-            self.clock.work_begins()
+            self.training_begins()
         else:
             self.end_step()
 
