@@ -39,10 +39,10 @@ def main() -> None:
     # One output directory for both ranks (HF saves into it from each), removed at the end.
     scratch = Path(tempfile.gettempdir()) / f"hf_ddp-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
     try:
-        args = TrainingArguments(output_dir=str(scratch), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
-                                 logging_steps=1, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                                 save_steps=2, report_to="none", disable_tqdm=True, seed=0, use_cpu=True,
-                                 ddp_backend="gloo")
+        args = TrainingArguments(output_dir=str(scratch), max_steps=6, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                                 save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True, seed=0,
+                                 use_cpu=True, ddp_backend="gloo")
         trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(8, seed=1),
                           callbacks=[DetraceCallback(deterministic=True)])
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
