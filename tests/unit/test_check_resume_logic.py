@@ -257,3 +257,17 @@ def test_a_framework_that_restores_the_model_is_not_given_the_model_control(tmp_
     assert result.verdict == "inconclusive" and launcher.arms[-1] == "control-optimizer"
     assert result.points[0].dependence == ("after step 2 leaving out its RNG states, data position or optimizer "
                                            "state changed nothing")
+
+
+def test_the_check_command_says_what_to_run_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    class Second(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            write_run(out, RUN, Fault(rank=0, step=1, op=3) if out.name == "run-1" else None)
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=Second()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"run 2 differs from run 1 ({tmp_path / 'c'}):"
+    assert lines[-1] == f"find the culprit with: detrace locate -- {sys.executable} train.py"
