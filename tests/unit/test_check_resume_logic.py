@@ -271,3 +271,28 @@ def test_the_check_command_says_what_to_run_next(tmp_path: Path, monkeypatch: py
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"run 2 differs from run 1 ({tmp_path / 'c'}):"
     assert lines[-1] == f"find the culprit with: detrace locate -- {sys.executable} train.py"
+
+
+def test_check_refuses_runs_of_a_script_that_resumed_by_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Run 2 of a script that loads the latest checkpoint in its output directory (torchtitan-style auto-resume)
+    starts where run 1 ended: one sentence naming the directory run 1 left, exit 2, never "run 2 differs"."""
+    monkeypatch.chdir(tmp_path)
+
+    class AutoResume(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            assert env is not None and env["DETRACE_CKPT_DIR"] == str(out.parent / "checkpoints" / out.name)
+            resumed = (tmp_path / "outputs").exists()
+            (tmp_path / "outputs").mkdir(exist_ok=True)
+            write_run(out, RUN)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
+                                                     "steps": {"first": 3 if resumed else 0, "last": 3}})
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=AutoResume()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("detrace check: error: run 2 started at global step 3 and run 1 at step 0: CMD resumed by "
+                          "itself from a checkpoint that an earlier run left (the working directory's ")
+    assert f"{tmp_path / 'outputs'} changed during the runs)" in err and "give each run a clean output" in err

@@ -11,6 +11,7 @@ position, the optimizer state, the model), one of which must diverge, or the che
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any

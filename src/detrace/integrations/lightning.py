@@ -90,6 +90,10 @@ class DetraceCallback(pl.Callback):
         self._rng_before_data: dict[str, Any] | None = None
         self._inactive = False
         """Set where the integration does not support the strategy: the run trains without it."""
+        self._before_validation: dict[str, Any] = {}
+        self._validation_metrics: set[str] = set()
+        """Names the validation loop logged: they are the evaluation's, never a training step's metrics (a resumed
+        run that has not validated yet holds none of them)."""
 
     @property
     def ckpt_path(self) -> str | None:
@@ -211,10 +215,23 @@ class DetraceCallback(pl.Callback):
         if self._keys is not None:
             self._keys.epoch = trainer.current_epoch
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._before_validation = dict(trainer.callback_metrics)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # What the validation loop logged, recorded in its evaluation phase (the tracer is still in it).
+        for name, value in trainer.callback_metrics.items():
+            if value is not self._before_validation.get(name):
+                self._validation_metrics.add(name)
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    tracing.metric(f"lightning/{name}", value)
+        self._before_validation = {}
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Inside the optimizer step (Lightning runs the training step in its closure): the step's own records.
         for name, value in trainer.callback_metrics.items():
-            if not name.endswith("_epoch") and isinstance(value, torch.Tensor) and value.numel() == 1:
+            if (not name.endswith("_epoch") and name not in self._validation_metrics
+                    and isinstance(value, torch.Tensor) and value.numel() == 1):
                 tracing.metric(f"lightning/{name}", value)
         tracing.metric("lightning/lr", float(optimizer.param_groups[0]["lr"]))
 
