@@ -30,5 +30,6 @@ def test_hf_trainer_under_torchrun_resumes_exactly(tmp_path: Path, capsys: pytes
     notes = point["resume"]["notes"]
     # the evaluations after steps 4 and 6, in both runs, bit-equal (a differing one would be a divergence); the one at
     # the stop step only in the continuous run
-    assert any("evaluations compared apart from the training" in note for note in notes), notes
+    assert any("compared apart from the training" in note and "; evaluations: " in note and
+               "in both, every bit equal" in note.split("; evaluations: ")[1] for note in notes), notes
     assert point["control"]["verdict"] == "diverged"

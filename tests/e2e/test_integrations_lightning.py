@@ -49,7 +49,7 @@ def test_ddp_resume_is_exact_with_the_callback(tmp_path: Path, capsys: pytest.Ca
     # the resumed processes' checkpoint load, Lightning's logging all-reduce and the validation loop the continuous
     # run made at the stop step are not the training
     assert any("compared apart from the training" in note for note in point["resume"]["notes"]), point["resume"]
-    assert any("evaluations" in note for note in point["resume"]["notes"]), point["resume"]
+    assert any("evaluations: " in note for note in point["resume"]["notes"]), point["resume"]
     assert point["control"]["verdict"] == "diverged"
     finals = _finals(report)
     for rank in (0, 1):  # bit-equal final parameters on every rank, and the negative control elsewhere

@@ -39,11 +39,11 @@ def split(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]
 
 
 @dataclass(kw_only=True)
-class Apart:
-    """What the records compared apart of one rank showed."""
+class Count:
+    """What the records of one phase compared apart showed."""
 
     in_a: int = 0
-    """Records compared apart in run A (on the compared steps)."""
+    """Records of the phase in run A (on the compared steps)."""
     in_b: int = 0
     """The same in run B."""
     both: int = 0
@@ -52,11 +52,25 @@ class Apart:
     """Of those, records whose bits differ."""
     first_differ: str | None = None
     """"step 3 bookkeeping all_gather#0 output[0]" of the first differing record (execution order of A)."""
-    phases: set[str] = field(default_factory=set)
-    """The phases seen."""
+
+    def add(self, other: Count) -> None:
+        self.in_a, self.in_b = self.in_a + other.in_a, self.in_b + other.in_b
+        self.both, self.differ = self.both + other.both, self.differ + other.differ
+        self.first_differ = self.first_differ or other.first_differ
+
+
+@dataclass(kw_only=True)
+class Apart:
+    """What the records compared apart of one rank showed."""
+
+    phases: dict[str, Count] = field(default_factory=dict)
+    """Per phase seen (APART_PHASES), its counts."""
     evaluation: tuple[dict[str, Any], dict[str, Any], bool] | None = None
     """(row of A, row of B, origin) of the first evaluation record that differs, in A's execution order: the
     divergence it is. `origin`: an output of a call whose inputs all matched."""
+
+    def of(self, phase: str) -> Count:
+        return self.phases.setdefault(phase, Count())
 
 
 _ROW = ("seq", "event", "collectives", "group", "group_seq", "peer", "extra")
@@ -78,18 +92,23 @@ def compare(a: list[pa.RecordBatch], b: list[pa.RecordBatch], *, start: int) -> 
     rows_a, rows_b = _rows(a, start), _rows(b, start)
     if not rows_a and not rows_b:
         return None
-    found = Apart(in_a=len(rows_a), in_b=len(rows_b), phases={row["phase"] for row in rows_a + rows_b})
+    found = Apart()
+    for row in rows_a:
+        found.of(row["phase"]).in_a += 1
+    for row in rows_b:
+        found.of(row["phase"]).in_b += 1
     by_identity = {tuple(row[name] for name in IDENTITY): row for row in rows_b}
     differing: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for row in rows_a:
         other = by_identity.get(tuple(row[name] for name in IDENTITY))
         if other is None:
             continue
-        found.both += 1
+        count = found.of(row["phase"])
+        count.both += 1
         if any(row[name] != other[name] for name in CONTENT):
-            found.differ += 1
-            if found.first_differ is None:
-                found.first_differ = f"step {row['step']} {label(row)}"
+            count.differ += 1
+            if count.first_differ is None:
+                count.first_differ = f"step {row['step']} {label(row)}"
             if row["phase"] == "evaluation":
                 differing.append((row, other))
     found.evaluation = _evaluation(differing)
@@ -110,19 +129,20 @@ def _evaluation(differing: list[tuple[dict[str, Any], dict[str, Any]]]) -> tuple
 
 
 def note(found: dict[int, Apart]) -> str | None:
-    """One sentence for the result's notes about every rank's records compared apart, or None."""
-    if not found:
-        return None
-    total = Apart()
+    """One sentence for the result's notes about every rank's records compared apart, phase by phase, or None."""
+    total: dict[str, Count] = {}
     for one in found.values():
-        total.in_a, total.in_b = total.in_a + one.in_a, total.in_b + one.in_b
-        total.both, total.differ = total.both + one.both, total.differ + one.differ
-        total.phases |= one.phases
-        total.first_differ = total.first_differ or one.first_differ
-    named = [_WHAT[p] for p in APART_PHASES if p in total.phases]
-    what = ", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]
-    text = (f"{what} compared apart from the training, by identity: {total.in_a} records in A, {total.in_b} in B, "
-            f"{total.both} in both")
-    if total.differ:
-        return text + f", of which {total.differ} differ (first: {total.first_differ})"
-    return text + (", every bit equal" if total.both else "")
+        for phase, count in one.phases.items():
+            total.setdefault(phase, Count()).add(count)
+    if not total:
+        return None
+    parts = []
+    for phase in (p for p in APART_PHASES if p in total):
+        count = total[phase]
+        text = f"{_WHAT[phase]}: {count.in_a} records in A, {count.in_b} in B, {count.both} in both"
+        if count.differ:
+            text += f", of which {count.differ} differ (first: {count.first_differ})"
+        elif count.both:
+            text += ", every bit equal"
+        parts.append(text)
+    return "compared apart from the training, by identity: " + "; ".join(parts)
