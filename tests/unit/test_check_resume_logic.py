@@ -296,3 +296,28 @@ def test_check_refuses_runs_of_a_script_that_resumed_by_itself(tmp_path: Path, m
     assert err.startswith("detrace check: error: run 2 started at global step 3 and run 1 at step 0: CMD resumed by "
                           "itself from a checkpoint that an earlier run left (the working directory's ")
     assert f"{tmp_path / 'outputs'} changed during the runs)" in err and "give each run a clean output" in err
+
+
+def test_an_integrations_warning_is_repeated_next_to_the_divergence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import detrace
+    from detrace.launch.launcher import _warnings
+
+    said = "detrace's Lightning integration leaves this run alone (no resume, no data seeding): a strategy"
+    with detrace.trace(tmp_path / "t"):  # the tracer keeps the sentence in the rank's footer, for run.json
+        detrace.record.warned(said)
+        detrace.record.warned(said)
+        detrace.metric("loss", 1.0)
+    assert _warnings(tmp_path / "t", [0]) == [said]
+
+    class Warned(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            write_run(out, RUN, Fault(rank=0, step=1, op=3) if out.name == "run-1" else None)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "warnings": [said]})
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=Warned()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [f"the run warned: {said}",
+                          f"find the culprit with: detrace locate -- {sys.executable} train.py"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.investigate.check import check
-from detrace.report.meaning import apart_notes, locate_next
+from detrace.report.meaning import apart_notes, locate_next, warned
 from detrace.report.terminal import render_diff
 from detrace.tracefile.layout import default_out
 
@@ -37,5 +37,7 @@ def main(argv: list[str]) -> int:
         assert bad is not None
         print(f"run {result.diffs.index(bad) + 2} differs from run 1 ({result.runs[0].parent}):")
         render_diff(bad)
+        for line in warned(bad.a, bad.b):
+            print(line)
         print(locate_next(cmd))
     return result.exit_code

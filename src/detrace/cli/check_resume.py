@@ -21,7 +21,7 @@ from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, forgotten, parse_stop_points
 from detrace.investigate.native_resume import NativeContract
-from detrace.report.meaning import apart_notes, locate_command, locate_next
+from detrace.report.meaning import apart_notes, locate_command, locate_next, warned
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
 
@@ -77,6 +77,8 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         forgot = forgotten(point.resume_diff.first) if point.resume_diff.first is not None else None
         if forgot is not None:
             print(f"what the resume forgot: {forgot}")
+        for line in warned(point.stopped, point.resumed):
+            print(line)
     elif verdict == "inconclusive":
         point = next(p for p in result.points if p.verdict == verdict)
         left_out = ", ".join(c.control for c in point.controls)

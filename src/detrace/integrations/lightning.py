@@ -146,9 +146,10 @@ class DetraceCallback(pl.Callback):
         if self._resume or self._stop_at is not None or self._every is not None:
             raise SystemExit(f"detrace: the Lightning integration cannot stop, save or resume this run: {why}")
         self._inactive = True
+        text = f"detrace's Lightning integration leaves this run alone (no resume, no data seeding): {why}"
+        tracing.warned(text)
         if trainer.is_global_zero:
-            warnings.warn(f"detrace's Lightning integration leaves this run alone (no resume, no data seeding): "
-                          f"{why}", RuntimeWarning, stacklevel=2)
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
 
     def _preload(self, trainer: pl.Trainer) -> None:
         """Make a `fit` that was given no `ckpt_path` resume from the contract's checkpoint.

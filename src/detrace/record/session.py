@@ -85,6 +85,8 @@ class Tracer:
         self.world_size: int | None = None
         self.on: dict[str, bool] = {}
         """Per rung: whether it records in the current step on this rank."""
+        self.warnings: list[str] = []
+        """The integrations' warnings to the user (`detrace.record.warned`), written to the footer."""
         self.groups: dict[str, int] = {}
         """Process groups seen ("0,1") -> calls made in each; written to the footer as the parallel layout."""
         self._seq = 0
@@ -363,6 +365,8 @@ class Tracer:
                 footer = {"groups": sorted(self.groups), "step": self.clock.step, "pid": os.getpid(),
                           "world_size": self.world_size, "collectives": self.collectives,
                           "steps": self.clock.steps(self._recorded)}
+                if self.warnings:
+                    footer["warnings"] = list(self.warnings)
                 try:
                     writer.close(footer)
                     if self.rank == 0 and not self.config.launched:
