@@ -321,3 +321,38 @@ def test_an_integrations_warning_is_repeated_next_to_the_divergence(tmp_path: Pa
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2:] == [f"the run warned: {said}",
                           f"find the culprit with: detrace locate -- {sys.executable} train.py"]
+
+
+def test_exact_and_identical_say_what_was_compared_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation after step 3 in every arm (the continuous run's after step 2 too, before the compared steps)."""
+    import pyarrow as pa
+    from _synthetic import write_table
+
+    from detrace.tracefile import ARROW_SCHEMA, read_rank
+    from detrace.tracefile.layout import footer_path, rank_path
+
+    class Evaluating(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            result = super().__call__(cmd, out, env=env)
+            for rank in range(RUN.ranks):
+                rows = read_rank(out, rank).table.to_pylist()
+                last = max(i for i, row in enumerate(rows) if row["step"] == 3)
+                evaluation = {**rows[last], "phase": "evaluation", "rung": "semantic", "module": None, "name": "batch",
+                              "occurrence": 0, "role": "output", "index": 0, "digest": 7, "value": None}
+                rows = [{**row, "seq": i, "event": i} for i, row in enumerate([*rows, evaluation])]
+                rank_path(out, rank).unlink()
+                footer_path(out, rank).unlink()
+                write_table(out, rank, pa.Table.from_pylist(rows, schema=ARROW_SCHEMA), world_size=RUN.ranks)
+            return result
+
+    launcher = Evaluating({"control": CONTROL})
+    assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2")) == 0
+    assert ("note: after step 2, compared apart from the training, by identity: evaluations: 2 records in A, 2 in B, "
+            "2 in both, every bit equal") in capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=launcher))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("note: compared apart from the training, by identity: "
+                                                        "evaluations: 2 records in A, 2 in B, 2 in both, every bit "
+                                                        "equal")
