@@ -347,7 +347,7 @@ def test_exact_and_identical_say_what_was_compared_apart(tmp_path: Path, monkeyp
                 write_table(out, rank, pa.Table.from_pylist(rows, schema=ARROW_SCHEMA), world_size=RUN.ranks)
             return result
 
-    launcher = Evaluating({"control": CONTROL})
+    launcher = Evaluating({"control-rng": CONTROL})
     assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2")) == 0
     assert ("note: after step 2, compared apart from the training, by identity: evaluations: 2 records in A, 2 in B, "
             "2 in both, every bit equal") in capsys.readouterr().out.splitlines()
