@@ -10,6 +10,9 @@ Under DDP, 2 processes started by torchrun (Lightning takes the ranks from its e
     detrace check-resume --at 3 -- torchrun --standalone --nproc-per-node 2 \
         examples/lightning_train.py --devices 2 --steps 4                                    # exact
 
+--val-every N runs Lightning's validation loop every N training batches (counted across epochs): an evaluation is
+compared apart from the training, so one at the stop step changes nothing (`--val-every 5`: after step 3).
+
 --plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
 contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
 --pass-ckpt hands the callback's checkpoint to `fit(ckpt_path=...)` as well, as a script that resumes from its
@@ -57,6 +60,10 @@ class Regressor(L.LightningModule):
         self.log("loss", loss, sync_dist=True)  # under DDP: the mean over the ranks
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
@@ -77,9 +84,10 @@ class PlainContract(L.Callback):
             trainer.should_stop = True
 
 
-def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: bool = False, devices: int = 1
-        ) -> tuple[L.Trainer, Regressor]:
-    """Train the model (in this process, or as one of `devices` DDP processes); the trainer and the model."""
+def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: bool = False, devices: int = 1,
+        val_every: int | None = None) -> tuple[L.Trainer, Regressor]:
+    """Train the model (in this process, or as one of `devices` DDP processes); the trainer and the model.
+    `val_every`: a validation loop every that many training batches (counted across epochs)."""
     L.seed_everything(0, verbose=False)
     model = Regressor()
     if plain:
@@ -92,11 +100,14 @@ def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: boo
         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
         max_steps=steps, accumulate_grad_batches=2, callbacks=[callback],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **({"val_check_interval": val_every, "check_val_every_n_epoch": None} if val_every else
+           {"limit_val_batches": 0}),
     )
     loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=workers)
+    validation = torch.utils.data.DataLoader(NoisyPoints(8), batch_size=4) if val_every else None
     # DetraceCallback resumes by itself; Lightning alone is handed its checkpoint.
     ckpt_path = callback.ckpt_path if plain or pass_ckpt else None  # type: ignore[union-attr]
-    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.fit(model, loader, validation, ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -113,12 +124,13 @@ def main() -> None:
     parser.add_argument("--pass-ckpt", action="store_true", help="also pass the checkpoint to fit(ckpt_path=...)")
     parser.add_argument("--devices", type=int, default=1,
                         help="CPU processes, strategy ddp when more than 1 (under torchrun: its --nproc-per-node)")
+    parser.add_argument("--val-every", type=int, help="a validation loop every N training batches")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     options = parser.parse_args()
 
     torch.set_num_threads(1)
     trainer, model = fit(steps=options.steps, workers=options.workers, plain=options.plain,
-                         pass_ckpt=options.pass_ckpt, devices=options.devices)
+                         pass_ckpt=options.pass_ckpt, devices=options.devices, val_every=options.val_every)
     params = digest(model)
     print(f"final parameters: {params[:32]}")
     if options.report:

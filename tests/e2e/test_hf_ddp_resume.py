@@ -1,7 +1,8 @@
 """End to end: an HF `Trainer` script with `DetraceCallback` under torchrun, 2 ranks on gloo
 (tests/support/scripts/hf_ddp.py). The resumed process loads its checkpoint (DCP's own collectives) and HF gathers its
-logged loss across ranks; neither is training, so `detrace check-resume` says `exact`, while its negative control
-(a resume without the RNG states, under GPT-2's dropout) still diverges."""
+logged loss across ranks; the continuous run evaluates (and saves) at the stop step, where the resumed one starts;
+none of it is training, so `detrace check-resume` says `exact`, while its negative control (a resume without the RNG
+states, under GPT-2's dropout) still diverges."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ SCRIPT = str(Path(__file__).parents[1] / "support" / "scripts" / "hf_ddp.py")
 
 
 def test_hf_trainer_under_torchrun_resumes_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["check-resume", "--at", "3", "--out", str(tmp_path / "check"), "--json", "--",
+    code = main(["check-resume", "--at", "2", "--out", str(tmp_path / "check"), "--json", "--",
                  sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT])
     report = json.loads(capsys.readouterr().out)
     assert (code, report["verdict"]) == (0, "exact"), report
     point = report["points"][0]
     assert point["resume"]["verdict"] == "identical" and point["resume"]["compared"]["ranks"] == 2
-    assert any("compared apart from the training" in note for note in point["resume"]["notes"])
+    notes = point["resume"]["notes"]
+    # the evaluations after steps 4 and 6, in both runs, bit-equal (a differing one would be a divergence); the one at
+    # the stop step only in the continuous run
+    assert any("compared apart from the training" in note and "; evaluations: " in note and
+               "in both, every bit equal" in note.split("; evaluations: ")[1] for note in notes), notes
     assert point["control"]["verdict"] == "diverged"

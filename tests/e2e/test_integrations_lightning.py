@@ -1,5 +1,6 @@
 """DetraceCallback on a real Lightning Trainer under DDP: examples/lightning_train.py (an MLP with dropout, a random
-augmentation in the dataset, gradient accumulation, an LR scheduler, `self.log(..., sync_dist=True)`) as 2 processes
+augmentation in the dataset, gradient accumulation, an LR scheduler, `self.log(..., sync_dist=True)`, a validation loop
+right after the stop step) as 2 processes
 started by torchrun on gloo, with the DistributedSampler Lightning installs. `detrace check-resume` proves the
 callback's resume exact. The one-process runs, the callback's logic and the same script without the callback (resumed by
 Lightning's own `ckpt_path`, which changes the run) are checked in process (tests/integration/test_lightning.py)."""
@@ -22,7 +23,8 @@ AT = 3  # 24 samples, 4 per batch per rank: 3 batches (2 steps) per epoch; step 
 
 def _torchrun(report: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-            "--devices", "2", "--steps", "4", "--report", str(report)]
+            "--devices", "2", "--steps", "4", "--report", str(report),
+            "--val-every", "5"]  # a validation loop after the 5th batch: right after step 3, the stop step
 
 
 def _finals(report: Path) -> dict[tuple[str, int], set[str]]:
@@ -44,7 +46,9 @@ def test_ddp_resume_is_exact_with_the_callback(tmp_path: Path, capsys: pytest.Ca
     assert (code, payload["verdict"]) == (0, "exact"), payload
     point = payload["points"][0]
     assert point["resume"]["verdict"] == "identical" and point["resume"]["compared"]["ranks"] == 2
-    # the resumed processes' checkpoint load and Lightning's logging all-reduce are not the training
+    # the resumed processes' checkpoint load and Lightning's logging all-reduce are not the training; nor is the
+    # validation loop the continuous run made right after the stop step (in the step before the compared ones), which
+    # made this verdict `resume-changed-the-run` while it moved the step clock and drew from the RNGs
     assert any("compared apart from the training" in note for note in point["resume"]["notes"]), point["resume"]
     assert point["control"]["verdict"] == "diverged"
     finals = _finals(report)

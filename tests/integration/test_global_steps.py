@@ -187,7 +187,7 @@ def test_the_step_clock_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     clock.optimizer_begins(second)
     clock.optimizer_ends()
     assert clock.step == 4 and clock.begin("op", "forward", "mm").occurrence == 1
-    clock.backward_begins()
+    clock.work_begins()
     assert clock.step == 5 and not clock.trailing
     clock.optimizer_begins(first)
     clock.optimizer_ends()

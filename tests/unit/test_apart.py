@@ -66,8 +66,8 @@ def test_checkpoint_io_and_bookkeeping_are_no_divergence(tmp_path: Path) -> None
     result = diff(a, b)
     assert result.verdict == "identical", result.first
     assert result.compared.records == 2 * 2 * RUN.records_per_step  # steps 2-3, the training's records only
-    assert ("checkpoint I/O and framework bookkeeping collectives compared apart from the training, by identity: "
-            "8 records in A, 24 in B, 8 in both, every bit equal") in result.notes
+    assert ("compared apart from the training, by identity: checkpoint I/O: 0 records in A, 16 in B, 0 in both; "
+            "framework bookkeeping collectives: 8 records in A, 8 in B, 8 in both, every bit equal") in result.notes
 
 
 def test_a_real_difference_is_still_found_beside_them(tmp_path: Path) -> None:
@@ -88,7 +88,8 @@ def test_a_differing_bookkeeping_record_is_named_in_the_note(tmp_path: Path) -> 
     c = _write(tmp_path / "c", [rows, read_rank(b, 1).table.to_pylist()])
     result = diff(a, c)
     assert result.verdict == "identical"
-    assert any("of which 1 differ (first: step 3 bookkeeping all_gather#0 output[0])" in n for n in result.notes)
+    assert any("bookkeeping collectives: 8 records in A, 8 in B, 8 in both, of which 1 differ (first: step 3 "
+               "bookkeeping all_gather#0 output[0])" in n for n in result.notes)
 
 
 def _framework(name: str) -> Callable[[torch.Tensor], Any]:
@@ -128,7 +129,7 @@ def test_the_tracer_records_checkpoint_io_and_bookkeeping_in_their_phases(tmp_pa
     assert len(calls) > broadcast + 1  # dcp.save called by the user's code: checkpoint I/O too
 
 
-@pytest.mark.parametrize("phase", ["checkpoint", "bookkeeping"])
+@pytest.mark.parametrize("phase", ["checkpoint", "bookkeeping", "evaluation"])
 def test_the_schema_names_the_phases(phase: str) -> None:
     from detrace.tracefile import PHASES
 

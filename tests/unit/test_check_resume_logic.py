@@ -257,3 +257,102 @@ def test_a_framework_that_restores_the_model_is_not_given_the_model_control(tmp_
     assert result.verdict == "inconclusive" and launcher.arms[-1] == "control-optimizer"
     assert result.points[0].dependence == ("after step 2 leaving out its RNG states, data position or optimizer "
                                            "state changed nothing")
+
+
+def test_the_check_command_says_what_to_run_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    class Second(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            write_run(out, RUN, Fault(rank=0, step=1, op=3) if out.name == "run-1" else None)
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=Second()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"run 2 differs from run 1 ({tmp_path / 'c'}):"
+    assert lines[-1] == f"find the culprit with: detrace locate -- {sys.executable} train.py"
+
+
+def test_check_refuses_runs_of_a_script_that_resumed_by_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Run 2 of a script that loads the latest checkpoint in its output directory (torchtitan-style auto-resume)
+    starts where run 1 ended: one sentence naming the directory run 1 left, exit 2, never "run 2 differs"."""
+    monkeypatch.chdir(tmp_path)
+
+    class AutoResume(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            assert env is not None and env["DETRACE_CKPT_DIR"] == str(out.parent / "checkpoints" / out.name)
+            resumed = (tmp_path / "outputs").exists()
+            (tmp_path / "outputs").mkdir(exist_ok=True)
+            write_run(out, RUN)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
+                                                     "steps": {"first": 3 if resumed else 0, "last": 3}})
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=AutoResume()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("detrace check: error: run 2 started at global step 3 and run 1 at step 0: CMD resumed by "
+                          "itself from a checkpoint that an earlier run left (the working directory's ")
+    assert f"{tmp_path / 'outputs'} changed during the runs)" in err and "give each run a clean output" in err
+
+
+def test_an_integrations_warning_is_repeated_next_to_the_divergence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import detrace
+    from detrace.launch.launcher import _warnings
+
+    said = "detrace's Lightning integration leaves this run alone (no resume, no data seeding): a strategy"
+    with detrace.trace(tmp_path / "t"):  # the tracer keeps the sentence in the rank's footer, for run.json
+        detrace.record.warned(said)
+        detrace.record.warned(said)
+        detrace.metric("loss", 1.0)
+    assert _warnings(tmp_path / "t", [0]) == [said]
+
+    class Warned(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            write_run(out, RUN, Fault(rank=0, step=1, op=3) if out.name == "run-1" else None)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "warnings": [said]})
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=Warned()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [f"the run warned: {said}",
+                          f"find the culprit with: detrace locate -- {sys.executable} train.py"]
+
+
+def test_exact_and_identical_say_what_was_compared_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An evaluation after step 3 in every arm (the continuous run's after step 2 too, before the compared steps)."""
+    import pyarrow as pa
+    from _synthetic import write_table
+
+    from detrace.tracefile import ARROW_SCHEMA, read_rank
+    from detrace.tracefile.layout import footer_path, rank_path
+
+    class Evaluating(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            result = super().__call__(cmd, out, env=env)
+            for rank in range(RUN.ranks):
+                rows = read_rank(out, rank).table.to_pylist()
+                last = max(i for i, row in enumerate(rows) if row["step"] == 3)
+                evaluation = {**rows[last], "phase": "evaluation", "rung": "semantic", "module": None, "name": "batch",
+                              "occurrence": 0, "role": "output", "index": 0, "digest": 7, "value": None}
+                rows = [{**row, "seq": i, "event": i} for i, row in enumerate([*rows, evaluation])]
+                rank_path(out, rank).unlink()
+                footer_path(out, rank).unlink()
+                write_table(out, rank, pa.Table.from_pylist(rows, schema=ARROW_SCHEMA), world_size=RUN.ranks)
+            return result
+
+    launcher = Evaluating({"control-rng": CONTROL})
+    assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2")) == 0
+    assert ("note: after step 2, compared apart from the training, by identity: evaluations: 2 records in A, 2 in B, "
+            "2 in both, every bit equal") in capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=launcher))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("note: compared apart from the training, by identity: "
+                                                        "evaluations: 2 records in A, 2 in B, 2 in both, every bit "
+                                                        "equal")

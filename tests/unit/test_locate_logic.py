@@ -116,3 +116,15 @@ def test_json_prints_the_locate_file_the_ladder_wrote(tmp_path: Path, capsys: py
     assert payload == json.loads((out / LOCATE_FILE).read_text())
     assert list(payload) == ["schema", "verdict", "culprit", "replay", "runs", "report", "cost"]
     assert payload["verdict"] == "nondeterministic" and payload["culprit"]["name"] == "aten.add.Tensor"
+
+
+def test_a_run_shorter_than_its_checkpoint_period_says_so(tmp_path: Path) -> None:
+    """A script that follows the contract but whose run ends before --checkpoint-every steps takes no checkpoint:
+    the note says that, not that CMD ignores the contract."""
+    script = tmp_path / "train.py"
+    script.write_text("import detrace\n")
+    config = LocateConfig(command=("python", str(script)), out=tmp_path / "out", checkpoint_every=RUN.steps)
+    result = locate(config, launch=Scripted(second_arm=True))
+    assert result.cost is not None and result.cost.resume == "no-contract"
+    assert result.notes[0].startswith(f"the run has {RUN.steps} steps, no more than --checkpoint-every {RUN.steps}, "
+                                      "so it took no checkpoint")

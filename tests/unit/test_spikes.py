@@ -108,3 +108,86 @@ def test_the_checkpoint_directory_comes_from_run_json(tmp_path: Path) -> None:
     (run / "run.json").write_text(json.dumps({"checkpoint_dir": str(ckpts)}))
     (spike,) = spikes(run).spikes
     assert (spike.step, spike.checkpoint) == (16, 12)
+
+
+def test_nan_and_inf_are_always_spikes_the_first_named() -> None:
+    series = {s: 1.0 for s in range(8)}
+    series[5] = float("nan")
+    assert [(s, str(v)) for s, v, _ in find_spikes(series, SpikeRule())] == [(5, "nan")]
+    series[1], series[6] = float("inf"), float("nan")  # too early to be judged, and still a spike; later ones counted
+    assert [s for s, _, _ in find_spikes(series, SpikeRule())] == [1]
+
+
+def test_a_one_ulp_bump_of_a_constant_loss_is_no_spike() -> None:
+    import math
+
+    series = {s: 1.0 for s in range(8)}
+    series[6] = math.nextafter(1.0, 2.0)
+    assert find_spikes(series, SpikeRule()) == []
+    series[6] = 1.01  # a real rise over a metric that never moved is still one
+    assert [s for s, _, _ in find_spikes(series, SpikeRule())] == [6]
+
+
+def test_a_step_is_the_mean_of_its_micro_batches(tmp_path: Path) -> None:
+    """Under gradient accumulation the loss is recorded once per micro-batch: a spike in any of them is seen."""
+    import pyarrow as pa
+    from _synthetic import write_table
+
+    from detrace.tracefile import ARROW_SCHEMA, read_rank
+
+    run = tmp_path / "run"
+    write_metric_run(run, falling(12))
+    rows = read_rank(run, 0).table.to_pylist()
+    out = []
+    for row in rows:  # two micro-batches per step: the first one spikes at step 9, the last one never
+        if row["role"] == "metric":
+            out.append({**row, "value": row["value"] + (5.0 if row["step"] == 9 else 0.0)})
+            out.append({**row, "occurrence": 1})
+        else:
+            out.append(row)
+    out = [{**row, "seq": i} for i, row in enumerate(out)]
+    write_table(tmp_path / "acc", 0, pa.Table.from_pylist(out, schema=ARROW_SCHEMA), world_size=1)
+    result = spikes(tmp_path / "acc")
+    assert [(s.step, s.value) for s in result.spikes] == [(9, falling(12)[9] + 2.5)]
+
+
+def test_a_restarted_run_in_one_trace_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import pyarrow as pa
+    from _synthetic import write_table
+
+    from detrace.tracefile import ARROW_SCHEMA, read_rank
+
+    write_metric_run(tmp_path / "run", {s: 1.0 for s in range(5)})
+    rows = read_rank(tmp_path / "run", 0).table.to_pylist()
+    again = [{**row, "value": 9.0 if row["step"] == 2 and row["role"] == "metric" else row["value"]}
+             for row in rows if row["step"] >= 2]
+    both = [{**row, "seq": i} for i, row in enumerate(rows + again)]  # steps 0..4 then 2..4: a spike at the second 2
+    write_table(tmp_path / "restarted", 0, pa.Table.from_pylist(both, schema=ARROW_SCHEMA), world_size=1)
+    assert main(["spikes", str(tmp_path / "restarted")]) == 2
+    assert ("holds a restarted run: its 'loss' records go back from step 4 to step 2, so two runs were appended to "
+            "one trace") in capsys.readouterr().err
+
+
+def test_nothing_judged_and_bad_options_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_metric_run(tmp_path / "short", {0: 1.0})
+    assert main(["spikes", str(tmp_path / "short")]) == 2
+    assert "recorded 'loss' at 1 step on rank 0: a step needs 4 earlier ones to be judged, so nothing was judged" in (
+        capsys.readouterr().err)
+    write_metric_run(tmp_path / "run", falling(10))
+    assert main(["spikes", str(tmp_path / "run"), "--rank", "-1"]) == 2
+    assert "--rank must be a rank (0 or more), not -1" in capsys.readouterr().err
+    assert main(["spikes", str(tmp_path / "run"), "--checkpoints", str(tmp_path / "nonexist")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["spikes", str(tmp_path / "run")]) == 0
+    assert "10 steps (6 judged)" in capsys.readouterr().out
+
+
+def test_a_nan_is_named_in_the_summary_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    series = {s: 1.0 for s in range(8)}
+    series[5] = series[6] = float("nan")
+    write_metric_run(tmp_path / "run", series)
+    assert main(["spikes", str(tmp_path / "run")]) == 1
+    assert "step 5  loss nan: not finite; 1 later step not finite either" in capsys.readouterr().out
+    assert main(["spikes", str(tmp_path / "run"), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["spikes"][0]["value"] == "nan" and out["nonfinite"] == 2

@@ -318,10 +318,23 @@ class RankAligner:
 
     # -- the answer -----------------------------------------------------------------------------------------
     def _finish(self) -> RankOutcome:
+        self._training_first()
+        evaluation = self.outcome.apart.evaluation if self.outcome.apart is not None else None
+        first = self.outcome.first
+        if evaluation is not None and (first is None or evaluation[0]["seq"] < first.seq):
+            # An evaluation both runs ran gave other bits: a divergence of its own (never its absence in one run).
+            ra, rb, origin = evaluation
+            self.outcome.first = _divergence(self.rank, ra, kind="numeric", origin=origin,
+                                             detail={**differences(ra, rb), **self._call(ra)})
+            self.outcome.link = None
+        return self.outcome
+
+    def _training_first(self) -> None:
+        """The first divergence of the training's own records (and its link to a collective), in `outcome`."""
         other = self._other
         if self._d1 is None or (other is not None and other[1] <= self._d1[2]):
             self.outcome.first = other[0] if other is not None else None
-            return self.outcome
+            return
         d1a, d1b, _ = self._d1
         ra, rb = self._origin or (d1a, d1b)
         detail = differences(ra, rb)
@@ -333,7 +346,6 @@ class RankAligner:
                                          detail=detail)
         if self._origin is None and ra["phase"] in COMMUNICATION and ra["role"] in OUTPUT_ROLES:
             self.outcome.link = Link(ra["name"], ra["phase"], ra["group"], ra["group_seq"], ra["peer"])
-        return self.outcome
 
     def _call(self, row: dict[str, Any]) -> dict[str, Any]:
         """The shapes and dtypes of the divergent call's tensors, read back from run A up to the record."""

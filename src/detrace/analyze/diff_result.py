@@ -40,7 +40,8 @@ class Divergence:
     rung: str
     """metrics | semantic | module | op."""
     phase: str
-    """forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | other."""
+    """forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | evaluation |
+    other."""
     kind: Kind
     """numeric (same identity, different bits), structural (the sequence of calls changed), missing (a run ended)."""
     name: str

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, split_command
 from detrace.investigate.check import check
+from detrace.report.meaning import apart_notes, locate_next, warned
 from detrace.report.terminal import render_diff
 from detrace.tracefile.layout import default_out
 
@@ -29,9 +30,14 @@ def main(argv: list[str]) -> int:
                           "runs": [str(p) for p in result.runs], "diffs": [d.to_json() for d in result.diffs]}))
     elif result.identical:
         print(f"identical: {len(result.runs)} runs are bit-identical ({result.runs[0].parent})")
+        for note in apart_notes(result.diffs[0]):
+            print(f"note: {note}")
     else:
         bad = result.first_divergent
         assert bad is not None
         print(f"run {result.diffs.index(bad) + 2} differs from run 1 ({result.runs[0].parent}):")
         render_diff(bad)
+        for line in warned(bad.a, bad.b):
+            print(line)
+        print(locate_next(cmd))
     return result.exit_code

@@ -21,6 +21,7 @@ from detrace.cli._args import ArgumentParser, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, forgotten, parse_stop_points
 from detrace.investigate.native_resume import NativeContract
+from detrace.report.meaning import apart_notes, locate_command, locate_next, warned
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
 
@@ -50,13 +51,9 @@ def to_json(result: ResumeResult, cmd: list[str]) -> dict[str, Any]:
             "first": deciding.first.to_json() if deciding.first is not None else None,
             "forgot": forgotten(deciding.first) if result.verdict == "resume-changed-the-run" and
             deciding.first is not None else None,
-            "suggest": _locate(cmd) if result.verdict == "nondeterministic" else None,
+            "suggest": locate_command(cmd) if result.verdict == "nondeterministic" else None,
             "runs": {"continuous": str(result.continuous), "continuous_again": str(result.again)},
             "repeat": result.repeat_diff.to_json(), "points": [_point(p) for p in result.points]}
-
-
-def _locate(cmd: list[str]) -> str:
-    return f"detrace locate -- {shlex.join(cmd)}"
 
 
 def _summary(result: ResumeResult, cmd: list[str]) -> None:
@@ -71,7 +68,7 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
             print(f"nondeterministic: the run resumed after step {point.at} differs from the continuous run, and "
                   "a second resumed run differs from the first, so the difference is not the resume's:")
             render_diff(point.again_diff)  # type: ignore[arg-type]
-        print(f"find the culprit with: {_locate(cmd)}")
+        print(locate_next(cmd))
     elif verdict == "resume-changed-the-run":
         point = next(p for p in result.points if p.verdict == verdict)
         print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
@@ -80,6 +77,8 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         forgot = forgotten(point.resume_diff.first) if point.resume_diff.first is not None else None
         if forgot is not None:
             print(f"what the resume forgot: {forgot}")
+        for line in warned(point.stopped, point.resumed):
+            print(line)
     elif verdict == "inconclusive":
         point = next(p for p in result.points if p.verdict == verdict)
         left_out = ", ".join(c.control for c in point.controls)
@@ -95,6 +94,9 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
               f"control ({deciding.control}) diverged as it must, {control}")
         for point in result.points:
             print(point.dependence)
+        for point in result.points:
+            for note in apart_notes(point.resume_diff):
+                print(f"note: after step {point.at}, {note}")
 
 
 def main(argv: list[str]) -> int:

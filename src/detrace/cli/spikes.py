@@ -14,8 +14,8 @@ from detrace.investigate.spikes import DEFAULT_K, DEFAULT_METRIC, DEFAULT_WINDOW
 def render(result: SpikesResult) -> None:
     """The terminal summary: one line per spike."""
     rule = result.rule
-    where = f"{result.metric} on rank {result.rank}, {result.steps} steps, threshold median + {rule.k:g} x MAD " \
-            f"of the {rule.window} steps before"
+    where = f"{result.metric} on rank {result.rank}, {result.steps} steps ({result.judged} judged), threshold " \
+            f"median + {rule.k:g} x MAD of the {rule.window} steps before"
     if not result.spikes:
         print(f"clean: no spike in {where}")
         return
@@ -23,7 +23,12 @@ def render(result: SpikesResult) -> None:
     for spike in result.spikes:
         ckpt = (f"checkpoint after {spike.checkpoint} steps: {spike.checkpoint_path}" if spike.checkpoint is not None
                 else "no checkpoint before it")
-        print(f"  step {spike.step}  {result.metric} {spike.value:.6g} > threshold {spike.threshold:.6g}  ({ckpt})")
+        if spike.finite:
+            print(f"  step {spike.step}  {result.metric} {spike.value:.6g} > threshold {spike.threshold:.6g}  ({ckpt})")
+        else:
+            later = result.nonfinite - 1
+            more = f"; {later} later step{'s' * (later != 1)} not finite either" if later else ""
+            print(f"  step {spike.step}  {result.metric} {spike.value}: not finite{more}  ({ckpt})")
     if result.checkpoint_dir is None:
         print("  note: run.json names no checkpoint directory (the run was not given DETRACE_CKPT_DIR); "
               "give it with --checkpoints DIR")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
+from detrace import record as tracing
 from detrace.errors import UsageError
 from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
 from detrace.state.loader import SeededCollate, sample_seed, seeded_rngs
@@ -97,11 +98,10 @@ class SeededItems:
 @functools.cache
 def _warn_unindexed(framework: str, hint: str) -> None:
     """Once per process and framework: the data is left as it is."""
-    warnings.warn(
-        f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample index "
-        f"to seed its randomness from, and the data position it resumes at is the framework's own{hint}",
-        RuntimeWarning, stacklevel=3,
-    )
+    text = (f"detrace's {framework} integration leaves this IterableDataset's data alone: a stream has no sample "
+            f"index to seed its randomness from, and the data position it resumes at is the framework's own{hint}")
+    warnings.warn(text, RuntimeWarning, stacklevel=3)
+    tracing.warned(text)
 
 
 def resumable_stream(loader: Any) -> Any | None:

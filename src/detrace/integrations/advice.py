@@ -45,3 +45,14 @@ def framework_of(cmd: list[str]) -> str:
 def advice(cmd: list[str]) -> str:
     """`does it use ...?`: the integration that fits `cmd`."""
     return ADVICE[framework_of(cmd)]
+
+
+def imports_detrace(cmd: list[str]) -> bool:
+    """Whether the Python script that `cmd` runs imports detrace (TrainState, an integration): it follows the resume
+    contract, and a run of it that wrote no checkpoint was too short to."""
+    script = script_of(cmd)
+    try:
+        source = script.read_text(errors="replace") if script is not None else ""
+    except OSError:
+        return False
+    return "detrace" in _IMPORTS.findall(source)

@@ -12,6 +12,9 @@ adds:
   sampler's order is pinned to `seed + epoch` (`detrace.integrations._seeding`);
 - verification: a detrace checkpoint (`TrainState`) beside each `.ckpt`, in `<file>.ckpt.detrace/`, with the
   fingerprint manifest of every tensor, verified on resume and restored over what Lightning loaded;
+- the validation loop on the side: the global RNGs are as it found them when it ends (its DataLoader draws a
+  seed from them after the step's checkpoint was taken, which a resumed run never does), and what it logged is
+  the evaluation's, not the next training step's metrics;
 - the stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), the
   global step and the step's logged metrics for the tracer.
 
@@ -90,6 +93,11 @@ class DetraceCallback(pl.Callback):
         self._rng_before_data: dict[str, Any] | None = None
         self._inactive = False
         """Set where the integration does not support the strategy: the run trains without it."""
+        self._before_validation: dict[str, Any] = {}
+        self._rng_before_validation: dict[str, Any] | None = None
+        self._validation_metrics: set[str] = set()
+        """Names the validation loop logged: they are the evaluation's, never a training step's metrics (a resumed
+        run that has not validated yet holds none of them)."""
 
     @property
     def ckpt_path(self) -> str | None:
@@ -138,9 +146,10 @@ class DetraceCallback(pl.Callback):
         if self._resume or self._stop_at is not None or self._every is not None:
             raise SystemExit(f"detrace: the Lightning integration cannot stop, save or resume this run: {why}")
         self._inactive = True
+        text = f"detrace's Lightning integration leaves this run alone (no resume, no data seeding): {why}"
+        tracing.warned(text)
         if trainer.is_global_zero:
-            warnings.warn(f"detrace's Lightning integration leaves this run alone (no resume, no data seeding): "
-                          f"{why}", RuntimeWarning, stacklevel=2)
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
 
     def _preload(self, trainer: pl.Trainer) -> None:
         """Make a `fit` that was given no `ckpt_path` resume from the contract's checkpoint.
@@ -211,10 +220,30 @@ class DetraceCallback(pl.Callback):
         if self._keys is not None:
             self._keys.epoch = trainer.current_epoch
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._before_validation = dict(trainer.callback_metrics)
+        # The validation loop draws from the global RNGs (its DataLoader iterator's base seed, at least) after the
+        # step's checkpoint was taken: a resumed run, which has not validated there, would draw the next steps'
+        # dropout from other states. The training's random streams are left as if the validation had not run.
+        self._rng_before_validation = rng.capture()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._rng_before_validation is not None:
+            rng.restore(self._rng_before_validation)
+            self._rng_before_validation = None
+        # What the validation loop logged, recorded in its evaluation phase (the tracer is still in it).
+        for name, value in trainer.callback_metrics.items():
+            if value is not self._before_validation.get(name):
+                self._validation_metrics.add(name)
+                if isinstance(value, torch.Tensor) and value.numel() == 1:
+                    tracing.metric(f"lightning/{name}", value)
+        self._before_validation = {}
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # Inside the optimizer step (Lightning runs the training step in its closure): the step's own records.
         for name, value in trainer.callback_metrics.items():
-            if not name.endswith("_epoch") and isinstance(value, torch.Tensor) and value.numel() == 1:
+            if (not name.endswith("_epoch") and name not in self._validation_metrics
+                    and isinstance(value, torch.Tensor) and value.numel() == 1):
                 tracing.metric(f"lightning/{name}", value)
         tracing.metric("lightning/lr", float(optimizer.param_groups[0]["lr"]))
 

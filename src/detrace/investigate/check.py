@@ -5,13 +5,16 @@ bit-identical. It drives the launcher and the diff; it never reads a trace itsel
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from detrace.analyze import DiffResult, diff
-from detrace.errors import CommandFailed, UsageError
+from detrace.errors import CommandFailed, IncomparableError, TraceError, UsageError
 from detrace.launch.launcher import Launcher, LaunchResult, run_traced
+from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
 from detrace.verdicts import DIFF
 
@@ -66,6 +69,64 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
         raise UsageError("no command given; put it after '--', e.g. detrace check -- python train.py")
     out = prepare_out(out, holds="runs")
     dirs = [out / f"run-{i}" for i in range(runs)]
+    from detrace.state.contract import ENV_CKPT_DIR  # imports torch: not at the CLI's start
+
+    started = time.time()
     for i, run_dir in enumerate(dirs):
-        run_checked(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout, launch=launch)
+        # Each run gets its own DETRACE_CKPT_DIR: a script that writes there cannot resume from an earlier run's files.
+        run_checked(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout, launch=launch,
+                    env={ENV_CKPT_DIR: str(out / "checkpoints" / run_dir.name)})
+    refuse_self_resumed(dirs, started=started, out=out)
     return CheckResult(runs=dirs, diffs=[diff(dirs[0], other) for other in dirs[1:]])
+
+
+def _first_step(run: Path) -> int | None:
+    try:
+        steps = open_run(run).header.steps
+    except TraceError:
+        return None  # the diff says what is wrong with the run
+    return steps[0] if steps is not None else None
+
+
+def written_since(started: float, *, out: Path, where: Path | None = None) -> list[Path]:
+    """The entries of `where` (the working directory) changed since `started`, other than the check's own `out`:
+    where CMD may have left a checkpoint."""
+    where = where or Path.cwd()
+    own = out.resolve()
+    found = []
+    try:
+        with os.scandir(where) as entries:
+            for entry in entries:
+                path = Path(entry.path)
+                resolved = path.resolve()
+                if resolved == own or resolved in own.parents:
+                    continue
+                try:
+                    # A second of slack: file times are taken from a coarser clock than time.time().
+                    if entry.stat(follow_symlinks=False).st_mtime >= started - 1.0:
+                        found.append(path)
+                except OSError:
+                    continue
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def refuse_self_resumed(dirs: list[Path], *, started: float, out: Path) -> None:
+    """Raise IncomparableError when a run started at a later global step than the first: CMD resumed by itself from
+    a checkpoint an earlier run left (torchtitan's auto-resume, HF's `get_last_checkpoint`, Lightning's
+    `ckpt_path="last"`), so the runs did not start from the same state and comparing them says nothing."""
+    first = _first_step(dirs[0])
+    for i, run in enumerate(dirs[1:], start=2):
+        theirs = _first_step(run)
+        if first is None or theirs is None or theirs <= first:
+            continue
+        left = written_since(started, out=out)
+        where = (" (the working directory's " + ", ".join(str(p) for p in left[:4]) + " changed during the runs)"
+                 if left else "")
+        raise IncomparableError(
+            f"run {i} started at global step {theirs} and run 1 at step {first}: CMD resumed by itself from a "
+            f"checkpoint that an earlier run left{where}, so the runs did not start from the same state; give each "
+            "run a clean output directory: delete it before `detrace check`, turn the script's auto-resume off, or "
+            "have the script take its output directory from DETRACE_CKPT_DIR, which detrace check sets to a new "
+            "directory for each run")

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -40,7 +40,7 @@ from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
 from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
-from detrace.tracefile.metadata import RunHeader
+from detrace.tracefile.metadata import RunHeader, load_json
 from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
@@ -100,11 +100,28 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     spans = [span for rank in ranks if (span := _steps_run(out, rank)) is not None]
     if spans:  # the global steps the run covered: from its first rank's first step to its last rank's last
         header["steps"] = {"first": min(first for first, _ in spans), "last": max(last for _, last in spans)}
+    warned = _warnings(out, ranks)
+    if warned:  # the integrations' warnings to the user, which a verdict repeats next to a divergence
+        header["warnings"] = warned
     aux = aux_trace_paths(out)
     if aux:  # processes that are not ranks (an eval subprocess, say) traced apart; diff and certify skip them
         header["aux"] = [path.name for path in aux]
     header.update(facts)
     return header
+
+
+def _warnings(out: Path, ranks: Iterable[int]) -> list[str]:
+    """The warnings the ranks' footers hold (`detrace.record.warned`), each once, in rank order."""
+    found: list[str] = []
+    for rank in sorted(ranks):
+        try:
+            raw = load_json(footer_path(out, rank), "rank footer")
+        except (TraceError, FileNotFoundError):
+            continue
+        said = raw.get("warnings") if isinstance(raw, dict) else None
+        if isinstance(said, list):
+            found += [text for text in said if isinstance(text, str) and text not in found]
+    return found
 
 
 def _steps_run(out: Path, rank: int) -> tuple[int, int] | None:

@@ -167,6 +167,14 @@ def metric(name: str, value: float | object) -> None:
         record(_tracer, name, value)  # type: ignore[arg-type]
 
 
+def warned(text: str) -> None:
+    """An integration warned the user (a stream it cannot resume, a strategy it leaves alone): the trace keeps the
+    sentence (the rank's footer, then run.json), so that a verdict can repeat it next to the divergence it may
+    explain."""
+    if _tracer is not None and text not in _tracer.warnings:
+        _tracer.warnings.append(text)
+
+
 def _checkpoint_running(running: bool) -> None:
     if _tracer is not None:
         with _tracer.clock.lock:

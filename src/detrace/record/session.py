@@ -74,6 +74,8 @@ class Tracer:
         self._recorded: list[int] = []
         """[first, last] global step that holds records."""
         self.phase = "forward"
+        """What runs now: "forward" (the training's own work outside the backward and the optimizer step, including
+        what trails the step), "backward", "optimizer", or "evaluation" (see `evaluation_begins`)."""
         self.scope: list[str] = []
         """Qualified names of the modules being run, innermost last (kept by the module rung)."""
         self.collectives = 0
@@ -83,6 +85,8 @@ class Tracer:
         self.world_size: int | None = None
         self.on: dict[str, bool] = {}
         """Per rung: whether it records in the current step on this rank."""
+        self.warnings: list[str] = []
+        """The integrations' warnings to the user (`detrace.record.warned`), written to the footer."""
         self.groups: dict[str, int] = {}
         """Process groups seen ("0,1") -> calls made in each; written to the footer as the parallel layout."""
         self._seq = 0
@@ -139,16 +143,33 @@ class Tracer:
                 if self._recorded and self._recorded[-1] == before:
                     self._recorded = [step, step] if self._recorded[0] == before else [self._recorded[0], step]
 
+    def evaluation_begins(self) -> None:
+        """A forward of the trained model outside the training (`detrace.record.rungs.batch.evaluates`): what runs
+        from now until the training's work begins again is the evaluation, in the step it follows."""
+        with self._lock:
+            if self.phase == "forward":
+                self.phase = "evaluation"
+
+    def training_begins(self) -> None:
+        """The training's work begins (a training forward, a backward, an optimizer's closure): an evaluation is
+        over, and so is the trailing work of the step before (`StepClock.work_begins`)."""
+        with self._lock:
+            if self.phase == "evaluation":
+                self.phase = "forward"
+            self.clock.work_begins()
+
     def end_step(self) -> None:
         """The step is over: move the clock on and write the step's records."""
         with self._lock:
+            if self.phase == "evaluation":
+                self.phase = "forward"
             self.clock.advance()
             self.flush(step_ended=True)
 
     def user_step(self) -> None:
         """`detrace.step()`: ends the step, or its trailing work when an optimizer step ended its compute."""
         if self.clock.trailing:
-            self.clock.work_begins()
+            self.training_begins()
         else:
             self.end_step()
 
@@ -344,6 +365,8 @@ class Tracer:
                 footer = {"groups": sorted(self.groups), "step": self.clock.step, "pid": os.getpid(),
                           "world_size": self.world_size, "collectives": self.collectives,
                           "steps": self.clock.steps(self._recorded)}
+                if self.warnings:
+                    footer["warnings"] = list(self.warnings)
                 try:
                     writer.close(footer)
                     if self.rank == 0 and not self.config.launched:

@@ -163,10 +163,6 @@ class StepClock:
                 self._stepped = set()
             self._stepped.add(id(optimizer))
 
-    def backward_begins(self) -> None:
-        """A backward pass starts: the next step's work."""
-        self.work_begins()
-
     def steps(self, recorded: list[int]) -> dict[str, Any]:
         """The footer's account of the global steps: the first step run, the first and last step holding records
         (`recorded`: [first, last], empty when none), and the source of the numbering."""

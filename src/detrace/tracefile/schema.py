@@ -19,10 +19,11 @@ _FORMAT = "detrace.trace/"
 # Ordered: each rung includes the ones before it.
 RUNGS = ("metrics", "semantic", "module", "op")
 PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", "data", "checkpoint", "bookkeeping",
-          "other")
+          "evaluation", "other")
 """`checkpoint`: anything recorded while a checkpoint is saved or loaded; `bookkeeping`: a collective a training
-framework makes for itself (HF Trainer's logging gathers, Lightning's `self.log(sync_dist=True)`). The diff compares
-both apart from the training, by identity (detrace.analyze.apart)."""
+framework makes for itself (HF Trainer's logging gathers, Lightning's `self.log(sync_dist=True)`); `evaluation`:
+what an evaluation of the trained model runs between two steps (detrace.record.rungs.batch). The diff compares the
+three apart from the training, by identity (detrace.analyze.apart)."""
 ROLES = (
     "input",  # argument of a module/op/collective call
     "output",  # result of a call
@@ -43,7 +44,8 @@ FIELDS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ("step", pa.int64(), False, "training step (optimizer steps completed before this record)"),
     ("rung", pa.string(), False, "metrics | semantic | module | op"),
     ("phase", pa.string(), False,
-     "forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | other"),
+     "forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | evaluation "
+     "| other"),
     ("module", pa.string(), True, "innermost nn.Module qualified name in scope, if any"),
     ("name", pa.string(), False, "op name (aten.mm.default), module name, collective (all_reduce) or metric"),
     ("occurrence", pa.int32(), False, "how many calls with this (phase, module, name) came before in this step"),

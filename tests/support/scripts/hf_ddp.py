@@ -1,14 +1,17 @@
 """An HF `Trainer` script of the kind users write, made resumable by `callbacks=[DetraceCallback()]`, for
 torchrun (2 ranks on gloo): a tiny GPT-2 from a config, logging every step (HF's logging gathers the loss across
-ranks), 6 steps.
+ranks), an evaluation every 2 steps, where checkpoints are taken too (the usual set-up), 6 steps.
 
     torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
-    detrace check-resume --at 3 -- torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
+    detrace check-resume --at 2 -- torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -19,8 +22,8 @@ VOCAB, LENGTH = 64, 8
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.data = torch.randint(0, VOCAB, (48, LENGTH), generator=torch.Generator().manual_seed(0))
+    def __init__(self, samples: int = 48, seed: int = 0) -> None:
+        self.data = torch.randint(0, VOCAB, (samples, LENGTH), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return len(self.data)
@@ -33,13 +36,19 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2))
-    with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(output_dir=scratch, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
-                                 logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+    # One output directory for both ranks (HF saves into it from each), removed at the end.
+    scratch = Path(tempfile.gettempdir()) / f"hf_ddp-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
+    try:
+        args = TrainingArguments(output_dir=str(scratch), max_steps=6, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                                 save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True, seed=0,
                                  use_cpu=True, ddp_backend="gloo")
-        trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(8, seed=1),
                           callbacks=[DetraceCallback(deterministic=True)])
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    finally:
+        if os.environ.get("RANK", "0") == "0":
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

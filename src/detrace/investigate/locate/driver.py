@@ -18,12 +18,14 @@ from detrace.analyze.locate_result import (
 from detrace.analyze.pairs import first_origin_call, ranks_spec, same_over
 from detrace.analyze.replay_result import ReplayResult
 from detrace.errors import CommandFailed, TraceError
+from detrace.integrations.advice import imports_detrace
 from detrace.investigate.audit.records import ENV_AUDIT
 from detrace.investigate.audit.report import prediction
 from detrace.investigate.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
 from detrace.investigate.locate.evidence import call_records, recorded_steps
 from detrace.investigate.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
 from detrace.launch.launcher import Launcher, run_traced
+from detrace.report.meaning import apart_notes, short_run
 from detrace.tracefile.layout import capture_paths
 
 REFERENCE_RUN = "1-semantic-a"
@@ -51,6 +53,8 @@ class Ladder:
         self.resume: ResumeUse = "no-contract"
         self.completed: list[str] = []
         """The rungs at which CMD ran to completion so far (a later failure is then the rung's doing)."""
+        self.apart: list[str] = []
+        """What the broad pair compared apart from the training (evaluations, checkpoint I/O), for the notes."""
 
     # -- running CMD ---------------------------------------------------------------------------------------
 
@@ -202,12 +206,16 @@ class Ladder:
         answer = self._ladder()
         notes = []
         narrowed = any(stage.rung in ("module", "op", "kernel") for stage in self.stages)
-        if narrowed and self.resume == "no-contract":
+        if (narrowed and self.resume == "no-contract" and self.config.checkpoints and answer.steps <= self.every
+                and imports_detrace(list(self.config.command))):
+            notes.append(short_run(answer.steps, self.every))
+        elif narrowed and self.resume == "no-contract":
             notes.append("CMD wrote no checkpoint, so every narrow run re-ran it from step 0: on long runs, "
                          "the resume contract (detrace.TrainState, docs/resume.md) lets locate resume them "
                          "from a checkpoint next to the divergence")
         elif narrowed and self.resume == "inexact":
             notes.append(next(s.note for s in self.stages if s.rung == "resume"))
+        notes += self.apart
         if answer.culprit is not None and (said := prediction(self.config.out / REFERENCE_RUN, answer.culprit.name)):
             notes.append(said)
         cost = Cost(per_run=tuple(spent.record(answer.steps) for spent in self.spent),
@@ -230,6 +238,7 @@ class Ladder:
         self.checkpoints = saved_versions(self.config.out / CHECKPOINTS / REFERENCE_RUN)
         if self.checkpoints:
             self.resume = "unused"
+        self.apart = apart_notes(first_pair)
         if first_pair.verdict == "identical" or first_pair.first is None:
             # A race that strikes at random steps can spare one pair: a third run, compared with the first,
             # before the verdict is "deterministic".

@@ -15,7 +15,12 @@ frame of ours around a compiled module's call would move where Dynamo's graphs b
 Inductor's fusions and the bits (a model with graph breaks ended with other parameters on an AVX-512 CPU).
 
 The same outermost forward call tells the step clock, at every rung, that the next step's work begins: the
-trailing work of the step before (what ran after its optimizer step) is over (see detrace.record.steps).
+trailing work of the step before (what ran after its optimizer step) is over (see detrace.record.steps). Unless it
+is an evaluation (`evaluates`): then it is no step's work. It begins the phase "evaluation" of the step it follows
+(what runs between step K and K+1 belongs to step K), which lasts until the training's work begins again, and its
+tensors are recorded as a "batch" call in that phase. A run that evaluates where another does not (a continuous run
+evaluates at the step where a resumed one starts) thus keeps its steps and its training's records in line, and the
+diff compares the evaluations apart (detrace.analyze.apart).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from torch import nn
 
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
-from detrace.record.records import recorded_leaves
+from detrace.record.records import Call, recorded_leaves
 from detrace.record.session import Tracer
 
 
@@ -38,34 +43,60 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Record the tensors of one outermost forward call."""
+def evaluates(module: nn.Module) -> bool:
+    """Whether an outermost call of `module` is an evaluation: the trained model (a parameter that requires grad)
+    in eval mode with grad disabled (`torch.no_grad`, `torch.inference_mode`), as HF Trainer's `evaluate`,
+    Lightning's validation loop and a loop's own `model.eval()` + `torch.no_grad()` run it. Each condition alone is
+    not enough: a frozen model (a VAE encoder, a distillation teacher) runs under `no_grad` in eval mode as part of
+    every training step, a policy generates under `no_grad` in train mode (RL), and a model with frozen BatchNorm
+    trains in eval mode."""
+    if torch.is_grad_enabled() or module.training:
+        return False
+    return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+    """Record the tensors of one outermost forward call, in phase "data" (or "evaluation" during one: its outputs
+    are recorded too, by `evaluated`). Returns the evaluation's call."""
     names: list[str] = []
     tensors: list[Any] = []
     for name, value in [*((str(i), v) for i, v in enumerate(args)), *kwargs.items()]:
         leaves = recorded_leaves(value)
         names += [name] * len(leaves)
         tensors += leaves
-    if not tensors:
-        return
+    evaluation = tracer.phase == "evaluation"
+    if not tensors and not evaluation:
+        return None
     extra = json.dumps({"module": type(module).__name__, "args": names})
-    call = tracer.begin("semantic", "data", "batch", extra=extra)
+    call = tracer.begin("semantic", "evaluation" if evaluation else "data", "batch", extra=extra)
     tracer.emit(call, "input", tracer.snapshot(tensors))
+    return call if evaluation else None
+
+
+def evaluated(tracer: Tracer, call: Call, output: Any) -> None:
+    """The outputs of an evaluation's forward call: at the semantic rung they are what an evaluation computed
+    (nothing else of it is recorded there), so a nondeterministic evaluation is found without the op rung."""
+    tracer.emit(call, "output", tracer.snapshot(recorded_leaves(output)))
 
 
 def install(tracer: Tracer) -> list[Callable[[], None]]:
     original = nn.Module.__call__
     local = threading.local()
 
-    def begins(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """An outermost module call in the forward: a model's begins the step's work, and its tensors are recorded."""
+    def begins(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+        """An outermost module call in the forward: a model's begins the step's work (or an evaluation), and its
+        tensors are recorded. During an evaluation, any model called with grad disabled (a frozen decoder it uses)
+        is part of it."""
         if tracer.busy or not _has_parameters(module):
-            return
-        tracer.clock.work_begins()
-        if tracer.on["semantic"]:
-            record(tracer, module, args, kwargs)
+            return None
+        if evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled()):
+            tracer.evaluation_begins()
+        else:
+            tracer.training_begins()
+        return record(tracer, module, args, kwargs) if tracer.on["semantic"] else None
 
     outermost = Opaque(begins)
+    finished = Opaque(evaluated)
 
     def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # is_compiling() first: Dynamo inlines this function into compiled regions, and must not trace the rest.
@@ -73,9 +104,11 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             return original(module, *args, **kwargs)
         local.inside = True
         try:
-            if tracer.phase == "forward":
-                outermost(module, args, kwargs)
-            return original(module, *args, **kwargs)
+            evaluation = outermost(module, args, kwargs) if tracer.phase in ("forward", "evaluation") else None
+            output = original(module, *args, **kwargs)
+            if evaluation is not None:
+                finished(tracer, evaluation, output)
+            return output
         finally:
             local.inside = False
 

@@ -74,7 +74,7 @@ def _closure_first(tracer: Tracer, args: Any, kwargs: Any) -> tuple[Any, Any] | 
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
     if not callable(closure):
         return None
-    tracer.clock.work_begins()  # the closure is the next step's work, as its forward would be
+    tracer.training_begins()  # the closure is the next step's work, as its forward would be
     with torch.enable_grad():  # as the optimizers run their closure
         ran = _RanOnce(closure, closure())
     if "closure" in kwargs:

@@ -53,7 +53,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     original_backward = torch.autograd.backward
 
     def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
-        tracer.clock.backward_begins()
+        tracer.training_begins()
         if tracer.on["metrics"]:
             roots = _roots(tensors)
             # a root without its own gradient is a loss (a pipeline schedule passes [None] for its loss)

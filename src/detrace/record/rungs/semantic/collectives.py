@@ -12,7 +12,8 @@ A collective that a training framework makes for itself, outside the backward an
 Trainer's logging gather of the loss, Lightning's `self.log(sync_dist=True)`, accelerate's set-up) is recorded in
 phase "bookkeeping", with extra {"site": "module:function"}: when a framework makes it differs between a
 continuous and a resumed run, and the diff compares such records apart from the training, by identity. A
-collective made by torch.distributed.checkpoint (DCP), whoever calls it, is in phase "checkpoint".
+collective made by torch.distributed.checkpoint (DCP), whoever calls it, is in phase "checkpoint"; any other one
+made during an evaluation (detrace.record.rungs.batch) is in phase "evaluation".
 """
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def _wrap(tracer: Tracer, name: str, original: Callable[..., Any]) -> Callable[.
             peer = arguments.get(peer_key)
             if peer is None and arguments.get(f"group_{peer_key}") is not None:
                 peer = dist.get_global_rank(arguments["group"], arguments[f"group_{peer_key}"])
-        found = caller(bookkeeping=tracer.phase == "forward") if phase == "collective" else None
-        call = tracer.begin("semantic", found[0] if found else phase, name, group=group,
+        found = caller(bookkeeping=tracer.phase in ("forward", "evaluation")) if phase == "collective" else None
+        # An evaluation's own collectives and p2p (a metric's all-reduce in the user's loop) are the evaluation's.
+        at = found[0] if found else "evaluation" if tracer.phase == "evaluation" else phase
+        call = tracer.begin("semantic", at, name, group=group,
                             group_seq=tracer.next_group_seq(group), peer=peer,
                             extra=json.dumps({"site": found[1]}) if found else None)
         before = tracer.snapshot(inputs_of(arguments))

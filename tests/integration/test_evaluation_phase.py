@@ -1,0 +1,130 @@
+"""An evaluation is a phase of its own: forward passes of the trained model in eval mode with grad disabled belong to
+the step they follow, a run that evaluates where another does not (a continuous run at the stop step) is no
+divergence, and an evaluation both runs ran is compared: a nondeterministic one is still found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import detrace
+from detrace.analyze import diff
+from detrace.record import set_step
+from detrace.tracefile import read_rank
+
+
+def _data() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 4, generator=gen) for _ in range(6)]
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, noise: bool = False) -> torch.Tensor:
+        hidden = self.inner(x)
+        if noise and not self.training:
+            # The evaluation itself is nondeterministic (injected fault, named as such): a bit it flips differs from
+            # one run to the next.
+            hidden = hidden + torch.finfo(hidden.dtype).eps * float(torch.randint(0, 2**20, ()).item())
+        return self.head(torch.relu(hidden))
+
+
+def _evaluate(model: Model, data: list[torch.Tensor], *, noise: bool) -> None:
+    model.eval()
+    with torch.no_grad():
+        for x in data[:2]:
+            model(x, noise=noise)
+    model.train()
+
+
+def _run(out: Path, *, resume_at: int | None = None, evaluate_at: tuple[int, ...] = (2, 4),
+         noise_seed: int | None = None, rung: str = "semantic") -> Path:
+    """4 steps of training, an evaluation after the steps in `evaluate_at`; `resume_at`: a process that starts at
+    that global step from the continuous run's state there (it runs no step before, nor their evaluations)."""
+    data = _data()
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = 0
+    if resume_at is not None:  # bring the state to the stop step untraced, as a checkpoint would
+        for i in range(resume_at):
+            nn.functional.mse_loss(model(data[i]), torch.zeros(8, 1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        first = resume_at
+    if noise_seed is not None:
+        torch.manual_seed(noise_seed)
+    with detrace.trace(out, rung=rung):
+        if resume_at is not None:
+            set_step(resume_at)
+        for i in range(first, 4):
+            nn.functional.mse_loss(model(data[i]), torch.zeros(8, 1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if i + 1 in evaluate_at:
+                _evaluate(model, data, noise=noise_seed is not None)
+    return out
+
+
+def test_an_evaluation_belongs_to_the_step_it_follows(tmp_path: Path) -> None:
+    rows = read_rank(_run(tmp_path / "a"), 0).table.to_pylist()
+    evaluation = [(r["step"], r["name"], r["role"]) for r in rows if r["phase"] == "evaluation"]
+    # After 2 and 4 optimizer steps: the trailing work of steps 1 and 3; inputs and outputs of each forward.
+    assert evaluation == [(1, "batch", "input"), (1, "batch", "output")] * 2 + [(3, "batch", "input"),
+                                                                                (3, "batch", "output")] * 2
+    assert {r["step"] for r in rows} == {0, 1, 2, 3}  # 4 steps, not one more for the evaluation
+    assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2, 3]
+
+
+def test_an_evaluation_at_the_stop_step_is_no_divergence(tmp_path: Path) -> None:
+    a = _run(tmp_path / "a")
+    b = _run(tmp_path / "b", resume_at=2)
+    result = diff(a, b)
+    assert result.verdict == "identical", result.first
+    assert ("compared apart from the training, by identity: evaluations: 4 records in A, 4 in B, 4 in both, every "
+            "bit equal") in result.notes  # the evaluation after step 4, in both runs
+
+
+def test_one_run_evaluating_where_the_other_does_not_is_no_divergence(tmp_path: Path) -> None:
+    result = diff(_run(tmp_path / "a"), _run(tmp_path / "b", evaluate_at=()))
+    assert result.verdict == "identical", result.first
+    assert ("compared apart from the training, by identity: evaluations: 8 records in A, 0 in B, 0 in both"
+            in result.notes)
+
+
+@pytest.mark.parametrize("rung", ["semantic", "op"])
+def test_a_nondeterministic_evaluation_is_found(tmp_path: Path, rung: str) -> None:
+    a = _run(tmp_path / "a", noise_seed=1, rung=rung)
+    b = _run(tmp_path / "b", noise_seed=2, rung=rung)
+    result = diff(a, b)
+    assert result.verdict == "diverged"
+    first = result.first
+    assert first is not None and (first.step, first.phase, first.kind) == (1, "evaluation", "numeric")
+    if rung == "op":  # the op that made the difference, inputs equal
+        assert first.origin and first.name == "aten.randint.low" and first.module == ""  # the draw the eval made
+    else:  # the evaluation's output; its input batch was equal
+        assert first.origin and (first.name, first.role) == ("batch", "output")
+
+
+def test_training_under_no_grad_in_train_mode_is_no_evaluation(tmp_path: Path) -> None:
+    """A frozen model (requires_grad off) or a forward in train mode under no_grad is the step's own work."""
+    torch.manual_seed(0)
+    model, frozen = Model(), Model().eval().requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detrace.trace(tmp_path / "t", rung="semantic"):
+        for x in _data()[:2]:
+            with torch.no_grad():
+                target = frozen(x)  # a teacher's, a frozen encoder's forward
+                model(x)  # a generation in train mode
+            nn.functional.mse_loss(model(x), target).backward()
+            optimizer.step()
+    rows = read_rank(tmp_path / "t", 0).table.to_pylist()
+    assert not [r for r in rows if r["phase"] == "evaluation"]
+    assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 0, 0, 1, 1, 1]
