@@ -114,7 +114,7 @@ def test_open_run_reads_headers_and_ranks(tmp_path: Path) -> None:
         (lambda p: p.mkdir(), "holds no trace"),
         (lambda p: p.write_text("x"), "is not a directory"),
         (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"garbage")), "not a detrace trace file"),
-        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"ARROW1\x00\x00\x01")), "truncated before its schema"),
+        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"ARROW1\x00\x00\x01")), "ends inside its schema"),
     ],
 )
 def test_bad_run_directories_raise_one_sentence(tmp_path: Path, setup, message: str) -> None:
