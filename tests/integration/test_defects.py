@@ -39,6 +39,7 @@ def test_fault_spec_parses_every_key() -> None:
     ("bitflip:step=1,rank=0,tensor=w,bit=1,speed=3", "unknown key 'speed'"),
     ("bitflip:step=1,rank=0,tensor=w,bit=1,repeat=yes", "repeat takes no value"),
     ("bitflip:step=1,rank=0,tensor=,bit=1", "needs tensor=NAME"),
+    ("bitflip:step=1,rank=0,tensor=w,bit=999", "bit 999 is outside every element"),
 ])
 def test_fault_spec_refuses_malformed_text(text: str, words: str) -> None:
     with pytest.raises(UsageError, match=words):
@@ -93,6 +94,30 @@ def test_injected_fault_strikes_once_at_its_step(tensor: str) -> None:
         injector.remove()
     assert torch.equal(faulty[0], clean[0]) and not torch.equal(faulty[1], clean[1])
     assert injector.struck == [1] and bystander[0].weight.grad is None
+
+
+def test_a_flip_that_does_not_fit_its_tensor_is_said_once_and_the_training_runs_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for spec in (FaultSpec(step=0, rank=0, tensor="weight", bit=40, repeat=True),  # float32: 32 bits
+                 FaultSpec(step=0, rank=0, tensor="weight", bit=3, index=99, repeat=True)):  # 12 elements
+        injector = FaultInjector(spec)
+        injector.install()
+        try:
+            _train(nn.Linear(4, 3), 3)
+        finally:
+            injector.remove()
+        err = capsys.readouterr().err
+        assert injector.struck == [] and err.count("\n") == 1 and "it can never strike" in err
+        assert "is outside" in err
+
+
+def test_a_malformed_fault_is_one_sentence_and_the_program_runs_on(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DETRACE_FAULT", "bitflip:step=0,rank=0,tensor=weight,bit=999")
+    arm_from_env()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bit 999 is outside every element" in err and "the injected fault is off" in err
+    _train(nn.Linear(4, 3), 2)
 
 
 def test_repeat_fault_follows_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
