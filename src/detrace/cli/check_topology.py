@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_topology import Mesh, check_topology, parse_layouts, parse_worlds
 from detrace.tracefile.layout import default_out
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
-    parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--timeout", type=seconds, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     parser.add_argument("--force", action="store_true",
                         help="start worlds or layouts of more than 4 processes per CPU core (refused without it)")

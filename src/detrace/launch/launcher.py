@@ -23,6 +23,7 @@ import collections
 import contextlib
 import functools
 import json
+import math
 import os
 import select
 import signal
@@ -232,8 +233,8 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     command = tuple(cmd)
     if not command:
         raise UsageError("no command to run; give it after '--', e.g. detrace run -- python train.py")
-    if timeout is not None and timeout <= 0:
-        raise UsageError(f"the timeout must be a positive number of seconds, not {timeout!r}")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):  # nan would be no timeout at all
+        raise UsageError(f"the timeout must be a positive, finite number of seconds, not {timeout!r}")
     out = Path(out).resolve()
     config = TraceConfig(out=out, rung=rung, steps=steps, ranks=ranks, max_numel=max_numel, capture=capture,
                          command=command, launched=True)

@@ -157,6 +157,12 @@ def remove_empty(out: Path) -> None:
         out.rmdir()
 
 
+def shown_path(path: Path, limit: int = 120) -> str:
+    """A path for a sentence: whole when short, else its start and its end (a path may be 4096 bytes long)."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 2 :]}"
+
+
 def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | None = None,
                 name: str = "output directory") -> Path:
     """Create the directory a command writes into, by one rule for every command.
@@ -172,6 +178,12 @@ def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | Non
     named the directory ("--out", "output directory"). Refusals of a trace are `TraceError`, the rest
     `UsageError`: both exit 2.
     """
+    try:
+        os.stat(out)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # a name past NAME_MAX or PATH_MAX, a loop of links, a file where a folder should be
+        raise UsageError(f"cannot use {name} {shown_path(out)}: {err.strerror or err}") from None
     if out.exists() and not out.is_dir():
         raise UsageError(f"{name} {out} exists and is not a directory")
     hint = "; choose another directory" + ("" if force is None else " or pass --force")
@@ -191,5 +203,5 @@ def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | Non
                 path.unlink()
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"cannot write to {name} {out}: {err.strerror or err}") from None
+        raise UsageError(f"cannot write to {name} {shown_path(out)}: {err.strerror or err}") from None
     return out
