@@ -404,6 +404,25 @@ def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
     assert detrace.record.active() is None
 
 
+def test_a_garbage_audit_variable_is_one_sentence_naming_it_and_the_trace_is_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import detrace.record
+    from detrace.record.config import ENV_VAR, TraceConfig
+
+    monkeypatch.setenv(ENV_VAR, TraceConfig(out=tmp_path / "t", launched=True).to_env())
+    monkeypatch.setenv("DETRACE_AUDIT", "garbage")
+    try:
+        assert detrace.record.arm_from_env()  # an "invalid literal for int()" traceback before, the trace left open
+        err = capsys.readouterr().err
+        assert err == (f"detrace: DETRACE_AUDIT must be a positive number of steps, not 'garbage'; the audit is off "
+                       f"in process {os.getpid()}\n")
+        detrace.record.metric("loss", 1.0)
+        detrace.record.step()
+    finally:
+        detrace.record._stop()
+    assert (tmp_path / "t" / "rank-00000.json").is_file()  # closed
+
+
 def test_recheck_compares_module_buffers_too(tmp_path: Path) -> None:
     # A flip that lands only in a module buffer (a running mean) leaves every parameter as it was: recheck's
     # results hold the buffers, so the re-executions are judged on them too.
