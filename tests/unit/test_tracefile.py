@@ -288,6 +288,22 @@ def test_layout_names_rank_files_and_captures(tmp_path: Path) -> None:
     assert capture_path(tmp_path, 0, 4).name == "rank-00000-seq00000004.safetensors"
 
 
+def test_force_replaces_a_detrace_trace_and_nothing_else(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write(run, 0, 2)
+    capture_path(run, 0, 4).parent.mkdir()
+    capture_path(run, 0, 4).write_bytes(b"ours")
+    (run / "capture" / "photo1.jpg").write_bytes(b"theirs")
+    prepare_out(run, holds="trace", force=True)  # it deleted capture/ whole before
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == ["capture", "capture/photo1.jpg"]
+    (run / "run.json").write_text('{"my": "own run.json"}')
+    write(run, 0, 2)
+    for force in (False, True):  # it overwrote the user's run.json before
+        with pytest.raises(TraceError, match=r"run.json is not a detrace run header.*--force replaces only"):
+            prepare_out(run, holds="trace", force=force)
+    assert (run / "run.json").read_text() == '{"my": "own run.json"}' and rank_path(run, 0).exists()
+
+
 def test_one_rule_for_output_directories(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write(run, 0, 2)
