@@ -106,6 +106,20 @@ def test_a_closed_file_cut_at_a_batch_boundary_is_corruption(runs: tuple[Path, P
                           "replaced); detrace does not compare, locate or report a corrupted trace"]
 
 
+def test_a_missing_footer_file_is_read_from_the_closed_arrow_file_never_a_divergence(
+        runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    footer_path(b, 1).unlink()  # the records are all there, and the Arrow file was finished
+    assert main(["diff", str(a), str(b)]) == 0  # "diverged ... [missing]" before
+    out = capsys.readouterr().out
+    assert out.startswith("identical: 2 ranks") and "footer file of rank 1 (rank-00001.json) is missing" in out
+    assert certify(b).violations == ["rank 1: its footer file rank-00001.json is missing (the rank closed its trace: "
+                                     "its Arrow file was finished, and its records were read from it)"]
+    path = rank_path(b, 1)  # without its Arrow file footer too, it is a rank that never closed: as before
+    path.write_bytes(path.read_bytes()[:-10])
+    assert "rank 1: no footer: the rank never closed its trace" in certify(b).violations
+
+
 def test_a_torn_tail_of_a_killed_rank_is_not_corruption(runs: tuple[Path, Path]) -> None:
     _, b = runs
     footer_path(b, 0).unlink()  # the rank never closed: killed

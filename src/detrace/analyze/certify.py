@@ -29,7 +29,7 @@ from detrace.analyze.classify import COMMUNICATION, INPUT_ROLES
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.tracefile import RankFile, open_run
 from detrace.tracefile.integrity import arrow_footer_checksum, chain_text
-from detrace.tracefile.layout import run_header_path
+from detrace.tracefile.layout import footer_path, run_header_path
 from detrace.tracefile.metadata import RunHeader, load_json
 from detrace.tracefile.reader import CorruptTrace
 from detrace.tracefile.selection import Members, describe_runs, parse_window
@@ -152,6 +152,9 @@ def check_rank(file: RankFile) -> _RankFacts:
         violations.append(f"rank {rank}: the seq order breaks {seq_faults} times in all")
     if stream.torn:
         violations.append(f"rank {rank}: the trace ends in a torn batch (the process died while writing)")
+    if footer is not None and footer.rebuilt:
+        violations.append(f"rank {rank}: its footer file {footer_path(stream.path.parent, rank).name} is missing (the "
+                          "rank closed its trace: its Arrow file was finished, and its records were read from it)")
     if footer is None:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
     elif footer.records != records:

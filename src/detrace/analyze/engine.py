@@ -24,6 +24,7 @@ from detrace.analyze.diff_result import Compared, DiffResult
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.errors import UsageError
 from detrace.tracefile import RankFile, RunInfo, open_run
+from detrace.tracefile.layout import footer_path
 from detrace.tracefile.lock import dead_writer
 from detrace.verdicts import DiffVerdict
 
@@ -188,6 +189,9 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
         notes.append(f"the runs are of different commands: {said}")
     # A trace still being written may yet grow (or end torn): whatever the verdict, it is of the records so far.
     notes += [_running(run.path) for run in (run_a, run_b) if run.header.status == "running"]
+    notes += [f"{run.path}: the footer file of rank {r} ({footer_path(run.path, r).name}) is missing; the rank "
+              "closed its trace (its Arrow file was finished), so what the footer said was read from its records"
+              for run in (run_a, run_b) for r, file in run.files.items() if file.footer and file.footer.rebuilt]
     if reason is not None:
         return DiffResult(verdict="incomparable", reason=reason, a=str(a), b=str(b), notes=notes)
     ranks = sorted(set(run_a.ranks) | set(run_b.ranks))

@@ -47,6 +47,12 @@ def rank_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"rank-{rank:05d}.arrow"
 
 
+def rank_of(path: Path) -> int | None:
+    """The rank whose trace file `path` is (`rank_path`), or None for another file (an auxiliary trace)."""
+    match = _RANK_FILE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def footer_path(run_dir: str | Path, rank: int) -> Path:
     """The footer a rank writes when it closes cleanly; its absence means the rank ended early."""
     return Path(run_dir) / f"rank-{rank:05d}.json"

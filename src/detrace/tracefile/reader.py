@@ -24,16 +24,16 @@ import pyarrow as pa
 
 from detrace.errors import TraceError
 from detrace.tracefile.framing import RECORD_BATCH_MESSAGE, SCHEMA_MESSAGE, Unframed, next_frame
-from detrace.tracefile.integrity import chain_start, chain_text, verify
+from detrace.tracefile.integrity import arrow_footer_checksum, chain_start, chain_text, verify
 from detrace.tracefile.layout import (
     RANK_GLOB,
-    footer_path,
+    rank_of,
     rank_path,
     rank_trace_paths,
     require_regular,
     run_header_path,
 )
-from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
+from detrace.tracefile.metadata import RankFooter, RunHeader, StepAccount, load_json
 from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
 from detrace.tracefile.selection import parse_window
 
@@ -51,6 +51,37 @@ def load_footer(path: Path) -> RankFooter | None:
     except FileNotFoundError:
         return None
     return RankFooter.from_json(raw, f"rank footer {path}")
+
+
+def rank_footer(path: Path) -> RankFooter | None:
+    """The footer of the rank file at `path`: its footer file's, or, when that file is missing and the rank file
+    was closed (it ends in its Arrow file footer, which only a clean close writes), one read from the rank file
+    (`RankFooter.rebuilt`); None when the rank never closed its trace."""
+    footer = load_footer(path.with_suffix(".json"))
+    if footer is not None or arrow_footer_checksum(path) is None:
+        return footer
+    return rebuilt_footer(path)
+
+
+def rebuilt_footer(path: Path) -> RankFooter:
+    """What a closed rank file's lost footer said, read from its records: every batch verified against its seal."""
+    stream = BatchStream(path, footer=None)
+    records = batches = 0
+    first = last = None
+    for batch in stream:
+        batches += 1
+        records += batch.num_rows
+        if batch.num_rows:
+            steps = batch.column("step")
+            first = steps[0].as_py() if first is None else first
+            last = steps[-1].as_py()
+    checksum = arrow_footer_checksum(path)
+    recorded = None if first is None or last is None else (first, last)
+    return RankFooter(schema=SCHEMA_VERSION, rank=rank_of(path), records=records, batches=batches,
+                      chain=chain_text(stream._chain), last_step=-1 if last is None else last,
+                      arrow_footer=None if checksum is None else chain_text(checksum),
+                      steps=None if recorded is None else StepAccount(first=None, recorded=recorded, source=None),
+                      rebuilt=True)
 
 
 class _Unread(enum.Enum):
@@ -112,7 +143,7 @@ class BatchStream:
             except ValueError:
                 raise CorruptTrace(f"{self.path} is corrupted: its header is not JSON") from None
             self.header = RunHeader.from_json(raw, f"the header of {self.path}")
-            self.footer = load_footer(self.path.with_suffix(".json")) if footer is UNREAD else footer
+            self.footer = rank_footer(self.path) if footer is UNREAD else footer
         except BaseException:
             self._file.close()
             raise
@@ -292,6 +323,6 @@ def open_run(path: str | Path) -> RunInfo:
                          f"{max(ranks)} wrote a trace")
     # Every footer is read here, once; whoever the run is handed to asks it, never the file.
     files = {rank: RankFile(rank=rank, path=path,
-                            footer=lowest.footer if rank == min(ranks) else load_footer(footer_path(run_dir, rank)))
+                            footer=lowest.footer if rank == min(ranks) else rank_footer(path))
              for rank, path in ranks.items()}
     return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size, files=files)
