@@ -33,16 +33,12 @@ class Unframed(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Frame:
-    """The next message of a stream: where it is and what it holds."""
+    """The next message of a stream, framed within the file: what it holds."""
 
-    offset: int
-    """The byte offset of the message in the file."""
     end: bool
     """It is the end-of-stream marker (no message follows)."""
     header_type: int = 0
     """The flatbuffer `MessageHeader` type (1 schema, 3 record batch)."""
-    size: int = 0
-    """The message's bytes in all: prefix, metadata and body."""
 
 
 def _field(metadata: bytes, table: int, vtable: int, vtable_size: int, index: int, fmt: str) -> int:
@@ -64,13 +60,14 @@ def next_frame(fd: int, offset: int, size: int) -> Frame | None:
     """The frame of the message at `offset` of the open file `fd` (`size` bytes long), or None where the file ends
     before the message does (a torn tail, or a cut). Raises Unframed when the bytes are not a message's framing.
     Reads with pread: the file's position, which pyarrow reads from, stays where it is."""
-    if offset + _PREFIX > size:
+    prefix = os.pread(fd, _PREFIX, offset) if offset + _PREFIX <= size else b""
+    if len(prefix) < _PREFIX:
         return None
-    marker, length = struct.unpack("<Ii", os.pread(fd, _PREFIX, offset))
+    marker, length = struct.unpack("<Ii", prefix)
     if marker != CONTINUATION:
         raise Unframed("it does not begin with the continuation marker of an IPC message")
     if length == 0:
-        return Frame(offset=offset, end=True)
+        return Frame(end=True)
     if length < 0 or length % 8:
         raise Unframed(f"its metadata length {length} is not a positive multiple of 8")
     if offset + _PREFIX + length > size:
@@ -78,8 +75,6 @@ def next_frame(fd: int, offset: int, size: int) -> Frame | None:
     metadata = os.pread(fd, length, offset + _PREFIX)
     if len(metadata) < length:
         return None
-    if length < 8:
-        raise Unframed("its metadata is too short to hold a message")
     (table,) = struct.unpack_from("<I", metadata, 0)
     if table + 4 > length:
         raise Unframed("its metadata's root table lies past its end")
@@ -96,7 +91,6 @@ def next_frame(fd: int, offset: int, size: int) -> Frame | None:
         raise Unframed(f"it is a message of type {header_type}, neither a schema nor a record batch")
     if body < 0 or body % 8:
         raise Unframed(f"its body length {body} is not a non-negative multiple of 8")
-    total = _PREFIX + length + body
-    if offset + total > size:
+    if offset + _PREFIX + length + body > size:
         return None
-    return Frame(offset=offset, end=False, header_type=header_type, size=total)
+    return Frame(end=False, header_type=header_type)
