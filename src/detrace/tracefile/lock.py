@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from detrace.errors import TraceError
+from detrace.errors import TraceError, os_error_text
 
 RUN_LOCK = "run.lock"
 
@@ -30,7 +30,10 @@ def writing(run_dir: Path) -> Iterator[None]:
     """Hold `run_dir`'s lock for the block (the directory exists); TraceError when a live run holds it."""
     path = run_dir / RUN_LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:  # a read-only directory, a full disk
+            raise TraceError(f"cannot write to output directory {run_dir}: {os_error_text(err, run_dir)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
