@@ -8,8 +8,10 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,34 @@ def test_cmds_stderr_stays_apart_from_its_stdout(tmp_path: Path, capfd: pytest.C
     out, err = capfd.readouterr()
     assert "to-out" in out and "to-err" not in out
     assert "to-err" in err and "to-out" not in err
+
+
+@pytest.mark.slow
+def test_a_live_run_is_never_replaced_and_a_killed_one_is_told_from_it(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out, other, started = tmp_path / "run", tmp_path / "other", tmp_path / "started"
+    code = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(120)"
+    first = subprocess.Popen([PY, "-m", "detrace", "run", "--out", str(out), "--", PY, "-c", code],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        # both said "written to D" before, and D held only the second
+        assert cli(["run", "--force", "--out", str(out), "--", PY, "-c", "pass"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"another detrace run that still runs (pid {first.pid})" in err
+        assert json.loads((out / "run.json").read_text())["status"] == "running"
+    finally:
+        first.kill()  # SIGKILL: run.json stays "running"
+        first.wait()
+    table = rank_table(SyntheticRun(ranks=1, steps=2, ops=1), 0)
+    write_table(out, 0, table, world_size=1)
+    write_table(other, 0, table, world_size=1)
+    shutil.copy(out / "run.json", other / "run.json")  # the same command and rung (a copy: no lock, no writer)
+    assert cli(["diff", str(out), str(other)]) == 0
+    said = capsys.readouterr()
+    assert (f"{out}'s run.json says \"running\", but the detrace run that wrote it died (pid {first.pid} is gone "
+            "and its lock is free)") in said.out + said.err and "still running" not in said.out + said.err
+    assert cli(["run", "--force", "--out", str(out), "--", PY, "-c", "pass"]) == 0  # a dead writer's may go

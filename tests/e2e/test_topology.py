@@ -569,6 +569,18 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
     assert parse_worlds(f"{too_many},2", force=True) == (too_many, 2)
     assert cli(["check-topology", "--worlds", f"{too_many},2", "--", "true"]) == 2  # before torchrun starts
     assert "pass --force" in capsys.readouterr().err
+    # --layouts by the same bound: 64x64 is 4096 processes, 1x1,4x4 on one core 16
+    big = 1 << too_many.bit_length()  # a power of two above the bound
+    for layouts, processes in (("64x64,1x1", 4096), (f"1x1,{big}x1", big)):
+        with pytest.raises(UsageError, match=f"--layouts {layouts} would start {processes} processes"):
+            parse_layouts(layouts)
+        assert cli(["check-topology", "--layouts", layouts, "--", "true"]) == 2
+        assert "pass --force" in capsys.readouterr().err
+    assert parse_layouts(f"1x1,{big}x1", force=True)[1].world == big
+    # an empty --worlds or --layouts is refused, not read as the default 1,2,4
+    for option, words in (("--worlds", "--worlds must be comma-separated"), ("--layouts", "not ''")):
+        assert cli(["check-topology", option, "", "--", "true"]) == 2
+        assert words in capsys.readouterr().err
 
 
 @pytest.mark.slow

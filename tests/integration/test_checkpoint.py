@@ -257,6 +257,21 @@ def test_verify_checkpoint_command_exit_codes(tmp_path: Path, capsys: pytest.Cap
     assert "'model.0.bias'" in capsys.readouterr().err
 
 
+def test_a_latest_that_names_no_version_is_quoted_short_and_sanitized(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n" * 40 + "the last line\n")
+    for name, make in [("binary", lambda p: p.write_bytes(b"step-\xff\xfe\x00\x1b[31m\n")),
+                       ("linked", lambda p: p.symlink_to(secret))]:
+        root = tmp_path / name
+        root.mkdir()
+        make(root / "latest")
+        assert detrace(["verify-checkpoint", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "does not name a checkpoint version" in err and "Traceback" not in err
+        assert "\x1b" not in err and "the last line" not in err and len(err) < 300 + len(str(root))
+
+
 @pytest.mark.slow
 def test_verify_checkpoint_command_in_a_real_process(tmp_path: Path) -> None:
     state = make_state()

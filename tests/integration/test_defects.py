@@ -39,6 +39,7 @@ def test_fault_spec_parses_every_key() -> None:
     ("bitflip:step=1,rank=0,tensor=w,bit=1,speed=3", "unknown key 'speed'"),
     ("bitflip:step=1,rank=0,tensor=w,bit=1,repeat=yes", "repeat takes no value"),
     ("bitflip:step=1,rank=0,tensor=,bit=1", "needs tensor=NAME"),
+    ("bitflip:step=1,rank=0,tensor=w,bit=999", "bit 999 is outside every element"),
 ])
 def test_fault_spec_refuses_malformed_text(text: str, words: str) -> None:
     with pytest.raises(UsageError, match=words):
@@ -93,6 +94,30 @@ def test_injected_fault_strikes_once_at_its_step(tensor: str) -> None:
         injector.remove()
     assert torch.equal(faulty[0], clean[0]) and not torch.equal(faulty[1], clean[1])
     assert injector.struck == [1] and bystander[0].weight.grad is None
+
+
+def test_a_flip_that_does_not_fit_its_tensor_is_said_once_and_the_training_runs_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for spec in (FaultSpec(step=0, rank=0, tensor="weight", bit=40, repeat=True),  # float32: 32 bits
+                 FaultSpec(step=0, rank=0, tensor="weight", bit=3, index=99, repeat=True)):  # 12 elements
+        injector = FaultInjector(spec)
+        injector.install()
+        try:
+            _train(nn.Linear(4, 3), 3)
+        finally:
+            injector.remove()
+        err = capsys.readouterr().err
+        assert injector.struck == [] and err.count("\n") == 1 and "it can never strike" in err
+        assert "is outside" in err
+
+
+def test_a_malformed_fault_is_one_sentence_and_the_program_runs_on(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DETRACE_FAULT", "bitflip:step=0,rank=0,tensor=weight,bit=999")
+    arm_from_env()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bit 999 is outside every element" in err and "the injected fault is off" in err
+    _train(nn.Linear(4, 3), 2)
 
 
 def test_repeat_fault_follows_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -377,6 +402,25 @@ def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
     with pytest.raises(UsageError, match=variable), detrace.trace(tmp_path / "t"):
         pass
     assert detrace.record.active() is None
+
+
+def test_a_garbage_audit_variable_is_one_sentence_naming_it_and_the_trace_is_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import detrace.record
+    from detrace.record.config import ENV_VAR, TraceConfig
+
+    monkeypatch.setenv(ENV_VAR, TraceConfig(out=tmp_path / "t", launched=True).to_env())
+    monkeypatch.setenv("DETRACE_AUDIT", "garbage")
+    try:
+        assert detrace.record.arm_from_env()  # an "invalid literal for int()" traceback before, the trace left open
+        err = capsys.readouterr().err
+        assert err == (f"detrace: DETRACE_AUDIT must be a positive number of steps, not 'garbage'; the audit is off "
+                       f"in process {os.getpid()}\n")
+        detrace.record.metric("loss", 1.0)
+        detrace.record.step()
+    finally:
+        detrace.record._stop()
+    assert (tmp_path / "t" / "rank-00000.json").is_file()  # closed
 
 
 def test_recheck_compares_module_buffers_too(tmp_path: Path) -> None:

@@ -80,8 +80,9 @@ def test_hanging_command_ends_at_the_timeout(tmp_path: Path, capsys: pytest.Capt
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--timeout", "-1", "--", "true"], "--timeout must be a positive number"),
-        (["--timeout", "soon", "--", "true"], "invalid float value"),
+        (["--timeout", "-1", "--", "true"], "'-1' is not a positive, finite number of seconds"),
+        (["--timeout", "nan", "--", "true"], "'nan' is not a positive, finite number of seconds"),
+        (["--timeout", "soon", "--", "true"], "'soon' is not a number of seconds"),
         (["--repeats", "1", "--", "true"], "at least 2 repeats"),
         (["python", "train.py"], "unrecognized arguments"),
     ],

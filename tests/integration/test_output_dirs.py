@@ -90,3 +90,15 @@ def test_a_compiled_kernels_advice_reaches_the_terminal() -> None:
     render(ReplayResult(op="inductor.cpp_fused_index_put_0", meta={}, shapes=[], base=base, arms=[base],
                         advice=[advice]), make_console(sink))
     assert f"advice: {advice}" in sink.getvalue()
+
+
+@pytest.mark.parametrize("command", ["run", "check", "locate", "check-topology"])
+def test_an_out_past_name_max_or_path_max_is_one_sentence(tmp_path: Path, command: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    for out in (tmp_path / ("x" * 300), tmp_path / ("y/" * 2100)):  # NAME_MAX 255, PATH_MAX 4096
+        assert cli([command, "--out", str(out), "--", "true"]) == 2
+        err = capsys.readouterr().err  # locate says first what it will do
+        last = err.splitlines()[-1]
+        assert "Traceback" not in err and last.startswith(f"detrace {command}: error: cannot write to ")
+        assert last.endswith("File name too long") and len(last) < 300, err
+    assert not any(tmp_path.iterdir())

@@ -205,6 +205,25 @@ def test_trusted_code_runs_only_when_its_recorded_hash_matches(tmp_path: Path,
     assert marker.read_text() == "ran"
 
 
+@pytest.mark.parametrize(("body", "words"), [
+    ("raise AttributeError('boom')\n", "fails as it loads: AttributeError: boom"),
+    ("cpp_fused_index_put_0 = 42\n", "names no function"),
+    ("def cpp_fused_index_put_0(out):\n    return out.no_such_method()\n", "cannot be replayed on its captured"),
+])
+def test_a_crafted_kernel_file_with_a_matching_hash_is_one_sentence(tmp_path: Path, body: str, words: str,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # --trust-code and a matching hash run the code; what it does wrong is no verdict (exit 1 said nondeterministic)
+    _, code = _planted_capture(tmp_path, tmp_path / "marker")
+    code.write_text(body)
+    capture = tmp_path / "capture" / "rank-00000-seq00000005.safetensors"
+    meta = load_capture(capture).meta
+    save_capture(capture, op="inductor.cpp_fused_index_put_0", args=[torch.zeros(4)], kwargs={},
+                 outputs=[torch.ones(4)], meta={**meta, CODE_HASH: file_sha256(code)})
+    assert main(["replay", str(tmp_path), "--event", "5", "--trust-code", "--repeats", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
 def test_the_tracer_records_the_hash_of_the_code_it_captures(tmp_path: Path) -> None:
     code = tmp_path / "output_code.py"
     code.write_text("def k(out):\n    pass\n")

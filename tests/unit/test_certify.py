@@ -13,7 +13,7 @@ from _synthetic import SyntheticRun, rank_table, write_run, write_table
 from detrace.analyze import certify
 from detrace.analyze.certify import recorded_steps
 from detrace.cli import main
-from detrace.tracefile import footer_path, rank_path
+from detrace.tracefile import SCHEMA_VERSION, RankWriter, footer_path, rank_path
 from detrace.tracefile.metadata import RunHeader
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
@@ -143,3 +143,24 @@ def test_huge_expected_steps_cost_nothing(run: Path, capsys: pytest.CaptureFixtu
                                  for r in (0, 1)]
     assert main(["certify", str(run), "--expected-ranks", "0-30000000"]) == 1
     assert "29999999 expected ranks have no trace file (2-30000000)" in capsys.readouterr().out
+
+
+def test_a_rank_file_swapped_in_from_another_run_is_not_certified(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    table = {rank: rank_table(SyntheticRun(ranks=2, steps=2, ops=1), rank) for rank in (0, 1)}
+    for name, command, rung in (("a", ["python", "a.py"], "op"), ("b", ["python", "b.py"], "semantic")):
+        for rank in (0, 1):
+            writer = RankWriter(tmp_path / name, rank, header={"command": command, "rung": rung, "world_size": 2})
+            writer.add_batch(table[rank])
+            writer.close()
+        (tmp_path / name / "run.json").write_text(json.dumps({"schema": SCHEMA_VERSION, "command": command,
+                                                              "rung": rung, "world_size": 2}))
+    a = tmp_path / "a"
+    assert certify(a).ok
+    for path in (rank_path, footer_path):  # rank 1 of run b, its records the same, in run a
+        path(a, 1).write_bytes(path(tmp_path / "b", 1).read_bytes())
+    assert certify(a).violations == [
+        'rank 1: its trace file is not this run\'s: its header differs from run.json (command ["python", "b.py"] '
+        'in the file, ["python", "a.py"] in run.json; rung "semantic" in the file, "op" in run.json)']
+    assert main(["certify", str(a)]) == 1
+    assert "not this run's" in capsys.readouterr().out

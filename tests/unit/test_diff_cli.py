@@ -17,6 +17,7 @@ from detrace.analyze import diff
 from detrace.cli import main
 from detrace.report.terminal import render_diff
 from detrace.tracefile import ARROW_SCHEMA, rank_path
+from detrace.tracefile.lock import writing
 
 RUN = SyntheticRun(ranks=2, steps=3, ops=4)
 
@@ -144,7 +145,11 @@ def test_a_trace_still_being_written_is_said_to_be_running(runs: tuple[Path, Pat
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     a, b, _ = runs
     (b / "run.json").write_text(json.dumps({"command": ["python", "t.py"], "status": "running"}))
-    assert main(["diff", str(a), str(b)]) == 0
-    assert f"{b} is still running (its run.json says so)" in capsys.readouterr().out
+    with writing(b):  # the lock a live `detrace run` holds on its directory
+        assert main(["diff", str(a), str(b)]) == 0
+        assert f"{b} is still running (its run.json says so)" in capsys.readouterr().out
+    assert main(["diff", str(a), str(b)]) == 0  # its writer gone, the lock free: a writer that died
+    out = capsys.readouterr().out
+    assert "the detrace run that wrote it died (no detrace run holds its lock)" in out and "still running" not in out
     assert main(["diff", str(a), str(a)]) == 0
     assert "still running" not in capsys.readouterr().out

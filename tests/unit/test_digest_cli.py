@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -113,3 +114,13 @@ def test_a_header_length_past_the_end_and_a_dim_no_tensor_has_are_errors(tmp_pat
     assert code == 2 and "--dim 99 is a dimension of no tensor" in err and len(err.strip().splitlines()) == 1
     code, out, _ = run(capsys, str(weights), "--chunks", "3", "--dim", "1", "--json")
     assert code == 0 and [r["chunks"] is not None for r in map(json.loads, out.splitlines())] == [True, False]
+
+
+def test_a_fifo_is_not_a_regular_file_and_no_missing_one(tmp_path, capsys):
+    fifo = tmp_path / "weights.pt"
+    os.mkfifo(fifo)
+    assert main(["fingerprint", str(fifo)]) == 2  # never opened: a FIFO would block the read
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a regular file (a FIFO" in err and "no such file" not in err
+    assert main(["fingerprint", str(tmp_path / "gone.pt")]) == 2
+    assert "no such file" in capsys.readouterr().err

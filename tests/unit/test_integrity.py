@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from _synthetic import SyntheticRun, write_run
+from _synthetic import SyntheticRun, write_metric_run, write_run
 
 from detrace.analyze import certify
 from detrace.cli import main
+from detrace.errors import TraceError
 from detrace.tracefile import footer_path, rank_path, read_rank
 from detrace.tracefile.schema import ARROW_SCHEMA
 
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 RUN = SyntheticRun(ranks=2, steps=4, ops=4, batch_records=16)  # 84 records per rank in 6 batches
 
 
@@ -54,12 +56,13 @@ def test_a_flipped_digest_bit_is_corruption_not_a_divergence(runs: tuple[Path, P
     capsys.readouterr()
     flip_digest_bit(b, 1, 40)  # record 40 lies in batch 2 (records 32-47)
     violations = certify(b).violations
-    assert violations == [f"rank 1: rank-00001.arrow in {b} is corrupted in batch 2 (records 32-47): its bytes do "
-                          "not match its checksum; detrace does not compare, locate or report a corrupted trace"]
+    assert violations == [f"rank 1: rank-00001.arrow in {b} is corrupted in batch 2 (records 32-47, at byte 10656): "
+                          "its bytes do not match its checksum; detrace does not compare, locate or report a corrupted "
+                          "trace"]
     assert main(["certify", str(b)]) == 1
     capsys.readouterr()
     err = refusal(capsys, "diff", str(a), str(b))
-    assert "rank-00001.arrow" in err and "batch 2 (records 32-47)" in err and "aten." not in err
+    assert "rank-00001.arrow" in err and "batch 2 (records 32-47, at byte 10656)" in err and "aten." not in err
     err = refusal(capsys, "diff", str(a), str(b), "--json")
     assert "corrupted in batch 2" in err
     err = refusal(capsys, "report", str(b), "-o", str(b.parent / "r.html"))
@@ -97,9 +100,24 @@ def test_a_closed_file_cut_at_a_batch_boundary_is_corruption(runs: tuple[Path, P
             writer.write_batch(batch, custom_metadata=metadata)
     path.write_bytes(sink.getvalue().to_pybytes())
     violations = certify(b).violations
-    assert violations == [f"rank 0: rank-00000.arrow in {b} is corrupted in batch 5 (records from 80 on): its "
+    assert violations == [f"rank 0: rank-00000.arrow in {b} is corrupted in batch 5 (records from 80 on, at byte "
+                          f"{path.read_bytes().rfind(_END_OF_STREAM)}): its "
                           "footer seals 6 batches, the file holds these only up to here (batches were cut or "
                           "replaced); detrace does not compare, locate or report a corrupted trace"]
+
+
+def test_a_missing_footer_file_is_read_from_the_closed_arrow_file_never_a_divergence(
+        runs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = runs
+    footer_path(b, 1).unlink()  # the records are all there, and the Arrow file was finished
+    assert main(["diff", str(a), str(b)]) == 0  # "diverged ... [missing]" before
+    out = capsys.readouterr().out
+    assert out.startswith("identical: 2 ranks") and "footer file of rank 1 (rank-00001.json) is missing" in out
+    assert certify(b).violations == ["rank 1: its footer file rank-00001.json is missing (the rank closed its trace: "
+                                     "its Arrow file was finished, and its records were read from it)"]
+    path = rank_path(b, 1)  # without its Arrow file footer too, it is a rank that never closed: as before
+    path.write_bytes(path.read_bytes()[:-10])
+    assert "rank 1: no footer: the rank never closed its trace" in certify(b).violations
 
 
 def test_a_torn_tail_of_a_killed_rank_is_not_corruption(runs: tuple[Path, Path]) -> None:
@@ -174,3 +192,46 @@ def test_a_fifo_in_place_of_a_trace_file_is_refused_not_waited_on(runs: tuple[Pa
     for argv in (["diff", str(a), str(b)], ["certify", str(b)]):
         err = refusal(capsys, *argv)
         assert f"{b / name} is not a regular file" in err
+
+
+def test_a_flipped_bit_anywhere_in_a_rank_file_is_refused_or_changes_no_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One bit in every seventh byte of the file, the bit turning with the byte: in the schema and its header, in a
+    # batch's metadata (its body length: a malloc of 2**59 bytes once; its buffer lengths and list offsets: an
+    # abort inside Arrow once), in its body, in the Arrow file footer. The reader refuses the file in one sentence
+    # or gives every record as written; at a sample of the places, so does every command that reads a trace.
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_metric_run(a, {0: 1.0, 1: 1.0, 2: 1.0}, ops=1)
+    shutil.copytree(a, b)
+    original = read_rank(a, 0).table
+    path = rank_path(b, 0)
+    clean = path.read_bytes()
+    commands = [["diff", str(a), str(b)], ["spikes", str(b)], ["compare", str(a), str(a), str(b)],
+                ["report", str(b), "-o", str(tmp_path / "r.html")], ["certify", str(b)]]
+    intact = []
+    for argv in commands:
+        intact.append((main(argv), capsys.readouterr().out))
+    refused = 0
+    for position in range(0, len(clean), 7):
+        data = bytearray(clean)
+        data[position] ^= 1 << (position % 8)
+        path.write_bytes(bytes(data))
+        try:
+            table = read_rank(b, 0).table
+        except TraceError as err:
+            assert "rank-00000.arrow" in str(err), position
+            refused += 1
+            for argv in commands[:4] if position % 401 < 7 else ():
+                assert main(argv) == 2, (position, argv)
+                err_text = capsys.readouterr().err
+                assert err_text.count("\n") == 1 and "rank-00000.arrow" in err_text, (position, argv)
+            continue
+        assert table.equals(original), position  # a flip it lets through changed no record
+        for argv, (code, out) in zip(commands, intact, strict=True) if position % 401 < 7 else ():
+            result, captured = main(argv), capsys.readouterr()
+            assert "Traceback" not in captured.err, (position, argv)
+            if argv[0] == "certify" and result == 1:  # the Arrow file footer, which only certify reads
+                assert "Arrow file footer" in captured.out, position
+            else:
+                assert (result, captured.out) == (code, out), (position, argv)
+    assert refused > len(clean) // 14

@@ -114,7 +114,7 @@ def test_open_run_reads_headers_and_ranks(tmp_path: Path) -> None:
         (lambda p: p.mkdir(), "holds no trace"),
         (lambda p: p.write_text("x"), "is not a directory"),
         (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"garbage")), "not a detrace trace file"),
-        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"ARROW1\x00\x00\x01")), "truncated before its schema"),
+        (lambda p: (p.mkdir(), rank_path(p, 0).write_bytes(b"ARROW1\x00\x00\x01")), "ends inside its schema"),
     ],
 )
 def test_bad_run_directories_raise_one_sentence(tmp_path: Path, setup, message: str) -> None:
@@ -286,6 +286,22 @@ def test_layout_names_rank_files_and_captures(tmp_path: Path) -> None:
         capture_path(tmp_path, rank, seq).write_bytes(b"")
     assert [(r, s) for r, s, _ in capture_paths(tmp_path)] == [(0, 4), (0, 12), (1, 3)]
     assert capture_path(tmp_path, 0, 4).name == "rank-00000-seq00000004.safetensors"
+
+
+def test_force_replaces_a_detrace_trace_and_nothing_else(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write(run, 0, 2)
+    capture_path(run, 0, 4).parent.mkdir()
+    capture_path(run, 0, 4).write_bytes(b"ours")
+    (run / "capture" / "photo1.jpg").write_bytes(b"theirs")
+    prepare_out(run, holds="trace", force=True)  # it deleted capture/ whole before
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == ["capture", "capture/photo1.jpg"]
+    (run / "run.json").write_text('{"my": "own run.json"}')
+    write(run, 0, 2)
+    for force in (False, True):  # it overwrote the user's run.json before
+        with pytest.raises(TraceError, match=r"run.json is not a detrace run header.*--force replaces only"):
+            prepare_out(run, holds="trace", force=force)
+    assert (run / "run.json").read_text() == '{"my": "own run.json"}' and rank_path(run, 0).exists()
 
 
 def test_one_rule_for_output_directories(tmp_path: Path) -> None:

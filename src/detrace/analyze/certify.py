@@ -5,6 +5,8 @@
 - sequence numbers are dense from 0 (no record lost or duplicated);
 - no collective or send/recv is left incomplete at the end of a window: an input record without its output
   (the window closed between issue and completion, or the rank died inside the call);
+- every rank file's embedded header says what run.json says (command, rung, windows, ranks, world size): a rank
+  file of another run swapped in is not this run's;
 - every record batch matches its checksum and the chain sealed in the footer (no corrupted byte), and a closed
   rank file still ends in the Arrow file footer that Arrow's file readers need.
 Ranks are checked in parallel, each streamed batch by batch.
@@ -12,6 +14,7 @@ Ranks are checked in parallel, each streamed batch by batch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +29,14 @@ from detrace.analyze.classify import COMMUNICATION, INPUT_ROLES
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.tracefile import RankFile, open_run
 from detrace.tracefile.integrity import arrow_footer_checksum, chain_text
-from detrace.tracefile.metadata import RunHeader
+from detrace.tracefile.layout import footer_path, run_header_path
+from detrace.tracefile.metadata import RunHeader, load_json
 from detrace.tracefile.reader import CorruptTrace
 from detrace.tracefile.selection import Members, describe_runs, parse_window
 
+RUN_KEYS = ("command", "rung", "windows", "ranks", "world_size")
+"""What run.json and every rank file's embedded header say alike (record.header.base_header): a rank file whose
+header says otherwise is another run's."""
 _COMMUNICATION_SET = pa.array(sorted(COMMUNICATION))
 _APART_SET = pa.array(APART_PHASES)
 
@@ -61,6 +68,8 @@ class _RankFacts:
     """The rank file is corrupted: what follows the corrupted batch is unknown, so nothing is said about it."""
     first_step: int = 0
     """The first global step the rank ran, from its footer (a run resumed after step K starts at K)."""
+    header: dict[str, Any] = field(default_factory=dict)
+    """The run header embedded in the rank file (what it shares with run.json: `RUN_KEYS`)."""
 
 
 def _open_call(row: dict[str, Any]) -> str:
@@ -95,6 +104,7 @@ def _arrow_footer_problem(path: Path, recorded: str | None) -> str | None:
 def check_rank(file: RankFile) -> _RankFacts:
     """Stream one rank file of an opened run and check its own invariants (pool entry point)."""
     rank, stream, footer = file.rank, file.stream(), file.footer
+    header = {key: stream.header.raw[key] for key in RUN_KEYS if key in stream.header.raw}
     violations: list[str] = []
     steps: set[int] = set()
     expected_seq = 0
@@ -136,12 +146,15 @@ def check_rank(file: RankFile) -> _RankFacts:
         violations.append(f"rank {rank}: {err}")
         corrupt = True
     if corrupt:  # what follows the corrupted batch is unknown: counting it would only add noise
-        return _RankFacts(rank, records, frozenset(steps), violations, corrupt=True)
+        return _RankFacts(rank, records, frozenset(steps), violations, corrupt=True, header=header)
     violations += [f"rank {rank}: {_open_call(row)} has its input but no output" for row in open_calls.values()]
     if seq_faults > 1:
         violations.append(f"rank {rank}: the seq order breaks {seq_faults} times in all")
     if stream.torn:
         violations.append(f"rank {rank}: the trace ends in a torn batch (the process died while writing)")
+    if footer is not None and footer.rebuilt:
+        violations.append(f"rank {rank}: its footer file {footer_path(stream.path.parent, rank).name} is missing (the "
+                          "rank closed its trace: its Arrow file was finished, and its records were read from it)")
     if footer is None:
         violations.append(f"rank {rank}: no footer: the rank never closed its trace")
     elif footer.records != records:
@@ -149,7 +162,31 @@ def check_rank(file: RankFile) -> _RankFacts:
     elif (problem := _arrow_footer_problem(stream.path, footer.arrow_footer)) is not None:
         violations.append(f"rank {rank}: {problem}")
     first_step = footer.first_step if footer is not None and footer.first_step is not None else 0
-    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step)
+    return _RankFacts(rank, records, frozenset(steps), violations, first_step=first_step, header=header)
+
+
+def _foreign(fact: _RankFacts, run_json: dict[str, Any]) -> str | None:
+    """The violation of a rank file whose embedded header is not the run's (a file of another run swapped in)."""
+    differ = [key for key in RUN_KEYS if key in fact.header and run_json.get(key) is not None
+              and fact.header[key] is not None and fact.header[key] != run_json[key]]
+    if not differ:
+        return None
+    shown = "; ".join(f"{key} {_short(fact.header[key])} in the file, {_short(run_json[key])} in run.json"
+                      for key in differ)
+    return f"rank {fact.rank}: its trace file is not this run's: its header differs from run.json ({shown})"
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _run_json(run: Path) -> dict[str, Any] | None:
+    """The launcher's run.json of a run directory (validated when the run was opened), or None without one."""
+    try:
+        return dict(RunHeader.from_json(load_json(run_header_path(run), "run header"), "run header").raw)
+    except FileNotFoundError:
+        return None
 
 
 def recorded_steps(header: RunHeader) -> str:
@@ -186,7 +223,10 @@ def certify(run: str | Path, *, expected_ranks: str | None = None, expected_step
         held = f"steps 0-{last}" if last >= 0 else "no step"
         violations.append(f"no expected step is in the run: it holds {held}, and the expected steps "
                           f"{step_window.spec} begin after them")
+    run_json = _run_json(info.path)
     for fact in facts:
+        if run_json is not None and (foreign := _foreign(fact, run_json)) is not None:
+            violations.append(foreign)
         # By default a rank owes the steps it ran: a resumed run's first global step is K, not 0.
         start = fact.first_step if expected_steps is None else 0
         missing, runs = step_window.missing(fact.steps, steps.upto, start=start)

@@ -24,6 +24,8 @@ from detrace.analyze.diff_result import Compared, DiffResult
 from detrace.analyze.pool import default_workers, map_ranks
 from detrace.errors import UsageError
 from detrace.tracefile import RankFile, RunInfo, open_run
+from detrace.tracefile.layout import footer_path
+from detrace.tracefile.lock import dead_writer
 from detrace.verdicts import DiffVerdict
 
 
@@ -43,6 +45,15 @@ class StepSpan:
     @property
     def resumed(self) -> bool:
         return self.source not in (None, "process") and self.first > 0
+
+
+def _running(path: Path) -> str:
+    """What a run whose run.json says "running" is: still written, or left so by a writer that died."""
+    dead = dead_writer(path)
+    if dead is None:
+        return f"{path} is still running (its run.json says so): its trace may not be complete yet"
+    return (f"{path}'s run.json says \"running\", but the detrace run that wrote it died ({dead}): it was killed, "
+            "and its trace ends where it stopped")
 
 
 def step_span(file: RankFile) -> StepSpan:
@@ -177,8 +188,10 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
             reason = f"the runs are of different commands: {said} (--strict-command)."
         notes.append(f"the runs are of different commands: {said}")
     # A trace still being written may yet grow (or end torn): whatever the verdict, it is of the records so far.
-    notes += [f"{run.path} is still running (its run.json says so): its trace may not be complete yet"
-              for run in (run_a, run_b) if run.header.status == "running"]
+    notes += [_running(run.path) for run in (run_a, run_b) if run.header.status == "running"]
+    notes += [f"{run.path}: the footer file of rank {r} ({footer_path(run.path, r).name}) is missing; the rank "
+              "closed its trace (its Arrow file was finished), so what the footer said was read from its records"
+              for run in (run_a, run_b) for r, file in run.files.items() if file.footer and file.footer.rebuilt]
     if reason is not None:
         return DiffResult(verdict="incomparable", reason=reason, a=str(a), b=str(b), notes=notes)
     ranks = sorted(set(run_a.ranks) | set(run_b.ranks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, NoReturn
 
 from detrace.errors import UsageError
@@ -24,3 +25,14 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
         at = argv.index("--")
         return argv[:at], argv[at + 1 :]
     return argv, []
+
+
+def seconds(text: str) -> float:
+    """An argparse type for a duration: a positive, finite number of seconds (`nan` and `inf` are no timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import DetraceError
 from detrace.investigate.ablate import (
     DEFAULT_AFTER,
@@ -109,7 +109,7 @@ def _ablate(options: list[str], command: list[str]) -> int:
     parser.add_argument("--no-builtins", action="store_true", help="run only the baseline and the user variants")
     parser.add_argument("--out", type=Path, default=None, help="directory for the runs (default detrace-ablate-<time>)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds one run may take")
+    parser.add_argument("--timeout", type=seconds, default=None, help="seconds one run may take")
     parser.add_argument("--json", action="store_true", help=f"print the {SCHEMA} object on stdout")
     args = parser.parse_args(options)
     out = args.out or Path(f"detrace-ablate-{datetime.datetime.now():%Y%m%d-%H%M%S}")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.investigate.audit.report import Launch, audit_command, exit_code, render, settings_report
 from detrace.launch.launcher import run_traced
 
@@ -24,7 +24,7 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--steps", type=int, default=2, metavar="N",
                         help="how many steps to audit from the first (default 2); CMD still runs to its end")
     parser.add_argument("--out", type=Path, help="run directory (default: detrace-runs/audit-YYYYmmdd-HHMMSS)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="kill CMD after this many seconds")
+    parser.add_argument("--timeout", type=seconds, metavar="SECONDS", help="kill CMD after this many seconds")
     parser.add_argument("--force", action="store_true", help="replace a trace already in the run directory")
     parser.add_argument("--json", action="store_true", help="print the detrace.audit/1 report as JSON")
     return parser

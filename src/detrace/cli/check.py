@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.investigate.check import check
 from detrace.report.meaning import apart_notes, locate_next, warned
 from detrace.report.terminal import render_diff
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
                             "Exit codes: 0 identical, 1 diverged, 2 error.", usage="detrace check [options] -- CMD...")
     parser.add_argument("--runs", type=int, default=2, help="how many runs (default 2)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/check-<time>)")
-    parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--timeout", type=seconds, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the diffs as JSON on stdout")
     args = parser.parse_args(options)
     result = check(cmd, runs=args.runs, out=args.out or default_out("check"), timeout=args.timeout,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from detrace.analyze import DiffResult
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, forgotten, parse_stop_points
 from detrace.investigate.native_resume import NativeContract
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--at", required=True, metavar="K[,K...]",
                         help="stop after this many optimizer steps, then resume; several stop points: 2,5")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/resume-<time>)")
-    parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--timeout", type=seconds, help="seconds each run may take before it is killed")
     parser.add_argument("--every-control", action="store_true",
                         help="run every negative control (each leaves out one part of the state), not only until "
                              "one diverges: says each part the rest of the run depends on, at one run per part")

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_topology import Mesh, check_topology, parse_layouts, parse_worlds
 from detrace.tracefile.layout import default_out
@@ -30,17 +30,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank, the same at every world size (OMP_NUM_THREADS; default 1)")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/topology-<time>)")
-    parser.add_argument("--timeout", type=float, help="seconds each run may take before it is killed")
+    parser.add_argument("--timeout", type=seconds, help="seconds each run may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     parser.add_argument("--force", action="store_true",
-                        help="start world sizes above 4 processes per CPU core (refused without it)")
+                        help="start worlds or layouts of more than 4 processes per CPU core (refused without it)")
     args = parser.parse_args(options)
-    if args.worlds and args.layouts:
+    layouts = args.layouts is not None  # an empty --worlds or --layouts is refused, never the default
+    if args.worlds is not None and layouts:
         raise UsageError("give --worlds or --layouts, not both")
-    meshes = parse_layouts(args.layouts) if args.layouts else \
-        tuple(Mesh(dp=w) for w in parse_worlds(args.worlds or "1,2,4", force=args.force))
+    meshes = parse_layouts(args.layouts, force=args.force) if layouts else \
+        tuple(Mesh(dp=w) for w in parse_worlds("1,2,4" if args.worlds is None else args.worlds, force=args.force))
     result = check_topology(cmd, meshes=meshes, out=args.out or default_out("topology"), threads=args.threads,
-                            timeout=args.timeout, resume_at=args.resume_at, tp_env=bool(args.layouts),
+                            timeout=args.timeout, resume_at=args.resume_at, tp_env=layouts,
                             progress=lambda line: print(f"detrace check-topology: {line}", file=sys.stderr))
     if args.json:
         print(json.dumps(result.to_json()))
@@ -48,9 +49,9 @@ def main(argv: list[str]) -> int:
         final = result.finals[result.reference]
         # sharded layouts: their parameters are compared through the final params line only
         tensors = "" if any(m.shards for m in meshes) else f"{result.tensors} parameters, "
-        print(f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
+        print(f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "
               f"({result.steps} steps, {tensors}final params {final})" if final else
-              f"identical: {_what(meshes, layouts=bool(args.layouts), resume_at=args.resume_at)} "
+              f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "
               f"({result.steps} steps, {result.tensors} parameters)")
     else:
         param = result.first_param

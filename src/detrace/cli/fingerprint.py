@@ -83,8 +83,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load(path: Path) -> list[tuple[str, Any]]:
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"no such file: {path}")
+    if not path.is_file():  # a FIFO would block the read for ever, a device never ends
+        raise UsageError(f"{path} is not a regular file (a FIFO, a device or a directory); fingerprint reads "
+                         "only regular files")
     if path.suffix == ".safetensors":
         return list(_walk(_read_safetensors(path)))
     with path.open("rb") as handle:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from detrace.analyze.diff_result import scope_label
 from detrace.analyze.locate_result import LOCATE_SCHEMA, LocateResult, Stage
 from detrace.analyze.replay_result import ReplayConfig
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import CommandFailed, DetraceError
 from detrace.investigate.locate import (
     BASE_RUNS,
@@ -131,7 +131,7 @@ def _locate(options: list[str], command: list[str], launch: Launcher | None) -> 
                              "(default: a new ./detrace-runs/locate-<timestamp>, linked from "
                              "./detrace-runs/locate-latest once it completes)")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
-    parser.add_argument("--timeout", type=float, default=LocateConfig.timeout, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds, default=LocateConfig.timeout, metavar="SECONDS",
                         help="seconds one run of CMD may take before it counts as hung (default %(default)s)")
     parser.add_argument("--max-numel", type=int, default=None, metavar="N",
                         help="at the module and op rungs, do not fingerprint tensors above N elements")

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser
+from detrace.cli._args import ArgumentParser, seconds
 from detrace.defects.recheck import recheck
 from detrace.tracefile.layout import default_out
 from detrace.verdicts import RECHECK
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
                         "one by running the command up to step K)")
     parser.add_argument("--out", type=Path,
                         help="directory for the re-executions (default: detrace-runs/recheck-<time>)")
-    parser.add_argument("--timeout", type=float, help="seconds each re-execution may take before it is killed")
+    parser.add_argument("--timeout", type=seconds, help="seconds each re-execution may take before it is killed")
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON (detrace.recheck/1)")
     args = parser.parse_args(argv)
     result = recheck(args.run, step=args.step, out=args.out or default_out("recheck"), checkpoint=args.checkpoint,

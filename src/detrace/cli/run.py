@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from detrace.cli._args import ArgumentParser, split_command
+from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.launch.launcher import describe, run_traced
 from detrace.record.config import parse_steps_option
@@ -35,7 +35,7 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--capture", metavar="SELECTOR",
                         help="kernel rung: save one op call for replay, e.g. step=3,rank=1,phase=backward,"
                         "name=aten.index_put_.default,occurrence=0 (needs --rung op)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="kill CMD after this many seconds")
+    parser.add_argument("--timeout", type=seconds, metavar="SECONDS", help="kill CMD after this many seconds")
     parser.add_argument("--guard", metavar="N[:warn]",
                         help="replica guard: compare every replicated tensor across ranks every N steps; exit 3 "
                         "on a mismatch (N:warn reports and goes on)")

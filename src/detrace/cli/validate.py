@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from detrace.cli._args import ArgumentParser
+from detrace.cli._args import ArgumentParser, seconds
 from detrace.errors import DetraceError, UsageError
 from detrace.investigate.validate import CONFIGS, FAST, table, validate
 from detrace.verdicts import VALIDATE
@@ -22,7 +22,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
     parser.add_argument("--at", type=int, default=2, help="check-resume stops after this step (default 2)")
     parser.add_argument("--out", type=Path, default=Path("detrace-validate"), help="where the runs go")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one training run may take")
+    parser.add_argument("--timeout", type=seconds, default=300.0, help="seconds one training run may take")
     try:
         args = parser.parse_args(list(argv))
         if args.list:

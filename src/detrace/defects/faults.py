@@ -53,6 +53,7 @@ ENV_STEP_OFFSET = "DETRACE_STEP_OFFSET"
 
 _KEYS = ("step", "rank", "tensor", "bit", "index", "repeat")
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_BITS = 8 * max(_INT_VIEWS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,9 @@ class FaultSpec:
     def __post_init__(self) -> None:
         if min(self.step, self.rank, self.bit, self.index) < 0:
             raise UsageError(f"{ENV_FAULT}: step, rank, bit and index must be non-negative")
+        if self.bit >= _MAX_BITS:
+            raise UsageError(f"{ENV_FAULT}: bit {self.bit} is outside every element (the widest has {_MAX_BITS} bits, "
+                             f"0-{_MAX_BITS - 1})")
         if not self.tensor:
             raise UsageError(f"{ENV_FAULT} needs tensor=NAME (a parameter, NAME.grad or MODULE.output)")
 
@@ -180,6 +184,8 @@ class FaultInjector:
         """Module forwards running now (`output` alone: a forward that ends at depth 0 is an outermost call)."""
         self._checked = False
         """Whether the first optimizer step checked that the fault can strike at all."""
+        self._misfit = False
+        """Whether the flip did not fit its tensor (a bit past its elements, an index past its end): said once."""
 
     @property
     def activation(self) -> str | None:
@@ -286,7 +292,14 @@ class FaultInjector:
             self._flip(output, step)
 
     def _flip(self, tensor: torch.Tensor, step: int) -> None:
-        flip_bit(tensor, index=self.spec.index, bit=self.spec.bit)
+        if self._misfit:
+            return
+        try:
+            flip_bit(tensor, index=self.spec.index, bit=self.spec.bit)
+        except UsageError as err:  # the element is narrower, or the tensor smaller: said once, the training runs on
+            self._misfit = True
+            self._never(str(err).removeprefix(f"{ENV_FAULT}: "))
+            return
         self.struck.append(step)
 
 

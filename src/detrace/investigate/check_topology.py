@@ -183,6 +183,14 @@ def max_world() -> int:
     return 4 * (os.cpu_count() or 1)
 
 
+def check_processes(processes: int, *, option: str, force: bool) -> None:
+    """The one bound on what a layout may start, whatever spells it (`--worlds`, `--layouts`): `processes` (a
+    layout's world size) above `max_world()` is refused unless `force`. `option` names what the user gave."""
+    if processes > max_world() and not force:
+        raise UsageError(f"{option} would start {processes} processes, more than this machine's {os.cpu_count()} "
+                         f"CPU cores run well (at most {max_world()}); pass --force to start them")
+
+
 def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
     """`1,2,4` -> (1, 2, 4): at least two distinct positive world sizes, none above `max_world()` unless `force`."""
     worlds = tuple(parse_count(part) for part in text.split(","))
@@ -191,18 +199,17 @@ def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
     sizes = tuple(world for world in worlds if world is not None)
     if len(sizes) < 2 or len(set(sizes)) != len(sizes) or min(sizes) < 1:
         raise UsageError(f"--worlds needs two or more distinct positive world sizes, not {text!r}")
-    if max(sizes) > max_world() and not force:
-        raise UsageError(f"--worlds {text} would start {max(sizes)} processes, more than this machine's "
-                         f"{os.cpu_count()} CPU cores run well (at most {max_world()}); pass --force to start them")
+    check_processes(max(sizes), option=f"--worlds {text}", force=force)
     return sizes
 
 
-def parse_layouts(text: str) -> tuple[Mesh, ...]:
+def parse_layouts(text: str, *, force: bool = False) -> tuple[Mesh, ...]:
     """`fsdp1,fsdp2,fsdp4` or `1x1,1x2,2x2` (see `detrace.parallel.layout`) -> the meshes: two or more distinct
-    ones."""
+    ones, none of more than `max_world()` processes unless `force`."""
     meshes = tuple(Mesh.of(Layout.parse(part)) for part in text.split(","))
     if len(meshes) < 2 or len(set(meshes)) != len(meshes):
         raise UsageError(f"--layouts needs two or more distinct layouts, not {text!r}")
+    check_processes(max(m.world for m in meshes), option=f"--layouts {text}", force=force)
     return meshes
 
 

@@ -138,11 +138,20 @@ def _kernel(capture: Capture, *, trust_code: bool) -> Any:
     spec = importlib.util.spec_from_file_location(f"detrace_replay_{code.stem}", code)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # the trusted file is still code a trace names: whatever it raises is one sentence
+        raise TraceError(f"the compiled code of kernel {name} ({code}) fails as it loads: {_failure(err)}") from None
     kernel = getattr(module, name, None)
-    if kernel is None:
-        raise TraceError(f"{code} holds no kernel {name}")
+    if not callable(kernel):
+        raise TraceError(f"{code} holds no kernel {name}" + ("" if kernel is None else " (it names no function)"))
     return kernel
+
+
+def _failure(err: BaseException) -> str:
+    """An exception raised by code a capture names, as a clause: its type and its first line."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -213,6 +222,9 @@ def _run_arm(op: Any, capture: Capture, device: torch.device, *, threads: int, d
                 # Deterministic mode refuses ops without a deterministic implementation; report it, don't crash.
                 error = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 break
+            except Exception as err:  # the call itself is broken (a crafted kernel, arguments it cannot take)
+                raise TraceError(f"{capture.op} cannot be replayed on its captured arguments: {_failure(err)}; "
+                                 "no verdict is given") from None
             repeats += 1
             patterns.add(hashlib.blake2b(b"".join(_bits(t).tobytes() for t in outputs)).digest())
             if first is None:

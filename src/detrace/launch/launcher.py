@@ -23,6 +23,7 @@ import collections
 import contextlib
 import functools
 import json
+import math
 import os
 import select
 import signal
@@ -40,6 +41,7 @@ from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
 from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.tracefile.lock import writing
 from detrace.tracefile.metadata import RunHeader, load_json
 from detrace.tracefile.reader import iter_batches, load_footer
 from detrace.tracefile.schema import SCHEMA_VERSION
@@ -249,88 +251,93 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
     command = tuple(cmd)
     if not command:
         raise UsageError("no command to run; give it after '--', e.g. detrace run -- python train.py")
-    if timeout is not None and timeout <= 0:
-        raise UsageError(f"the timeout must be a positive number of seconds, not {timeout!r}")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):  # nan would be no timeout at all
+        raise UsageError(f"the timeout must be a positive, finite number of seconds, not {timeout!r}")
     out = Path(out).resolve()
     config = TraceConfig(out=out, rung=rung, steps=steps, ranks=ranks, max_numel=max_numel, capture=capture,
                          command=command, launched=True)
-    prepare_out(out, holds="trace", force=force)
-    header_path = run_header_path(out)
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    # The resume contract's DETRACE_CKPT_DIR (detrace.state.contract; a literal here, since that module imports
-    # torch): run.json names it so that `detrace spikes` and `detrace ablate` find the run's checkpoints.
-    ckpt_dir = child_env.get("DETRACE_CKPT_DIR")
-    facts = {"checkpoint_dir": str(Path(ckpt_dir).resolve())} if ckpt_dir else {}
-    try:
-        write_json_atomic(header_path, _run_header(config, out, status="running", **facts))
-    except OSError as err:
-        raise TraceError(f"cannot write to output directory {out}: {os_error_text(err, out)}") from None
-
-    from detrace.launch.inject import DIRECTORY
-
-    child_env[ENV_VAR] = config.to_env()
-    child_env.pop(RECORDING_VAR, None)  # CMD is the root of a new job, whatever this process records
-    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
-    given = shared_stdin() if share_stdin else None
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=None if given is None else subprocess.PIPE if given else subprocess.DEVNULL,
-                                start_new_session=True)
-    except OSError as err:
-        # Nothing ran, so nothing was traced: the header that said "running" goes, and the directory stays usable.
-        header_path.unlink(missing_ok=True)
-        if isinstance(err, FileNotFoundError):
-            raise CommandFailed(f"command not found: {command[0]}") from None
-        if isinstance(err, PermissionError):
-            raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
-        raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
-    watchdog = _start_watchdog(proc)
-    if given:
-        assert proc.stdin is not None
-        # A thread: CMD may read its input only as it writes output, and a full pipe must not block the launcher.
-        threading.Thread(target=_feed, args=(proc.stdin, given), daemon=True).start()
-    tail: collections.deque[bytes] = collections.deque()
-    lock = threading.Lock()
-    assert proc.stdout is not None and proc.stderr is not None
-    pumps = [threading.Thread(target=_pump, args=(stream, tail, lock, None if quiet else sink), daemon=True)
-             for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
-    for pump in pumps:
-        pump.start()
-    timed_out = False
-    terms: list[int] = []
-    with _forwarding_sigterm(proc, terms):
+    with contextlib.suppress(OSError):  # the directory first, to hold its lock before anything in it is touched
+        out.mkdir(parents=True, exist_ok=True)
+    if not os.path.isdir(out):  # it cannot be made: prepare_out says why, in one sentence
+        prepare_out(out, holds="trace", force=force)
+    with writing(out):  # a live run's directory is never replaced, and a dead writer is told from a live one
+        prepare_out(out, holds="trace", force=force)
+        header_path = run_header_path(out)
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        # The resume contract's DETRACE_CKPT_DIR (detrace.state.contract; a literal here, since that module imports
+        # torch): run.json names it so that `detrace spikes` and `detrace ablate` find the run's checkpoints.
+        ckpt_dir = child_env.get("DETRACE_CKPT_DIR")
+        facts = {"checkpoint_dir": str(Path(ckpt_dir).resolve())} if ckpt_dir else {}
         try:
-            proc.wait(timeout=timeout)
-            _release_watchdog(watchdog, kill=False)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc, watchdog)
-        except BaseException:
-            _kill_group(proc, watchdog)
-            _finish(header_path, _run_header(config, out, status="interrupted", returncode=proc.returncode,
-                                             elapsed=round(time.monotonic() - start, 3)))
-            raise
-        finally:
-            for pump in pumps:
-                pump.join(timeout=5)
-    elapsed = time.monotonic() - start
-    status = "timeout" if timed_out else "interrupted" if terms else "finished"
-    unclosed = _unclosed(out)
-    cut_short = (f"rank{'s' * (len(unclosed) > 1)} {','.join(map(str, unclosed[:8]))} never closed "
-                 f"{'their traces' if len(unclosed) > 1 else 'its trace'}" if unclosed else None)
-    header = _run_header(config, out, status=status, returncode=proc.returncode, elapsed=round(elapsed, 3),
-                         **facts)
-    if cut_short:
-        header["cut_short"] = cut_short
-    problem = _finish(header_path, header)
-    cut_short = "; ".join(filter(None, [cut_short, problem])) or None
-    if timed_out:
-        raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
-    output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
-    return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
-                        output_tail=output_tail, cut_short=cut_short, interrupted=bool(terms))
+            write_json_atomic(header_path, _run_header(config, out, status="running", **facts))
+        except OSError as err:
+            raise TraceError(f"cannot write to output directory {out}: {os_error_text(err, out)}") from None
+
+        from detrace.launch.inject import DIRECTORY
+
+        child_env[ENV_VAR] = config.to_env()
+        child_env.pop(RECORDING_VAR, None)  # CMD is the root of a new job, whatever this process records
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DIRECTORY), child_env.get("PYTHONPATH")]))
+        given = shared_stdin() if share_stdin else None
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    stdin=None if given is None else subprocess.PIPE if given else subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as err:
+            # Nothing ran, so nothing was traced: the header that said "running" goes, and the directory stays usable.
+            header_path.unlink(missing_ok=True)
+            if isinstance(err, FileNotFoundError):
+                raise CommandFailed(f"command not found: {command[0]}") from None
+            if isinstance(err, PermissionError):
+                raise CommandFailed(f"cannot execute {command[0]}: permission denied") from None
+            raise CommandFailed(f"cannot start {command[0]}: {err.strerror or err}") from None
+        watchdog = _start_watchdog(proc)
+        if given:
+            assert proc.stdin is not None
+            # A thread: CMD may read its input only as it writes output, and a full pipe must not block the launcher.
+            threading.Thread(target=_feed, args=(proc.stdin, given), daemon=True).start()
+        tail: collections.deque[bytes] = collections.deque()
+        lock = threading.Lock()
+        assert proc.stdout is not None and proc.stderr is not None
+        pumps = [threading.Thread(target=_pump, args=(stream, tail, lock, None if quiet else sink), daemon=True)
+                 for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer))]
+        for pump in pumps:
+            pump.start()
+        timed_out = False
+        terms: list[int] = []
+        with _forwarding_sigterm(proc, terms):
+            try:
+                proc.wait(timeout=timeout)
+                _release_watchdog(watchdog, kill=False)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc, watchdog)
+            except BaseException:
+                _kill_group(proc, watchdog)
+                _finish(header_path, _run_header(config, out, status="interrupted", returncode=proc.returncode,
+                                                 elapsed=round(time.monotonic() - start, 3)))
+                raise
+            finally:
+                for pump in pumps:
+                    pump.join(timeout=5)
+        elapsed = time.monotonic() - start
+        status = "timeout" if timed_out else "interrupted" if terms else "finished"
+        unclosed = _unclosed(out)
+        cut_short = (f"rank{'s' * (len(unclosed) > 1)} {','.join(map(str, unclosed[:8]))} never closed "
+                     f"{'their traces' if len(unclosed) > 1 else 'its trace'}" if unclosed else None)
+        header = _run_header(config, out, status=status, returncode=proc.returncode, elapsed=round(elapsed, 3),
+                             **facts)
+        if cut_short:
+            header["cut_short"] = cut_short
+        problem = _finish(header_path, header)
+        cut_short = "; ".join(filter(None, [cut_short, problem])) or None
+        if timed_out:
+            raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
+        output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
+        return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
+                            output_tail=output_tail, cut_short=cut_short, interrupted=bool(terms))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from detrace import _events
+from detrace._numbers import parse_count
 from detrace.errors import UsageError
 from detrace.record.config import RECORDING_VAR, TraceConfig
 
@@ -104,13 +105,17 @@ def arm_from_env() -> bool:
         os.environ.pop(RECORDING_VAR, None)
         return False
     tracer = _start(config, check_out_dir=False)
+    atexit.register(_stop)  # first: whatever follows, the trace is closed at exit
     # detrace.investigate.audit.records.ENV_AUDIT: `detrace audit` arms its probe
-    steps = os.environ.get("DETRACE_AUDIT")
-    if steps:
+    text = os.environ.get("DETRACE_AUDIT")
+    steps = parse_count(text) if text else None
+    if text and not steps:  # the rule for detrace's variables: one sentence, the feature off, the program on
+        print(f"detrace: DETRACE_AUDIT must be a positive number of steps, not {text[:40]!r}; the audit is off in "
+              f"process {os.getpid()}", file=sys.stderr)
+    elif steps:
         from detrace.investigate.audit.probe import install
 
-        _undo.extend(install(tracer, int(steps)))  # type: ignore[arg-type]  # _start returns the Tracer
-    atexit.register(_stop)
+        _undo.extend(install(tracer, steps))  # type: ignore[arg-type]  # _start returns the Tracer
     return True
 
 

@@ -55,6 +55,10 @@ from detrace.state.storage import (
 LATEST_FILE = "latest"
 _VERSION = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
 _TMP_PREFIX = ".tmp-"
+_LATEST_LIMIT = 64
+"""The most bytes a version name in `latest` takes (step-NNNNNNNN.K and a newline, with room to spare)."""
+_LATEST_SHOWN = 32
+"""How much of a `latest` that names no version an error quotes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,13 +134,26 @@ def resolve(path: Path) -> Path:
         return path
     latest = path / LATEST_FILE
     if latest.is_file():
-        name = latest.read_text().strip()
-        if not _VERSION.fullmatch(name):
-            raise CheckpointError(f"{latest} does not name a checkpoint version ({name!r})")
-        return path / name
+        return path / _latest_name(latest)
     if not path.exists():
         raise CheckpointError(f"there is no checkpoint at {path}")
     raise CheckpointError(f"{path} is not a detrace checkpoint (no {manifest.MANIFEST_FILE}, no {LATEST_FILE})")
+
+
+def _latest_name(latest: Path) -> str:
+    """The version `latest` names. Whatever else it holds (bytes that are not text, another file it links to) is
+    quoted by a short prefix, its unprintable characters escaped: never the whole file."""
+    try:
+        with latest.open("rb") as handle:
+            raw = handle.read(_LATEST_LIMIT + 1)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {latest}: {err.strerror or err}") from None
+    name = raw.decode("ascii", errors="replace").strip()
+    if len(raw) <= _LATEST_LIMIT and _VERSION.fullmatch(name):
+        return name
+    shown = raw[:_LATEST_SHOWN].decode("utf-8", errors="replace")
+    raise CheckpointError(f"{latest} does not name a checkpoint version (it holds {shown!r}"
+                          f"{'...' if len(raw) > _LATEST_SHOWN else ''})")
 
 
 def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any], None], elastic: bool = False

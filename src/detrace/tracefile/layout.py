@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import re
-import shutil
 import stat
 from pathlib import Path
 from typing import Literal
@@ -45,6 +45,12 @@ def checkpoint_log_path(run_dir: str | Path, pid: int) -> Path:
 def rank_path(run_dir: str | Path, rank: int) -> Path:
     """The append-only Arrow IPC file of one rank."""
     return Path(run_dir) / f"rank-{rank:05d}.arrow"
+
+
+def rank_of(path: Path) -> int | None:
+    """The rank whose trace file `path` is (`rank_path`), or None for another file (an auxiliary trace)."""
+    match = _RANK_FILE.match(path.name)
+    return int(match.group(1)) if match else None
 
 
 def footer_path(run_dir: str | Path, rank: int) -> Path:
@@ -111,14 +117,30 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 
 def trace_files(run_dir: str | Path) -> list[Path]:
-    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, run.json, captures,
-    checkpoint logs (nothing else)."""
+    """What a traced run wrote into its directory: rank files, footers, auxiliary traces, a run.json of detrace's,
+    capture files, checkpoint logs (nothing else: a user's own files there, `capture/` included, are never
+    detrace's to remove)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return [p for p in run_dir.iterdir() if p.name in (RUN_HEADER, CAPTURE_DIR)
-            or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)
-            or p.match(CHECKPOINT_LOG_GLOB)]
+    found = [p for p in run_dir.iterdir() if (p.name == RUN_HEADER and is_run_header(p))
+             or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)
+             or (p.match(CHECKPOINT_LOG_GLOB) and not p.is_dir())]
+    captures = run_dir / CAPTURE_DIR
+    if captures.is_dir() and not captures.is_symlink():
+        found += [p for p in captures.iterdir() if _CAPTURE_FILE.match(p.name) and not p.is_dir()]
+    return found
+
+
+def is_run_header(path: Path) -> bool:
+    """Whether `path` is a run.json that detrace wrote (a JSON object whose schema is detrace's)."""
+    try:
+        require_regular(path, "run header")
+        with path.open("rb") as handle:
+            raw = json.loads(handle.read(1 << 20))
+    except (OSError, ValueError, TraceError):
+        return False
+    return isinstance(raw, dict) and str(raw.get("schema", "")).startswith("detrace.")
 
 
 def default_out(kind: str, base: Path | None = None) -> Path:
@@ -157,13 +179,21 @@ def remove_empty(out: Path) -> None:
         out.rmdir()
 
 
+def shown_path(path: Path, limit: int = 120) -> str:
+    """A path for a sentence: whole when short, else its start and its end (a path may be 4096 bytes long)."""
+    text = str(path)
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 2 :]}"
+
+
 def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | None = None,
                 name: str = "output directory") -> Path:
     """Create the directory a command writes into, by one rule for every command.
 
     - A path that exists and is not a directory is refused.
     - `holds="trace"` (one run: `detrace run`): a directory that already holds a trace is refused; `force`
-      removes that trace, and only it (the user's other files stay). Other files never stop a run.
+      removes that trace, and only it (the user's other files stay, in `capture/` too). Other files never stop a
+      run, but a `run.json` that is not detrace's is refused even with `force` (the run would overwrite it).
+      The launcher holds the directory's lock (tracefile.lock) before this: a live run's trace is never removed.
     - `holds="runs"` (many runs and their results: locate, check, check-resume, check-topology, recheck): a
       directory that is not empty is refused, so that two results never mix; `force` writes into it all the
       same (each run's own directory still obeys the trace rule).
@@ -172,10 +202,20 @@ def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | Non
     named the directory ("--out", "output directory"). Refusals of a trace are `TraceError`, the rest
     `UsageError`: both exit 2.
     """
+    try:
+        os.stat(out)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # a name past NAME_MAX or PATH_MAX, a loop of links, a file where a folder should be
+        raise UsageError(f"cannot write to {name} {shown_path(out)}: {err.strerror or err}") from None
     if out.exists() and not out.is_dir():
         raise UsageError(f"{name} {out} exists and is not a directory")
     hint = "; choose another directory" + ("" if force is None else " or pass --force")
     if holds == "trace":
+        header = run_header_path(out)
+        if header.is_symlink() or (header.exists() and not is_run_header(header)):
+            raise TraceError(f"{header} is not a detrace run header, and a run writes its own there; move it or "
+                             "choose another directory (--force replaces only a detrace trace)")
         existing = trace_files(out)
         if existing and not force:
             raise TraceError(f"{out} already holds a trace{hint}")
@@ -185,11 +225,10 @@ def prepare_out(out: Path, *, holds: Literal["trace", "runs"], force: bool | Non
             raise UsageError(f"{name} {out} is not empty{hint}")
     try:
         for path in existing:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            path.unlink()
+        with contextlib.suppress(OSError):  # only when the captures were all it held
+            (out / CAPTURE_DIR).rmdir()
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"cannot write to {name} {out}: {err.strerror or err}") from None
+        raise UsageError(f"cannot write to {name} {shown_path(out)}: {err.strerror or err}") from None
     return out

@@ -246,6 +246,9 @@ class RankFooter:
     """Collective calls the rank made; None when not recorded."""
     pid: int | None = None
     """The process that wrote the trace; None when not recorded."""
+    rebuilt: bool = False
+    """The footer file is missing and the rank file was closed (it ends in its Arrow file footer): this footer was
+    read from the rank file's records (`tracefile.reader.rebuilt_footer`), and its file is named as missing."""
 
     @property
     def first_step(self) -> int | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,16 +23,17 @@ from typing import Literal
 import pyarrow as pa
 
 from detrace.errors import TraceError
-from detrace.tracefile.integrity import chain_start, chain_text, verify
+from detrace.tracefile.framing import RECORD_BATCH_MESSAGE, SCHEMA_MESSAGE, Unframed, next_frame
+from detrace.tracefile.integrity import arrow_footer_checksum, chain_start, chain_text, verify
 from detrace.tracefile.layout import (
     RANK_GLOB,
-    footer_path,
+    rank_of,
     rank_path,
     rank_trace_paths,
     require_regular,
     run_header_path,
 )
-from detrace.tracefile.metadata import RankFooter, RunHeader, load_json
+from detrace.tracefile.metadata import RankFooter, RunHeader, StepAccount, load_json
 from detrace.tracefile.schema import ARROW_SCHEMA, SCHEMA_VERSION, format_refusal
 from detrace.tracefile.selection import parse_window
 
@@ -49,6 +51,37 @@ def load_footer(path: Path) -> RankFooter | None:
     except FileNotFoundError:
         return None
     return RankFooter.from_json(raw, f"rank footer {path}")
+
+
+def rank_footer(path: Path) -> RankFooter | None:
+    """The footer of the rank file at `path`: its footer file's, or, when that file is missing and the rank file
+    was closed (it ends in its Arrow file footer, which only a clean close writes), one read from the rank file
+    (`RankFooter.rebuilt`); None when the rank never closed its trace."""
+    footer = load_footer(path.with_suffix(".json"))
+    if footer is not None or arrow_footer_checksum(path) is None:
+        return footer
+    return rebuilt_footer(path)
+
+
+def rebuilt_footer(path: Path) -> RankFooter:
+    """What a closed rank file's lost footer said, read from its records: every batch verified against its seal."""
+    stream = BatchStream(path, footer=None)
+    records = batches = 0
+    first = last = None
+    for batch in stream:
+        batches += 1
+        records += batch.num_rows
+        if batch.num_rows:
+            steps = batch.column("step")
+            first = steps[0].as_py() if first is None else first
+            last = steps[-1].as_py()
+    checksum = arrow_footer_checksum(path)
+    recorded = None if first is None or last is None else (first, last)
+    return RankFooter(schema=SCHEMA_VERSION, rank=rank_of(path), records=records, batches=batches,
+                      chain=chain_text(stream._chain), last_step=-1 if last is None else last,
+                      arrow_footer=None if checksum is None else chain_text(checksum),
+                      steps=None if recorded is None else StepAccount(first=None, recorded=recorded, source=None),
+                      rebuilt=True)
 
 
 class _Unread(enum.Enum):
@@ -83,10 +116,20 @@ class BatchStream:
             self._file.close()
             raise TraceError(f"{self.path} is not a detrace trace file (no Arrow header)")
         try:
+            frame = next_frame(self._file.fileno(), len(_MAGIC), self._size())
+            if frame is None:
+                raise TraceError(f"{self.path} ends inside its schema (the message at byte {len(_MAGIC)}): it was "
+                                 "cut before its first record, or the schema's length is corrupted")
+            if frame.end or frame.header_type != SCHEMA_MESSAGE:
+                raise Unframed("it holds no schema")
             self._reader = pa.ipc.open_stream(self._file)
-        except (pa.ArrowInvalid, OSError):
+        except (Unframed, pa.ArrowException, OSError) as err:
             self._file.close()
-            raise TraceError(f"{self.path} is truncated before its schema: no record survived") from None
+            raise CorruptTrace(f"{self.path} is corrupted in its schema (the message at byte {len(_MAGIC)}): "
+                               f"{_reason(err)}") from None
+        except TraceError:
+            self._file.close()
+            raise
         try:
             metadata = self._reader.schema.metadata or {}
             version = metadata.get(b"detrace.schema", b"").decode(errors="replace")
@@ -100,7 +143,7 @@ class BatchStream:
             except ValueError:
                 raise CorruptTrace(f"{self.path} is corrupted: its header is not JSON") from None
             self.header = RunHeader.from_json(raw, f"the header of {self.path}")
-            self.footer = load_footer(self.path.with_suffix(".json")) if footer is UNREAD else footer
+            self.footer = rank_footer(self.path) if footer is UNREAD else footer
         except BaseException:
             self._file.close()
             raise
@@ -110,37 +153,63 @@ class BatchStream:
         """Release the file (iterating to the end also does)."""
         self._file.close()
 
-    def _corrupt(self, index: int, first: int, rows: int | None, reason: str) -> CorruptTrace:
+    def _size(self) -> int:
+        """The file's size now (a rank still running makes it grow)."""
+        return os.fstat(self._file.fileno()).st_size
+
+    def _corrupt(self, index: int, first: int, rows: int | None, reason: str, offset: int) -> CorruptTrace:
         self._file.close()
         records = f"records {first}-{first + rows - 1}" if rows else f"records from {first} on"
-        return CorruptTrace(f"{self.path.name} in {self.path.parent} is corrupted in batch {index} ({records}): "
-                            f"{reason}; detrace does not compare, locate or report a corrupted trace")
+        return CorruptTrace(f"{self.path.name} in {self.path.parent} is corrupted in batch {index} ({records}, at "
+                            f"byte {offset}): {reason}; detrace does not compare, locate or report a corrupted trace")
+
+    def _next(self, index: int, position: int) -> pa.RecordBatch | None:
+        """The next batch, decoded only once its framing is checked, and verified against its seal; None at the
+        end of the stream or at a torn tail (then `torn` is set)."""
+        offset = self._file.tell()
+        try:
+            frame = next_frame(self._file.fileno(), offset, self._size())
+            if frame is not None and not frame.end and frame.header_type != RECORD_BATCH_MESSAGE:
+                raise Unframed("it is not a record batch")
+            if frame is None or frame.end:
+                if frame is None and self.footer is not None:  # a rank that closed cleanly has no torn tail
+                    raise Unframed("the file ends inside it (it was cut)")
+                self.torn = frame is None
+                self.detail = "torn tail: the file ends inside a batch" if frame is None else None
+                return None
+            batch, metadata = self._reader.read_next_batch_with_custom_metadata()
+            batch.validate()  # lengths and offsets in bounds: what the seal's re-serialization reads
+        except (Unframed, pa.ArrowException, OSError, StopIteration) as err:
+            raise self._corrupt(index, position, None, _reason(err), offset) from None
+        try:
+            self._chain = verify(batch, metadata, index, self._chain)
+        except ValueError as reason:
+            raise self._corrupt(index, position, batch.num_rows, str(reason), offset) from None
+        return batch
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         index = position = 0
         while True:
-            try:
-                batch, metadata = self._reader.read_next_batch_with_custom_metadata()
-            except StopIteration:
+            read = self._next(index, position)
+            if read is None:
                 break
-            except (pa.ArrowInvalid, OSError) as err:
-                if self.footer is not None:  # a rank that closed cleanly has no torn tail
-                    raise self._corrupt(index, position, None, f"it cannot be decoded ({err})") from None
-                self.torn = True
-                self.detail = f"torn tail: {err}"
-                break
-            try:
-                self._chain = verify(batch, metadata, index, self._chain)
-            except ValueError as reason:
-                raise self._corrupt(index, position, batch.num_rows, str(reason)) from None
             index += 1
-            position += batch.num_rows
-            yield batch
+            position += read.num_rows
+            yield read
+        end = self._file.tell()
         self._file.close()
         footer = self.footer
         if footer is not None and (footer.batches, footer.chain) != (index, chain_text(self._chain)):
             raise self._corrupt(index, position, None, f"its footer seals {footer.batches} batches, the file "
-                                "holds these only up to here (batches were cut or replaced)")
+                                "holds these only up to here (batches were cut or replaced)", end)
+
+
+def _reason(err: BaseException) -> str:
+    """Why a message could not be read, as a clause."""
+    if isinstance(err, Unframed):
+        return str(err)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"it cannot be decoded ({first[:200]})"
 
 
 def iter_batches(path: str | Path) -> BatchStream:
@@ -254,6 +323,6 @@ def open_run(path: str | Path) -> RunInfo:
                          f"{max(ranks)} wrote a trace")
     # Every footer is read here, once; whoever the run is handed to asks it, never the file.
     files = {rank: RankFile(rank=rank, path=path,
-                            footer=lowest.footer if rank == min(ranks) else load_footer(footer_path(run_dir, rank)))
+                            footer=lowest.footer if rank == min(ranks) else rank_footer(path))
              for rank, path in ranks.items()}
     return RunInfo(path=run_dir, header=header, ranks=tuple(ranks), world_size=world_size, files=files)
