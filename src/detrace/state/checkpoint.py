@@ -91,9 +91,7 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
         raise CheckpointError(f"keep must be at least 1, not {keep}")
     rank, world = dist.rank_and_world()
     if elastic and dist.differs(_state_digest(shared, local)):
-        raise CheckpointError("an elastic checkpoint needs the same own state (RNG, data position, extra) and the "
-                              "same model and optimizer state on every rank, and the ranks' differ: seed every "
-                              "generator alike (detrace.deterministic) and read the data in global samples")
+        raise CheckpointError(_NOT_ELASTIC)
     dist.together(lambda: _prepare_root(root))
     if rank == 0:
         _remove_stale(root)
@@ -103,6 +101,15 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
 
     # A value that cannot be stored may sit in one rank's own state only: every rank must stop, not just it.
     shared_skeleton, shared_tensors = dist.together(lambda: tree.split(shared, ""))
+    # DCP writes a tensor that several ranks hold under one key once, from whichever rank it picks: only a tensor
+    # proven the same on every rank may be. One that differs (a DDP model's buffers: each rank's forward updates
+    # its own BatchNorm statistics) is saved by every rank as its own, and restored to the rank that saved it.
+    apart = dist.differing(_digests(shared_tensors)) if world > 1 else set()
+    if elastic and apart:
+        raise CheckpointError(_NOT_ELASTIC)
+    names = {key: own_key(rank, key) for key in apart}
+    shared_skeleton = tree.rename(shared_skeleton, names)
+    shared_tensors = {names.get(key, key): tensor for key, tensor in shared_tensors.items()}
     local_skeleton, local_tensors = dist.together(lambda: tree.split(local, f"rank{rank}"))
     planner = FingerprintingSavePlanner()
     try:
@@ -181,11 +188,12 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     document = manifest.verify(directory, collective=True)
     _, template_tensors = tree.split(shared, "")
 
+    saved_rank = 0 if elastic else rank
+
     def fits() -> tuple[Any, Any]:
-        saved = _rank_document(directory, 0 if elastic else rank, step=document.step)
-        _check_same_tensors(
-            directory, set(tree.tensor_keys(saved["shared"])), set(template_tensors), rank=rank, world=world
-        )
+        saved = _rank_document(directory, saved_rank, step=document.step)
+        _check_same_tensors(directory, set(_template_names(saved["shared"], saved_rank).values()),
+                            set(template_tensors), rank=rank, world=world)
         check(directory, saved["shared"], saved["local"])
         return saved["shared"], saved["local"]
 
@@ -193,6 +201,8 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     shared_skeleton, local_skeleton = dist.together(
         fits, elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error"
     )
+    # The rank's own copies (see `write`) load into the template's tensors of the same names.
+    shared_tensors = {key: template_tensors[name] for key, name in _template_names(shared_skeleton, saved_rank).items()}
 
     # This rank's own tensors (RNG states, ...) are allocated from what was saved, not from a template.
     metadata = read_metadata(directory)
@@ -205,7 +215,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     try:
         with _single_process_is_intended():
             dcp.load(
-                {**template_tensors, **local_tensors},
+                {**shared_tensors, **local_tensors},
                 storage_reader=JsonFileSystemReader(directory),
                 planner=DefaultLoadPlanner(flatten_state_dict=False),
                 no_dist=not dist.active(),
@@ -215,7 +225,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
         raise CheckpointError(f"{directory} does not fit this training state: {_first_line(err)}") from None
     return Loaded(
         step=document.step,
-        shared=tree.join(shared_skeleton, template_tensors),
+        shared=tree.join(shared_skeleton, shared_tensors),
         local=tree.join(local_skeleton, local_tensors),
         directory=directory,
     )
@@ -252,6 +262,33 @@ def _first_line(err: BaseException) -> str:
         err = next(iter(err.failures.values()))[0]
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+_NOT_ELASTIC = ("an elastic checkpoint needs the same own state (RNG, data position, extra) and the same model and "
+                "optimizer state on every rank, and the ranks' differ: seed every generator alike "
+                "(detrace.deterministic) and read the data in global samples")
+
+
+def own_key(rank: int, key: str) -> str:
+    """The key under which rank `rank` saves its own copy of the shared tensor `key` (one that differs by rank)."""
+    return f"rank{rank}/{key}"
+
+
+def _template_names(skeleton: Any, rank: int) -> dict[str, str]:
+    """The saved keys of a shared skeleton that rank `rank` saved -> the keys of the tensors they load into."""
+    own = own_key(rank, "")
+    return {key: key.removeprefix(own) for key in tree.tensor_keys(skeleton)}
+
+
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The fingerprints of the tensors that are whole on this rank (not a DTensor, whose shards DCP places)."""
+    from torch.distributed.tensor import DTensor
+
+    from detrace.digest import fingerprint_many
+
+    whole = sorted(key for key, tensor in tensors.items() if not isinstance(tensor, DTensor))
+    prints = fingerprint_many([tensors[key] for key in whole])
+    return {key: print_.digest for key, print_ in zip(whole, prints, strict=True)}
 
 
 def _state_digest(shared: dict[str, Any], local: dict[str, Any]) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import json
+
 import torch
 import torch.distributed as dist
 
@@ -29,15 +31,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _device() -> torch.device:
+    """Where this process group's collectives take their tensors."""
+    # NCCL reduces only device tensors; any backend that offers gloo (alone or in a "cpu:gloo,cuda:nccl" pair)
+    # reduces CPU tensors.
+    backend = str(dist.get_backend())
+    return torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+
+
 def any_rank(flag: bool) -> bool:
     """Whether `flag` is true on at least one rank, so that every rank takes the same branch."""
     if not active():
         return flag
-    # NCCL reduces only device tensors; any backend that offers gloo (alone or in a "cpu:gloo,cuda:nccl" pair)
-    # reduces CPU tensors.
-    backend = str(dist.get_backend())
-    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
-    value = torch.tensor([int(flag)], device=device)
+    value = torch.tensor([int(flag)], device=_device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
@@ -46,12 +52,29 @@ def differs(value: int) -> bool:
     """Whether `value` (a 64-bit digest) is not the same on every rank; False without a process group."""
     if not active():
         return False
-    backend = str(dist.get_backend())
-    device = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
     low = value & ((1 << 62) - 1)  # non-negative in int64, so that its negation is too
-    both = torch.tensor([low, -low], dtype=torch.int64, device=device)
+    both = torch.tensor([low, -low], dtype=torch.int64, device=_device())
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return int(both[0]) != -int(both[1])  # the largest differs from the smallest
+
+
+def differing(digests: dict[str, int]) -> set[str]:
+    """The keys of `digests` (name -> 64-bit digest of a value this rank holds) whose value some other rank holds
+    with another digest; empty without a process group. Ranks may hold different keys (pipeline stages): a key
+    only one rank holds differs from nothing."""
+    if not active():
+        return set()
+    # One all-gather of every rank's digests as JSON bytes (no pickle), padded to the longest.
+    mine = torch.frombuffer(bytearray(json.dumps(digests).encode()), dtype=torch.uint8).to(_device())
+    sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=_device()))
+    longest = max(int(size.item()) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=_device())
+    padded[: mine.numel()] = mine
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    theirs = [json.loads(bytes(row[: int(size.item())].cpu().tolist())) for row, size in zip(gathered, sizes, strict=True)]
+    return {key for key, digest in digests.items() if any(other.get(key, digest) != digest for other in theirs)}
 
 
 def together(

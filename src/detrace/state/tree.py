@@ -51,6 +51,17 @@ def tensor_keys(skeleton: JSON) -> list[str]:
     return []
 
 
+def rename(skeleton: JSON, names: Mapping[str, str]) -> JSON:
+    """`skeleton` with the keys of its tensor leaves replaced as `names` maps them (the others kept)."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return {_TENSOR: names.get(skeleton[_TENSOR], skeleton[_TENSOR])}
+        return {key: rename(value, names) for key, value in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [rename(value, names) for value in skeleton]
+    return skeleton
+
+
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> JSON:
     if isinstance(value, torch.Tensor):
         if path in tensors:
