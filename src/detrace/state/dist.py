@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import TypeVar
-
-import json
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,8 @@ def differing(digests: dict[str, int]) -> set[str]:
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
-    theirs = [json.loads(bytes(row[: int(size.item())].cpu().tolist())) for row, size in zip(gathered, sizes, strict=True)]
+    theirs = [json.loads(bytes(row[: int(size.item())].cpu().tolist()))
+              for row, size in zip(gathered, sizes, strict=True)]
     return {key for key, digest in digests.items() if any(other.get(key, digest) != digest for other in theirs)}
 
 
