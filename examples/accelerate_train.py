@@ -59,7 +59,8 @@ def main() -> None:
     torch.set_num_threads(1)
     detrace.deterministic(0)
     accelerator = Accelerator(cpu=True)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+    # BatchNorm: under DDP each rank updates its own running statistics (detrace saves each rank's).
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

@@ -55,6 +55,45 @@ def test_codec_refuses_what_only_pickle_could_store() -> None:
         tree.split({"opt": {"lr_fn": lambda step: step}}, "")
 
 
+def test_codec_refuses_a_cyclic_or_too_deep_state_in_one_sentence(tmp_path: Path) -> None:
+    cyclic: dict = {"lr": 0.1}
+    cyclic["self"] = cyclic
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    state = TrainState(model=torch.nn.Linear(2, 2), extra={"cyclic": cyclic})
+    with pytest.raises(CheckpointError, match=r"cannot save 'rank0\.extra\.cyclic\.self': it contains itself"):
+        state.save(tmp_path)
+    state = TrainState(model=torch.nn.Linear(2, 2), extra={"deep": deep})
+    with pytest.raises(CheckpointError, match="nested deeper than 64 levels"):
+        state.save(tmp_path)
+    shared = {"a": 1}  # one object reached twice is no cycle
+    assert tree.split({"x": shared, "y": [shared]}, "")[0] == {"x": {"a": 1}, "y": [{"a": 1}]}
+
+
+@pytest.mark.parametrize(("parts", "message"), [
+    ({"model": None}, "model must be a torch.nn.Module, not NoneType"),
+    ({"optimizer": "model"}, "optimizer must be a torch.optim.Optimizer, not Linear"),
+    ({"extra": [1]}, "extra must be a dict of named state"),
+    ({"extra": {1: 2}}, "extra must have str keys"),
+    ({"generators": [None]}, "generators must be torch.Generators, and item 0 is a NoneType"),
+    ({"generators": None}, "generators must be a sequence of torch.Generator, not NoneType"),
+])
+def test_train_state_refuses_wrong_parts_at_construction(parts: dict, message: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    parts = {"model": model, **{key: model if value == "model" else value for key, value in parts.items()}}
+    with pytest.raises(UsageError, match=message):
+        TrainState(**parts)
+
+
+def test_accelerate_register_refuses_what_is_not_an_accelerator() -> None:
+    pytest.importorskip("accelerate")
+    from detrace.integrations.accelerate import register
+
+    with pytest.raises(UsageError, match="register needs the Accelerator, not NoneType"):
+        register(None)  # type: ignore[arg-type]
+
+
 # --- RNG ---------------------------------------------------------------------------------------------------
 
 

@@ -127,6 +127,9 @@ def register(accelerator: Accelerator, *, data: Any = None, generators: Sequence
 
     Call it after `accelerator.prepare` and before the first training step: the TrainState pins DDP's bucket
     layout for the whole run (see docs/resume.md)."""
+    if not isinstance(accelerator, Accelerator):
+        raise UsageError(f"detrace.integrations.accelerate.register needs the Accelerator, not "
+                         f"{type(accelerator).__name__}")
     # accelerate keeps what it prepared in these lists (save_state reads them the same way).
     models, optimizers, schedulers = accelerator._models, accelerator._optimizers, accelerator._schedulers
     if len(models) != 1 or len(optimizers) > 1 or len(schedulers) > 1:

@@ -68,6 +68,7 @@ class TrainState:
         extra: MutableMapping[str, Any] | None = None,
         elastic: bool = False,
     ) -> None:
+        _check_parts(model, optimizer, generators, extra)
         for name, value in (("scheduler", scheduler), ("scaler", scaler), ("data", data)):
             if value is not None and not is_stateful(value):
                 hint = ("; wrap the dataset in detrace.state.ResumableLoader (or use torchdata's "
@@ -257,6 +258,24 @@ class TrainState:
                     current.copy_(value)
             else:
                 self.extra[name] = value
+
+
+def _check_parts(model: Any, optimizer: Any, generators: Any, extra: Any) -> None:
+    """Refuse, at construction, what the first save would fail on inside torch after the steps before it ran."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"TrainState's model must be a torch.nn.Module, not {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"TrainState's optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(generators, (str, bytes)) or not isinstance(generators, Sequence):
+        raise UsageError(f"TrainState's generators must be a sequence of torch.Generator, not "
+                         f"{type(generators).__name__}")
+    for index, generator in enumerate(generators):
+        if not isinstance(generator, torch.Generator):
+            raise UsageError(f"TrainState's generators must be torch.Generators, and item {index} is a "
+                             f"{type(generator).__name__}")
+    if extra is not None and (not isinstance(extra, MutableMapping) or not all(isinstance(key, str) for key in extra)):
+        raise UsageError(f"TrainState's extra must be a dict of named state (str keys), not {type(extra).__name__}"
+                         if not isinstance(extra, MutableMapping) else "TrainState's extra must have str keys")
 
 
 def _give_own_generator(data: Any) -> None:

@@ -26,10 +26,14 @@ _MARKERS = frozenset((_TENSOR, _TUPLE, _PAIRS))
 JSON = Any  # str | int | float | bool | None | list[JSON] | dict[str, JSON]
 
 
+MAX_DEPTH = 64
+"""Levels of nesting a state may have: far more than any state dict has, far less than Python's recursion limit."""
+
+
 def split(tree: Any, prefix: str) -> tuple[JSON, dict[str, torch.Tensor]]:
     """Split `tree` into (JSON skeleton, {key: tensor}); keys are dotted paths, after `prefix` if given."""
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _encode(tree, prefix, tensors)
+    skeleton = _encode(tree, prefix, tensors, ())
     return skeleton, tensors
 
 
@@ -62,7 +66,14 @@ def rename(skeleton: JSON, names: Mapping[str, str]) -> JSON:
     return skeleton
 
 
-def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> JSON:
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], within: tuple[int, ...]) -> JSON:
+    """`within`: the ids of the containers that hold `value`, outermost first (a cycle comes back to one)."""
+    if isinstance(value, (tuple, list, Mapping)):
+        if id(value) in within:
+            raise CheckpointError(f"cannot save {path!r}: it contains itself (a cycle), which has no finite form")
+        if len(within) >= MAX_DEPTH:
+            raise CheckpointError(f"cannot save {path[:200]!r}: the state is nested deeper than {MAX_DEPTH} levels")
+        within = (*within, id(value))
     if isinstance(value, torch.Tensor):
         if path in tensors:
             raise CheckpointError(f"two tensors of the training state have the same key {path!r}")
@@ -72,15 +83,16 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> JSON:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, tuple):
-        return {_TUPLE: [_encode(item, _child(path, i), tensors) for i, item in enumerate(value)]}
+        return {_TUPLE: [_encode(item, _child(path, i), tensors, within) for i, item in enumerate(value)]}
     if isinstance(value, list):
-        return [_encode(item, _child(path, i), tensors) for i, item in enumerate(value)]
+        return [_encode(item, _child(path, i), tensors, within) for i, item in enumerate(value)]
     if isinstance(value, Mapping):
         if all(isinstance(key, str) for key in value) and not _MARKERS.intersection(value):
-            return {key: _encode(item, _child(path, key), tensors) for key, item in value.items()}
+            return {key: _encode(item, _child(path, key), tensors, within) for key, item in value.items()}
         return {
             _PAIRS: [
-                [_encode(key, _child(path, f"<key {i}>"), tensors), _encode(item, _child(path, key), tensors)]
+                [_encode(key, _child(path, f"<key {i}>"), tensors, within),
+                 _encode(item, _child(path, key), tensors, within)]
                 for i, (key, item) in enumerate(value.items())
             ]
         }

@@ -1,6 +1,7 @@
 """An HF `Trainer` script of the kind users write, made resumable by `callbacks=[DetraceCallback()]`, for
-torchrun (2 ranks on gloo): a tiny GPT-2 from a config, logging every step (HF's logging gathers the loss across
-ranks), an evaluation every 2 steps, where checkpoints are taken too (the usual set-up), 6 steps.
+torchrun (2 ranks on gloo): a tiny GPT-2 from a config with a BatchNorm in its MLP (under DDP each rank's forward
+updates its own running statistics), logging every step (HF's logging gathers the loss across ranks), an evaluation
+every 2 steps, where checkpoints are taken too (the usual set-up), 6 steps.
 
     torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
     detrace check-resume --at 2 -- torchrun --standalone --nproc-per-node 2 tests/support/scripts/hf_ddp.py
@@ -21,6 +22,13 @@ from detrace.integrations.hf import DetraceCallback
 VOCAB, LENGTH = 64, 8
 
 
+class ChannelNorm(torch.nn.BatchNorm1d):
+    """BatchNorm over the features of (batch, position, feature) activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2).contiguous()
+
+
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, samples: int = 48, seed: int = 0) -> None:
         self.data = torch.randint(0, VOCAB, (samples, LENGTH), generator=torch.Generator().manual_seed(seed))
@@ -36,6 +44,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2))
+    mlp = model.transformer.h[0].mlp
+    mlp.act = torch.nn.Sequential(ChannelNorm(4 * 16), mlp.act)
     # One output directory for both ranks (HF saves into it from each), removed at the end.
     scratch = Path(tempfile.gettempdir()) / f"hf_ddp-{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}"
     try:
