@@ -94,6 +94,47 @@ def test_accelerate_register_refuses_what_is_not_an_accelerator() -> None:
         register(None)  # type: ignore[arg-type]
 
 
+def _train_one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(3, 2)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_save_before_end_of_step_is_refused_not_one_step_off(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model=model, optimizer=optimizer)
+    _train_one_step(model, optimizer)
+    with pytest.raises(UsageError, match="would be named after step 0, but the optimizer stepped 1 more time since"):
+        state.save(tmp_path)  # the loop saved before state.end_of_step(1)
+    assert not (tmp_path / "latest").exists()
+    state.end_of_step(1)
+    assert state.save(tmp_path).name == "step-00000001"
+    _train_one_step(model, optimizer)
+    assert state.save(tmp_path, step=2).name == "step-00000002"  # or the save takes the step
+    with pytest.raises(UsageError, match="step must be a number of completed steps"):
+        state.save(tmp_path, step=-1)
+    assert TrainState(model=model, optimizer=optimizer).load(tmp_path) == 2
+
+
+def test_accelerate_save_state_before_end_of_step_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from detrace.integrations.accelerate import register
+
+    accelerator = Accelerator(cpu=True)
+    net = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register(accelerator)
+    _train_one_step(model, optimizer)
+    with pytest.raises(UsageError, match=r"call state\.end_of_step"):
+        accelerator.save_state(str(tmp_path / "early"))
+    state.end_of_step(1)
+    accelerator.save_state(str(tmp_path / "checkpoint-1"))
+    assert (tmp_path / "checkpoint-1" / "detrace" / "step-00000001").is_dir()
+
+
 # --- RNG ---------------------------------------------------------------------------------------------------
 
 

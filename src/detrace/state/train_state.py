@@ -83,21 +83,50 @@ class TrainState:
         self.generators = tuple(generators)
         self.extra = extra if extra is not None else {}
         self.elastic = elastic
-        self.step = 0
-        """Completed optimizer steps: set by `end_of_step` and `load`."""
+        self._step = 0
+        self._uncounted = 0
+        """Optimizer steps taken since the step count was last set: a save in between would be named after the
+        wrong step."""
+        if optimizer is not None:
+            optimizer.register_step_post_hook(self._count_optimizer_step)
         # A resumed process must reduce gradients in the DDP bucket layout the continuous run uses.
         pin_layout(model)
         _give_own_generator(data)
         arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
         check_checkpoint_dir()
 
-    def save(self, path: str | os.PathLike[str], *, keep: int = 1) -> Path:
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps: set by `end_of_step`, `load`, `save(step=...)` or by assigning it."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UsageError(f"TrainState's step must be a number of completed steps (0 or more), not {value!r}")
+        self._step = value
+        self._uncounted = 0
+
+    def _count_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._uncounted += 1
+
+    def save(self, path: str | os.PathLike[str], *, keep: int = 1, step: int | None = None) -> Path:
         """Write a checkpoint of the current state under `path` (collective); returns the version directory.
 
         Atomic: until it returns, `path` still designates the previous checkpoint. Keeps the `keep` most
-        recent versions.
+        recent versions. `step`: the number of completed optimizer steps, when `end_of_step` has not counted the
+        last one yet; a save after an optimizer step that nothing counted is refused (it would resume one step off).
         """
         from detrace.state import checkpoint  # see _shared: DCP is imported when a checkpoint is written or read
+
+        if step is not None:
+            self.step = step
+        elif self._uncounted:
+            raise UsageError(
+                f"this checkpoint would be named after step {self.step}, but the optimizer stepped "
+                f"{self._uncounted} more time{'s' if self._uncounted > 1 else ''} since, so a resume from it would "
+                f"run that step again: call state.end_of_step(step) before saving (before accelerator.save_state "
+                f"too), or give the step, state.save(path, step=step)")
 
         with _events.checkpoint_io():
             return checkpoint.write(Path(path), step=self.step, shared=self._shared(), local=self._local(),
