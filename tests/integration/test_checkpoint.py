@@ -216,7 +216,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
     assert process.returncode == -signal.SIGKILL
 
     assert (root / "latest").read_text() == "step-00000001\n"
-    assert list((root / ".tmp-step-00000002").glob("*.distcp"))  # the half-written save, invisible
+    assert list(root.glob(".tmp-*/*.distcp"))  # the half-written save, invisible (its writer's lock now free)
     assert verify_checkpoint(root).step == 1
     model = torch.nn.Linear(32, 32)
     state = TrainState(model=model)
@@ -228,6 +228,31 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
     assert sorted(path.name for path in root.iterdir()) == ["latest", "step-00000002"]
     assert TrainState(model=torch.nn.Linear(32, 32)).load(root) == 2
     assert torch.equal(model.weight, saved_weight)
+
+
+def test_a_save_removes_only_what_dead_writers_left(tmp_path: Path) -> None:
+    """Two jobs saving into one root: a save clears the debris of writers whose lock is free (dead), never the
+    temporary directory of a writer that holds its lock (another job's save in progress)."""
+    import fcntl
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    live, dead = root / ".tmp-00000000000000aa", root / ".tmp-00000000000000bb"
+    for directory in (live, dead, root / ".tmp-step-00000003"):  # the last: an older detrace's debris
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"part")
+    (root / ".tmp-00000000000000bb.lock").touch()  # its writer died: nobody holds it
+    with (root / ".tmp-00000000000000aa.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other job's rank 0, still writing
+        state = make_state()
+        state.step = 1
+        state.save(root)
+        left = sorted(path.name for path in root.iterdir())
+        assert left == [".tmp-00000000000000aa", ".tmp-00000000000000aa.lock", "latest", "step-00000001"]
+        assert (live / "__0_0.distcp").read_bytes() == b"part"
+    # Its process gone (the lock free), the next save removes what it left.
+    state.save(root, step=2)
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step-00000002"]
 
 
 # --- detrace verify-checkpoint -----------------------------------------------------------------------------

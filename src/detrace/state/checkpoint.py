@@ -9,7 +9,8 @@ Layout of a checkpoint root (what `TrainState.save(root)` and `DETRACE_CKPT_DIR`
         __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, read weights_only)
         rank-0.json ...          each rank's skeletons (non-tensor values, tensor keys): its model/optimizer
                                  state and its own state (step, RNG, data position, extra)
-    root/.tmp-step-00000014/     a save in progress: invisible until committed
+    root/.tmp-TOKEN/             a save in progress: invisible until committed
+    root/.tmp-TOKEN.lock         its lock, held (flock) by the saving job's rank 0 while the save is in progress
 
 The model/optimizer state ("shared", as opposed to a rank's own RNG and data position) need not be the same
 on every rank: DDP replicates it, FSDP2 shards it, and pipeline parallelism gives each stage other layers.
@@ -18,16 +19,19 @@ Tensors that several ranks hold under one key are replicas, which DCP writes onc
 
 Every rank writes its part into the temporary directory; rank 0 writes the manifest last, renames the
 directory into place and only then repoints `latest`. A crash at any moment leaves `latest` naming the
-previous, complete version; the half-written one is never read and is removed by the next save.
+previous, complete version; the half-written one is never read and is removed by the next save, once its
+writer's lock is free: two jobs may save into one root without one removing the other's save in progress.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
+import secrets
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -89,15 +93,25 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     """
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
-    rank, world = dist.rank_and_world()
+    rank = dist.rank_and_world()[0]
     if elastic and dist.differs(_state_digest(shared, local)):
         raise CheckpointError(_NOT_ELASTIC)
     dist.together(lambda: _prepare_root(root))
-    if rank == 0:
-        _remove_stale(root)
-    dist.barrier()  # no rank picks a name while rank 0 may still be removing stale directories
-    name = _free_name(root, step)
-    tmp = root / f"{_TMP_PREFIX}{name}"
+    # Rank 0 holds this save's lock from before its temporary directory exists until after the commit: another job
+    # saving into the same root removes only what a dead writer left (see _Writer).
+    writer = dist.together(lambda: _Writer(root) if rank == 0 else None)
+    try:
+        return _write_locked(root, writer, step=step, shared=shared, local=local, keep=keep, elastic=elastic)
+    finally:
+        if writer is not None:
+            writer.release()
+
+
+def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict[str, Any], local: dict[str, Any],
+                  keep: int, elastic: bool) -> Path:
+    rank, world = dist.rank_and_world()
+    token = dist.from_rank0(writer.token if writer is not None else 0)
+    tmp = root / _writer_entry(token)
 
     # A value that cannot be stored may sit in one rank's own state only: every rank must stop, not just it.
     shared_skeleton, shared_tensors = dist.together(lambda: tree.split(shared, ""))
@@ -129,10 +143,9 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     )
     write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks()))
     dist.barrier()  # every rank's part is on disk before rank 0 commits
-    if rank == 0:
-        _commit(root, tmp, name, step=step, world=world, keep=keep)
-    dist.barrier()  # nobody returns (and, say, exits) before the checkpoint is visible
-    return root / name
+    suffix = _commit(root, tmp, step=step, world=world, keep=keep) if rank == 0 else 0
+    # nobody returns (and, say, exits) before the checkpoint is visible
+    return root / _version_name(step, dist.from_rank0(suffix))
 
 
 def resolve(path: Path) -> Path:
@@ -331,23 +344,34 @@ def _check_same_tensors(directory: Path, saved: set[str], current: set[str], *, 
         )
 
 
-def _commit(root: Path, tmp: Path, name: str, *, step: int, world: int, keep: int) -> None:
+def _commit(root: Path, tmp: Path, *, step: int, world: int, keep: int) -> int:
+    """Make the version in `tmp` the current one; returns its name's suffix (see `_version_name`)."""
     records = [record for rank in range(world) for record in read_json(tmp / _fingerprint_file(rank))]
     for rank in range(world):
         (tmp / _fingerprint_file(rank)).unlink()
     files = [path for path in tmp.iterdir() if path.suffix == ".json"]
     write_json(tmp / manifest.MANIFEST_FILE, manifest.build(step=step, world_size=world, records=records, files=files))
     _fsync_dir(tmp)
-    os.rename(tmp, root / name)
+    suffix = _free_suffix(root, step)
+    while True:
+        try:
+            os.rename(tmp, root / _version_name(step, suffix))
+            break
+        except OSError as err:  # another job committed that name since: the next free one
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            suffix = _free_suffix(root, step)
+    name = _version_name(step, suffix)
     _fsync_dir(root)
     # The version becomes the current one only now, in one atomic step.
-    pointer = root / f"{_TMP_PREFIX}{LATEST_FILE}"
+    pointer = tmp.with_name(f"{tmp.name}.{LATEST_FILE}")
     pointer.write_text(name + "\n")
     with pointer.open("rb") as stream:
         os.fsync(stream.fileno())
     os.replace(pointer, root / LATEST_FILE)
     _fsync_dir(root)
     _remove_old(root, current=name, keep=keep)
+    return suffix
 
 
 def _prepare_root(root: Path) -> None:
@@ -365,21 +389,98 @@ def _prepare_root(root: Path) -> None:
         raise CheckpointError(f"checkpoint directory {root} is not writable")
 
 
-def _free_name(root: Path, step: int) -> str:
-    """`step-00000012`, or `step-00000012.N` when that step was saved before (e.g. by a rerun)."""
-    base = f"step-{step:08d}"
-    name, suffix = base, 0
-    while (root / name).exists():
+def _version_name(step: int, suffix: int) -> str:
+    """`step-00000012`, or `step-00000012.N` (suffix N) when that step was saved before (e.g. by a rerun)."""
+    return f"step-{step:08d}" + (f".{suffix}" if suffix else "")
+
+
+def _free_suffix(root: Path, step: int) -> int:
+    suffix = 0
+    while (root / _version_name(step, suffix)).exists():
         suffix += 1
-        name = f"{base}.{suffix}"
-    return name
+    return suffix
 
 
-def _remove_stale(root: Path) -> None:
-    """Remove what crashed saves left behind (temporary directories and pointer files)."""
+_WRITER = re.compile(rf"{re.escape(_TMP_PREFIX)}([0-9a-f]{{16}})(?:\.lock|\.{LATEST_FILE})?")
+"""A writer's entries: its temporary directory, its lock file and its pointer file."""
+
+
+def _writer_entry(token: int, suffix: str = "") -> str:
+    return f"{_TMP_PREFIX}{token:016x}{suffix}"
+
+
+class _Writer:
+    """The lock of one save into a checkpoint root, held by rank 0 of the saving job.
+
+    Its temporary entries (`.tmp-TOKEN/`, `.tmp-TOKEN.latest`) exist only while `.tmp-TOKEN.lock` exists and is
+    locked (flock) by the writer: the lock is taken before they are made and removed after they are gone. An
+    entry whose lock is free (the kernel frees it when its process dies) or missing was left by a dead writer,
+    and only such entries are removed, once this writer holds its own lock."""
+
+    def __init__(self, root: Path) -> None:
+        while True:
+            self.token = secrets.randbits(64)
+            self.path = root / _writer_entry(self.token, ".lock")
+            try:
+                self.stream = self.path.open("a")
+            except OSError as err:
+                raise CheckpointError(f"cannot lock a save into {root}: {os_error_text(err, root)}") from None
+            fcntl.flock(self.stream, fcntl.LOCK_EX)
+            # A clean-up may have judged the file stale between its creation and the lock: then it is gone.
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(self.stream.fileno()), self.path.stat()):
+                    break
+            self.stream.close()
+        _remove_stale(root, own=self.token)
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.stream.close()
+
+
+def _remove_stale(root: Path, *, own: int) -> None:
+    """Remove what dead writers left behind (temporary directories and pointer files), never a live writer's."""
+    writers = set()
     for path in root.iterdir():
-        if path.name.startswith(_TMP_PREFIX):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if not path.name.startswith(_TMP_PREFIX):
+            continue
+        match = _WRITER.fullmatch(path.name)
+        if match is None:  # an older detrace's entry, which took no lock
+            _remove(path)
+        else:
+            writers.add(int(match.group(1), 16))
+    for token in writers - {own}:
+        _remove_if_dead(root, token)
+
+
+def _remove_if_dead(root: Path, token: int) -> None:
+    """Remove writer `token`'s entries when its lock is free or missing (its process is gone)."""
+    lock = root / _writer_entry(token, ".lock")
+    try:
+        stream = lock.open("r")
+    except FileNotFoundError:
+        stream = None
+    try:
+        if stream is not None:
+            try:
+                fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # a live writer
+        for suffix in ("", f".{LATEST_FILE}"):
+            _remove(root / _writer_entry(token, suffix))
+        if stream is not None:
+            lock.unlink(missing_ok=True)
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _remove_old(root: Path, *, current: str, keep: int) -> None:

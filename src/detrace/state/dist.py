@@ -57,6 +57,16 @@ def differs(value: int) -> bool:
     return int(both[0]) != -int(both[1])  # the largest differs from the smallest
 
 
+def from_rank0(value: int) -> int:
+    """Rank 0's `value` (a 64-bit integer), on every rank; `value` itself without a process group."""
+    if not active():
+        return value
+    signed = value - (1 << 64) if value >= 1 << 63 else value  # int64 holds it
+    tensor = torch.tensor([signed], dtype=torch.int64, device=_device())
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item()) % (1 << 64)
+
+
 def differing(digests: dict[str, int]) -> set[str]:
     """The keys of `digests` (name -> 64-bit digest of a value this rank holds) whose value some other rank holds
     with another digest; empty without a process group. Ranks may hold different keys (pipeline stages): a key
