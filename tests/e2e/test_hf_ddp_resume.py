@@ -1,8 +1,9 @@
 """End to end: an HF `Trainer` script with `DetraceCallback` under torchrun, 2 ranks on gloo
-(tests/support/scripts/hf_ddp.py). The resumed process loads its checkpoint (DCP's own collectives) and HF gathers its
-logged loss across ranks; the continuous run evaluates (and saves) at the stop step, where the resumed one starts;
-none of it is training, so `detrace check-resume` says `exact`, while its negative control (a resume without the RNG
-states, under GPT-2's dropout) still diverges."""
+(tests/support/scripts/hf_ddp.py, a GPT-2 with a BatchNorm). The resumed process loads its checkpoint (DCP's own
+collectives) and HF gathers its logged loss across ranks; the continuous run evaluates (and saves) at the stop step,
+where the resumed one starts; none of it is training, so `detrace check-resume` says `exact`, while its negative
+control (a resume without the RNG states, under GPT-2's dropout) still diverges; each rank saved its own BatchNorm
+statistics."""
 
 from __future__ import annotations
 
@@ -33,3 +34,7 @@ def test_hf_trainer_under_torchrun_resumes_exactly(tmp_path: Path, capsys: pytes
     assert any("compared apart from the training" in note and "; evaluations: " in note and
                "in both, every bit equal" in note.split("; evaluations: ")[1] for note in notes), notes
     assert point["control"]["verdict"] == "diverged"
+    # The model's BatchNorm statistics differ by rank (each rank's forward updates its own): each rank saved its own.
+    manifest = next((tmp_path / "check" / "at-2" / "checkpoint").glob("checkpoint-2/detrace/step-*/manifest.json"))
+    tensors = json.loads(manifest.read_text())["tensors"]
+    assert {f"rank{rank}/model.transformer.h.0.mlp.act.0.running_mean" for rank in (0, 1)} <= set(tensors)

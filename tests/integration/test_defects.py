@@ -299,6 +299,31 @@ def test_recheck_from_a_given_checkpoint_makes_none_and_refuses_one_past_the_ste
     assert launched == ["same", "other"]  # refused before any run
 
 
+def test_recheck_refuses_another_runs_checkpoint_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint saved by another traced command (its manifest names it) or by another world size is not this
+    run's: refused before any run, not judged an inexact resume of this program."""
+    from detrace.record.config import TraceConfig
+    from detrace.state import checkpoint
+
+    run = _original(tmp_path, None)
+    for command in (("python", "other.py"), ("python", "train.py")):
+        monkeypatch.setenv("DETRACE_TRACE", TraceConfig(out=tmp_path / "t", command=command).to_env())
+        checkpoint.write(tmp_path / command[1], step=2, shared={"w": torch.ones(2)}, local={})
+    monkeypatch.delenv("DETRACE_TRACE")
+    launched: list[str] = []
+    with pytest.raises(UsageError, match=r"is not this run's: it was saved by `python other\.py`, and .* is a run of "
+                                         r"`python train\.py`; give a checkpoint of this run"):
+        recheck(run, step=2, out=tmp_path / "other", checkpoint=tmp_path / "other.py", launch=_fake_launcher({}, launched))
+    assert launched == []
+    result = recheck(run, step=2, out=tmp_path / "own", checkpoint=tmp_path / "train.py",
+                     launch=_fake_launcher({}, launched))
+    assert result.verdict == "clean" and launched == ["same", "other"]
+    write_json_atomic(run_header_path(run), {"command": ["python", "train.py"], "world_size": 2})
+    with pytest.raises(UsageError, match="saved by 1 ranks, and .* ran 2"):
+        recheck(run, step=2, out=tmp_path / "wide", checkpoint=tmp_path / "train.py",
+                launch=_fake_launcher({}, launched))
+
+
 def test_recheck_command_prints_the_verdict_and_exits_with_its_code(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,8 +29,9 @@ command again up to step K (K steps more).
 
 from __future__ import annotations
 
+import shlex
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,10 +131,19 @@ _ROLES = pa.array(["param", "state", "buffer"])  # a buffer (running statistics)
 Progress = Callable[[str], None]
 
 
-def _checkpoint_step(path: Path) -> int:
+def _checkpoint_step(path: Path, run_dir: Path, *, command: Sequence[str], world: int) -> int:
+    """The step of the checkpoint at `path`, refused unless it is the run's own: saved by the same command (as its
+    manifest names it, when a traced run saved it) at the same world size."""
     from detrace.state import checkpoint, manifest
 
-    return manifest.read(checkpoint.resolve(path)).step
+    saved = manifest.read(checkpoint.resolve(path))
+    if saved.command is not None and list(saved.command) != list(command):
+        raise UsageError(f"checkpoint {path} is not this run's: it was saved by `{shlex.join(saved.command)}`, and "
+                         f"{run_dir} is a run of `{shlex.join(command)}`; give a checkpoint of this run")
+    if saved.world_size != world:
+        raise UsageError(f"checkpoint {path} is not this run's: it was saved by {saved.world_size} ranks, and "
+                         f"{run_dir} ran {world}; give a checkpoint of this run")
+    return saved.step
 
 
 def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = None, timeout: float | None = None,
@@ -167,7 +177,7 @@ def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = 
                                 f"{result.output_tail.rstrip()}")
 
     if checkpoint is not None:
-        start = _checkpoint_step(checkpoint)
+        start = _checkpoint_step(checkpoint, run_dir, command=command, world=info.world_size)
         if start > step:
             raise UsageError(f"checkpoint {checkpoint} was taken after {start} steps, past step {step}: give one "
                              f"taken at or before step {step}")

@@ -350,7 +350,8 @@ def _commit(root: Path, tmp: Path, *, step: int, world: int, keep: int) -> int:
     for rank in range(world):
         (tmp / _fingerprint_file(rank)).unlink()
     files = [path for path in tmp.iterdir() if path.suffix == ".json"]
-    write_json(tmp / manifest.MANIFEST_FILE, manifest.build(step=step, world_size=world, records=records, files=files))
+    write_json(tmp / manifest.MANIFEST_FILE, manifest.build(step=step, world_size=world, records=records, files=files,
+                                                            command=_traced_command()))
     _fsync_dir(tmp)
     suffix = _free_suffix(root, step)
     while True:
@@ -387,6 +388,18 @@ def _prepare_root(root: Path) -> None:
         raise CheckpointError(f"checkpoint directory {root} cannot be created: {err.strerror or err}") from None
     if not os.access(root, os.W_OK | os.X_OK):
         raise CheckpointError(f"checkpoint directory {root} is not writable")
+
+
+def _traced_command() -> tuple[str, ...] | None:
+    """The command of the traced run this process belongs to (what its run.json names), or None."""
+    from detrace.errors import UsageError
+    from detrace.record.config import TraceConfig
+
+    try:
+        config = TraceConfig.from_env()
+    except UsageError:  # not a tracer's configuration: no run to name
+        return None
+    return None if config is None else config.command
 
 
 def _version_name(step: int, suffix: int) -> str:

@@ -50,8 +50,10 @@ def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -
     ]
 
 
-def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], files: Sequence[Path]) -> dict:
-    """The manifest document of a checkpoint whose chunks have `records` and whose JSON files are `files`."""
+def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], files: Sequence[Path],
+          command: Sequence[str] | None = None) -> dict:
+    """The manifest document of a checkpoint whose chunks have `records` and whose JSON files are `files`;
+    `command`: the traced command that saved it (under `detrace run`), if any."""
     from detrace.digest.kernels import selected_scheme
 
     tensors: dict[str, list[dict[str, Any]]] = {}
@@ -65,7 +67,7 @@ def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], file
                               f"({', '.join(sorted(schemes))}): set DETRACE_FINGERPRINT_SCHEME alike on every rank")
     for entries in tensors.values():
         entries.sort(key=lambda entry: entry["offsets"])
-    return {
+    document = {
         "schema": SCHEMA,
         "step": step,
         "world_size": world_size,
@@ -75,6 +77,9 @@ def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], file
         "files": {path.name: file_sha256(path) for path in sorted(files)},
         "tensors": dict(sorted(tensors.items())),
     }
+    if command:
+        document["command"] = list(command)
+    return document
 
 
 def read(directory: Path) -> Manifest:
@@ -112,6 +117,9 @@ class Manifest:
     """Tensor name -> its chunks: offsets, digest, dtype, shape, numel."""
     fingerprint: str = SCHEME
     """The scheme of the chunk digests (detrace-fp1 in manifests that name none)."""
+    command: tuple[str, ...] | None = None
+    """The command of the traced run that saved it (`detrace run`, check-resume, locate...); None when it was
+    saved outside one: which run it belongs to is then unknown."""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], source: Path) -> Manifest:
@@ -136,8 +144,11 @@ class Manifest:
         fingerprint = raw.get("fingerprint", SCHEME)
         if fingerprint not in SCHEMES:
             raise fail("field 'fingerprint'", f"one of {', '.join(SCHEMES)}")
+        command = raw.get("command")
+        if command is not None and (not isinstance(command, list) or not all(isinstance(a, str) for a in command)):
+            raise fail("field 'command'", "a list of strings")
         return cls(step=raw["step"], world_size=raw["world_size"], files=files, tensors=tensors,
-                   fingerprint=fingerprint)
+                   fingerprint=fingerprint, command=None if command is None else tuple(command))
 
 
 def _chunk_entry(entry: object) -> bool:
