@@ -313,13 +313,14 @@ def test_recheck_refuses_another_runs_checkpoint_as_such(tmp_path: Path, monkeyp
     launched: list[str] = []
     with pytest.raises(UsageError, match=r"is not this run's: it was saved by `python other\.py`, and .* is a run of "
                                          r"`python train\.py`; give a checkpoint of this run"):
-        recheck(run, step=2, out=tmp_path / "other", checkpoint=tmp_path / "other.py", launch=_fake_launcher({}, launched))
+        recheck(run, step=2, out=tmp_path / "other", checkpoint=tmp_path / "other.py",
+                launch=_fake_launcher({}, launched))
     assert launched == []
     result = recheck(run, step=2, out=tmp_path / "own", checkpoint=tmp_path / "train.py",
                      launch=_fake_launcher({}, launched))
     assert result.verdict == "clean" and launched == ["same", "other"]
     write_json_atomic(run_header_path(run), {"command": ["python", "train.py"], "world_size": 2})
-    with pytest.raises(UsageError, match="saved by 1 ranks, and .* ran 2"):
+    with pytest.raises(UsageError, match=r"saved by 1 ranks, and .* ran 2"):
         recheck(run, step=2, out=tmp_path / "wide", checkpoint=tmp_path / "train.py",
                 launch=_fake_launcher({}, launched))
 
