@@ -102,6 +102,14 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str], tuple[str, ...]]:
             if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key.strip()):
                 raise UsageError(f"--variant {spec!r}: {item!r} is not K=V")
             env[key.strip()] = value
+        from detrace.state.contract import CHECKPOINT_VARIABLES
+
+        # ablate points these at each run's own scratch checkpoints: a variant's would save into (or resume from)
+        # another run's, the original's included.
+        taken = sorted(set(env) & set(CHECKPOINT_VARIABLES))
+        if taken:
+            raise UsageError(f"--variant {name!r} sets {taken[0]}, which ablate sets for each run itself (on "
+                             "checkpoints of the run's own, never the original run's); leave it out")
         return name, env, ()
     try:
         return name, {}, tuple(shlex.split(body))

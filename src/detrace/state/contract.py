@@ -40,6 +40,9 @@ ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
 ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
 ENV_SKIP_STEPS = "DETRACE_SKIP_STEPS"
 ENV_DATA_SHIFT = "DETRACE_DATA_SHIFT"
+CHECKPOINT_VARIABLES = (ENV_CKPT_DIR, ENV_STOP_AT, ENV_CKPT_EVERY, ENV_RESUME, ENV_RESUME_FROM, ENV_RESUME_CONTROL)
+"""The variables that tell a run where to save and what to resume: the commands that run CMD (ablate, check-resume,
+locate) set them for each run, on checkpoints of that run's own."""
 
 # Negative controls: each leaves out one part of the restore, so a resume check can prove it would notice, and
 # say which parts of the state the rest of the run depends on. In the order `detrace check-resume` tries them: the
