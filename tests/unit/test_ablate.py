@@ -269,7 +269,8 @@ def test_hostile_options_are_refused_before_any_run(tmp_path: Path, capsys: pyte
     assert world.calls == []
 
 
-@pytest.mark.parametrize("variable", ["DETRACE_CKPT_DIR", "DETRACE_RESUME_FROM", "DETRACE_CKPT_EVERY", "DETRACE_RESUME"])
+@pytest.mark.parametrize("variable", ["DETRACE_CKPT_DIR", "DETRACE_RESUME_FROM", "DETRACE_CKPT_EVERY",
+                                      "DETRACE_RESUME"])
 def test_a_variant_cannot_point_the_contract_at_the_original_runs_checkpoints(variable: str) -> None:
     # ENV:DETRACE_CKPT_DIR=<the original's checkpoints> added versions there and moved its `latest`.
     with pytest.raises(UsageError, match=f"sets {variable}, which ablate sets for each run itself"):
