@@ -135,6 +135,68 @@ def test_accelerate_save_state_before_end_of_step_is_refused(tmp_path: Path) -> 
     assert (tmp_path / "checkpoint-1" / "detrace" / "step-00000001").is_dir()
 
 
+class _NoisyPoints(torch.utils.data.Dataset):
+    """Fixed points; each read adds noise drawn from torch's global RNG (an augmentation)."""
+
+    def __init__(self) -> None:
+        self.x = torch.randn(20, 8, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index] + 0.1 * torch.randn(8)
+
+
+def _accelerate_loop(*, stateful: bool, total: int = 8) -> tuple[dict[int, float], list[torch.Tensor]]:
+    """An accelerate loop as its examples write it (a shuffling DataLoader prepared with the model, dropout), the
+    prepared loader handed to `register` as it is: the losses by step and the final parameters."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    from detrace.integrations.accelerate import register
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    loader = torch.utils.data.DataLoader(_NoisyPoints(), batch_size=4, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), loader)
+    state = register(accelerator, data=loader)  # the prepared loader, as it is
+    step = state.resume_if_requested()
+    losses = {}
+    while step < total:
+        for x in loader:
+            loss = model(x).square().mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            losses[step] = loss.item()
+            if state.end_of_step(step) or step == total:
+                break
+        else:
+            continue  # the epoch ended: the next one
+        break
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+@pytest.mark.parametrize(("stateful", "stop"), [(False, 3), (True, 5)], ids=["plain-mid-epoch", "stateful-epoch-end"])
+def test_accelerate_resumes_its_prepared_loader_at_its_position(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stateful: bool, stop: int) -> None:
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata")
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    losses, params = _accelerate_loop(stateful=stateful)
+    monkeypatch.setenv("DETRACE_STOP_AT", str(stop))
+    before, _ = _accelerate_loop(stateful=stateful)
+    monkeypatch.delenv("DETRACE_STOP_AT")
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / f"checkpoint-{stop}"))
+    after, resumed = _accelerate_loop(stateful=stateful)
+    assert sorted(before) == list(range(1, stop + 1)) and sorted(after) == list(range(stop + 1, 9))
+    assert {**before, **after} == losses
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed, strict=True))
+
+
 # --- RNG ---------------------------------------------------------------------------------------------------
 
 

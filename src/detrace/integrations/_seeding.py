@@ -47,6 +47,9 @@ class SampleKeys(Sampler[tuple[int, int]]):
         self.skip = 0
         """Samples of the epoch that the next iteration leaves out (a framework that does not skip the batches
         already trained when it resumes mid-epoch); back to 0 once used."""
+        self.follows_set_epoch = False
+        """Set where no framework hook sets `epoch`: `set_epoch` (what accelerate's DataLoader calls as each epoch
+        starts, with its own count) sets it."""
         # A plain RandomSampler without a generator draws its order from the global torch RNG when an epoch
         # starts: a run resumed mid-epoch would draw it from another state than the run that never stopped.
         self._pin_order = (
@@ -68,6 +71,8 @@ class SampleKeys(Sampler[tuple[int, int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Passed on to the wrapped sampler (accelerate's seedable sampler orders each epoch by it)."""
+        if self.follows_set_epoch:
+            self.epoch = epoch
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -124,12 +129,29 @@ def resumable_stream(loader: Any) -> Any | None:
         base = base.base_dataloader
     if isinstance(base, StatefulDataLoader):
         return loader
-    dataset = base.dataset
-    if base is loader or not is_stateful(dataset):  # the user's own loader, or a stream that cannot say where it is
+    if base is loader or not is_stateful(base.dataset):  # the user's own loader, or a stream that cannot say where
         return None
-    workers = base.num_workers
+    return make_stateful(loader)
+
+
+def make_stateful(loader: Any) -> Any:
+    """Give accelerate's DataLoader adapter `loader` (in place) torchdata's `StatefulDataLoader` of the settings of the
+    plain DataLoader it wraps, as accelerate's `use_stateful_dataloader` would have built it, so that it can say
+    where it is (`state_dict`, taken when a batch is handed over rather than read ahead) and resume there. A map-style
+    dataset keeps its batch sampler (accelerate's shard of the epoch); the StatefulDataLoader's state is then the
+    batches yielded in the epoch, and it resumes by stepping its sampler past them. Returns `loader`."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    base = loader.base_dataloader
+    if isinstance(base, StatefulDataLoader):
+        return loader
+    dataset, workers = base.dataset, base.num_workers
+    batching: dict[str, Any] = (
+        {"batch_size": base.batch_size, "drop_last": base.drop_last} if isinstance(dataset, IterableDataset)
+        else {"batch_sampler": base.batch_sampler} if base.batch_sampler is not None
+        else {"sampler": base.sampler, "batch_size": None})
     loader.base_dataloader = StatefulDataLoader(
-        dataset, batch_size=base.batch_size, drop_last=base.drop_last, collate_fn=base.collate_fn,
+        dataset, **batching, collate_fn=base.collate_fn,
         num_workers=workers, pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
         multiprocessing_context=base.multiprocessing_context if workers else None, generator=base.generator,
         prefetch_factor=base.prefetch_factor if workers else None, persistent_workers=base.persistent_workers,

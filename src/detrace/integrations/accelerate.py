@@ -24,6 +24,7 @@ import torch
 from accelerate import Accelerator
 
 from detrace.errors import CheckpointError, UsageError
+from detrace.integrations._seeding import make_stateful, seed_samples
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
     HF_STATE_DIR,
@@ -34,6 +35,7 @@ from detrace.state.contract import (
     saved_versions,
     stop_requested,
 )
+from detrace.state.train_state import give_own_generator
 
 
 class AcceleratedState:
@@ -119,11 +121,61 @@ class AcceleratedState:
             self._fresh_rng = None
 
 
+# How a stream resumes where it stopped (the end of the warning when it cannot).
+STREAM_HINT = "; a stream with state_dict() and load_state_dict() (HF datasets' IterableDataset) resumes where it was"
+
+
+class PreparedLoader:
+    """The data position of a DataLoader that accelerate prepared, for the TrainState: the epoch (accelerate's own
+    count, which its loader's `state_dict` leaves out) and the position in it (the StatefulDataLoader's state, taken
+    when a batch is handed over: accelerate reads one batch ahead)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        position = self.loader.state_dict()
+        # Saved after the epoch's last batch, the loader resumes with the next epoch, which accelerate counts only
+        # once the loop asks past that batch.
+        epoch = self.loader.iteration + (1 if position.get("_iterator_finished") else 0)
+        return {"epoch": epoch, "position": position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.iteration = state["epoch"]
+        self.loader.load_state_dict(state["position"])
+
+
+def _prepared(loader: Any) -> PreparedLoader:
+    """accelerate's prepared DataLoader, as it is (with `use_stateful_dataloader` or without), made to resume at its
+    position: read through a StatefulDataLoader of its settings, each sample loaded under its own seed and the
+    epoch's order pinned (as the transformers callback does; `detrace.integrations._seeding`)."""
+    if not hasattr(loader, "iteration"):
+        raise UsageError(f"detrace.integrations.accelerate.register takes a DataLoader that accelerator.prepare "
+                         f"returned, or one with state_dict() and load_state_dict(), not {type(loader).__name__}")
+    try:
+        make_stateful(loader)
+    except ImportError:
+        raise UsageError("resuming accelerate's prepared DataLoader at its position needs torchdata's "
+                         "StatefulDataLoader: pip install torchdata") from None
+    keys = seed_samples(loader, seed=torch.initial_seed(), framework="accelerate", hint=STREAM_HINT)
+    if keys is not None:
+        keys.follows_set_epoch = True  # accelerate sets each epoch's number on its samplers as the epoch starts
+        keys.epoch = loader.iteration
+    give_own_generator(loader.base_dataloader)
+    return PreparedLoader(loader)
+
+
 def register(accelerator: Accelerator, *, data: Any = None, generators: Sequence[torch.Generator] = (),
              extra: dict[str, Any] | None = None) -> AcceleratedState:
     """Make `accelerator.save_state` / `load_state` carry a verified `TrainState` of what it prepared (one model,
-    at most one optimizer and one LR scheduler) and of `data` (the data position: a `ResumableLoader`, a
-    torchdata `StatefulDataLoader`, ...), `generators` and `extra` (as `TrainState` takes them).
+    at most one optimizer and one LR scheduler) and of `data` (the data position: the DataLoader that
+    `accelerator.prepare` returned, a `ResumableLoader`, a torchdata `StatefulDataLoader`, ...), `generators` and
+    `extra` (as `TrainState` takes them).
+
+    A prepared DataLoader is taken as it is, with accelerate's `use_stateful_dataloader` or without: it is read
+    through torchdata's `StatefulDataLoader` (built with its settings where accelerate built a plain one), each
+    sample is loaded under its own seed (from `torch.initial_seed()`, as `accelerate.utils.set_seed` sets it), and
+    it resumes at its epoch and position.
 
     Call it after `accelerator.prepare` and before the first training step: the TrainState pins DDP's bucket
     layout for the whole run (see docs/resume.md)."""
@@ -142,7 +194,7 @@ def register(accelerator: Accelerator, *, data: Any = None, generators: Sequence
         optimizer=optimizers[0].optimizer if optimizers else None,  # AcceleratedOptimizer wraps it
         scheduler=schedulers[0].scheduler if schedulers else None,  # AcceleratedScheduler wraps it
         scaler=accelerator.scaler,
-        data=data,
+        data=_prepared(data) if getattr(data, "base_dataloader", None) is not None else data,
         generators=generators,
         extra=extra,
     )

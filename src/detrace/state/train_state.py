@@ -91,7 +91,7 @@ class TrainState:
             optimizer.register_step_post_hook(self._count_optimizer_step)
         # A resumed process must reduce gradients in the DDP bucket layout the continuous run uses.
         pin_layout(model)
-        _give_own_generator(data)
+        give_own_generator(data)
         arm_from_env()  # a contract-following script is guarded (DETRACE_GUARD) without detrace run, as under it
         check_checkpoint_dir()
 
@@ -307,7 +307,7 @@ def _check_parts(model: Any, optimizer: Any, generators: Any, extra: Any) -> Non
                          if not isinstance(extra, MutableMapping) else "TrainState's extra must have str keys")
 
 
-def _give_own_generator(data: Any) -> None:
+def give_own_generator(data: Any) -> None:
     """A DataLoader (torchdata's StatefulDataLoader) without a generator draws each new iterator's base seed from
     the global torch RNG: a resumed process starts its iterator after the RNG states are restored, where the run
     that never stopped drew nothing, and every later draw (dropout) would shift by one. It gets a generator of its
