@@ -1,16 +1,19 @@
 """A loop written with accelerate directly, made exactly resumable by detrace, in one of two ways (--mode):
 
-- `register` (the default): `detrace.integrations.accelerate.register(accelerator, data=loader)`, so that
-  `accelerator.save_state` / `load_state` carry a verified TrainState;
-- `beside`: a `detrace.TrainState` of the unwrapped objects kept beside `save_state` / `load_state` by hand.
+- `register` (the default): `detrace.integrations.accelerate.register(accelerator, data=loader)` with the DataLoader
+  that `accelerator.prepare` returned, so that `accelerator.save_state` / `load_state` carry a verified TrainState
+  that resumes the loader at its position;
+- `beside`: a `detrace.TrainState` of the unwrapped objects kept beside `save_state` / `load_state` by hand, with a
+  `ResumableLoader` (not prepared).
 
     python examples/accelerate_train.py --steps 6 --workers 2
     detrace check-resume --at 2 -- python examples/accelerate_train.py --steps 6 --workers 2   # exact
     detrace check-resume --at 2 -- torchrun --standalone --nproc-per-node 2 examples/accelerate_train.py
 
 accelerate saves the model, optimizer, scheduler and RNG states, but not the position inside an epoch nor the
-DataLoader workers' randomness. The TrainState holds all of it, with a verified manifest: `ResumableLoader`
-orders the data and seeds each sample, and the TrainState (loaded after `load_state`) restores the RNGs last.
+DataLoader workers' randomness. The TrainState holds all of it, with a verified manifest: the registered prepared
+loader (or `ResumableLoader`) seeds each sample, and the TrainState (loaded after `load_state`) restores the RNGs
+last.
 --report FILE appends one JSON line per run (per rank): the contract variables and the final parameters'
 fingerprint.
 """
@@ -63,22 +66,24 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    # Not accelerator.prepare'd: ResumableLoader shards by rank itself and resumes mid-epoch.
-    sampler = ResumableSampler(24, seed=0, num_replicas=accelerator.num_processes, rank=accelerator.process_index)
-    loader = ResumableLoader(NoisyPoints(24), sampler=sampler, batch_size=4, num_workers=options.workers)
     if options.mode == "register":
+        loader: Any = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True,
+                                                  num_workers=options.workers)
+        model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
         contract: Any = register(accelerator, data=loader)  # the one line
         step = contract.resume_if_requested()  # accelerator.load_state, then the verified TrainState
     else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        # Not accelerator.prepare'd: ResumableLoader shards by rank itself and resumes mid-epoch.
+        sampler = ResumableSampler(24, seed=0, num_replicas=accelerator.num_processes, rank=accelerator.process_index)
+        loader = ResumableLoader(NoisyPoints(24), sampler=sampler, batch_size=4, num_workers=options.workers)
         contract = detrace.TrainState(model=accelerator.unwrap_model(model), optimizer=optimizer.optimizer,
                                       scheduler=scheduler.scheduler, data=loader)
         resume, control = resume_requested()
         if resume and control is None:  # a negative control must not get the RNG states back through accelerate
             accelerator.load_state(str(checkpoint_dir() / "accelerate"))
         step = contract.resume_if_requested()  # after load_state: verified, and the RNGs restored last
-    stop = step >= options.steps
-    while not stop:
+    while step < options.steps:
         for x, y in loader:  # the rest of the current epoch
             loss = nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
             accelerator.backward(loss)
@@ -88,9 +93,11 @@ def main() -> None:
             step += 1
             if options.mode == "beside" and step == stop_requested():
                 accelerator.save_state(str(checkpoint_dir() / "accelerate"))
-            stop = contract.end_of_step(step) or step == options.steps  # at DETRACE_STOP_AT: saves
-            if stop:
+            if contract.end_of_step(step) or step == options.steps:  # at DETRACE_STOP_AT: saves, and stops
                 break
+        else:
+            continue  # the epoch ended: the next one
+        break
 
     params = detrace.fingerprint_many(list(accelerator.unwrap_model(model).state_dict().values()))
     digest = "".join(f"{p.digest:016x}" for p in params)
@@ -99,7 +106,8 @@ def main() -> None:
         variables = {name: os.environ.get(name) for name in ("DETRACE_STOP_AT", "DETRACE_RESUME", "DETRACE_RESUME_FROM",
                                                               "DETRACE_RESUME_CONTROL")}
         with options.report.open("a") as stream:
-            stream.write(json.dumps({**variables, "workers": options.workers, "params": digest}) + "\n")
+            stream.write(json.dumps({**variables, "mode": options.mode, "workers": options.workers,
+                                     "params": digest}) + "\n")
 
 
 if __name__ == "__main__":

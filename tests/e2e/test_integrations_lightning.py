@@ -1,6 +1,6 @@
-"""DetraceCallback on a real Lightning Trainer under DDP: examples/lightning_train.py (an MLP with dropout, a random
-augmentation in the dataset, gradient accumulation, an LR scheduler, `self.log(..., sync_dist=True)`, a validation loop
-right after the stop step) as 2 processes
+"""DetraceCallback on a real Lightning Trainer under DDP: examples/lightning_train.py (an MLP with a BatchNorm, whose
+running statistics differ by rank, and dropout, a random augmentation in the dataset, gradient accumulation, an LR
+scheduler, `self.log(..., sync_dist=True)`, a validation loop right after the stop step) as 2 processes
 started by torchrun on gloo, with the DistributedSampler Lightning installs. `detrace check-resume` proves the
 callback's resume exact. The one-process runs, the callback's logic and the same script without the callback (resumed by
 Lightning's own `ckpt_path`, which changes the run) are checked in process (tests/integration/test_lightning.py)."""
@@ -59,4 +59,8 @@ def test_ddp_resume_is_exact_with_the_callback(tmp_path: Path, capsys: pytest.Ca
     ckpt = tmp_path / "check" / f"at-{AT}" / "checkpoint" / f"step-{AT:08d}.ckpt"
     written = {path.name for path in Path(f"{ckpt}.detrace").glob("step-*/rank-*.json")}
     assert ckpt.is_file() and written == {"rank-0.json", "rank-1.json"}
+    # The model's BatchNorm statistics differ by rank (each rank's forward updates its own): each rank saved its own.
+    manifest = next(Path(f"{ckpt}.detrace").glob("step-*/manifest.json"))
+    tensors = json.loads(manifest.read_text())["tensors"]
+    assert {f"rank{rank}/model.net.1.running_mean" for rank in (0, 1)} <= set(tensors)
 
