@@ -1,14 +1,16 @@
 """Exact, verified resume for a loop written with accelerate, by one registration:
 
-    state = detrace.integrations.accelerate.register(accelerator, data=loader)   # after accelerator.prepare
+    state = detrace.integrations.accelerate.register(accelerator, data=loader)   # loader: what prepare returned
 
 From then on `accelerator.save_state(path)` also writes a `TrainState` (model, optimizer, scheduler, grad scaler,
 every RNG, the data position, the step) with its fingerprint manifest into `path/detrace/`, and
 `accelerator.load_state(path)` verifies it and restores it over what accelerate loaded, the RNGs last. What
-accelerate's own files miss, and this adds: the position inside an epoch (a prepared DataLoader restarts it),
-the DataLoader workers' randomness (with a `ResumableLoader` as `data`), and verification (a flipped bit is
-refused naming the tensor). `state.resume_if_requested()` and `state.end_of_step(step)` give the loop the
-stop/resume contract of `detrace check-resume` and `detrace locate` (`detrace.state.contract`), with
+accelerate's own files miss, and this adds: the position inside an epoch (a prepared DataLoader restarts it, unless
+it is stateful, and then it loses its epoch), the DataLoader workers' randomness (the prepared loader given as `data`
+loads each sample under its own seed, as a `ResumableLoader` does), verification (a flipped bit is refused naming the
+tensor), and each rank's own BatchNorm statistics under DDP. `state.resume_if_requested()` and
+`state.end_of_step(step)` give the loop the stop/resume contract of `detrace check-resume` and `detrace locate`
+(`detrace.state.contract`), with
 `accelerator.save_state` / `load_state` doing the saving and loading, in the transformers layout
 (`checkpoint-N/`, detrace's state in `checkpoint-N/detrace/`).
 """
