@@ -148,7 +148,7 @@ class _NoisyPoints(torch.utils.data.Dataset):
         return self.x[index] + 0.1 * torch.randn(8)
 
 
-def _accelerate_loop(*, stateful: bool, total: int = 8) -> tuple[dict[int, float], list[torch.Tensor]]:
+def _accelerate_loop(*, stateful: bool, workers: int, total: int = 8) -> tuple[dict[int, float], list[torch.Tensor]]:
     """An accelerate loop as its examples write it (a shuffling DataLoader prepared with the model, dropout), the
     prepared loader handed to `register` as it is: the losses by step and the final parameters."""
     from accelerate import Accelerator, DataLoaderConfiguration
@@ -158,7 +158,7 @@ def _accelerate_loop(*, stateful: bool, total: int = 8) -> tuple[dict[int, float
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
-    loader = torch.utils.data.DataLoader(_NoisyPoints(), batch_size=4, shuffle=True)
+    loader = torch.utils.data.DataLoader(_NoisyPoints(), batch_size=4, shuffle=True, num_workers=workers)
     model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), loader)
     state = register(accelerator, data=loader)  # the prepared loader, as it is
     step = state.resume_if_requested()
@@ -180,18 +180,20 @@ def _accelerate_loop(*, stateful: bool, total: int = 8) -> tuple[dict[int, float
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-@pytest.mark.parametrize(("stateful", "stop"), [(False, 3), (True, 5)], ids=["plain-mid-epoch", "stateful-epoch-end"])
+@pytest.mark.parametrize(("stateful", "stop", "workers"), [(False, 3, 0), (True, 5, 2)],
+                         ids=["plain-mid-epoch", "stateful-epoch-end-2-workers"])
 def test_accelerate_resumes_its_prepared_loader_at_its_position(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stateful: bool, stop: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stateful: bool, stop: int, workers: int) -> None:
+    """(The plain loader with 2 workers: tests/e2e/test_integrations_accelerate.py.)"""
     pytest.importorskip("accelerate")
     pytest.importorskip("torchdata")
     monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
-    losses, params = _accelerate_loop(stateful=stateful)
+    losses, params = _accelerate_loop(stateful=stateful, workers=workers)
     monkeypatch.setenv("DETRACE_STOP_AT", str(stop))
-    before, _ = _accelerate_loop(stateful=stateful)
+    before, _ = _accelerate_loop(stateful=stateful, workers=workers)
     monkeypatch.delenv("DETRACE_STOP_AT")
     monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / f"checkpoint-{stop}"))
-    after, resumed = _accelerate_loop(stateful=stateful)
+    after, resumed = _accelerate_loop(stateful=stateful, workers=workers)
     assert sorted(before) == list(range(1, stop + 1)) and sorted(after) == list(range(stop + 1, 9))
     assert {**before, **after} == losses
     assert all(torch.equal(a, b) for a, b in zip(params, resumed, strict=True))

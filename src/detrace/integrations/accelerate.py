@@ -154,15 +154,22 @@ def _prepared(loader: Any) -> PreparedLoader:
     if not hasattr(loader, "iteration"):
         raise UsageError(f"detrace.integrations.accelerate.register takes a DataLoader that accelerator.prepare "
                          f"returned, or one with state_dict() and load_state_dict(), not {type(loader).__name__}")
-    try:
-        make_stateful(loader)
-    except ImportError:
-        raise UsageError("resuming accelerate's prepared DataLoader at its position needs torchdata's "
-                         "StatefulDataLoader: pip install torchdata") from None
+    # Seeded first: a StatefulDataLoader copies the dataset into its workers when it makes an iterator, and taking
+    # its state makes one.
     keys = seed_samples(loader, seed=torch.initial_seed(), framework="accelerate", hint=STREAM_HINT)
     if keys is not None:
         keys.follows_set_epoch = True  # accelerate sets each epoch's number on its samplers as the epoch starts
         keys.epoch = loader.iteration
+    if getattr(loader, "use_stateful_dataloader", False):
+        # accelerate took the state of the loader it built (its snapshot before the first batch), which made an
+        # iterator, workers started, from the dataset as it was: dropped, so that the first epoch starts a new one.
+        loader.base_dataloader.load_state_dict({})
+    else:
+        try:
+            make_stateful(loader)
+        except ImportError:
+            raise UsageError("resuming accelerate's prepared DataLoader at its position needs torchdata's "
+                             "StatefulDataLoader: pip install torchdata") from None
     give_own_generator(loader.base_dataloader)
     return PreparedLoader(loader)
 
