@@ -180,8 +180,8 @@ def _accelerate_loop(*, stateful: bool, workers: int, total: int = 8) -> tuple[d
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-@pytest.mark.parametrize(("stateful", "stop", "workers"), [(False, 3, 0), (True, 5, 2)],
-                         ids=["plain-mid-epoch", "stateful-epoch-end-2-workers"])
+@pytest.mark.parametrize(("stateful", "stop", "workers"), [(False, 5, 0), (True, 3, 2)],
+                         ids=["plain-epoch-end", "stateful-mid-epoch-2-workers"])
 def test_accelerate_resumes_its_prepared_loader_at_its_position(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stateful: bool, stop: int, workers: int) -> None:
     """(The plain loader with 2 workers: tests/e2e/test_integrations_accelerate.py.)"""
