@@ -158,7 +158,9 @@ def _accelerate_loop(*, stateful: bool, workers: int, total: int = 8) -> tuple[d
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
-    loader = torch.utils.data.DataLoader(_NoisyPoints(), batch_size=4, shuffle=True, num_workers=workers)
+    # A generator of its own: the sampler's order then comes from a generator state the loader does not save.
+    loader = torch.utils.data.DataLoader(_NoisyPoints(), batch_size=4, shuffle=True, num_workers=workers,
+                                         generator=torch.Generator().manual_seed(5))
     model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), loader)
     state = register(accelerator, data=loader)  # the prepared loader, as it is
     step = state.resume_if_requested()

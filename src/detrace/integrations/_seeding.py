@@ -56,6 +56,12 @@ class SampleKeys(Sampler[tuple[int, int]]):
             isinstance(sampler, RandomSampler) and sampler.generator is None and not hasattr(sampler, "set_epoch")
         )
 
+    def pin_order(self) -> None:
+        """Order each epoch from `seed + epoch` also where the `RandomSampler` has a generator of its own (accelerate
+        gives it one, whose state its loader does not save: a loader resumed mid-epoch would replay the epoch's order
+        from the generator's state after it)."""
+        self._pin_order = isinstance(self.sampler, RandomSampler) and not hasattr(self.sampler, "set_epoch")
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = self.epoch
         if self._pin_order:

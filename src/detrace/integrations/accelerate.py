@@ -160,6 +160,7 @@ def _prepared(loader: Any) -> PreparedLoader:
     if keys is not None:
         keys.follows_set_epoch = True  # accelerate sets each epoch's number on its samplers as the epoch starts
         keys.epoch = loader.iteration
+        keys.pin_order()
     if getattr(loader, "use_stateful_dataloader", False):
         # accelerate took the state of the loader it built (its snapshot before the first batch), which made an
         # iterator, workers started, from the dataset as it was: dropped, so that the first epoch starts a new one.
