@@ -4,8 +4,11 @@
   Tensor.backward calls; a pipeline schedule passes `grad_tensors=[None]` for its loss), so a loop that calls
   `loss.backward()` is traced without edits. Several backward calls in a step (gradient
   accumulation) are told apart by their occurrence.
-- grad_norm: the 2-norm of this rank's gradients as the optimizer step begins (local shards for DTensor
-  parameters: never gathered, so no collective is added).
+- grad_norm: the 2-norm of this rank's gradients before any clipping: in a step that calls
+  `torch.nn.utils.clip_grad_norm_` (the HF Trainer and Lightning do, through accelerate or their precision
+  plugins), the total norm it returns, computed before it scales the gradients; else the norm as the optimizer
+  step begins (local shards for DTensor parameters: never gathered, so no collective is added). The norm after
+  clipping would hide a spike in the gradients: it is at most the clipping threshold.
 - anything passed to `detrace.metric(name, value)`.
 
 Values are read at the next flush, all of a batch in one host transfer. The backward wrapper also keeps the
@@ -68,8 +71,19 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             if phase != "backward":
                 tracer.scope.clear()  # module scopes a backward left open (see rungs/module.py)
 
+    clipped: list[int] = []  # the step whose grad_norm clip_grad_norm_ recorded (the last one)
+    original_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        total = original_clip(*args, **kwargs)
+        # A plain scalar: a DTensor's total (tensor parallelism) is left to the optimizer hook's local norm.
+        if tracer.on["metrics"] and type(total) is torch.Tensor and total.numel() == 1:
+            record(tracer, "grad_norm", total)
+            clipped[:] = [tracer.clock.step]
+        return total
+
     def grad_norm(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not tracer.on["metrics"]:
+        if not tracer.on["metrics"] or clipped == [tracer.clock.step]:
             return
         grads = [local_data(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
@@ -78,4 +92,5 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             record(tracer, "grad_norm", norm)
 
     return [replace(torch.autograd, "backward", Opaque(backward)),
+            replace(torch.nn.utils, "clip_grad_norm_", Opaque(clip_grad_norm_)),
             register_optimizer_step_pre_hook(Opaque(grad_norm)).remove]
