@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -107,6 +109,16 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
         assert skip.departure is not None and (skip.departure.step, skip.departure.name) == (S, "loss")
     else:
         assert skip.departure is None  # this world's loss ignores the batch except at S
+
+
+def test_a_nan_spike_is_a_spike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN compares false with every threshold: the batch that makes the loss NaN is still found, not "no-spike"."""
+    monkeypatch.setattr(sys.modules[__name__], "SPIKE", math.nan)
+    result = ablate(config(tmp_path, original(tmp_path, "data")), World("data"))
+    assert (result.verdict, result.cause) == ("isolated", "data"), result.summary
+    spiked = {o.variant.name: o.spiked for o in result.outcomes}
+    assert spiked == {"skip-batches": False, "state-only": False, "data-from-earlier": True}
+    assert result.outcomes[-1].variant.name == "data-from-earlier"  # the NaN ranks last
 
 
 def test_the_variants_are_ranked_by_their_effect(tmp_path: Path) -> None:

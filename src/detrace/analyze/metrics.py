@@ -14,6 +14,7 @@ run: its later records would overwrite or be averaged with the earlier ones of t
 from __future__ import annotations
 
 import math
+import struct
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,6 +31,14 @@ def step_mean(values: list[float]) -> float:
     if not all(math.isfinite(v) for v in values):
         return sum(values) / len(values)  # NaN or +-inf, as the values give it (fsum refuses inf - inf)
     return math.fsum(values) / len(values)
+
+
+def same_bits(a: float | None, b: float | None) -> bool:
+    """Whether two metric values have the same bits (a NaN equals itself here, as `==` would not say; -0.0 and 0.0
+    differ)."""
+    if a is None or b is None:
+        return a is b
+    return struct.pack("<d", a) == struct.pack("<d", b)
 
 
 def metric_series(run_dir: str | Path, rank: int) -> dict[str, dict[int, float]]:

@@ -27,6 +27,7 @@ The function that runs CMD is a parameter (`Launch`): the decision logic is test
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import shutil
@@ -37,10 +38,17 @@ from pathlib import Path
 from typing import Any
 
 from detrace.analyze import diff
-from detrace.analyze.metrics import metric_series
+from detrace.analyze.metrics import metric_series, same_bits
 from detrace.analyze.pairs import same_over
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.investigate.spikes import DEFAULT_METRIC, SpikeRule, checkpoint_before, checkpoints_of, series_of
+from detrace.investigate.spikes import (
+    DEFAULT_METRIC,
+    SpikeRule,
+    checkpoint_before,
+    checkpoints_of,
+    series_of,
+    spiked,
+)
 from detrace.tracefile import open_run
 from detrace.verdicts import ABLATE, AblateCause, AblateVerdict
 
@@ -188,7 +196,7 @@ class Outcome:
     value: float | None
     """The metric there (None: the run did not record it)."""
     spiked: bool
-    """value > the threshold."""
+    """value > the threshold, or value not finite."""
     departure: Departure | None
     """The first record that differs from the baseline (None: identical, or not compared since it starts
     elsewhere)."""
@@ -336,7 +344,7 @@ def reproduces(original: Path, baseline: Path, first: int, last: int) -> str | N
         theirs, ours = metric_series(original, rank), metric_series(baseline, rank)
         for name, values in sorted(theirs.items()):
             for step in range(first, last + 1):
-                if step in values and ours.get(name, {}).get(step) != values[step]:
+                if step in values and not same_bits(ours.get(name, {}).get(step), values[step]):
                     differences.append((step, rank, name, ours.get(name, {}).get(step), values[step]))
     if not differences:
         return None
@@ -386,7 +394,7 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
             shutil.rmtree(scratch, ignore_errors=True)  # the stop's save: nothing resumes from it
         value = series.get(at)
         return Outcome(variant=variant, run=out, at=at, value=value,
-                       spiked=value is not None and value > threshold, departure=None, series=series,
+                       spiked=value is not None and spiked(value, threshold), departure=None, series=series,
                        seconds=seconds, steps=steps)
 
     baseline = execute(runs[0])
@@ -407,7 +415,8 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
         if variant.start >= c and outcome.unavailable is None:  # an earlier start departs where it starts
             outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
         outcomes.append(outcome)
-    ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None else o.value)
+    # A variant that recorded nothing, or a NaN (which sorts nowhere), ranks last.
+    ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None or math.isnan(o.value) else o.value)
     cause, summary = judge(config, c, outcomes)
     return AblateResult(verdict="isolated", cause=cause, summary=summary, baseline=baseline,
                         outcomes=tuple(ranked), **common)

@@ -70,6 +70,12 @@ class SpikeRule:
         return median + self.k * mad
 
 
+def spiked(value: float, threshold: float) -> bool:
+    """Whether `value` is a spike over `threshold`: above it, or not finite (NaN compares false with everything,
+    yet a NaN or an infinite loss is the worst spike there is)."""
+    return not math.isfinite(value) or value > threshold
+
+
 @dataclass(frozen=True, kw_only=True)
 class Spike:
     """One step whose metric is above the threshold of the steps before it."""
@@ -110,7 +116,7 @@ def find_spikes(series: Mapping[int, float], rule: SpikeRule) -> list[tuple[int,
             if not nonfinite:
                 found.append((step, value, threshold))
             nonfinite = True
-        elif threshold is not None and value > threshold:
+        elif threshold is not None and spiked(value, threshold):
             found.append((step, value, threshold))
         history.append(value)
     return found
