@@ -22,6 +22,15 @@ class TraceError(DetraceError):
     """A trace directory or file that is missing, empty, malformed or of another schema version."""
 
 
+class NothingRecorded(TraceError):
+    """A finished run directory without a rank file: nothing was recorded (the message says why)."""
+
+    def __init__(self, message: str, *, tracer_failed: bool) -> None:
+        super().__init__(message)
+        self.tracer_failed = tracer_failed
+        """The tracer did not start in some process of CMD (rather than started and found nothing to record)."""
+
+
 class UntrustedCode(DetraceError):
     """A trace names code to execute (a compiled kernel's output code) that the user did not trust, or whose
     bytes no longer match the hash recorded when the trace was made."""

@@ -234,6 +234,18 @@ def test_cmds_exit_code_and_no_records_no_rank_file(tmp_path: Path) -> None:
     assert not list((tmp_path / "crash").glob("rank-*"))  # torch ran, but no record: no rank file
 
 
+@pytest.mark.slow
+def test_a_program_that_imports_detrace_before_torch_is_traced(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 36: `python -m detrace.examples.train` (the trainer's old name) imports detrace._compat, which imports
+    torch; arming the tracer right then met detrace._compat half-made (a circular import), and nothing was traced."""
+    out = tmp_path / "a"
+    assert cli(["run", "--out", str(out), "--", PY, "-m", "detrace.examples.train", "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "not started" not in err and f"trace of 1 rank at rung metrics written to {out}" in err, err
+    assert open_run(out).ranks == (0,)
+
+
 def _final_lines(output: str) -> list[str]:
     return sorted(re.findall(r"final \d [0-9a-f]{64}", output))  # the ranks' lines may interleave
 

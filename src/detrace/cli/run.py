@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
     out = args.out or time.strftime("detrace-runs/run-%Y%m%d-%H%M%S")
     result = run_traced(command, out, rung=args.rung, steps=parse_steps_option(args.steps), ranks=args.ranks,
                         max_numel=args.max_numel, capture=args.capture, force=args.force, timeout=args.timeout,
-                        env=env, share_stdin=False)  # one run: CMD reads detrace's stdin as it comes
+                        env=env, share_stdin=False,  # one run: CMD reads detrace's stdin as it comes
+                        untraced_ok=True)  # the summary says when nothing was recorded, and why
     print(f"detrace run: {describe(result)}", file=sys.stderr)
     return 128 - result.returncode if result.returncode < 0 else result.returncode

@@ -40,10 +40,17 @@ from typing import IO, Any
 from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
-from detrace.tracefile.layout import aux_trace_paths, footer_path, prepare_out, rank_trace_paths, run_header_path
+from detrace.tracefile.layout import (
+    aux_trace_paths,
+    footer_path,
+    prepare_out,
+    rank_trace_paths,
+    run_header_path,
+    untraced_paths,
+)
 from detrace.tracefile.lock import writing
 from detrace.tracefile.metadata import RunHeader, load_json
-from detrace.tracefile.reader import iter_batches, load_footer
+from detrace.tracefile.reader import iter_batches, load_footer, nothing_recorded
 from detrace.tracefile.schema import SCHEMA_VERSION
 from detrace.tracefile.writer import write_json_atomic
 
@@ -108,6 +115,9 @@ def _run_header(config: TraceConfig, out: Path, **facts: Any) -> dict[str, Any]:
     aux = aux_trace_paths(out)
     if aux:  # processes that are not ranks (an eval subprocess, say) traced apart; diff and certify skip them
         header["aux"] = [path.name for path in aux]
+    untraced = _untraced(out)
+    if untraced:
+        header["untraced"] = untraced
     header.update(facts)
     return header
 
@@ -124,6 +134,19 @@ def _warnings(out: Path, ranks: Iterable[int]) -> list[str]:
         if isinstance(said, list):
             found += [text for text in said if isinstance(text, str) and text not in found]
     return found
+
+
+def _untraced(out: Path) -> list[dict[str, Any]]:
+    """The notes of the processes whose tracer did not start (`launch.inject.note_untraced`), by pid; a note that
+    cannot be read still counts, without its reason."""
+    notes = []
+    for path in untraced_paths(out):
+        try:
+            note = json.loads(path.read_text())
+            notes.append({"pid": int(note["pid"]), "reason": str(note["reason"])})
+        except (OSError, ValueError, KeyError, TypeError):
+            notes.append({"pid": int(path.stem.partition("-")[2]), "reason": "its note is unreadable"})
+    return notes
 
 
 def _steps_run(out: Path, rank: int) -> tuple[int, int] | None:
@@ -240,13 +263,16 @@ def _kill_group(proc: subprocess.Popen[bytes], watchdog: subprocess.Popen[bytes]
 def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
                steps: str | Mapping[str, str] = "all", ranks: str = "all", max_numel: int | None = None,
                capture: str | None = None, force: bool = False, env: Mapping[str, str] | None = None,
-               timeout: float | None = None, quiet: bool = False, share_stdin: bool = True) -> LaunchResult:
+               timeout: float | None = None, quiet: bool = False, share_stdin: bool = True,
+               untraced_ok: bool = False) -> LaunchResult:
     """Run `cmd` traced into `out`. `env` adds variables to this process's environment for CMD. With
     `share_stdin`, CMD reads `shared_stdin()` (the same bytes in every run this process launches); without,
     it inherits detrace's stdin (a single run, which may stream it).
 
     Raises UsageError for bad options, TraceError for an output directory that cannot be used, CommandFailed
-    when CMD cannot be started or runs past `timeout` (its whole process tree is killed).
+    when CMD cannot be started or runs past `timeout` (its whole process tree is killed), NothingRecorded when
+    the tracer did not start in CMD and nothing was recorded, unless `untraced_ok` (`detrace run`, whose summary
+    says so: a command that judges the run would judge nothing).
     """
     command = tuple(cmd)
     if not command:
@@ -332,9 +358,14 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
         if cut_short:
             header["cut_short"] = cut_short
         problem = _finish(header_path, header)
+        if problem is None:  # run.json holds the notes now
+            for note in untraced_paths(out):
+                note.unlink(missing_ok=True)
         cut_short = "; ".join(filter(None, [cut_short, problem])) or None
         if timed_out:
             raise CommandFailed(f"{command[0]} ran past the timeout of {timeout:g} seconds; its processes were killed")
+        if header.get("untraced") and not (untraced_ok or header.get("traced_ranks") or header.get("aux")):
+            raise nothing_recorded(out)
         output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
         return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
                             output_tail=output_tail, cut_short=cut_short, interrupted=bool(terms))
@@ -367,9 +398,19 @@ def describe(result: LaunchResult) -> str:
         header = json.loads(run_header_path(result.out).read_text())
     except (OSError, ValueError):
         header = {}
+    try:
+        run = RunHeader.from_json(header, "run.json") if header else None
+    except TraceError:
+        run = None
     traced = header.get("traced_ranks") or []
-    line = (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written to "
-            f"{result.out} ({result.elapsed:.1f} s, exit code {result.returncode})")
+    took = f"({result.elapsed:.1f} s, exit code {result.returncode})"
+    if not traced and run is not None and not header.get("aux"):
+        line = f"nothing was recorded in {result.out} {took}: {run.why_nothing_recorded()}"
+    else:
+        line = (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written "
+                f"to {result.out} {took}")
+        if run is not None and run.untraced:  # some processes were traced, and some not
+            line += f"; {run.why_nothing_recorded()}, so it recorded nothing"
     if result.interrupted:
         line += "; interrupted by SIGTERM, which was passed on to CMD"
     if result.cut_short:

@@ -34,6 +34,7 @@ CHECKPOINT_LOG_GLOB = "checkpoints-*.jsonl"
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 _RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
 _AUX_FILE = re.compile(r"^aux-(\d+)\.(arrow|json)$")
+_UNTRACED_FILE = re.compile(r"^untraced-(\d+)\.json$")
 _CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
 
 
@@ -79,6 +80,21 @@ def aux_trace_paths(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def untraced_path(run_dir: str | Path, pid: int) -> Path:
+    """The note a process of CMD leaves when its tracer did not start (its pid and why), which the launcher folds
+    into run.json's `untraced` when CMD ends."""
+    return Path(run_dir) / f"untraced-{pid}.json"
+
+
+def untraced_paths(run_dir: str | Path) -> list[Path]:
+    """The notes of `untraced_path` a run directory holds, by pid."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _UNTRACED_FILE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
 def run_header_path(run_dir: str | Path) -> Path:
     """The run header written by `detrace run` (command, world size, rung, windows, versions)."""
     return Path(run_dir) / RUN_HEADER
@@ -118,14 +134,14 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 def trace_files(run_dir: str | Path) -> list[Path]:
     """What a traced run wrote into its directory: rank files, footers, auxiliary traces, a run.json of detrace's,
-    capture files, checkpoint logs (nothing else: a user's own files there, `capture/` included, are never
-    detrace's to remove)."""
+    capture files, checkpoint logs, notes of processes whose tracer did not start (nothing else: a user's own files
+    there, `capture/` included, are never detrace's to remove)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if (p.name == RUN_HEADER and is_run_header(p))
              or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)
-             or (p.match(CHECKPOINT_LOG_GLOB) and not p.is_dir())]
+             or (p.match(CHECKPOINT_LOG_GLOB) and not p.is_dir()) or _UNTRACED_FILE.match(p.name)]
     captures = run_dir / CAPTURE_DIR
     if captures.is_dir() and not captures.is_symlink():
         found += [p for p in captures.iterdir() if _CAPTURE_FILE.match(p.name) and not p.is_dir()]

@@ -153,6 +153,8 @@ class RunHeader:
     fingerprint: str
     """The fingerprint scheme of its digests (`detrace.digest.scheme`); detrace-fp1 when the header has none, as
     every trace written before detrace-fp2 existed."""
+    untraced: tuple[tuple[int, str], ...] = ()
+    """run.json: the processes of CMD whose tracer did not start, as (pid, why), by pid."""
     raw: dict[str, Any] = field(repr=False)
     """The object as read (validated), for the keys above and any others."""
 
@@ -174,6 +176,10 @@ class RunHeader:
         steps = fields.get("steps", dict, "an object", default=None)
         if steps is not None and not (_is_count(steps.get("first")) and _is_count(steps.get("last"))):
             raise fields.fail("steps", "an object of the first and last global step run")
+        untraced = fields.get("untraced", list, "a list of processes", default=[])
+        if not all(isinstance(u, dict) and _is_count(u.get("pid")) and isinstance(u.get("reason"), str)
+                   for u in untraced):
+            raise fields.fail("untraced", "a list of objects with a pid and a reason")
         return cls(schema=fields.schema(default=None), command=fields.strings("command", default=[]),
                    world_size=fields.count("world_size", default=None, least=1), rung=rung,
                    windows=None if windows is None else Windows.from_json(windows, source),
@@ -182,7 +188,18 @@ class RunHeader:
                    returncode=fields.get("returncode", int, "an integer", default=None),
                    rank=fields.count("rank", default=None), pid=pid, versions=versions, determinism=determinism,
                    steps=None if steps is None else (steps["first"], steps["last"]),
-                   fingerprint=fields.choice("fingerprint", SCHEMES, default=SCHEME), raw=fields.raw)
+                   fingerprint=fields.choice("fingerprint", SCHEMES, default=SCHEME),
+                   untraced=tuple((u["pid"], u["reason"]) for u in untraced), raw=fields.raw)
+
+    def why_nothing_recorded(self) -> str:
+        """Why a run that wrote no rank file recorded nothing, in words that follow "nothing was recorded: "."""
+        if self.untraced:
+            (pid, reason), *others = self.untraced
+            more = f" (and in {len(others)} other process{'es' * (len(others) > 1)})" if others else ""
+            return f"the tracer did not start in process {pid}{more}: {reason}"
+        windows = "" if self.ranks in (None, "all") else f" among the ranks it records ({self.ranks})"
+        return (f"no process of its command recorded anything{windows}; the tracer starts in each Python process "
+                "that imports torch, and records its ops and steps")
 
 
 @dataclass(frozen=True, kw_only=True)

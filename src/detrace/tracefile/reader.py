@@ -22,7 +22,7 @@ from typing import Literal
 
 import pyarrow as pa
 
-from detrace.errors import TraceError
+from detrace.errors import NothingRecorded, TraceError
 from detrace.tracefile.framing import RECORD_BATCH_MESSAGE, SCHEMA_MESSAGE, Unframed, next_frame
 from detrace.tracefile.integrity import arrow_footer_checksum, chain_start, chain_text, verify
 from detrace.tracefile.layout import (
@@ -297,6 +297,20 @@ class RunInfo:
                      if r not in self.ranks and (wanted is None or r in wanted))
 
 
+def nothing_recorded(run_dir: Path) -> TraceError:
+    """The error for a run directory that holds no rank file: NothingRecorded, saying why, for a run that `detrace
+    run` finished (its run.json says so); a plain TraceError for anything else."""
+    header_file = run_header_path(run_dir)
+    try:
+        header = RunHeader.from_json(load_json(header_file, "run header"), f"run header {header_file}")
+    except (FileNotFoundError, TraceError):
+        header = None
+    if header is not None and header.status not in (None, "running") and not header.raw.get("aux"):
+        return NothingRecorded(f"nothing was recorded in {run_dir}: {header.why_nothing_recorded()}",
+                               tracer_failed=bool(header.untraced))
+    return TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
+
+
 def open_run(path: str | Path) -> RunInfo:
     """Open a run directory, checking that it exists and holds at least one readable rank trace."""
     run_dir = Path(path)
@@ -309,7 +323,7 @@ def open_run(path: str | Path) -> RunInfo:
     except OSError as err:
         raise TraceError(f"cannot list run directory {run_dir}: {err.strerror}") from None
     if not ranks:
-        raise TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
+        raise nothing_recorded(run_dir)
     lowest = BatchStream(ranks[min(ranks)])  # its header, then its footer
     lowest.close()
     merged = dict(lowest.header.raw)

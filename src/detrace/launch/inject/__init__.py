@@ -14,3 +14,18 @@ from pathlib import Path
 
 DIRECTORY = Path(__file__).resolve().parent
 """The directory `detrace run` puts first on PYTHONPATH."""
+
+
+def note_untraced(reason: str) -> None:
+    """Tell the launcher that the tracer did not start in this process, and why: a note in the run directory
+    (`tracefile.layout.untraced_path`), which `detrace run` folds into run.json so that its summary, and every
+    command given the run, can say why nothing was recorded. Called by the start-up hook, which has printed the
+    reason already; an OSError (the directory gone, a full disk) is the caller's to ignore."""
+    import json
+    import os
+
+    from detrace.tracefile.layout import untraced_path
+
+    # DETRACE_TRACE (record.config.ENV_VAR) read here as plain JSON: importing detrace.record may be what failed
+    out = json.loads(os.environ["DETRACE_TRACE"])["out"]
+    untraced_path(out, os.getpid()).write_text(json.dumps({"pid": os.getpid(), "reason": reason}))

@@ -17,38 +17,68 @@ def _arm():
         from detrace.record import arm_from_env
 
         arm_from_env()
-    except Exception as err:  # the program must run on; say why it is not traced
-        print(f"detrace: the tracer was not started in process {os.getpid()}: {err}", file=sys.stderr)
+    except Exception as err:  # the program must run on; say why it is not traced, here and to the launcher
+        reason = str(err) or type(err).__name__
+        print(f"detrace: the tracer was not started in process {os.getpid()}: {reason}", file=sys.stderr)
+        try:
+            from detrace.launch.inject import note_untraced
+
+            note_untraced(reason)
+        except Exception:  # the line above said it already; the launcher then finds no note
+            pass
 
 
 class _ArmingLoader(importlib.abc.Loader):
-    """Loads torch with its own loader, then arms the tracer."""
+    """Loads a module with its own loader, then arms the tracer once torch is loaded and no detrace module is still
+    loading. Why wait for detrace's modules: a program that imports one of them before torch (`python -m
+    detrace.examples.train` imports detrace._compat, which imports torch) would have the tracer's own imports meet
+    that module half-made (a circular import); the tracer is armed as soon as the outermost one is complete."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, watch, counted):
         self._inner = inner
+        self._watch = watch
+        self._counted = counted  # a detrace module (torch's own load is not counted)
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
-        self._inner.exec_module(module)
-        _arm()
+        self._watch.loading += self._counted
+        try:
+            self._inner.exec_module(module)
+        finally:
+            self._watch.loading -= self._counted
+        self._watch.arm_when_ready()
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
 
 class _WhenTorchLoads(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: on the first `import torch` it wraps torch's loader, then steps aside."""
+    """Finds nothing itself: until the tracer is armed, it wraps the loaders of torch and of detrace's modules (see
+    `_ArmingLoader`), then steps aside."""
+
+    def __init__(self):
+        self.loading = 0
+        """detrace modules being loaded now."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
+        if fullname != "torch" and fullname.partition(".")[0] != "detrace":
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ArmingLoader(spec.loader)
-        return spec
+        for finder in sys.meta_path:  # the finders after this one, as the import system would ask them
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ArmingLoader(spec.loader, self, fullname != "torch")
+                return spec
+        return None
+
+    def arm_when_ready(self):
+        if self.loading == 0 and "torch" in sys.modules and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            _arm()
 
 
 def _chain():
