@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _ranks import free_port as _free_port
 from _scenarios import STEADY, traced_runs
+from _tools import CHROMIUM, missing_browser
 
 if not torch.cuda.is_available():
     # Triton picks its interpreter when `triton.jit` decorates a function, its own library's included: set before
@@ -98,6 +99,17 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
         return
     with _machine(Path(os.environ[_MACHINE]), exclusive=item.get_closest_marker("race") is not None):
         yield
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `browser` is skipped on a machine without the browser, saying how to install it; in CI it
+    fails (see _tools.missing_browser)."""
+    if item.get_closest_marker("browser") is None:
+        return
+    missing = missing_browser(CHROMIUM, os.environ)
+    if missing is not None:
+        fail, why = missing
+        (pytest.fail if fail else pytest.skip)(why)
 
 
 @pytest.fixture(autouse=True)

@@ -107,6 +107,7 @@ def test_the_free_audit_of_the_first_run_predicted_the_culprit(
                                "backward") for note in notes), notes
 
 
+@pytest.mark.browser
 def test_report_names_the_culprit_in_a_real_browser(
         embedded: tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]) -> None:
     _, payload, _ = embedded

@@ -27,6 +27,7 @@ def runs(steady_runs: dict[str, Path]) -> tuple[Path, Path]:
     return steady_runs["a"], steady_runs["b"]
 
 
+@pytest.mark.browser
 def test_run_report_in_a_real_browser(runs: tuple[Path, Path], tmp_path: Path) -> None:
     run, _ = runs
     target = tmp_path / "nested" / "run.html"
@@ -102,6 +103,7 @@ def _ladder(runs: tuple[Path, Path]) -> dict[str, Any]:
               "runs": [str(r) for r in runs], "report": "", "notes": [], "cost": cost}
 
 
+@pytest.mark.browser
 def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], tmp_path: Path) -> None:
     ladder = _ladder(runs)
     (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -33,11 +34,25 @@ def load_script(path: Path) -> ModuleType:
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+INSTALL_CHROMIUM = "sudo apt-get install chromium"
+"""How a machine gets the headless browser the `browser` tests need (Debian's chromium)."""
+
+
+def missing_browser(chromium: str | None, environ: Mapping[str, str]) -> tuple[bool, str] | None:
+    """What becomes of a test marked `browser` (tests/conftest.py): None where the browser is there; else (fail,
+    why): skipped on a machine that lacks it (a fresh clone's), failed in CI (`CI` set, as CI services set it, and
+    as .ci/run does), which installs it, so that the report's browser tests never go unchecked."""
+    if chromium:
+        return None
+    ci = environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    why = f"needs a headless browser, Debian's chromium, which this machine lacks (install it: {INSTALL_CHROMIUM})"
+    return ci, why + ("; CI requires it" if ci else "")
 
 
 def dump_dom(page: Path) -> str:
-    """The page as a real headless browser renders it (no network: the report must not need it)."""
-    assert CHROMIUM, "the HTML report test needs Debian's chromium (apt-get install chromium)"
+    """The page as a real headless browser renders it (no network: the report must not need it). A test that calls
+    it is marked `browser`."""
+    assert CHROMIUM, "a test that opens a page in the browser is marked browser (tests/conftest.py)"
     done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                            "--dump-dom", page.resolve().as_uri()], capture_output=True, text=True, timeout=120,
                           check=False)
