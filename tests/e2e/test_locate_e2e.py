@@ -88,6 +88,15 @@ def test_the_readme_setup_command_names_the_moe_dispatch_backward(
     for prefix in ("  culprit ", "    input[", "    output["):
         assert [line for line in quoted if line.startswith(prefix)] == [
             line.rstrip() for line in printed if line.startswith(prefix)], prefix
+    # and what it cost (the seconds and the paths vary): in that summary, and in the --json object quoted after it
+    for pattern in (r"  runs +\d+ \(of at most \d+\)", r"  cost +\d+ steps executed in \d+ runs"):
+        assert re.findall(pattern, "\n".join(quoted)) == re.findall(pattern, sink.getvalue()), pattern
+    cost = payload["cost"]
+    assert f'"cost": {{"runs": {cost["runs"]}, "steps": {cost["steps"]}, "seconds": ' in doc
+    assert any(line.startswith("  note     the audit of the first run predicted it: ") for line in printed)
+    assert [line for line in quoted if line.startswith("  note ")] == [], "the audit's note is quoted apart"
+    [note] = [line for line in doc.split("```")[3].splitlines() if line.startswith("  note ")]
+    assert note in [line.rstrip() for line in printed]
 
 
 def test_the_free_audit_of_the_first_run_predicted_the_culprit(

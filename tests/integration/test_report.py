@@ -16,8 +16,10 @@ from detrace.analyze.locate_result import LADDER_FILE, LADDER_SCHEMA, load_ladde
 from detrace.analyze.metrics import metric_rank, metric_series
 from detrace.analyze.pairs import divergence_map
 from detrace.cli import main
+from detrace.cli.locate import render
 from detrace.report.html import write_report
 from detrace.report.svg import line_chart, spread_map
+from detrace.report.terminal import make_console
 from detrace.tracefile import RankWriter
 
 
@@ -114,6 +116,30 @@ def test_locate_report_escapes_and_draws_every_section(runs: tuple[Path, Path], 
     for text in ("nondeterministic", "aten.index_put.default", "Narrowing path", "differs", "equal",
                  "torch.use_deterministic_algorithms(True)", "no metric differs between the two runs"):
         assert text in dom
+
+
+def test_locate_report_says_what_the_terminal_says(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 36: the terminal's notes ("the audit of the first run predicted it") were not in the report, its Runs
+    table broke words mid-word ("sema ntic"), and each replay arm said "reproduces the run's bits: no" with an empty
+    note."""
+    ladder = _ladder(runs)
+    base = ladder["replay"]["base"]
+    ladder["replay"]["arms"] = [base, {**base, "threads": 1, "distinct": 1, "differing_elements": 0, "max_ulp": 0},
+                                {**base, "deterministic": True, "distinct": 1, "differing_elements": 0, "max_ulp": 0}]
+    ladder["notes"] = ["the audit of the first run predicted it: a certain hazard at rank 0, step 1, backward"]
+    (tmp_path / LADDER_FILE).write_text(json.dumps(ladder))
+    html = write_report(tmp_path).read_text()
+    sink = io.StringIO()
+    render(load_ladder(tmp_path), make_console(sink))
+    notes = [line.removeprefix("  note     ") for line in sink.getvalue().splitlines() if line.startswith("  note ")]
+    assert notes == ladder["notes"] and all(f"<li>{note}</li>" in html for note in notes)
+    assert "reproduces the run&#x27;s bits" not in html and "<td></td></tr>" not in html
+    for note in ("its outputs vary from repeat to repeat; the traced run&#x27;s bits were another outcome of the "
+                 "race", "one output every repeat; not the traced run&#x27;s bits, which another setting gave"):
+        assert html.count(note) == (1 if "vary" in note else 2), note
+    # words break only between words, but in the columns of long names: paths, modules, ops
+    assert "overflow-wrap:anywhere}" not in html.split("td.any")[0]
+    assert "<td>semantic</td>" in html and f'<td class="any">{runs[0]}</td>' in html
 
 
 def test_charts_handle_zero_and_nan() -> None:

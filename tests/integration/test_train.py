@@ -40,6 +40,8 @@ def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[
     # docs/workload.md quotes this run's first step: the line must be the one it prints
     doc = (Path(__file__).parents[2] / "docs" / "workload.md").read_text()
     assert doc.split("`tests/integration/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
+    # and the trainer's step numbers are detrace's step clock's (the validate section says so)
+    assert f"first optimizer step (the trainer\nprints it as step {lines[0].split()[1]} too)" in doc
 
 
 def test_fixed_dispatch_runs_are_bit_identical(capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,6 +63,10 @@ def test_exact_resume(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mo
     monkeypatch.delenv("DETRACE_STOP_AT")
     monkeypatch.setenv("DETRACE_RESUME", "1")
     assert _steps(capsys, argv) == full[2:]
+    # docs/workload.md quotes the steps the resumed run prints
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "workload.md").read_text().split())
+    printed = [line.split()[1] for line in full[2:]]
+    assert f"DETRACE_RESUME=1 python -m detrace.workload.train --steps 4` prints steps {' and '.join(printed)} " in doc
 
 
 def test_bits_are_the_float32_encoding() -> None:

@@ -69,6 +69,19 @@ class ArmResult:
     def nondeterministic(self) -> bool:
         return self.error is None and self.distinct > 1
 
+    def note(self, base: ArmResult) -> str:
+        """The arm in words beside its figures (the terminal's and the report's table): why it could not run, or
+        whether it gave the traced run's own output bits, and why not (`base`: the arm with the run's setting)."""
+        if self.error is not None:
+            return self.error
+        if self.matches_capture:
+            return "reproduces the traced run's output bits"
+        if self.nondeterministic:
+            return "its outputs vary from repeat to repeat; the traced run's bits were another outcome of the race"
+        if (self.threads, self.deterministic) != (base.threads, base.deterministic):
+            return "one output every repeat; not the traced run's bits, which another setting gave"
+        return "one output every repeat, but not the traced run's bits"
+
     def to_json(self) -> dict[str, Any]:
         return {"threads": self.threads, "deterministic": self.deterministic, "repeats": self.repeats,
                 "distinct": self.distinct, "differing_elements": self.differing_elements,

@@ -30,7 +30,7 @@ def render(result: ReplayResult, console: Console) -> None:
                   "max ULP", "note")
     for arm in result.arms:
         table.add_row(str(arm.threads), "on" if arm.deterministic else "off", str(arm.repeats), str(arm.distinct),
-                      str(arm.differing_elements), str(arm.max_ulp), arm.error or "")
+                      str(arm.differing_elements), str(arm.max_ulp), arm.note(result.base))
     console.print(table)
 
 

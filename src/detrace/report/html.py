@@ -43,7 +43,7 @@ code,.mono{font-family:ui-monospace,'SFMono-Regular',Menlo,Consolas,monospace;fo
 .deterministic{background:#2e7d32}.nondeterministic{background:#c62828}.inconclusive{background:#ef6c00}
 .run{background:#455a64}
 table{border-collapse:collapse;margin:6px 0;max-width:100%}
-td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left;overflow-wrap:anywhere}
+td,th{border:1px solid #d9dee5;padding:3px 8px;text-align:left;overflow-wrap:break-word}td.any{overflow-wrap:anywhere}
 th{background:#f2f4f7;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .differ{color:#c62828;font-weight:600}.same{color:#2e7d32}
 ol.path{padding-left:22px}ol.path li{margin:6px 0}.path b{font-family:ui-monospace,Menlo,monospace}
@@ -65,10 +65,14 @@ def _page(title: str, body: list[str]) -> str:
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def _table(header: list[str], rows: list[list[str]], *, raw: bool = False) -> str:
-    """An HTML table; cells are escaped unless `raw` (callers then escape what they put in)."""
+def _table(header: list[str], rows: list[list[str]], *, raw: bool = False, anywhere: tuple[int, ...] = ()) -> str:
+    """An HTML table; cells are escaped unless `raw` (callers then escape what they put in). The columns `anywhere`
+    (paths, kernel names: long words) may break anywhere; the others only between words, since a table squeezed to
+    the page's width would otherwise break every column mid-word ("sema ntic")."""
     head = "".join(f"<th>{e(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c if raw else e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    cell = ("<td>", '<td class="any">')
+    body = "".join("<tr>" + "".join(f"{cell[i in anywhere]}{c if raw else e(c)}</td>" for i, c in enumerate(row))
+                   + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -191,10 +195,9 @@ def _replay_section(replay: ReplayResult | None, stages: tuple[Stage, ...]) -> l
     if shapes:
         parts.append(f"<p class=\"muted mono\">{e(shapes)}</p>")
     rows = [[str(a.threads), "on" if a.deterministic else "off", str(a.repeats), str(a.distinct),
-             str(a.differing_elements), str(a.max_ulp), "yes" if a.matches_capture else "no",
-             a.error or ""] for a in replay.arms]
+             str(a.differing_elements), str(a.max_ulp), a.note(base)] for a in replay.arms]
     parts.append(_table(["threads", "deterministic algorithms", "repeats", "distinct outputs", "differing elements",
-                         "max ULP", "reproduces the run's bits", "note"], rows))
+                         "max ULP", "note"], rows))
     return parts
 
 
@@ -211,7 +214,9 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
         body.append("<h2>Culprit</h2>" + _table(
             ["rank", "step", "phase", "module", "name", "origin"],
             [[str(culprit.rank), str(culprit.step), str(culprit.phase), scope_label(culprit.module),
-              str(culprit.name), str(culprit.origin).lower()]]))
+              str(culprit.name), str(culprit.origin).lower()]], anywhere=(3, 4)))
+    if ladder.notes:  # what the terminal prints as `note` (the audit's prediction among them)
+        body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(note)}</li>" for note in ladder.notes) + "</ul>")
     first = ladder.stages[0].found
     body += _metric_section(curves, first.step if first else None)
     body.append("<h2>Where the runs differ, rank by rank</h2>")
@@ -227,7 +232,8 @@ def render_locate(ladder: LocateResult, curves: Curves, spread: dict[int, dict[i
     body += _replay_section(ladder.replay, ladder.stages)
     body.append("<h2>Runs</h2>")
     body.append(_table(["rung", "steps", "ranks", "run directory", "what it established"],
-                       [[s.rung, s.steps, s.ranks, run, s.note] for s in ladder.stages for run in s.runs]))
+                       [[s.rung, s.steps, s.ranks, run, s.note] for s in ladder.stages for run in s.runs],
+                       anywhere=(3,)))
     body.append(f"<p class=\"muted\">Written by detrace from {e(ladder.out)}.</p>")
     return _page(f"detrace locate: {verdict}", body)
 
