@@ -3,7 +3,7 @@ resumable by one line: `callbacks=[DetraceCallback()]`.
 
     python examples/hf_train.py --steps 6 --workers 2
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --workers 2   # exact
-    detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --plain       # HF alone: changed
+    detrace check-resume --at 4 -- python examples/hf_train.py --steps 6 --plain       # HF alone: not exact
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --stream --workers 2   # a stream: exact
 
 --spike STEP plants a loss spike for `detrace ablate` (the learning rate of step STEP is 100 times larger).

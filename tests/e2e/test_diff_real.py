@@ -2,13 +2,15 @@
 fault (named as such), and a 2-rank DDP run on gloo in which only rank 1 runs a nondeterministic op.
 
 The nondeterministic op is the backward of `table[idx]` with repeated indices: `aten.index_put` with
-accumulate=True, whose CPU kernel adds from two threads in whatever order they run. A call whose two threads run
-one after the other (a machine busy with other work) agrees with itself, so each run takes three steps: three
-calls, one of which is all the race needs to strike.
+accumulate=True, whose CPU kernel adds from several threads in whatever order they run. Two threads on a machine
+busy with other work often run one after the other, in the same order, and the call then agrees with itself: the
+runs use more threads than the machine has cores (`RACING_THREADS`), whose order the operating system varies, and
+take three steps (three calls, one of which is all the race needs).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tools import RACING_THREADS
 from torch import nn
 
 import detrace
@@ -61,9 +64,9 @@ def inject_fault_perturb_parameter(model: nn.Module, name: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def two_threads() -> Iterator[None]:
+def racing_threads() -> Iterator[None]:
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(2)
+    torch.set_num_threads(RACING_THREADS)
     yield
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
@@ -148,7 +151,7 @@ DDP_SCRIPT = textwrap.dedent('''
 
     def worker(rank, outs, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(2)
+        torch.set_num_threads(int(os.environ["RACING_THREADS"]))
         dist.init_process_group("gloo", rank=rank, world_size=2)
         for out in outs.split(","):  # the same run again in the same processes: two runs, one start
             torch.manual_seed(0)
@@ -178,7 +181,8 @@ def test_ddp_origin_rank_and_receiver_via_the_gradient_all_reduce(tmp_path: Path
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_SCRIPT)
     a, b = tmp_path / "a", tmp_path / "b"
-    subprocess.run([sys.executable, str(script), f"{a},{b}", str(free_port())], check=True, timeout=300)
+    subprocess.run([sys.executable, str(script), f"{a},{b}", str(free_port())], check=True, timeout=300,
+                   env={**os.environ, "RACING_THREADS": str(RACING_THREADS)})
     result = diff(a, b)
     assert result.verdict == "diverged", "two real runs agreed bit for bit: the op showed no nondeterminism"
     assert result.origin_ranks == [1]

@@ -314,3 +314,25 @@ def test_a_resumed_stream_goes_on_from_its_position_without_replaying(tmp_path: 
     run(DETRACE_CKPT_DIR=ckpt, DETRACE_STOP_AT="2")
     resumed, read = run(DETRACE_CKPT_DIR=ckpt, DETRACE_RESUME="1")
     assert read[0] == 16 and resumed == continuous
+
+
+def test_hfs_own_resume_of_the_example_after_step_4_changes_the_run(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What examples/hf_train.py and the README say of the example without the callback (`--plain`: HF's own
+    checkpoint and resume under the same contract): stopped after step 4, mid-epoch, and resumed, it ends with
+    other parameters than the uninterrupted run, so `check-resume --at 4` cannot say `exact`."""
+    torch.set_num_threads(1)  # as the example's main() runs (the conftest restores the count)
+
+    def final(**contract: str) -> str:
+        for name in ("DETRACE_CKPT_DIR", "DETRACE_STOP_AT", "DETRACE_RESUME"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in contract.items():
+            monkeypatch.setenv(name, value)
+        trainer = example().make_trainer(steps=6, workers=0, plain=True, output_dir=str(tmp_path / "scratch"))
+        trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+        return str(example().parameters_digest(trainer))
+
+    continuous = final()
+    checkpoints = str(tmp_path / "checkpoints")
+    final(DETRACE_CKPT_DIR=checkpoints, DETRACE_STOP_AT="4")
+    assert final(DETRACE_CKPT_DIR=checkpoints, DETRACE_RESUME="1") != continuous

@@ -109,3 +109,12 @@ def _run(commands: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                 "(skip-rng) diverged as it must, first divergence: rank 0, step 2, "), out
         if command == THROUGH_THE_CONSOLE_SCRIPT:
             assert out.startswith("diverged: "), out
+            # the README quotes what it printed: the same lines, but for what the race decides
+            quoted = (ROOT / "README.md").read_text().split("`detrace diff runs/a runs/b` printed")[1]
+            assert _racing(out) == _racing(quoted.split("```text\n")[1].split("```")[0]), out
+
+
+def _racing(printed: str) -> str:
+    """A diff's output without what the race decides: the digests, and the step and call where it first struck."""
+    printed = re.sub(r"digest [0-9a-f]{16} vs [0-9a-f]{16}", "digest X vs Y", printed)
+    return re.sub(r"step \d+, (.*) call #\d+\)", r"step S, \1 call #C)", printed)

@@ -1,6 +1,7 @@
 """Buffers are model state: a module buffer that differs between two runs is a divergence, found by `diff` (and so
 by `check` and `locate`, which compare traces), like a parameter. The nondeterminism is real: a load statistic
-updated with `index_put_(accumulate=True)` over many repeated indices at 2 threads."""
+updated with `index_put_(accumulate=True)` over many repeated indices, at more threads than cores
+(`_tools.RACING_THREADS`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tools import RACING_THREADS
 from torch import nn
 
 import detrace
@@ -54,8 +56,8 @@ def _run(out: Path) -> None:
 
 
 @pytest.fixture
-def two_threads() -> None:
-    torch.set_num_threads(2)
+def racing_threads() -> None:
+    torch.set_num_threads(RACING_THREADS)
 
 
 def test_a_buffer_is_recorded_with_the_parameters(tmp_path: Path) -> None:
@@ -67,7 +69,7 @@ def test_a_buffer_is_recorded_with_the_parameters(tmp_path: Path) -> None:
 
 
 @pytest.mark.race
-@pytest.mark.usefixtures("two_threads")
+@pytest.mark.usefixtures("racing_threads")
 def test_buffer_only_nondeterminism_is_found(tmp_path: Path) -> None:
     _run(tmp_path / "a")
     _run(tmp_path / "b")

@@ -33,6 +33,12 @@ def load_script(path: Path) -> ModuleType:
     return module
 
 
+RACING_THREADS = 8
+"""The thread count of the tests whose race is their own (not a command the docs quote): more threads than this
+project's machines have cores (2 to 4). Two threads on a busy 2-core machine often run one after the other, always in
+the same order, and then agree bit for bit (issue 36); with more threads than cores, the order in which the operating
+system runs them decides the order of the additions, and a busy machine makes that order vary."""
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 INSTALL_CHROMIUM = "sudo apt-get install chromium"
 """How a machine gets the headless browser the `browser` tests need (Debian's chromium)."""
