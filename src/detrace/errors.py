@@ -23,12 +23,8 @@ class TraceError(DetraceError):
 
 
 class NothingRecorded(TraceError):
-    """A finished run directory without a rank file: nothing was recorded (the message says why)."""
-
-    def __init__(self, message: str, *, tracer_failed: bool) -> None:
-        super().__init__(message)
-        self.tracer_failed = tracer_failed
-        """The tracer did not start in some process of CMD (rather than started and found nothing to record)."""
+    """A finished run directory without a rank file: nothing was recorded (the message says why: the tracer did not
+    start in CMD, or no process of CMD recorded anything)."""
 
 
 class UntrustedCode(DetraceError):

@@ -54,9 +54,8 @@ def test_a_run_with_no_note_says_no_process_recorded_anything(tmp_path: Path,
     assert _last_line(capsys.readouterr().err).endswith(
         "exit code 3): no process of its command recorded anything; the tracer starts in each Python process that "
         "imports torch, and records its ops and steps")
-    with pytest.raises(NothingRecorded, match=r"nothing was recorded in .*: no process of its command") as caught:
+    with pytest.raises(NothingRecorded, match=r"nothing was recorded in .*: no process of its command"):
         open_run(out)
-    assert not caught.value.tracer_failed
 
 
 @pytest.fixture

@@ -306,8 +306,7 @@ def nothing_recorded(run_dir: Path) -> TraceError:
     except (FileNotFoundError, TraceError):
         header = None
     if header is not None and header.status not in (None, "running") and not header.raw.get("aux"):
-        return NothingRecorded(f"nothing was recorded in {run_dir}: {header.why_nothing_recorded()}",
-                               tracer_failed=bool(header.untraced))
+        return NothingRecorded(f"nothing was recorded in {run_dir}: {header.why_nothing_recorded()}")
     return TraceError(f"{run_dir} holds no trace (no {RANK_GLOB} files)")
 
 
