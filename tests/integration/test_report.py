@@ -246,7 +246,7 @@ def test_code_outside_every_named_module_has_one_name_everywhere(runs: tuple[Pat
     html = write_report(tmp_path).read_text()
     sink = io.StringIO()
     render(load_ladder(tmp_path), make_console(sink))
-    assert f"module {TOP_LEVEL}" in sink.getvalue() and f"<td>{TOP_LEVEL}</td>" in html
+    assert f"module {TOP_LEVEL}" in sink.getvalue() and f'<td class="any">{TOP_LEVEL}</td>' in html
     assert f"<b>{TOP_LEVEL}</b>" in html and "(no module)" not in html
 
 
