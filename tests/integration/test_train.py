@@ -37,9 +37,10 @@ def test_prints_one_line_per_step_with_exact_bits(capsys: pytest.CaptureFixture[
     fields = lines[0].split()  # step 0 loss <decimal> (<hex bits>) ...
     loss, exact = float(fields[3]), struct.unpack(">f", bytes.fromhex(fields[4][3:-1]))[0]
     assert abs(loss - exact) < 1e-5 and 4.0 < exact < 10.0
-    # docs/workload.md quotes this run's first step: the line must be the one it prints
+    # docs/workload.md quotes this run's first step as the CPUs it ran on print it: the line must be one of them
     doc = (Path(__file__).parents[2] / "docs" / "workload.md").read_text()
-    assert doc.split("`tests/integration/test_train.py`):\n\n```\n")[1].split("\n")[0] == lines[0]
+    quoted = doc.split("`tests/integration/test_train.py`, which requires one of these lines)")[1]
+    assert lines[0] in quoted.split("```\n")[1].splitlines()
     # and the trainer's step numbers are detrace's step clock's (the validate section says so)
     assert f"first optimizer step (the trainer\nprints it as step {lines[0].split()[1]} too)" in doc
 
