@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from detrace import __version__
-from detrace.digest.scheme import SCHEME, SCHEMES
+from detrace._schemes import SCHEME, SCHEMES
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
