@@ -135,8 +135,14 @@ def _process_state_restored() -> Iterator[None]:
     torch.set_num_threads(flags[8])
     for option, value in options.items():
         setattr(inductor, option, value)
-    os.environ.clear()
-    os.environ.update(environ)
+    # Only the variables the test changed are put back: clearing the whole environment and setting it again calls
+    # unsetenv/setenv on every variable while threads the test left behind (Inductor's compile pool, thread pools of
+    # the code under test) may read the environment, which glibc does not make safe (a segfault, seen at torch 2.10).
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(name="free_port")
