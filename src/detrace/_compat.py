@@ -446,6 +446,17 @@ def all_to_all_single_autograd() -> Callable[..., Any]:
     return all_to_all
 
 
+@_private("torch.distributed.pipelining.schedules.PipelineScheduleSingle._initialize_stage")
+def initialize_pipeline_stage(schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any) -> None:
+    """Set a single-stage pipeline schedule's stage up now (the shape vote over p2p between the stages, then the
+    buffers), which `schedule.step` otherwise does at its first call.
+
+    Why: done before training, every process makes it before its first step, so the first step of a resumed process
+    makes the same calls as that step of a run that never stopped (`detrace check-resume`). Replace with: a public
+    way to set a schedule up ahead of its first step, if torch adds one."""
+    schedule._initialize_stage(args, kwargs, target)
+
+
 def inductor_code_cache() -> Any:
     """torch._inductor.codecache.PyCodeCache: the loader of Inductor's output code modules (fresh compile or
     cache hit), whose `load_by_key_path` the audit wraps to scan each module's kernels.

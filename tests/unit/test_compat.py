@@ -372,3 +372,22 @@ def test_all_to_all_single_autograd() -> None:
     all_to_all = _compat.all_to_all_single_autograd()
     assert callable(all_to_all)
     assert list(inspect.signature(all_to_all).parameters)[1:4] == ["output_split_sizes", "input_split_sizes", "group"]
+
+
+def test_initialize_pipeline_stage(tmp_path: Path) -> None:
+    """A schedule's stage set up ahead of its first step: the step then finds it set up, and runs."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        x = torch.ones(2, 4)
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), input_args=x[:1], output_args=x[:1])
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).square().sum())
+        assert not schedule._stage_forward_initialized
+        _compat.initialize_pipeline_stage(schedule, (x[:1],), {}, x[:1])
+        assert schedule._stage_forward_initialized and schedule._stage_backward_initialized
+        schedule.step(x, target=x, losses=[])
+        assert model.weight.grad is not None
+    finally:
+        dist.destroy_process_group()

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from detrace._compat import all_to_all_single_autograd
+from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stage
 from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
 from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
@@ -414,11 +414,10 @@ class ParallelModel:
         )
         if self._pipeline is not None:
             self._pipeline.attach(self.raw, self.cfg)
-        # The schedule sets its stage up at its first step: a vote over p2p between the stages, then the
-        # buffers. Done here, every process does it before training, so the first step of a resumed process
-        # makes the same calls as that step of a run that never stopped (`detrace check-resume`).
+        # Set up before training, not at the first step: a resumed process's first step makes the calls of a run
+        # that never stopped (`detrace check-resume`).
         target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None
-        self.schedule._initialize_stage((tokens,) if stage == 0 else (), {}, target)
+        initialize_pipeline_stage(self.schedule, (tokens,) if stage == 0 else (), {}, target)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lm, mtp = lm_losses(logits, targets)
