@@ -265,59 +265,27 @@ def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendez
     dist.destroy_process_group()
 
 
-def _fsdp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
-    """fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter and accumulation), the reference
-    model's whole step on the global batch of M microbatches, interleaved on one set of ranks."""
+def _layout_timing(rank: int, world: int, args: argparse.Namespace, dim: str, kinds: tuple[tuple[str, str], ...],
+                   out: str, rendezvous: str) -> None:
+    """The reference model's whole step on the global batch of M microbatches (`ParallelModel`), on `world`
+    ranks of mesh dimension `dim`, for each (mode, layout kind) of `kinds`, interleaved on one set of ranks:
+    fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter, accumulation without sync until the last
+    microbatch), pp-invariant against pp (torch's Schedule1F1B, autograd's accumulation, scaled)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from detrace.workload.layouts import Layout
+    from detrace.workload.layouts import INVARIANT, Layout
     from detrace.workload.sharding import ParallelModel
 
     _setup(rank, world, rendezvous, args.threads)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(dim,))
     cfg, batch, seq, _ = _reference(args.preset)
     gen = torch.Generator().manual_seed(0)
     steps = {}
-    for mode in ("invariant", "plain"):
-        layout = Layout(kind=f"fsdp-{mode}", rank=rank, world=world, device=torch.device("cpu"),
-                        sizes={"fsdp": world}, coords={"fsdp": rank}, mesh=mesh)
-        pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq, microbatches=args.microbatches)
-        opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
-
-        def step(pm: ParallelModel = pm, opt: torch.optim.Optimizer = opt) -> None:
-            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen)
-            pm.forward_backward(tokens[:, :seq], tokens[:, 1:])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        steps[mode] = step
-    for fn in steps.values():  # warm-up
-        fn()
-    result = {"step": _interleaved(steps, args.steps)}
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _pp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
-    """pp-invariant against torch's own schedule (1F1B, gradients accumulated by autograd and scaled), the
-    reference model's whole step on 2 stages, M microbatches, interleaved on one set of ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from detrace.workload.layouts import Layout
-    from detrace.workload.sharding import ParallelModel
-
-    _setup(rank, world, rendezvous, args.threads)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    cfg, batch, seq, _ = _reference(args.preset)
-    gen = torch.Generator().manual_seed(0)
-    steps = {}
-    for mode, kind in (("invariant", "pp-invariant"), ("plain", "pp")):
-        layout = Layout(kind=kind, rank=rank, world=world, device=torch.device("cpu"), sizes={"pp": world},
-                        coords={"pp": rank}, mesh=mesh)
+    for mode, kind in kinds:
+        layout = Layout(kind=kind, rank=rank, world=world, device=torch.device("cpu"), sizes={dim: world},
+                        coords={dim: rank}, mesh=mesh)
         pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq,
-                           microbatches=args.microbatches if mode == "invariant" else None)
+                           microbatches=args.microbatches if kind in INVARIANT else None)
         opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
 
         def step(pm: ParallelModel = pm, opt: torch.optim.Optimizer = opt) -> None:
@@ -373,13 +341,14 @@ def main() -> None:
                                f"{len(data[what])} pairs)")
         for world in [int(w) for w in args.worlds.split(",")] if args.part in ("fsdp", "all") else []:
             path = f"{tmp}/fsdp-{world}.json"
-            _spawn(_fsdp_timing, world, args, path)
+            _spawn(_layout_timing, world, args, "fsdp", (("invariant", "fsdp-invariant"), ("plain", "fsdp-plain")),
+                   path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time fsdp{world} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         if args.part in ("pp", "all"):
             path = f"{tmp}/pp-2.json"
-            _spawn(_pp_timing, 2, args, path)
+            _spawn(_layout_timing, 2, args, "pp", (("invariant", "pp-invariant"), ("plain", "pp")), path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")

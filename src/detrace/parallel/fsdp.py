@@ -16,6 +16,12 @@ microbatches of accumulation, or DDP-invariant at any W. The trainer clears the 
 microbatch (`invariant_backward(..., sharded=True)`), so fully_shard assigns the last one's output instead of
 adding to the zeros the earlier ones output.
 
+Data-parallel replicas of the sharded model (HSDP, a dpDxfsdpF layout): replica d's F ranks own the contiguous
+microbatches [d M/D, (d + 1) M/D), one node of the tree, which their reduce-scatter sums; the D replicas' shards
+then complete the tree above those nodes with `InvariantDataParallel`'s fixed-order exchange (`replicas`, instead of
+fully_shard's all-reduce over the replicate dimension, whose order depends on D): every rank of shard f ends with
+the same bits, the tree over all M.
+
 What it gives up against fully_shard's own reduce-scatter: the same bytes move (each rank sends W - 1 shards and
 receives W - 1), but one collective per microbatch instead of one per step under gradient accumulation, M shards
 of memory until the tree completes, and the additions run after the rank's last microbatch instead of inside the
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detrace.errors import UsageError
-from detrace.parallel.data import _tree_sum
+from detrace.parallel.data import _exchange, _tree_sum
 
 __all__ = ["FixedOrderReduceScatter", "check_complete", "shard_invariantly"]
 
@@ -61,12 +67,15 @@ class FixedOrderReduceScatter:
         microbatches: n, the microbatches this rank computes per step (M / W); the n-th call of a step completes
             the tree and writes the shard's sum, the earlier ones write zeros.
         exchange: the all-to-all (default: `torch.distributed.all_to_all_single`).
+        replicas: the group of this shard's data-parallel replicas (HSDP), whose partial sums complete the tree;
+            None: no replicas.
     """
 
-    def __init__(self, microbatches: int, exchange: AllToAll = _all_to_all) -> None:
+    def __init__(self, microbatches: int, exchange: AllToAll = _all_to_all,
+                 replicas: dist.ProcessGroup | None = None) -> None:
         if microbatches < 1:
             raise UsageError(f"microbatches per rank must be positive, not {microbatches}")
-        self.microbatches, self.exchange = microbatches, exchange
+        self.microbatches, self.exchange, self.replicas = microbatches, exchange, replicas
         self.received: list[torch.Tensor] = []
         """This step's contributions so far: [W, shard] per microbatch, row s from rank s."""
 
@@ -80,7 +89,11 @@ class FixedOrderReduceScatter:
         world = group.size()
         self.received.append(self.exchange(input_tensor, group).view(world, -1))
         if len(self.received) == self.microbatches:
-            output_tensor.copy_(self.reduce(world))
+            shard = self.reduce(world)
+            if self.replicas is not None:  # the tree above the replicas' nodes, in its fixed order
+                shard = _exchange([shard], group=self.replicas, rank=dist.get_rank(self.replicas),
+                                  world=dist.get_world_size(self.replicas), how="auto")[0]
+            output_tensor.copy_(shard)
         else:
             output_tensor.zero_()
         return None
@@ -104,10 +117,11 @@ def check_complete(comms: Sequence[FixedOrderReduceScatter]) -> None:
                          "in a step: every module must take part in every microbatch's backward")
 
 
-def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll = _all_to_all
-                      ) -> list[FixedOrderReduceScatter]:
+def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll = _all_to_all,
+                      replicas: dist.ProcessGroup | None = None) -> list[FixedOrderReduceScatter]:
     """Give every FSDP module of `model` (after `fully_shard`) a `FixedOrderReduceScatter` for `microbatches`
-    microbatches per rank and per step, and a gradient divide factor of 1. Returns them, for `check_complete`."""
+    microbatches per rank and per step (completed over the data-parallel `replicas`, if any), and a gradient divide
+    factor of 1. Returns them, for `check_complete`."""
     from torch.distributed.fsdp import FSDPModule  # imported here: importing detrace.parallel stays light
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -115,7 +129,7 @@ def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll
         raise UsageError("the model has no fully_shard module: call fully_shard first")
     comms = []
     for module in modules:
-        comm = FixedOrderReduceScatter(microbatches, exchange)
+        comm = FixedOrderReduceScatter(microbatches, exchange, replicas)
         comms.append(comm)
         # mypy, ignored below: the parameter is typed as the interface's base class, private to torch; fully_shard
         # only calls allocate and __call__, which FixedOrderReduceScatter has

@@ -92,9 +92,10 @@ class Layout:
         return self.coord("dp") * self.size("ep") + self.coord("ep")
 
 
-def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
+def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
-    tensor-parallel size of the tp layouts, `pp` the stages of pp-invariant (data-parallel over the rest)."""
+    tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
+    (data-parallel over the rest), `dp` the replicas of fsdp-invariant (each sharded over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -106,13 +107,14 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
             raise UsageError(f"--tp {tp} needs {tp} processes or a multiple: launch it with torchrun")
         return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
     if kind == "pp-invariant":
-        if pp < 2 or world % pp:
+        if pp < 2 or world % (pp * tp):
             raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
-        return _mesh(kind, world, {"pp": pp, "dp": world // pp}, cuda)
-    if kind == "fsdp-invariant" and tp > 1:
-        if tp & (tp - 1) or world % tp:
-            raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")
-        return _mesh(kind, world, {"fsdp": world // tp, "tp": tp}, cuda)
+        return _mesh(kind, world, {"pp": pp, "dp": world // (pp * tp), **({"tp": tp} if tp > 1 else {})}, cuda)
+    if kind == "fsdp-invariant" and tp * dp > 1:
+        if tp & (tp - 1) or dp & (dp - 1) or world % (tp * dp):
+            raise UsageError(f"--tp and the replicas must be powers of two dividing the world size {world}")
+        return _mesh(kind, world, {**({"dp": dp} if dp > 1 else {}), "fsdp": world // (tp * dp),
+                                   **({"tp": tp} if tp > 1 else {})}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

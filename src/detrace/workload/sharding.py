@@ -48,7 +48,7 @@ from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stag
 from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
 from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
-from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
+from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name, global_parameter_names
 from detrace.workload.layouts import INVARIANT, Layout
 from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
 
@@ -222,8 +222,11 @@ class _InvariantPipeline:
         # this rank's block of the global microbatches, as in detrace.parallel.data
         self.n = microbatches // dp
         self.first = layout.coord("dp") * self.n
-        # the whole model's order, before the stage is cut out of it
-        self.names = [n for n, _ in model.named_parameters()]
+        # the whole model's order, before the stage is cut out of it; under tp, tp-invariant's order by global name
+        # (`by_global_name`), whose chunks one tp rank holds each
+        self.tp = layout.size("tp") > 1
+        self.names, self.chunked = global_parameter_names(model) if self.tp else \
+            ([n for n, _ in model.named_parameters()], set())
         self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
         self.table = torch.zeros(0)
         self.forwards = 0
@@ -279,8 +282,12 @@ class _InvariantPipeline:
         squares = torch.zeros(len(self.names), device=self.device)
         index = {n: i for i, n in enumerate(self.names)}
         for name, p in self.stage.named_parameters():
-            if p.grad is not None and self.layout.coord("dp") == 0:  # the dp replicas hold the same gradient
+            # the dp replicas hold the same gradient, and so do the tp ranks of a parameter that is not a chunk
+            if p.grad is not None and self.layout.coord("dp") == 0 and (name in self.chunked
+                                                                         or self.layout.coord("tp") == 0):
                 squares[index[name]] = p.grad.float().square().sum()
+        if self.layout.coord("tp") > 0:  # the tp ranks of a stage log the same values: the first counts them
+            self.table.zero_()
         mine = torch.cat([self.table.reshape(-1), squares])
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
@@ -292,6 +299,8 @@ class _InvariantPipeline:
         for row in table:
             aux = sum(row[2:].unbind(), torch.zeros((), device=self.device))
             logged.append([torch.stack([row[0], row[1], aux]) / self.M])
+        if self.tp:  # as tp-invariant sums them
+            return _tree_sum(logged)[0], squares.sum()
         sq = torch.zeros((), device=self.device)
         for value in squares:
             sq += value
@@ -330,14 +339,15 @@ class ParallelModel:
             mesh = layout.mesh
             if layout.size("tp") > 1:  # fsdp x tp: the invariant chunked projections, each rank's chunks sharded
                 _chunked_tensor_parallel(self.raw, layout, "invariant")
+            if len(layout.sizes) > 1:  # fsdp x tp, dp x fsdp: sharded over the fsdp dimension only
                 mesh = layout.mesh["fsdp"]
             for layer in self.raw.layers.values():
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.raw, mesh=mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
-        elif kind in ("tp-invariant", "tp-plain"):
-            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-"))
+        elif kind in ("tp-invariant", "tp-plain") or (kind == "pp-invariant" and layout.size("tp") > 1):
+            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-").removeprefix("pp-"))
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
         self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
@@ -352,7 +362,10 @@ class ParallelModel:
                 self._build_pipeline(batch_size // layout.size("dp"), seq_len,
                                      microbatches=microbatches // layout.size("dp"), schedule=schedule)
             elif kind.startswith("fsdp-"):
-                self._fsdp = microbatches, layout.group("fsdp") if layout.mesh is not None else None
+                # the data blocks are over dp x fsdp (world rank d F + f, dp x fsdp the whole mesh), or over fsdp
+                group = None if layout.mesh is None else dist.group.WORLD if layout.size("dp") > 1 \
+                    else layout.group("fsdp")
+                self._fsdp = microbatches, group
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
             else:
                 dp = layout.group("dp") if layout.mesh is not None else None
@@ -372,7 +385,9 @@ class ParallelModel:
         if self.layout.mesh is None:  # one process: nothing is sharded, the tree is invariant_backward's
             return
         if invariant:
-            self._comms = shard_invariantly(self.raw, microbatches=microbatches // self.layout.size("fsdp"))
+            dp, replicas = self.layout.size("dp"), self.layout.group("dp") if self.layout.size("dp") > 1 else None
+            self._comms = shard_invariantly(self.raw, microbatches=microbatches // (dp * self.layout.size("fsdp")),
+                                            replicas=replicas)
         else:
             for module in self.raw.modules():
                 if isinstance(module, FSDPModule):
