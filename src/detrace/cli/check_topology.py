@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     elif result.first is None:
         final = result.finals[result.reference]
         # sharded layouts: their parameters are compared through the final params line only
-        tensors = "" if any(m.shards for m in meshes) else f"{result.tensors} parameters, "
+        unsharded = " of the unsharded layouts" if any(m.shards for m in meshes) else ""
+        tensors = f"{result.tensors} parameters{unsharded}, " if result.tensors else ""
         print(f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "
               f"({result.steps} steps, {tensors}final params {final})" if final else
               f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "

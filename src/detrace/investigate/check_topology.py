@@ -9,10 +9,12 @@ the k-th loss of a step on data-parallel coordinate d is microbatch d * n + k wh
 contiguous blocks of `detrace.parallel.data`; d the rank's coordinate over the data dimensions,
 `Layout.data_block`); the gradient norm by global step, compared only when no layout splits the gradients (T > 1,
 FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own part). Where ranks hold shards of one
-parameter under one name (FSDP, expert parallelism) the tracer records each shard: parameters are then compared
-through the `final params` line, which every run must print. A name that several ranks of a run hold (a replica)
-must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it. Every run
-must equal the first layout's. A `final params HEX` line in CMD's output, if every run prints one, is compared too.
+parameter under one name (FSDP, expert parallelism) the tracer records each shard: that run's parameters are then
+compared through the `final params` line, which it and the reference must print; the other runs' still step by step
+against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
+replica) must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it.
+Every run must equal the first layout's. A `final params HEX` line in CMD's output is compared too, in each run that
+prints one, when the reference does (a pipeline stage's trainer may print none).
 
 With `resume_at=K` (`--resume-at K`), the first world size's continuous run is the reference; CMD then runs at
 that world size stopped after step K (the resume contract: DETRACE_CKPT_DIR, DETRACE_STOP_AT), and is resumed
@@ -342,11 +344,11 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
     first, first_param, steps, tensors = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
     sharded = next((r for r in ended if r.mesh.shards), None)
-    if sharded is not None and not all(finals[r.label] for r in ended):
+    if sharded is not None and not all(finals[r.label] for r in ended if r.mesh.shards or r is ended[0]):
         raise CommandFailed(f"CMD printed no `final params HEX` line in every run: on {sharded.label} each rank "
                             "holds a shard of the parameters, which are compared through that line")
-    if first is None and all(finals[r.label] for r in ended):
-        odd = next((r for r in ended if finals[r.label] != finals[ended[0].label]), None)
+    if first is None and finals[ended[0].label]:  # every run that printed one (a pipeline stage's run may not)
+        odd = next((r for r in ended if finals[r.label] and finals[r.label] != finals[ended[0].label]), None)
         if odd is not None:
             first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
                              detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
@@ -379,23 +381,26 @@ def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, in
     for run in runs:
         records[run.label], inner = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
         first = first or inner
-    if any(run.mesh.shards for run in runs):  # the parameters of every run, or of none, are compared per step
-        records = {label: {key: bits for key, bits in keyed.items() if key[1] != "param"}
-                   for label, keyed in records.items()}
-    elif not any(kind == "param" for _, kind, _ in records[runs[0].label]):
+    # a sharded run's parameters are not compared per step; with a sharded reference, no run's are
+    unsharded = not runs[0].mesh.shards
+    records = {run.label: {key: bits for key, bits in records[run.label].items()
+                           if key[1] != "param" or (unsharded and not run.mesh.shards)} for run in runs}
+    if unsharded and not any(kind == "param" for _, kind, _ in records[runs[0].label]):
         raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
                             "step a torch.optim optimizer?")
     reference = records[runs[0].label]
     for run in runs[1:]:
         until = run.until_step if run.until_step is not None else sys.maxsize
-        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until}
+        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until
+                    and (key[1] != "param" or not run.mesh.shards)}
         if first is None:
             differences = _differences(expected, records[run.label], run)
             first = next(differences, None)
             if first is not None and first.kind != "param":
                 first_param = next((m for m in differences if m.kind == "param"), None)
     steps = {step for step, _, _ in reference}
-    tensors = {name for _, kind, name in reference if kind == "param"}
+    compared = any(not run.mesh.shards for run in runs[1:])  # a run whose parameters met the reference's
+    tensors = {name for _, kind, name in reference if kind == "param" and compared}
     return first, first_param, len(steps), len(tensors)
 
 
