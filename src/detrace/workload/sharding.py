@@ -16,6 +16,9 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
 | fsdp-invariant | fsdp=W (or 1) | dp-invariant's; parameters sharded on dim 0 | fixed tree in the reduce-scatter |
 | fsdp-plain | fsdp=W (or 1) | as fsdp-invariant (the control)            | fully_shard's accumulation, reduce-scatter |
+| fsdp-invariant | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (HSDP)   | the tree, completed over dp (fixed order) |
+| fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
+| pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
