@@ -633,7 +633,7 @@ def _tiny() -> nn.Module:
 
 
 @pytest.mark.slow
-def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp(
+def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp_and_autograds_running_sum_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # every parameter by name after every step (each stage holds its own, its dp replicas agree), and the losses by
     # global microbatch; 1F1B on the composed mesh: 2 stages, each data-parallel over 2 (GPipe: pp2xtp2 in the tp
@@ -642,3 +642,11 @@ def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp(
                               "invariant", "--schedule", "1f1b", "--steps", "2")
     assert code == 0, report
     assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))
+    # the control: the same schedule, seeds and loss, each stage's microbatch gradients summed in autograd's running
+    # sum (in the order the backwards run) instead of the tree: another parameter after the first step, named
+    code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "pp1,pp2", "--", *TRAIN, "--parallel", "plain",
+                              "--steps", "1")
+    first = report["first"]
+    assert code == 1 and isinstance(first, dict), report
+    assert (first["kind"], first["step"], first["run"]) == ("param", 0, "layout pp2")
+    assert first["name"] in {n for n, _ in _tiny().named_parameters()}

@@ -49,6 +49,7 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "fsdp2xtp2", None) == ("fsdp-invariant", 2, 1, 1)
     assert resolve_layout("invariant", "dp2xfsdp2", None) == ("fsdp-invariant", 1, 1, 2)  # 2 replicas of 2 shards
     assert resolve_layout("invariant", "pp2xtp2", None) == ("pp-invariant", 2, 2, 1)
+    assert resolve_layout("plain", "pp2xdp2", None) == ("pp-plain", 1, 2, 1)  # the control: autograd's running sum
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
     assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -57,7 +58,7 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1, 1)  # a named tp: the chunked layers
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
                                (2, ("invariant", "ep2", None), "not one the reference trainer runs"),
-                               (2, ("plain", "pp2", None), "not one the reference trainer runs"),
+                               (4, ("plain", "pp2xtp2", None), "runs with --parallel plain"),
                                (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
                                (4, ("invariant", "fsdp2xpp2", None), "runs with --parallel invariant"),
                                (4, ("plain", "dp2xfsdp2", None), "runs with --parallel plain"),

@@ -32,15 +32,17 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "fsdp-invariant": (("fsdp", None),),
     "fsdp-plain": (("fsdp", None),),
     "pp-invariant": (("pp", None), ("dp", None)),
+    "pp-plain": (("pp", None), ("dp", None)),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
 
-INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant")
+INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant", "pp-plain")
 """Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
 fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
 tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
 fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
-over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`)."""
+over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`; pp-plain: autograd's running sum
+over them, the control of pp-invariant)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +108,9 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
         if tp != 1:
             raise UsageError(f"--tp {tp} needs {tp} processes or a multiple: launch it with torchrun")
         return Layout(kind=kind, rank=0, world=1, device=torch.device("cuda" if cuda else "cpu"))
-    if kind == "pp-invariant":
+    if kind in ("pp-invariant", "pp-plain"):
         if pp < 2 or world % (pp * tp):
-            raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
+            raise UsageError(f"--parallel {kind} needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // (pp * tp), **({"tp": tp} if tp > 1 else {})}, cuda)
     if kind == "fsdp-invariant" and tp * dp > 1:
         if tp & (tp - 1) or dp & (dp - 1) or world % (tp * dp):

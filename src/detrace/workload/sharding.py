@@ -19,6 +19,7 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | fsdp-invariant | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (HSDP)   | the tree, completed over dp (fixed order) |
 | fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
 | pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
+| pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -234,11 +235,13 @@ class _InvariantPipeline:
         self.table = torch.zeros(0)
         self.forwards = 0
 
-    def attach(self, stage: HybridLM, cfg: ModelConfig) -> None:
+    def attach(self, stage: HybridLM, cfg: ModelConfig, *, tree: bool) -> None:
+        """`tree`: sum the microbatches' gradients in the fixed tree; else (pp-plain, the control) in autograd's
+        running sum, in the order the schedule runs the backwards."""
         from detrace.parallel.pipeline import SeededForwards, TreeGradients
 
         self.stage, self.cfg = stage, cfg
-        self.grads = TreeGradients(stage.parameters(), self.n)
+        self.grads = TreeGradients(stage.parameters(), self.n) if tree else None
         self.seeds = SeededForwards(stage, self.device)
         here = dict(stage.named_modules())
         self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
@@ -251,9 +254,11 @@ class _InvariantPipeline:
         self.table = torch.zeros(self.M, 2 + len(self.moe_names), device=self.device)  # lm, mtp, aux per layer
         self.forwards, self.losses = self.first, self.first
         self.seeds.begin(step_seed(), first=self.first)
-        self.grads.begin()
+        if self.grads is not None:
+            self.grads.begin()
         yield
-        self.grads.finish()
+        if self.grads is not None:
+            self.grads.finish()
         if self.layout.size("dp") > 1:  # complete the tree over the data-parallel blocks
             from detrace.parallel.data import _buckets, _exchange, _flatten
 
@@ -360,7 +365,7 @@ class ParallelModel:
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
-            if kind == "pp-invariant" and layout.mesh is not None:
+            if kind in ("pp-invariant", "pp-plain") and layout.mesh is not None:
                 self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)
                 self._build_pipeline(batch_size // layout.size("dp"), seq_len,
                                      microbatches=microbatches // layout.size("dp"), schedule=schedule)
@@ -431,7 +436,7 @@ class ParallelModel:
             scale_grads=not invariant,
         )
         if self._pipeline is not None:
-            self._pipeline.attach(self.raw, self.cfg)
+            self._pipeline.attach(self.raw, self.cfg, tree=self.layout.kind == "pp-invariant")
         # Set up before training, not at the first step: a resumed process's first step makes the calls of a run
         # that never stopped (`detrace check-resume`).
         target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None

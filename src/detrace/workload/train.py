@@ -142,8 +142,8 @@ class TrainConfig:
                              "dispatch's backward races)")
         if self.schedule not in parallel.SCHEDULES:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
-        if self.stages < 1 or (self.stages != 1 and self.parallel != "pp-invariant"):
-            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant")
+        if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain")):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant or pp-plain")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
                                                                                       "pp-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
@@ -222,11 +222,11 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     if "fsdp" in dict(named.sizes) and parallel == "invariant" and (
             named.dims <= {"fsdp", "tp"} or named.dims <= {"dp", "fsdp"}):
         return "fsdp-invariant", t, 1, named.size("dp")
-    if "pp" in dict(named.sizes) and (named.dims <= {"pp", "dp"} or named.dims <= {"pp", "tp"}) \
-            and parallel == "invariant":
-        return "pp-invariant", t, named.size("pp"), 1
+    if "pp" in dict(named.sizes) and (named.dims <= {"pp", "dp"} or (named.dims <= {"pp", "tp"}
+                                                                    and parallel == "invariant")):
+        return f"pp-{parallel}", t, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD, ppPxtpT, dpDxfsdpF and fsdpFxtpT "
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD and, invariant only, ppPxtpT, dpDxfsdpF and fsdpFxtpT "
                      "layouts")
 
 
@@ -326,7 +326,7 @@ def train(cfg: TrainConfig) -> None:
         # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
                                    elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1
-                                   and cfg.parallel != "pp-invariant")
+                                   and cfg.parallel not in ("pp-invariant", "pp-plain"))
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
