@@ -26,7 +26,9 @@ Plain concatenates the rank's chunks into one weight at each call (a copy the si
 FSDP (`--part fsdp`): fsdp-invariant (`detrace.parallel.fsdp`: fully_shard with the fixed-tree reduce-scatter)
 against fsdp-plain (fully_shard's own reduce-scatter, gradient accumulation without sync until the last
 microbatch), the reference model's whole step over the global batch of M microbatches (`ParallelModel`), at each
-fsdp size of --worlds, one set of ranks running both interleaved. Figure: the median of invariant / plain.
+fsdp size of --worlds and on dp2xfsdp2 (2 replicas of 2 shards: the invariant tree completed over the replicas
+against fully_shard's HSDP, reduce-scatter then all-reduce), one set of ranks running both interleaved. Figure: the
+median of invariant / plain.
 
 Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over microbatch gradients, seeded
 forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import tempfile
@@ -265,25 +268,27 @@ def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendez
     dist.destroy_process_group()
 
 
-def _layout_timing(rank: int, world: int, args: argparse.Namespace, dim: str, kinds: tuple[tuple[str, str], ...],
-                   out: str, rendezvous: str) -> None:
-    """The reference model's whole step on the global batch of M microbatches (`ParallelModel`), on `world`
-    ranks of mesh dimension `dim`, for each (mode, layout kind) of `kinds`, interleaved on one set of ranks:
-    fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter, accumulation without sync until the last
-    microbatch), pp-invariant against pp (torch's Schedule1F1B, autograd's accumulation, scaled)."""
+def _layout_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str, int],
+                   kinds: tuple[tuple[str, str], ...], out: str, rendezvous: str) -> None:
+    """The reference model's whole step on the global batch of M microbatches (`ParallelModel`), on the mesh of
+    `sizes` (dimension -> size, outermost first), for each (mode, layout kind) of `kinds`, interleaved on one set of
+    ranks: fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter, and all-reduce over dp replicas,
+    accumulation without sync until the last microbatch), pp-invariant against pp (torch's Schedule1F1B,
+    autograd's accumulation, scaled)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from detrace.workload.layouts import INVARIANT, Layout
     from detrace.workload.sharding import ParallelModel
 
     _setup(rank, world, rendezvous, args.threads)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(dim,))
+    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    coords = {name: mesh.get_local_rank(name) for name in sizes}
     cfg, batch, seq, _ = _reference(args.preset)
     gen = torch.Generator().manual_seed(0)
     steps = {}
     for mode, kind in kinds:
-        layout = Layout(kind=kind, rank=rank, world=world, device=torch.device("cpu"), sizes={dim: world},
-                        coords={dim: rank}, mesh=mesh)
+        layout = Layout(kind=kind, rank=rank, world=world, device=torch.device("cpu"), sizes=sizes, coords=coords,
+                        mesh=mesh)
         pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq,
                            microbatches=args.microbatches if kind in INVARIANT else None)
         opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
@@ -339,16 +344,18 @@ def main() -> None:
                 lo, mid, hi = _quartiles(data[what])
                 figures.append(f"{label} tp-invariant/plain: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
                                f"{len(data[what])} pairs)")
-        for world in [int(w) for w in args.worlds.split(",")] if args.part in ("fsdp", "all") else []:
-            path = f"{tmp}/fsdp-{world}.json"
-            _spawn(_layout_timing, world, args, "fsdp", (("invariant", "fsdp-invariant"), ("plain", "fsdp-plain")),
-                   path)
+        fsdp = (("invariant", "fsdp-invariant"), ("plain", "fsdp-plain"))
+        meshes = [{"fsdp": int(w)} for w in args.worlds.split(",")] + [{"dp": 2, "fsdp": 2}]
+        for sizes in meshes if args.part in ("fsdp", "all") else []:
+            name, world = "x".join(f"{d}{n}" for d, n in sizes.items()), math.prod(sizes.values())
+            path = f"{tmp}/{name}.json"
+            _spawn(_layout_timing, world, args, sizes, fsdp, path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time fsdp{world} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
+            figures.append(f"step time {name} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         if args.part in ("pp", "all"):
             path = f"{tmp}/pp-2.json"
-            _spawn(_layout_timing, 2, args, "pp", (("invariant", "pp-invariant"), ("plain", "pp")), path)
+            _spawn(_layout_timing, 2, args, {"pp": 2}, (("invariant", "pp-invariant"), ("plain", "pp")), path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")

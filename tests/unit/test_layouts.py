@@ -48,6 +48,7 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "pp2xdp2", None) == ("pp-invariant", 1, 2, 1)
     assert resolve_layout("invariant", "fsdp2xtp2", None) == ("fsdp-invariant", 2, 1, 1)
     assert resolve_layout("invariant", "dp2xfsdp2", None) == ("fsdp-invariant", 1, 1, 2)  # 2 replicas of 2 shards
+    assert resolve_layout("plain", "dp2xfsdp2", None) == ("fsdp-plain", 1, 1, 2)  # fully_shard's HSDP
     assert resolve_layout("invariant", "pp2xtp2", None) == ("pp-invariant", 2, 2, 1)
     assert resolve_layout("plain", "pp2xdp2", None) == ("pp-plain", 1, 2, 1)  # the control: autograd's running sum
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
@@ -61,7 +62,6 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
                                (4, ("plain", "pp2xtp2", None), "runs with --parallel plain"),
                                (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
                                (4, ("invariant", "fsdp2xpp2", None), "runs with --parallel invariant"),
-                               (4, ("plain", "dp2xfsdp2", None), "runs with --parallel plain"),
                                (4, ("invariant", "pp2xfsdp2", None), "runs with --parallel invariant"),
                                (8, ("invariant", "dp2xfsdp2xtp2", None), "runs with --parallel invariant"),
                                (1, ("plain", "dp1", None), "not one the reference trainer runs"),

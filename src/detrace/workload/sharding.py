@@ -17,6 +17,7 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | fsdp-invariant | fsdp=W (or 1) | dp-invariant's; parameters sharded on dim 0 | fixed tree in the reduce-scatter |
 | fsdp-plain | fsdp=W (or 1) | as fsdp-invariant (the control)            | fully_shard's accumulation, reduce-scatter |
 | fsdp-invariant | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (HSDP)   | the tree, completed over dp (fixed order) |
+| fsdp-plain | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (the control) | fully_shard's HSDP (all-reduce over dp) |
 | fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
 | pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
 | pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
@@ -347,7 +348,9 @@ class ParallelModel:
             mesh = layout.mesh
             if layout.size("tp") > 1:  # fsdp x tp: the invariant chunked projections, each rank's chunks sharded
                 _chunked_tensor_parallel(self.raw, layout, "invariant")
-            if len(layout.sizes) > 1:  # fsdp x tp, dp x fsdp: sharded over the fsdp dimension only
+            # fsdp x tp, and dp x fsdp invariant (its replicas complete the tree themselves): sharded over the fsdp
+            # dimension only; dp x fsdp plain: fully_shard's HSDP on the whole mesh (reduce-scatter, then all-reduce)
+            if layout.size("tp") > 1 or (layout.size("dp") > 1 and kind == "fsdp-invariant"):
                 mesh = layout.mesh["fsdp"]
             for layer in self.raw.layers.values():
                 fully_shard(layer, mesh=mesh)

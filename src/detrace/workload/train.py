@@ -99,8 +99,8 @@ class TrainConfig:
     stages: int = 1
     """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks)."""
     replicas: int = 1
-    """--parallel fsdp-invariant: data-parallel replicas D of the sharded model (a named dpDxfsdpF layout: each
-    replica's F ranks shard it; HSDP)."""
+    """--parallel fsdp-invariant, fsdp-plain: data-parallel replicas D of the sharded model (a named dpDxfsdpF
+    layout: each replica's F ranks shard it; HSDP)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -147,8 +147,8 @@ class TrainConfig:
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
                                                                                       "pp-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
-        if self.replicas < 1 or (self.replicas != 1 and (self.parallel != "fsdp-invariant" or self.tp != 1)):
-            raise UsageError("data-parallel replicas of a sharded model go with --parallel invariant on a "
+        if self.replicas < 1 or (self.replicas != 1 and (not self.parallel.startswith("fsdp-") or self.tp != 1)):
+            raise UsageError("data-parallel replicas of a sharded model go with --parallel invariant or plain on a "
                              "dpDxfsdpF layout")
 
     def model_config(self) -> ModelConfig:
@@ -217,16 +217,14 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
         # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
         return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1, 1
-    if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
-        return f"fsdp-{parallel}", 1, 1, 1
-    if "fsdp" in dict(named.sizes) and parallel == "invariant" and (
-            named.dims <= {"fsdp", "tp"} or named.dims <= {"dp", "fsdp"}):
-        return "fsdp-invariant", t, 1, named.size("dp")
+    if "fsdp" in dict(named.sizes) and (named.dims <= {"dp", "fsdp"}
+                                        or (named.dims <= {"fsdp", "tp"} and parallel == "invariant")):
+        return f"fsdp-{parallel}", t, 1, named.size("dp")
     if "pp" in dict(named.sizes) and (named.dims <= {"pp", "dp"} or (named.dims <= {"pp", "tp"}
                                                                     and parallel == "invariant")):
         return f"pp-{parallel}", t, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp), ppPxdpD and, invariant only, ppPxtpT, dpDxfsdpF and fsdpFxtpT "
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD, dpDxfsdpF and, invariant only, ppPxtpT and fsdpFxtpT "
                      "layouts")
 
 
