@@ -383,6 +383,8 @@ class ParallelModel:
                 self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
         if layout.size("pp") > 1 and self.schedule is None:
             self._build_pipeline(batch_size, seq_len)
+        self._chunked = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in self.raw.modules())
+        """The projections are detrace.parallel.tensor's chunks (by global name in the metrics and fingerprint)."""
         # parameter lists for the hand-written gradient averages
         named = list(self.raw.named_parameters())
         self._experts = [p for n, p in named if _is_expert(n)]
@@ -563,12 +565,13 @@ class ParallelModel:
         if self._invariant_sums is not None:
             # Every rank holds every gradient (of its chunks, under tp) and the tree's sums: the same bits at every W.
             lm, mtp, aux = self._invariant_sums.unbind()
-            if self._tp_group is None:  # fsdp: each gradient gathered (exact), summed as at one rank
+            if not self._chunked:  # fsdp: each gradient gathered (exact), summed as at one rank
                 sq = torch.zeros((), device=layout.device)
                 for p in self.raw.parameters():
                     if p.grad is not None:
                         sq += _whole(p.grad).float().square().sum()
-            else:  # one squared norm per parameter of the whole model, by global name, summed in that order
+            else:  # one squared norm per parameter of the whole model, by global name, summed in that order (T = 1
+                # too: the chunked layers' runs print the same norm at every T)
                 squares = {n: _whole(p.grad).float().square().sum()
                            for n, p in self.raw.named_parameters() if p.grad is not None}
                 sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
