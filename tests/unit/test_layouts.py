@@ -177,3 +177,32 @@ def test_a_stage_sums_its_microbatches_as_one_process_does_whatever_the_schedule
         grads.begin()
         loss(stage, 0).backward()
         grads.finish()
+
+
+def test_the_chunked_layers_grad_norm_at_t1_is_summed_as_at_every_t(monkeypatch: pytest.MonkeyPatch) -> None:
+    # at T > 1 the printed norm sums one square per parameter of the whole model by global name, as one vector
+    # (`by_global_name`); one process (1x1, tp1) must sum them the same way, or it prints other last bits than 2x2,
+    # fsdp2xtp2 and pp2xtp2 (as it did when it summed them in module order)
+    from dataclasses import replace
+
+    from detrace.parallel.tensor import by_global_name
+    from detrace.workload import layouts
+    from detrace.workload.model import PRESETS, ModelConfig
+    from detrace.workload.sharding import ParallelModel
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = PRESETS["tiny"]["model"]
+    assert isinstance(base, ModelConfig)
+    pm = ParallelModel(replace(base, dispatch="fixed"), layouts.setup("tp-invariant"), seed=0, batch_size=8,
+                       seq_len=32, microbatches=4)
+    g = torch.Generator().manual_seed(0)
+    for p in pm.raw.parameters():  # gradients of unequal scales: the sum of their squares depends on its order
+        p.grad = torch.randn(p.shape, generator=g) * (1.0 + torch.rand((), generator=g))
+    pm._invariant_sums = torch.zeros(3)  # the step's logged sums (metrics reads them with the gradients)
+    squares = {n: p.grad.float().square().sum() for n, p in pm.raw.named_parameters() if p.grad is not None}
+    in_module_order = torch.zeros(())
+    for value in squares.values():
+        in_module_order += value
+    by_name = by_global_name(pm.raw, squares, dtype=torch.float32).sum()
+    assert in_module_order.item() != by_name.item()  # the two orders give other bits here: the check below can fail
+    assert pm.metrics()["grad_norm"].item() == by_name.sqrt().item()
