@@ -65,8 +65,16 @@ def render(result: AblateResult) -> None:
         at = "" if o.at == config.step else f" at step {o.at}"
         print(f"  {o.variant.name:<18} {shown:>10}  {'spikes' if o.spiked else 'no spike':<8}{at}  "
               f"{o.variant.change}; departs: {where}")
-    runs = (1 if base else 0) + len(result.outcomes)
-    print(f"  cost     {runs} runs, {result.steps} steps, {result.seconds:.1f} s; kept in {config.out}")
+    if result.samples is not None:
+        bisected = result.samples
+        named = "-" if bisected.culprit is None else f"dataset index {bisected.culprit}"
+        print(f"  samples  of step {bisected.step}: {', '.join(map(str, bisected.indices)) or 'not recorded'}; "
+              f"the one it needs: {named}")
+        for o in bisected.replays:
+            shown = "-" if o.value is None else f"{o.value:.6g}"
+            state = "unavailable" if o.unavailable is not None else "spikes" if o.spiked else "no spike"
+            print(f"  {o.variant.name:<18} {shown:>10}  {state:<8}  {o.variant.change}")
+    print(f"  cost     {len(result.runs)} runs, {result.steps} steps, {result.seconds:.1f} s; kept in {config.out}")
     print(f"  report   {config.out / 'report.html'}")
 
 
