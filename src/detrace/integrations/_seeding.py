@@ -70,6 +70,9 @@ class SampleKeys(Sampler[tuple[int, int]]):
         self.batching: tuple[int, bool] | None = None
         """The loader's batch size and drop_last, when its batch sampler says them: the sample indices of each batch
         are then kept for the tracer."""
+        self.unseen = 0
+        """Batches the framework's loop draws at the next iteration and discards without training on them (HF's
+        skip of the batches a resumed epoch already trained): they are not kept for the tracer."""
         self._batches: collections.deque[list[int]] = collections.deque(maxlen=PENDING_BATCHES)
         # A plain RandomSampler without a generator draws its order from the global torch RNG when an epoch
         # starts: a run resumed mid-epoch would draw it from another state than the run that never stopped.
@@ -88,6 +91,7 @@ class SampleKeys(Sampler[tuple[int, int]]):
         if self._pin_order:
             self.sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
         skip, self.skip = self.skip, 0
+        unseen, self.unseen = self.unseen, 0
         dropped = drop_samples_requested()
         # A new iteration: batches an abandoned iterator prefetched never reach the training loop.
         self._batches.clear()
@@ -101,7 +105,10 @@ class SampleKeys(Sampler[tuple[int, int]]):
             if size:
                 batch.append(index)
                 if len(batch) == size:
-                    self._batches.append(batch)
+                    if unseen:
+                        unseen -= 1
+                    else:
+                        self._batches.append(batch)
                     batch = []
             yield index, sample_seed(self.seed, epoch, index)
         if batch and not keep_last:
