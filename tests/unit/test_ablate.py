@@ -59,6 +59,7 @@ def loss(kind: str, step: int, batch: list[int], args: Sequence[str], env: Mappi
     together, or by a setting that --lr or ENV FIX=1 turns off."""
     poisoned = POISON in batch
     spiked = {"data": poisoned, "state": step == S, "both": step == S and poisoned,
+              "either": poisoned or POISON - 4 in batch,  # two poisoned samples of one batch, each enough alone
               "setting": step == S and "--lr" not in args and env.get("FIX") != "1", "none": False}[kind]
     return base(step) + (SPIKE if spiked else 0.0)
 
@@ -317,3 +318,28 @@ def test_a_variant_cannot_point_the_contract_at_the_original_runs_checkpoints(va
     # ENV:DETRACE_CKPT_DIR=<the original's checkpoints> added versions there and moved its `latest`.
     with pytest.raises(UsageError, match=f"sets {variable}, which ablate sets for each run itself"):
         parse_variant(f"mine=ENV:A=1,{variable}=runs/original/ckpt")
+
+
+class IgnoresDrops(World):
+    """A program that does not know DETRACE_DROP_SAMPLES (its sampler is not detrace's): it trains on them."""
+
+    def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        return super().__call__(cmd, out, {k: v for k, v in env.items() if k != "DETRACE_DROP_SAMPLES"})
+
+
+def test_no_sample_is_named_without_evidence_about_the_batch_of_s(tmp_path: Path) -> None:
+    # No sample indices in the trace: nothing to bisect, and no run spent on it.
+    world = World("data", samples=False)
+    result = ablate(config(tmp_path, original(tmp_path, "data")), world)
+    assert result.cause == "data" and result.samples is not None and result.samples.culprit is None
+    assert "the trace names no sample of step 12's batch" in result.summary and len(world.calls) == 4
+    # A program that ignores the drop: its replay is the baseline's, bit for bit, and the bisection stops there
+    # instead of reading "still spikes" as "not in this half".
+    result = ablate(config(tmp_path / "b", original(tmp_path / "b", "data")), IgnoresDrops("data"))
+    assert result.samples is not None and result.samples.culprit is None and len(result.samples.replays) == 1
+    assert "drop-1 did not drop samples 96,97,98,99 from step 12's batch alone" in result.summary
+    # Two poisoned samples, either enough: no single drop removes the spike, and none is named.
+    result = ablate(config(tmp_path / "c", original(tmp_path / "c", "either")), World("either"))
+    assert result.cause == "data" and result.samples is not None and result.samples.culprit is None
+    assert "no single sample of step 12's batch carries the spike alone" in result.summary
+    assert result.to_json()["samples"]["culprit"] is None
