@@ -45,7 +45,7 @@ def train(out: Path, *, steps: int, env: dict[str, str] | None = None, discard: 
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=workers)
-    keys = seed_samples(loader, seed=0, framework="test")
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
     assert keys is not None
     keys.unseen = discard
     trained: list[list[int]] = []
@@ -91,7 +91,7 @@ def test_an_abandoned_iterator_leaves_nothing_behind(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
     loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=2)
-    keys = seed_samples(loader, seed=0, framework="test")
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
     assert keys is not None
     with detrace.trace(tmp_path / "a", rung="semantic"):
         next(iter(loader))  # prefetched batches, never trained on (Lightning restarts an epoch's iterator)

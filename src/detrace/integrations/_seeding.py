@@ -214,13 +214,17 @@ def make_stateful(loader: Any) -> Any:
     return loader
 
 
-def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "") -> SampleKeys | None:
+def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "", record: bool = False
+                 ) -> SampleKeys | None:
     """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
 
     Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
     loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
     alone (with one warning, ending in `hint`) and None is returned; training goes on as without detrace's data
-    handling.
+    handling. `record`: keep each batch's sample indices for the tracer (`SampleKeys.batching`); only where the
+    caller knows every batch the loop draws without training on it (`SampleKeys.unseen`): a loader that resumes by
+    stepping its sampler past the trained batches (a StatefulDataLoader) would shift every record of the resumed
+    run.
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
         _warn_unindexed(framework, hint)
@@ -239,7 +243,7 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "
         return index_sampler
     keys = SampleKeys(index_sampler, seed=seed)
     size = getattr(holders[-1], "batch_size", None)
-    if isinstance(size, int) and size > 0:
+    if record and isinstance(size, int) and size > 0:
         keys.batching = size, bool(getattr(holders[-1], "drop_last", False))
     for holder in holders:
         if holder.sampler is index_sampler:

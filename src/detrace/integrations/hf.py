@@ -117,7 +117,7 @@ class DetraceCallback(TrainerCallback):
         seed = args.data_seed if args.data_seed is not None else args.seed
         stream = resumable_stream(train_dataloader)
         self._keys = None if stream is not None else seed_samples(
-            train_dataloader, seed=seed, framework="transformers Trainer", hint=STREAM_HINT)
+            train_dataloader, seed=seed, framework="transformers Trainer", hint=STREAM_HINT, record=True)
         self._state = TrainState(
             model=model,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate's AcceleratedOptimizer wraps it
