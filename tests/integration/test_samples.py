@@ -108,3 +108,19 @@ def test_a_malformed_drop_is_refused() -> None:
     with mock.patch.dict(os.environ, {"DETRACE_DROP_SAMPLES": "3,x"}), pytest.raises(
             UsageError, match=r"^DETRACE_DROP_SAMPLES must be dataset indices separated by commas"):
         drop_samples_requested()
+
+
+def test_batches_a_wrapper_reshapes_are_not_recorded(tmp_path: Path) -> None:
+    # accelerate under DDP wraps the batch sampler in its shard of each batch: this rank trains on other batches
+    # than the ones the index sampler's order groups, so no samples are recorded rather than wrong ones.
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    dataset = Indexed()
+    sharded = BatchSamplerShard(BatchSampler(RandomSampler(dataset), BATCH, False), num_processes=2, process_index=1)
+    loader = DataLoader(dataset, batch_sampler=sharded)
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
+    assert keys is not None and keys.batching is None
+    plain = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    keys = seed_samples(plain, seed=0, framework="test", record=True)
+    assert keys is not None and keys.batching == (BATCH, False)

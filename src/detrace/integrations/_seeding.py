@@ -243,7 +243,9 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "
         return index_sampler
     keys = SampleKeys(index_sampler, seed=seed)
     size = getattr(holders[-1], "batch_size", None)
-    if record and isinstance(size, int) and size > 0:
+    # Only where the loader's own batch sampler makes the batches: a wrapper above it (accelerate's shard of each
+    # batch under DDP) hands this rank other batches than the ones the index sampler's order groups.
+    if record and holders[-1] is loader.batch_sampler and isinstance(size, int) and size > 0:
         keys.batching = size, bool(getattr(holders[-1], "drop_last", False))
     for holder in holders:
         if holder.sampler is index_sampler:
