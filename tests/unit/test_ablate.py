@@ -14,7 +14,7 @@ import pytest
 from _synthetic import write_metric_run
 
 from detrace.cli import main
-from detrace.cli.ablate import run_ablation
+from detrace.cli.ablate import render, run_ablation
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.ablate import AblateConfig, ablate, parse_variant
 from detrace.state.manifest import MANIFEST_FILE
@@ -103,7 +103,7 @@ def config(tmp_path: Path, run: Path, **kwargs: object) -> AblateConfig:
 
 
 @pytest.mark.parametrize("kind", ["data", "state", "both"])
-def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
+def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     world = World(kind)
     result = ablate(config(tmp_path, original(tmp_path, kind)), world)
     assert result.verdict == "isolated" and result.exit_code == 1
@@ -140,6 +140,11 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
     assert all(o.variant.start == 8 and o.departure and o.departure.step == S for o in bisected.replays)
     assert [o.spiked for o in bisected.replays] == [True, False, True, False]
     assert bisected.note in result.summary and len(world.calls) == 8
+    assert result.to_json()["cost"] == {"runs": 8, "steps": 8 * 7, "seconds": 8 * 1.5}  # the bisection's runs too
+    render(result)
+    printed = capsys.readouterr().out
+    assert "  samples  of step 12: 96, 97, 98, 99, 100, 101, 102, 103; the one it needs: dataset index 101\n" in printed
+    assert "  drop-4" in printed and "  cost     8 runs, 56 steps, 12.0 s" in printed
 
 
 def test_a_nan_spike_is_a_spike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
