@@ -94,7 +94,8 @@ def _ablate(options: list[str], command: list[str]) -> int:
     parser = ArgumentParser(
         "ablate", "Replay the spike at step S from the last checkpoint before it (proving that the replay "
         "reproduces the original traced run), then change one thing at a time: skip its batches, feed them from an "
-        "earlier state, keep the state with other data, or your own variants. Exit 0 no spike in the replay, 1 "
+        "earlier state, keep the state with other data, or your own variants; for a data verdict, bisect the spike's "
+        "batch down to the sample. Exit 0 no spike in the replay, 1 "
         "verdict given, 2 error or not reproducible.", epilog="usage: detrace ablate --step S --run RUN -- CMD...")
     parser.add_argument("--step", type=int, required=True, metavar="S", help="global step of the spike")
     parser.add_argument("--run", type=Path, required=True, metavar="RUN",
