@@ -7,6 +7,15 @@ resumable by one line: `callbacks=[DetraceCallback()]`.
     detrace check-resume --at 3 -- python examples/hf_train.py --steps 6 --stream --workers 2   # a stream: exact
 
 --spike STEP plants a loss spike for `detrace ablate` (the learning rate of step STEP is 100 times larger).
+--poison INDEX poisons one example instead: the model is then a regression on each sequence (GPT-2 with a
+sequence-regression head), and the example of that index has a target 1000 times off, a unit error of a broken
+data pipeline, whichever step trains on it. --samples N makes the data set longer (24 by default, 3 steps an
+epoch). A run `detrace ablate` names the example of, with its defaults:
+
+    DETRACE_CKPT_DIR=ck DETRACE_CKPT_EVERY=4 detrace run --out orig -- python examples/hf_train.py --steps 16 \
+        --samples 96 --poison 13
+    detrace spikes orig
+    detrace ablate --step S --run orig -- python examples/hf_train.py --steps 16 --samples 96 --poison 13
 --stream reads the tokens as a stream instead: an HF `datasets` IterableDataset (pip install datasets torchdata),
 whose position the callback saves and resumes from.
 
@@ -25,7 +34,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_utils import get_last_checkpoint
 
 import detrace
@@ -47,6 +63,19 @@ class NoisyTokens(torch.utils.data.Dataset):
         noise = torch.rand(LENGTH) < 0.25
         tokens[noise] = torch.randint(0, VOCAB, (int(noise.sum()),))
         return {"input_ids": tokens, "labels": tokens}
+
+
+class PoisonedTargets(NoisyTokens):
+    """The same sequences, each with a regression target (the mean of its clean tokens over the vocabulary's size),
+    except the example `poison`, whose target is 1000 times off."""
+
+    def __init__(self, samples: int, poison: int) -> None:
+        super().__init__(samples)
+        self.targets = self.tokens.float().mean(1) / VOCAB
+        self.targets[poison] *= 1000
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": super().__getitem__(index)["input_ids"], "labels": self.targets[index]}
 
 
 class PlainContract(TrainerCallback):
@@ -80,16 +109,23 @@ def token_stream(samples: int) -> torch.utils.data.IterableDataset:
 
 
 def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stream: bool = False,
-                 spike: int | None = None) -> Trainer:
+                 spike: int | None = None, samples: int = 24, poison: int | None = None) -> Trainer:
     """The Trainer of this example; with `plain`, HF alone under the same stop/resume contract; with `stream`, the
-    data is a stream that says where it is; with `spike`, that step's learning rate is 100 times larger."""
+    data is a stream that says where it is; with `spike`, that step's learning rate is 100 times larger; with
+    `poison`, a regression whose example of that index has a target 1000 times off; `samples` examples."""
     args = TrainingArguments(
         output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", dataloader_num_workers=workers, report_to="none",
         disable_tqdm=True, seed=0, use_cpu=True,
     )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2))
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2)
+    if poison is None:
+        model: torch.nn.Module = GPT2LMHeadModel(config)
+    else:
+        # pad_token_id: no token pads here (the head reads the last position), but a batch needs the id set.
+        config.update({"num_labels": 1, "problem_type": "regression", "pad_token_id": VOCAB})
+        model = GPT2ForSequenceClassification(config)
     if plain:
         callback: TrainerCallback = PlainContract()
         if os.environ.get("DETRACE_STOP_AT"):
@@ -100,7 +136,8 @@ def make_trainer(*, steps: int, workers: int, plain: bool, output_dir: str, stre
         from detrace.integrations.hf import DetraceCallback
 
         callback = DetraceCallback(deterministic=True)  # the one line
-    data = token_stream(24) if stream else NoisyTokens(24)
+    data = (token_stream(samples) if stream else NoisyTokens(samples) if poison is None
+            else PoisonedTargets(samples, poison))
     callbacks = [callback] if spike is None else [callback, LearningRateBump(spike)]
     return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
 
@@ -118,6 +155,9 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="the data as a stream (datasets, torchdata)")
     parser.add_argument("--spike", type=int, metavar="STEP", help="plant a loss spike: 100x the learning rate of "
                         "step STEP (from 0), for detrace ablate")
+    parser.add_argument("--samples", type=int, default=24, help="examples in the data set (8 a step)")
+    parser.add_argument("--poison", type=int, metavar="INDEX", help="a regression whose example of this index has a "
+                        "target 1000 times off, for detrace ablate")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     parser.add_argument("--output-dir", help="HF's output directory (default: a temporary one)")
     options = parser.parse_args()
@@ -126,7 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         trainer = make_trainer(steps=options.steps, workers=options.workers, plain=options.plain,
                                output_dir=options.output_dir or scratch, stream=options.stream,
-                               spike=options.spike)
+                               spike=options.spike, samples=options.samples, poison=options.poison)
         # HF's idiom: the script hands args.resume_from_checkpoint on (DetraceCallback fills it in on resume).
         trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
 

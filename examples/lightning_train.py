@@ -13,6 +13,15 @@ Under DDP, 2 processes started by torchrun (Lightning takes the ranks from its e
 --val-every N runs Lightning's validation loop every N training batches (counted across epochs): an evaluation is
 compared apart from the training, so one at the stop step changes nothing (`--val-every 5`: after step 3).
 
+--poison INDEX gives the example of that index a target 1000 times off (a unit error of a broken data pipeline),
+for `detrace ablate`, which names it with its defaults; --samples N makes the data set longer (24 by default, 3
+steps an epoch):
+
+    DETRACE_CKPT_DIR=ck DETRACE_CKPT_EVERY=4 detrace run --out orig -- python examples/lightning_train.py \
+        --steps 12 --samples 96 --poison 47
+    detrace spikes orig
+    detrace ablate --step S --run orig -- python examples/lightning_train.py --steps 12 --samples 96 --poison 47
+
 --plain leaves the callback out and resumes with Lightning's own `ckpt_path`, under the same stop/resume
 contract (DETRACE_CKPT_DIR, DETRACE_STOP_AT, DETRACE_RESUME) through a small callback of its own.
 --pass-ckpt hands the callback's checkpoint to `fit(ckpt_path=...)` as well, as a script that resumes from its
@@ -35,12 +44,15 @@ import detrace
 
 
 class NoisyPoints(torch.utils.data.Dataset):
-    """Fixed points; each read adds Gaussian noise drawn from torch's global RNG."""
+    """Fixed points; each read adds Gaussian noise drawn from torch's global RNG. The target of the example
+    `poison` is 1000 times off."""
 
-    def __init__(self, samples: int) -> None:
+    def __init__(self, samples: int, poison: int | None = None) -> None:
         generator = torch.Generator().manual_seed(1)
         self.x = torch.randn(samples, 8, generator=generator)
         self.y = torch.randn(samples, 1, generator=generator)
+        if poison is not None:
+            self.y[poison] *= 1000
 
     def __len__(self) -> int:
         return len(self.x)
@@ -86,9 +98,10 @@ class PlainContract(L.Callback):
 
 
 def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: bool = False, devices: int = 1,
-        val_every: int | None = None) -> tuple[L.Trainer, Regressor]:
+        val_every: int | None = None, samples: int = 24, poison: int | None = None) -> tuple[L.Trainer, Regressor]:
     """Train the model (in this process, or as one of `devices` DDP processes); the trainer and the model.
-    `val_every`: a validation loop every that many training batches (counted across epochs)."""
+    `val_every`: a validation loop every that many training batches (counted across epochs); `samples` examples,
+    the one at index `poison` with a target 1000 times off."""
     L.seed_everything(0, verbose=False)
     model = Regressor()
     if plain:
@@ -104,7 +117,7 @@ def fit(*, steps: int = 6, workers: int = 0, plain: bool = False, pass_ckpt: boo
         **({"val_check_interval": val_every, "check_val_every_n_epoch": None} if val_every else
            {"limit_val_batches": 0}),
     )
-    loader = torch.utils.data.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=workers)
+    loader = torch.utils.data.DataLoader(NoisyPoints(samples, poison), batch_size=4, shuffle=True, num_workers=workers)
     validation = torch.utils.data.DataLoader(NoisyPoints(8), batch_size=4) if val_every else None
     # DetraceCallback resumes by itself; Lightning alone is handed its checkpoint.
     ckpt_path = callback.ckpt_path if plain or pass_ckpt else None  # type: ignore[union-attr]
@@ -126,12 +139,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1,
                         help="CPU processes, strategy ddp when more than 1 (under torchrun: its --nproc-per-node)")
     parser.add_argument("--val-every", type=int, help="a validation loop every N training batches")
+    parser.add_argument("--samples", type=int, default=24, help="examples in the data set (8 a step)")
+    parser.add_argument("--poison", type=int, metavar="INDEX", help="the example of this index gets a target 1000 "
+                        "times off, for detrace ablate")
     parser.add_argument("--report", type=Path, help="append the final parameters' fingerprint to this file")
     options = parser.parse_args()
 
     torch.set_num_threads(1)
     trainer, model = fit(steps=options.steps, workers=options.workers, plain=options.plain,
-                         pass_ckpt=options.pass_ckpt, devices=options.devices, val_every=options.val_every)
+                         pass_ckpt=options.pass_ckpt, devices=options.devices, val_every=options.val_every,
+                         samples=options.samples, poison=options.poison)
     params = digest(model)
     print(f"final parameters: {params[:32]}")
     if options.report:

@@ -54,3 +54,14 @@ def restoring() -> Iterator[None]:
     finally:
         for listener in restore_running:
             listener(False)
+
+
+sample_source: list[Callable[[], list[int] | None]] = []
+"""At most one: returns the dataset indices of the samples of the next batch the training loop takes (None when it
+does not know them). Detrace's data handling of a framework's loader registers it (detrace.integrations._seeding);
+the tracer's batch rung takes one batch per training forward and records it with the batch."""
+
+
+def next_samples() -> list[int] | None:
+    """The sample indices of the batch the training's forward about to run takes, when a sampler knows them."""
+    return sample_source[0]() if sample_source else None

@@ -20,6 +20,7 @@ input, out of the all_reduce into every rank, and into every record of every lat
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,10 +243,32 @@ def with_metric(table: pa.Table, values: dict[int, float], *, first: int = 0) ->
     return table.filter(pa.array(steps >= first))
 
 
+def with_samples(table: pa.Table, samples: dict[int, list[int]]) -> pa.Table:
+    """`table` with a "samples" record (phase data, the batch rung's) opening each step of `samples`: the dataset
+    indices of its batch, a digest standing for them."""
+    rows = table.to_pylist()
+    out: list[dict[str, object]] = []
+    for row in rows:
+        step = row["step"]
+        if step in samples and (not out or out[-1]["step"] != step):
+            indices = samples[step]
+            digest = int(_mix(np.array([hash(tuple(indices)) & 0xFFFF_FFFF], dtype=np.uint64))[0])
+            out.append({**row, "rung": "semantic", "phase": "data", "module": None, "name": "samples",
+                        "occurrence": 0, "role": "input", "index": 0, "shape": [len(indices)], "dtype": "int64",
+                        "numel": len(indices), "digest": digest, "chunks": None, "value": None,
+                        "extra": json.dumps({"samples": indices})})
+        out.append(row)
+    for seq, row in enumerate(out):
+        row["seq"] = row["event"] = seq
+    return pa.Table.from_pylist(out, schema=ARROW_SCHEMA)
+
+
 def write_metric_run(out: str | Path, values: dict[int, float], *, ranks: int = 1, fault: Fault | None = None,
-                     first: int = 0, ops: int = 2) -> None:
+                     first: int = 0, ops: int = 2, samples: dict[int, list[int]] | None = None) -> None:
     """A synthetic run over the steps of `values` (0..max) whose loss on every rank has those values, from step
-    `first` on (a resumed run), with `fault` in it if given."""
+    `first` on (a resumed run), with `fault` in it if given, and the dataset indices of each step's batch of
+    `samples` recorded."""
     run = SyntheticRun(ranks=ranks, steps=max(values) + 1, ops=ops)
     for rank in range(ranks):
-        write_table(out, rank, with_metric(rank_table(run, rank, fault), values, first=first), world_size=ranks)
+        table = with_metric(rank_table(run, rank, fault), values, first=first)
+        write_table(out, rank, with_samples(table, samples) if samples else table, world_size=ranks)

@@ -14,7 +14,7 @@ import pytest
 from _synthetic import write_metric_run
 
 from detrace.cli import main
-from detrace.cli.ablate import run_ablation
+from detrace.cli.ablate import render, run_ablation
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.ablate import AblateConfig, ablate, parse_variant
 from detrace.state.manifest import MANIFEST_FILE
@@ -38,10 +38,28 @@ def batch_of(step: int, start: int, env: Mapping[str, str]) -> int:
     return batch
 
 
-def loss(kind: str, step: int, batch: int, args: Sequence[str], env: Mapping[str, str]) -> float:
-    """The world: a spike at S caused by the batch of S (data), by step S whatever its batch (state), by both
+BATCH = 8
+POISON = S * BATCH + 5
+"""The dataset index of the one poisoned sample: the 6th of the batch of S (the world's sampler hands out the
+indices in order, BATCH a step)."""
+
+
+def samples_of(step: int, start: int, env: Mapping[str, str]) -> list[int]:
+    """The dataset indices of the batch global step `step` trains on, in a run that started at `start`: the data
+    controls move whole batches, DETRACE_DROP_SAMPLES takes samples out of the stream (the next ones fill in), as
+    the integrations' sampler does."""
+    dropped = {int(i) for i in env.get("DETRACE_DROP_SAMPLES", "").split(",") if i}
+    batch = batch_of(step, start, env)
+    stream = [i for i in range(start * BATCH, (batch + 1) * BATCH + len(dropped)) if i not in dropped]
+    return stream[(batch - start) * BATCH:][:BATCH]
+
+
+def loss(kind: str, step: int, batch: list[int], args: Sequence[str], env: Mapping[str, str]) -> float:
+    """The world: a spike at S caused by the poisoned sample (data), by step S whatever its batch (state), by both
     together, or by a setting that --lr or ENV FIX=1 turns off."""
-    spiked = {"data": batch == S, "state": step == S, "both": step == S and batch == S,
+    poisoned = POISON in batch
+    spiked = {"data": poisoned, "state": step == S, "both": step == S and poisoned,
+              "either": poisoned or POISON - 4 in batch,  # two poisoned samples of one batch, each enough alone
               "setting": step == S and "--lr" not in args and env.get("FIX") != "1", "none": False}[kind]
     return base(step) + (SPIKE if spiked else 0.0)
 
@@ -49,8 +67,8 @@ def loss(kind: str, step: int, batch: int, args: Sequence[str], env: Mapping[str
 class World:
     """A fake launcher: each call writes the synthetic trace a run of the world would record."""
 
-    def __init__(self, kind: str, *, drift: int | None = None) -> None:
-        self.kind, self.drift = kind, drift
+    def __init__(self, kind: str, *, drift: int | None = None, samples: bool = True) -> None:
+        self.kind, self.drift, self.samples = kind, drift, samples
         self.calls: list[tuple[tuple[str, ...], dict[str, str]]] = []
 
     def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
@@ -59,18 +77,19 @@ class World:
         stop = int(env["DETRACE_STOP_AT"])
         args = tuple(cmd[1:])
         values = {t: base(t) for t in range(stop)}
+        samples = {t: samples_of(t, start, env) for t in range(start, stop)}
         for t in range(start, stop):
-            values[t] = loss(self.kind, t, batch_of(t, start, env), args, env)
+            values[t] = loss(self.kind, t, samples[t], args, env)
             if t == self.drift:
                 values[t] += 1e-6  # the replay does not reproduce the original run here
-        write_metric_run(out, values, first=start)
+        write_metric_run(out, values, first=start, samples=samples if self.samples else None)
         return 1.5
 
 
 def original(tmp_path: Path, kind: str) -> Path:
     """The original traced run (global steps 0..LAST) and its checkpoints after 4 and 8 steps."""
     run, ckpts = tmp_path / "original", tmp_path / "ckpt"
-    write_metric_run(run, {t: loss(kind, t, t, (), {}) for t in range(LAST + 1)})
+    write_metric_run(run, {t: loss(kind, t, samples_of(t, 0, {}), (), {}) for t in range(LAST + 1)})
     for step in (4, 8):
         version = ckpts / f"step-{step:08d}"
         version.mkdir(parents=True)
@@ -84,7 +103,7 @@ def config(tmp_path: Path, run: Path, **kwargs: object) -> AblateConfig:
 
 
 @pytest.mark.parametrize("kind", ["data", "state", "both"])
-def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
+def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     world = World(kind)
     result = ablate(config(tmp_path, original(tmp_path, kind)), world)
     assert result.verdict == "isolated" and result.exit_code == 1
@@ -105,10 +124,27 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str) -> None:
     earlier = next(o for o in result.outcomes if o.variant.name == "data-from-earlier")
     assert earlier.at == 8 and earlier.departure is None
     skip = next(o for o in result.outcomes if o.variant.name == "skip-batches")
-    if kind != "state":  # the first record that differs: the loss of step S
-        assert skip.departure is not None and (skip.departure.step, skip.departure.name) == (S, "loss")
-    else:
-        assert skip.departure is None  # this world's loss ignores the batch except at S
+    # The first record that differs: the samples of the first step skipped.
+    assert skip.departure is not None and (skip.departure.step, skip.departure.name) == (8, "samples")
+    if kind == "state":
+        assert result.samples is None and len(world.calls) == 4
+        return
+    # The sample: the baseline's trace names S's batch (96-103); dropping 96-99 leaves the spike, so it is in
+    # 100-103; dropping 100-101 removes it; dropping 100 leaves it; 101 alone is confirmed: 4 replays, each from C,
+    # each departing at S.
+    bisected = result.samples
+    assert bisected is not None and bisected.indices == tuple(range(S * BATCH, S * BATCH + BATCH))
+    assert bisected.culprit == POISON and bisected.note.startswith(
+        f"the sample is dataset index {POISON}, sample 6 of the 8 of step 12's batch (on rank 0)")
+    assert [o.variant.env["DETRACE_DROP_SAMPLES"] for o in bisected.replays] == ["96,97,98,99", "100,101", "100", "101"]
+    assert all(o.variant.start == 8 and o.departure and o.departure.step == S for o in bisected.replays)
+    assert [o.spiked for o in bisected.replays] == [True, False, True, False]
+    assert bisected.note in result.summary and len(world.calls) == 8
+    assert result.to_json()["cost"] == {"runs": 8, "steps": 8 * 7, "seconds": 8 * 1.5}  # the bisection's runs too
+    render(result)
+    printed = capsys.readouterr().out
+    assert "  samples  of step 12: 96, 97, 98, 99, 100, 101, 102, 103; the one it needs: dataset index 101\n" in printed
+    assert "  drop-4" in printed and "  cost     8 runs, 56 steps, 12.0 s" in printed
 
 
 def test_a_nan_spike_is_a_spike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,7 +225,7 @@ def test_the_directory_holds_json_and_a_report(tmp_path: Path) -> None:
     result = run_ablation(config(tmp_path, original(tmp_path, "state")), World("state"))
     record = json.loads((result.config.out / "ablate.json").read_text())
     assert record["schema"] == "detrace.ablate/1" and record["cause"] == "state" and record["exit_code"] == 1
-    assert record["cost"] == {"runs": 4, "steps": 7 + 7 + 7 + 7, "seconds": 6.0}
+    assert record["cost"] == {"runs": 4, "steps": 7 + 7 + 7 + 7, "seconds": 6.0} and record["samples"] is None
     assert record["variants"][0]["name"] == "data-from-earlier"
     page = (result.config.out / "report.html").read_text()
     assert "detrace ablate" in page and page.count("<svg") == 4 and "state: the spike survives" in page
@@ -287,3 +323,28 @@ def test_a_variant_cannot_point_the_contract_at_the_original_runs_checkpoints(va
     # ENV:DETRACE_CKPT_DIR=<the original's checkpoints> added versions there and moved its `latest`.
     with pytest.raises(UsageError, match=f"sets {variable}, which ablate sets for each run itself"):
         parse_variant(f"mine=ENV:A=1,{variable}=runs/original/ckpt")
+
+
+class IgnoresDrops(World):
+    """A program that does not know DETRACE_DROP_SAMPLES (its sampler is not detrace's): it trains on them."""
+
+    def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
+        return super().__call__(cmd, out, {k: v for k, v in env.items() if k != "DETRACE_DROP_SAMPLES"})
+
+
+def test_no_sample_is_named_without_evidence_about_the_batch_of_s(tmp_path: Path) -> None:
+    # No sample indices in the trace: nothing to bisect, and no run spent on it.
+    world = World("data", samples=False)
+    result = ablate(config(tmp_path, original(tmp_path, "data")), world)
+    assert result.cause == "data" and result.samples is not None and result.samples.culprit is None
+    assert "the trace names no sample of step 12's batch" in result.summary and len(world.calls) == 4
+    # A program that ignores the drop: its replay is the baseline's, bit for bit, and the bisection stops there
+    # instead of reading "still spikes" as "not in this half".
+    result = ablate(config(tmp_path / "b", original(tmp_path / "b", "data")), IgnoresDrops("data"))
+    assert result.samples is not None and result.samples.culprit is None and len(result.samples.replays) == 1
+    assert "drop-1 did not drop samples 96,97,98,99 from step 12's batch alone" in result.summary
+    # Two poisoned samples, either enough: no single drop removes the spike, and none is named.
+    result = ablate(config(tmp_path / "c", original(tmp_path / "c", "either")), World("either"))
+    assert result.cause == "data" and result.samples is not None and result.samples.culprit is None
+    assert "no single sample of step 12's batch carries the spike alone" in result.summary
+    assert result.to_json()["samples"]["culprit"] is None

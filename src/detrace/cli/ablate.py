@@ -65,8 +65,16 @@ def render(result: AblateResult) -> None:
         at = "" if o.at == config.step else f" at step {o.at}"
         print(f"  {o.variant.name:<18} {shown:>10}  {'spikes' if o.spiked else 'no spike':<8}{at}  "
               f"{o.variant.change}; departs: {where}")
-    runs = (1 if base else 0) + len(result.outcomes)
-    print(f"  cost     {runs} runs, {result.steps} steps, {result.seconds:.1f} s; kept in {config.out}")
+    if result.samples is not None:
+        bisected = result.samples
+        named = "-" if bisected.culprit is None else f"dataset index {bisected.culprit}"
+        print(f"  samples  of step {bisected.step}: {', '.join(map(str, bisected.indices)) or 'not recorded'}; "
+              f"the one it needs: {named}")
+        for o in bisected.replays:
+            shown = "-" if o.value is None else f"{o.value:.6g}"
+            state = "unavailable" if o.unavailable is not None else "spikes" if o.spiked else "no spike"
+            print(f"  {o.variant.name:<18} {shown:>10}  {state:<8}  {o.variant.change}")
+    print(f"  cost     {len(result.runs)} runs, {result.steps} steps, {result.seconds:.1f} s; kept in {config.out}")
     print(f"  report   {config.out / 'report.html'}")
 
 
@@ -86,7 +94,8 @@ def _ablate(options: list[str], command: list[str]) -> int:
     parser = ArgumentParser(
         "ablate", "Replay the spike at step S from the last checkpoint before it (proving that the replay "
         "reproduces the original traced run), then change one thing at a time: skip its batches, feed them from an "
-        "earlier state, keep the state with other data, or your own variants. Exit 0 no spike in the replay, 1 "
+        "earlier state, keep the state with other data, or your own variants; for a data verdict, bisect the spike's "
+        "batch down to the sample. Exit 0 no spike in the replay, 1 "
         "verdict given, 2 error or not reproducible.", epilog="usage: detrace ablate --step S --run RUN -- CMD...")
     parser.add_argument("--step", type=int, required=True, metavar="S", help="global step of the spike")
     parser.add_argument("--run", type=Path, required=True, metavar="RUN",

@@ -21,6 +21,7 @@ warning.
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 from collections.abc import Iterator
@@ -29,15 +30,31 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 
+from detrace import _events
 from detrace import record as tracing
 from detrace.errors import UsageError
-from detrace.state.contract import ENV_SKIP_STEPS, batches_to_skip, skip_steps_requested
+from detrace.state.contract import (
+    ENV_DROP_SAMPLES,
+    ENV_SKIP_STEPS,
+    batches_to_skip,
+    drop_samples_requested,
+    skip_steps_requested,
+)
 from detrace.state.loader import SeededCollate, sample_seed, seeded_rngs
 from detrace.state.train_state import is_stateful
 
+PENDING_BATCHES = 1024
+"""The most batches of sample indices kept for the tracer: far more than any loader prefetches (a loop that takes
+them otherwise than through a traced forward keeps the newest only)."""
+
 
 class SampleKeys(Sampler[tuple[int, int]]):
-    """Yields the wrapped sampler's indices as `(index, sample seed)` keys of the current `epoch`."""
+    """Yields the wrapped sampler's indices as `(index, sample seed)` keys of the current `epoch`, leaving out the
+    indices of the resume contract's DETRACE_DROP_SAMPLES.
+
+    While a tracer records, it also groups the indices it hands out into the loader's batches (`batching`), in
+    order, for the tracer's batch rung (`_events.sample_source`): the loader may prefetch, but it hands its batches
+    to the training loop in the order the sampler filled them, one per training forward."""
 
     def __init__(self, sampler: Sampler[int], *, seed: int) -> None:
         self.sampler = sampler
@@ -50,6 +67,13 @@ class SampleKeys(Sampler[tuple[int, int]]):
         self.follows_set_epoch = False
         """Set where no framework hook sets `epoch`: `set_epoch` (what accelerate's DataLoader calls as each epoch
         starts, with its own count) sets it."""
+        self.batching: tuple[int, bool] | None = None
+        """The loader's batch size and drop_last, when its batch sampler says them: the sample indices of each batch
+        are then kept for the tracer."""
+        self.unseen = 0
+        """Batches the framework's loop draws at the next iteration and discards without training on them (HF's
+        skip of the batches a resumed epoch already trained): they are not kept for the tracer."""
+        self._batches: collections.deque[list[int]] = collections.deque(maxlen=PENDING_BATCHES)
         # A plain RandomSampler without a generator draws its order from the global torch RNG when an epoch
         # starts: a run resumed mid-epoch would draw it from another state than the run that never stopped.
         self._pin_order = (
@@ -67,9 +91,32 @@ class SampleKeys(Sampler[tuple[int, int]]):
         if self._pin_order:
             self.sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
         skip, self.skip = self.skip, 0
+        unseen, self.unseen = self.unseen, 0
+        dropped = drop_samples_requested()
+        # A new iteration: batches an abandoned iterator prefetched never reach the training loop.
+        self._batches.clear()
+        size, keep_last = self.batching if self.batching is not None and tracing.active() is not None else (0, False)
+        if size:
+            _events.sample_source[:] = [self._next_batch]
+        batch: list[int] = []
         for position, index in enumerate(self.sampler):
-            if position >= skip:
-                yield index, sample_seed(self.seed, epoch, index)
+            if position < skip or index in dropped:
+                continue
+            if size:
+                batch.append(index)
+                if len(batch) == size:
+                    if unseen:
+                        unseen -= 1
+                    else:
+                        self._batches.append(batch)
+                    batch = []
+            yield index, sample_seed(self.seed, epoch, index)
+        if batch and not keep_last:
+            self._batches.append(batch)
+
+    def _next_batch(self) -> list[int] | None:
+        """The sample indices of the oldest batch handed out and not yet taken by a training forward."""
+        return self._batches.popleft() if self._batches else None
 
     def __len__(self) -> int:
         """The whole epoch's length, also while skipping: the framework counts the skipped batches itself."""
@@ -167,13 +214,17 @@ def make_stateful(loader: Any) -> Any:
     return loader
 
 
-def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "") -> SampleKeys | None:
+def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "", record: bool = False
+                 ) -> SampleKeys | None:
     """Give the samples of `loader` per-sample seeded randomness and its shuffling a pinned order (in place).
 
     Returns the key sampler, whose `epoch` the caller sets as each epoch starts. Calling it again on the same
     loader returns the sampler installed the first time. An `IterableDataset` has no sample index: it is left
     alone (with one warning, ending in `hint`) and None is returned; training goes on as without detrace's data
-    handling.
+    handling. `record`: keep each batch's sample indices for the tracer (`SampleKeys.batching`); only where the
+    caller knows every batch the loop draws without training on it (`SampleKeys.unseen`): a loader that resumes by
+    stepping its sampler past the trained batches (a StatefulDataLoader) would shift every record of the resumed
+    run.
     """
     if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
         _warn_unindexed(framework, hint)
@@ -191,6 +242,11 @@ def seed_samples(loader: DataLoader, *, seed: int, framework: str, hint: str = "
     if isinstance(index_sampler, SampleKeys):
         return index_sampler
     keys = SampleKeys(index_sampler, seed=seed)
+    size = getattr(holders[-1], "batch_size", None)
+    # Only where the loader's own batch sampler makes the batches: a wrapper above it (accelerate's shard of each
+    # batch under DDP) hands this rank other batches than the ones the index sampler's order groups.
+    if record and holders[-1] is loader.batch_sampler and isinstance(size, int) and size > 0:
+        keys.batching = size, bool(getattr(holders[-1], "drop_last", False))
     for holder in holders:
         if holder.sampler is index_sampler:
             holder.sampler = keys
@@ -221,6 +277,9 @@ def skip_for_controls(keys: SampleKeys | None, step: int, samples_per_step: int,
         raise UsageError(f"{ENV_SKIP_STEPS}={window[0]}-{window[1]}: detrace's {framework} integration skips "
                          f"batches only from the step the run starts at ({step}); resume from a checkpoint at or "
                          "before the window's first step, or use DETRACE_DATA_SHIFT")
+    if drop_samples_requested() and keys is None:
+        raise UsageError(f"the resume contract's {ENV_DROP_SAMPLES} names samples by index: detrace's {framework} "
+                         "integration cannot drop them from an IterableDataset")
     skip = batches_to_skip(step, first=True)
     if skip and keys is None:
         raise UsageError(f"the resume contract's data controls ({ENV_SKIP_STEPS}, DETRACE_DATA_SHIFT) skip samples "

@@ -117,7 +117,7 @@ class DetraceCallback(TrainerCallback):
         seed = args.data_seed if args.data_seed is not None else args.seed
         stream = resumable_stream(train_dataloader)
         self._keys = None if stream is not None else seed_samples(
-            train_dataloader, seed=seed, framework="transformers Trainer", hint=STREAM_HINT)
+            train_dataloader, seed=seed, framework="transformers Trainer", hint=STREAM_HINT, record=True)
         self._state = TrainState(
             model=model,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate's AcceleratedOptimizer wraps it
@@ -144,9 +144,14 @@ class DetraceCallback(TrainerCallback):
         batch = getattr(train_dataloader, "batch_size", None) or args.per_device_train_batch_size
         samples_per_step = batch * args.gradient_accumulation_steps
         skip_for_controls(self._keys, state.global_step, samples_per_step, framework="transformers")
-        if self._keys is not None and self._keys.skip:
+        if self._keys is None:  # a stream: no sample index to skip by or to record
+            return
+        steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
+        if not args.ignore_data_skip:
+            # HF draws the batches its resumed epoch already trained and drops them (skip_first_batches).
+            self._keys.unseen = state.global_step % steps_per_epoch * args.gradient_accumulation_steps
+        if self._keys.skip:
             # HF ends training at an epoch that yields no batch: a variant would stop short of the steps it must run.
-            steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
             left = len(self._keys) - state.global_step % steps_per_epoch * samples_per_step
             if self._keys.skip >= left:
                 raise UsageError(

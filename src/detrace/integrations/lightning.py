@@ -182,7 +182,7 @@ class DetraceCallback(pl.Callback):
         if not isinstance(loader, torch.utils.data.DataLoader):
             raise UsageError("detrace's Lightning integration needs one torch DataLoader for training, "
                              f"not {type(loader).__name__}")
-        self._keys = seed_samples(loader, seed=self._seed(), framework="Lightning Trainer")
+        self._keys = seed_samples(loader, seed=self._seed(), framework="Lightning Trainer", record=True)
         if self._keys is not None:
             self._keys.epoch = trainer.current_epoch
         if loader.generator is None:

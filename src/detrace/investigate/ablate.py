@@ -20,6 +20,10 @@ at a time to isolate its cause.
 4. The summary: data (the spike needs the batches: skipping them removes it, and they spike in another state too),
    state (it survives other data, and the batches do not spike in another state), both (each removal removes
    it), setting (only a user variant removes it), or undetermined.
+5. For a data or both verdict, the sample: the baseline's trace holds the dataset indices of S's batch (where the
+   program's sampler is detrace's: the framework integrations); replays from C that drop half the candidates
+   (DETRACE_DROP_SAMPLES) bisect them down to the one sample whose absence removes the spike, in about
+   log2(batch) replays, the last one dropping that sample alone.
 
 The function that runs CMD is a parameter (`Launch`): the decision logic is tested on synthetic traces.
 """
@@ -27,6 +31,7 @@ The function that runs CMD is a parameter (`Launch`): the decision logic is test
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import shlex
@@ -49,7 +54,7 @@ from detrace.investigate.spikes import (
     series_of,
     spiked,
 )
-from detrace.tracefile import open_run
+from detrace.tracefile import open_run, read_rank
 from detrace.verdicts import ABLATE, AblateCause, AblateVerdict
 
 SCHEMA = "detrace.ablate/1"
@@ -219,6 +224,39 @@ class Outcome:
                 "seconds": round(self.seconds, 3), "steps": self.steps, "series": _series_json(self.series)}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Samples:
+    """The bisection of the batch of S: which of its samples the spike needs."""
+
+    step: int
+    """S."""
+    indices: tuple[int, ...]
+    """The dataset indices of S's batch on the metric's rank, in the order trained (micro-batches one after the
+    other); empty when the program recorded none."""
+    culprit: int | None
+    """The dataset index whose absence alone removes the spike; None when the bisection named none."""
+    replays: tuple[Outcome, ...]
+    """Its replays, each dropping some of the samples (DETRACE_DROP_SAMPLES), in the order run."""
+    note: str
+    """What it found, or why it stopped, as a clause."""
+
+    def to_json(self, baseline: float) -> dict[str, Any]:
+        return {"step": self.step, "indices": list(self.indices), "culprit": self.culprit,
+                "position": None if self.culprit is None else self.indices.index(self.culprit),
+                "note": self.note, "replays": [o.to_json(baseline) for o in self.replays]}
+
+
+def batch_samples(run: Path, rank: int, step: int) -> tuple[int, ...]:
+    """The dataset indices of the samples one rank trained on at `step`, as its trace's batch rung recorded them
+    (the "samples" records, micro-batch after micro-batch); empty when it recorded none."""
+    table = read_rank(run, rank).table.select(["step", "phase", "name", "extra"]).to_pylist()
+    found: list[int] = []
+    for row in table:
+        if row["step"] == step and row["phase"] == "data" and row["name"] == "samples" and row["extra"]:
+            found += json.loads(row["extra"])["samples"]
+    return tuple(found)
+
+
 def _series_json(series: Mapping[int, float]) -> dict[str, float]:
     return {str(step): value for step, value in sorted(series.items())}
 
@@ -240,20 +278,26 @@ class AblateResult:
     baseline: Outcome | None
     outcomes: tuple[Outcome, ...] = ()
     """The variants, ranked by their effect on the spike (the largest fall of the metric at S first)."""
+    samples: Samples | None = None
+    """The bisection of S's batch (a data or both verdict)."""
 
     @property
     def exit_code(self) -> int:
         return ABLATE[self.verdict]
 
     @property
+    def runs(self) -> list[Outcome]:
+        """Every run ablate made."""
+        return (([self.baseline] if self.baseline else []) + list(self.outcomes)
+                + (list(self.samples.replays) if self.samples else []))
+
+    @property
     def seconds(self) -> float:
-        runs = ([self.baseline] if self.baseline else []) + list(self.outcomes)
-        return sum(o.seconds for o in runs)
+        return sum(o.seconds for o in self.runs)
 
     @property
     def steps(self) -> int:
-        runs = ([self.baseline] if self.baseline else []) + list(self.outcomes)
-        return sum(o.steps for o in runs)
+        return sum(o.steps for o in self.runs)
 
     def to_json(self) -> dict[str, Any]:
         base = self.baseline
@@ -269,8 +313,8 @@ class AblateResult:
                 "original_series": _series_json({t: v for t, v in self.original.items()
                                                  if abs(t - self.config.step) <= 2 * self.config.rule.window}),
                 "variants": [o.to_json(value) for o in self.outcomes],
-                "cost": {"runs": (1 if base else 0) + len(self.outcomes), "steps": self.steps,
-                         "seconds": round(self.seconds, 3)}}
+                "samples": None if self.samples is None else self.samples.to_json(value),
+                "cost": {"runs": len(self.runs), "steps": self.steps, "seconds": round(self.seconds, 3)}}
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -418,19 +462,83 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
     # A variant that recorded nothing, or a NaN (which sorts nowhere), ranks last.
     ranked = sorted(outcomes, key=lambda o: float("inf") if o.value is None or math.isnan(o.value) else o.value)
     cause, summary = judge(config, c, outcomes)
+    samples = None
+    if cause in ("data", "both"):
+        samples = bisect(s, rank, batch_samples(baseline.run, rank, s), baseline, execute, progress)
+        cause, summary = judge(config, c, outcomes, samples.note)
     return AblateResult(verdict="isolated", cause=cause, summary=summary, baseline=baseline,
-                        outcomes=tuple(ranked), **common)
+                        outcomes=tuple(ranked), samples=samples, **common)
 
 
-def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[AblateCause, str]:
-    """What the variants' evidence points to, in one sentence (what could not run, and a user variant that
-    changed nothing, said at its end)."""
+def bisect(s: int, rank: int, indices: tuple[int, ...], baseline: Outcome, execute: Callable[[Variant], Outcome],
+           progress: Callable[[str], None]) -> Samples:
+    """Which sample of S's batch the spike needs: replays from the baseline's checkpoint, each dropping half of the
+    candidates left (DETRACE_DROP_SAMPLES): a replay without the spike keeps the half it dropped, one with it the
+    other half. The one left is confirmed by a replay that drops it alone (unless one already did). A replay
+    that did not drop what it was asked to (the program ignores the control, or trained those samples before S as
+    well) stops the bisection: its evidence would not be about S's batch."""
+    if not indices:
+        return Samples(step=s, indices=(), culprit=None, replays=(),
+                       note=f"the trace names no sample of step {s}'s batch (detrace's framework integrations record "
+                            "the dataset indices their sampler hands out), so no sample is named")
+    candidates = list(dict.fromkeys(indices))
+    replays: list[Outcome] = []
+
+    def drop(dropped: list[int]) -> Outcome | str:
+        """A replay without `dropped`, or why its evidence does not count."""
+        name = f"drop-{len(replays) + 1}"
+        variant = dataclasses.replace(
+            baseline.variant, name=name, change=f"drops {_indices(dropped)} from step {s}'s batch",
+            env={"DETRACE_DROP_SAMPLES": ",".join(map(str, dropped))})
+        outcome = execute(variant)
+        if outcome.unavailable is None:
+            outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
+        replays.append(outcome)
+        if outcome.unavailable is not None:
+            return f"{name} could not run ({outcome.unavailable})"
+        got = batch_samples(outcome.run, rank, s)
+        if outcome.departure is None or outcome.departure.step != s or not got or set(got) & set(dropped):
+            return (f"{name} did not drop {_indices(dropped)} from step {s}'s batch alone (the program ignores "
+                    f"DETRACE_DROP_SAMPLES, or trained those samples before step {s} too), so no sample is named")
+        return outcome
+
+    confirmed = False
+    while len(candidates) > 1 or not confirmed:
+        half = candidates[: max(1, len(candidates) // 2)]
+        progress(f"bisect the batch of step {s}: drop {_indices(half)} of {len(candidates)} candidates")
+        outcome = drop(half)
+        if isinstance(outcome, str):
+            return Samples(step=s, indices=indices, culprit=None, replays=tuple(replays), note=outcome)
+        removed = outcome.value is not None and not outcome.spiked
+        if len(candidates) == 1 and not removed:
+            return Samples(step=s, indices=indices, culprit=None, replays=tuple(replays),
+                           note=f"no single sample of step {s}'s batch carries the spike alone (dropping "
+                                f"{_indices(candidates)}, the last candidate, leaves it): several do, together")
+        candidates = half if removed else candidates[len(half):]
+        confirmed = removed and len(candidates) == 1
+    (culprit,) = candidates
+    return Samples(step=s, indices=indices, culprit=culprit, replays=tuple(replays),
+                   note=f"the sample is dataset index {culprit}, sample {indices.index(culprit) + 1} of the "
+                        f"{len(indices)} of step {s}'s batch (on rank {rank}): without it alone the spike is gone "
+                        f"({len(replays)} bisecting replays of the batch {_indices(indices)})")
+
+
+def _indices(indices: Sequence[int]) -> str:
+    return ("sample " if len(indices) == 1 else "samples ") + ",".join(map(str, indices))
+
+
+def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome], sample: str | None = None
+          ) -> tuple[AblateCause, str]:
+    """What the variants' evidence points to, in one sentence (then the bisection's `sample` clause, what could
+    not run, and a user variant that changed nothing)."""
     ran = [o for o in outcomes if o.unavailable is None]
     if outcomes and not ran:
         return "undetermined", (f"undetermined: no variant could run from the checkpoint after {c} steps "
                                 f"({', '.join(o.variant.name for o in outcomes)}: ablate.json says why), so nothing "
                                 "tells the spike's cause apart")
     cause, summary = _cause(config, c, ran)
+    if sample is not None:
+        summary += f"; {sample}"
     same = [o.variant.name for o in outcomes if o.variant.name not in BUILTINS and o.unavailable is None
             and o.departure is None and o.variant.start >= c]
     if same:

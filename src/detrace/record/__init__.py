@@ -59,6 +59,8 @@ def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     if check_out_dir:
         tracer.check_out_dir()
     _undo[:] = install(tracer)
+    # A sampler registers itself as its iteration starts under this tracer: one of a finished trace has no say.
+    _events.sample_source.clear()
     _tracer = tracer
     return tracer
 
@@ -68,6 +70,7 @@ def _stop() -> None:
     tracer, _tracer = _tracer, None
     if tracer is None:
         return
+    _events.sample_source.clear()
     try:
         tracer.close()
     finally:

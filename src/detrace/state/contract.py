@@ -12,6 +12,8 @@ unmodified training script stop, save and resume, and the checkpoint layouts a s
                                 the loader advances past them, so steps a, a+1, ... get the batches of b+1, ...
     DETRACE_DATA_SHIFT=k        data control: from the first step this process runs (the resumed step), every
                                 step gets the batch of the step k later (the loader advances k batches first)
+    DETRACE_DROP_SAMPLES=i,j    data control: the samples of dataset indices i, j, ... are never trained on; the
+                                sampler hands out the next ones in their place (detrace's framework integrations)
 
 Global steps count as traces count them: global step g runs after g completed steps (a run resumed from the
 checkpoint after K steps runs global step K first). `detrace ablate` uses the data controls to change the data
@@ -40,6 +42,7 @@ ENV_RESUME_FROM = "DETRACE_RESUME_FROM"
 ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
 ENV_SKIP_STEPS = "DETRACE_SKIP_STEPS"
 ENV_DATA_SHIFT = "DETRACE_DATA_SHIFT"
+ENV_DROP_SAMPLES = "DETRACE_DROP_SAMPLES"
 CHECKPOINT_VARIABLES = (ENV_CKPT_DIR, ENV_STOP_AT, ENV_CKPT_EVERY, ENV_RESUME, ENV_RESUME_FROM, ENV_RESUME_CONTROL)
 """The variables that tell a run where to save and what to resume: the commands that run CMD (ablate, check-resume,
 locate) set them for each run, on checkpoints of that run's own."""
@@ -217,6 +220,16 @@ def skip_steps_requested() -> tuple[int, int] | None:
 def data_shift_requested() -> int | None:
     """The contract's DETRACE_DATA_SHIFT=k: batches the loader advances before the first step this process runs."""
     return _step_variable(ENV_DATA_SHIFT)
+
+
+def drop_samples_requested() -> frozenset[int]:
+    """The contract's DETRACE_DROP_SAMPLES=i,j,...: the dataset indices of the samples never trained on (empty when
+    unset)."""
+    text = os.environ.get(ENV_DROP_SAMPLES, "")
+    items = [item.strip() for item in text.split(",")] if text.strip() else []
+    if not all(item.isdigit() for item in items):
+        raise UsageError(f"{ENV_DROP_SAMPLES} must be dataset indices separated by commas, such as 3,17, not {text!r}")
+    return frozenset(int(item) for item in items)
 
 
 def batches_to_skip(step: int, *, first: bool) -> int:

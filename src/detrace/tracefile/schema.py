@@ -75,6 +75,7 @@ EXTRA_KEYS = {
     "index": "component records: the index of the quantized tensor it belongs to",
     "state": "optimizer state records: the optimizer state keys (e.g. ['exp_avg', 'exp_avg_sq'])",
     "ddp_bucket": "DDP gradient all-reduce records: the index of the gradient bucket",
+    "samples": "data records named samples: the dataset indices of the batch's samples, in order",
     "mismatches": "guard records: the replicated tensors whose replicas differ, with the odd ranks",
 }
 

@@ -5,7 +5,10 @@ differ there, nothing traced computed the difference, and the diff must say "the
 blame an op. So every forward call of an outermost module (one called while no module runs on this thread) that
 has parameters (a model, not a loss function) records its positional and keyword tensors, in call order, as one
 call named "batch" in phase "data", with extra {"module": class name, "args": [argument of each tensor]}. Each
-microbatch of a step is one such call (told apart by its occurrence).
+microbatch of a step is one such call (told apart by its occurrence). When detrace's data handling knows the
+dataset indices of the batch's samples (`_events.sample_source`: the framework integrations' sampler), a call named
+"samples" follows it in phase "data", the indices as one int64 tensor and in extra {"samples": [...]}:
+`detrace ablate` names the samples of a spike's batch from them.
 
 `nn.Module.__call__` is replaced for the life of the tracer: a global forward pre-hook would see no keyword
 arguments (HF models take the whole batch as keywords) and would move every module call to torch's slow path.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detrace import _events
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import Call, recorded_leaves
@@ -55,9 +59,11 @@ def evaluates(module: nn.Module) -> bool:
     return any(parameter.requires_grad for parameter in module.parameters())
 
 
-def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+           samples: list[int] | None = None) -> Call | None:
     """Record the tensors of one outermost forward call, in phase "data" (or "evaluation" during one: its outputs
-    are recorded too, by `evaluated`). Returns the evaluation's call."""
+    are recorded too, by `evaluated`), and the dataset indices of its `samples` when known. Returns the
+    evaluation's call."""
     names: list[str] = []
     tensors: list[Any] = []
     for name, value in [*((str(i), v) for i, v in enumerate(args)), *kwargs.items()]:
@@ -70,6 +76,9 @@ def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dic
     extra = json.dumps({"module": type(module).__name__, "args": names})
     call = tracer.begin("semantic", "evaluation" if evaluation else "data", "batch", extra=extra)
     tracer.emit(call, "input", tracer.snapshot(tensors))
+    if samples is not None and not evaluation:
+        taken = tracer.begin("semantic", "data", "samples", extra=json.dumps({"samples": samples}))
+        tracer.emit(taken, "input", tracer.snapshot([torch.tensor(samples, dtype=torch.int64)]))
     return call if evaluation else None
 
 
@@ -89,11 +98,13 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         is part of it."""
         if tracer.busy or not _has_parameters(module):
             return None
+        samples = None
         if evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled()):
             tracer.evaluation_begins()
         else:
             tracer.training_begins()
-        return record(tracer, module, args, kwargs) if tracer.on["semantic"] else None
+            samples = _events.next_samples()  # taken at every training forward: the next one takes the next batch
+        return record(tracer, module, args, kwargs, samples) if tracer.on["semantic"] else None
 
     outermost = Opaque(begins)
     finished = Opaque(evaluated)

@@ -5,8 +5,9 @@
   `loss.backward()` is traced without edits. Several backward calls in a step (gradient
   accumulation) are told apart by their occurrence.
 - grad_norm: the 2-norm of this rank's gradients before any clipping: in a step that calls
-  `torch.nn.utils.clip_grad_norm_` (the HF Trainer and Lightning do, through accelerate or their precision
-  plugins), the total norm it returns, computed before it scales the gradients; else the norm as the optimizer
+  `torch.nn.utils.clip_grad_norm_` (Lightning does, through its precision plugins), the total norm it returns,
+  computed before it scales the gradients; in one that calls `torch.nn.utils.clip_grads_with_norm_` (accelerate
+  does, so the HF Trainer, after `get_total_norm`), the total norm it is given; else the norm as the optimizer
   step begins (local shards for DTensor parameters: never gathered, so no collective is added). The norm after
   clipping would hide a spike in the gradients: it is at most the clipping threshold.
 - anything passed to `detrace.metric(name, value)`.
@@ -74,13 +75,22 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     clipped: list[int] = []  # the step whose grad_norm clip_grad_norm_ recorded (the last one)
     original_clip = torch.nn.utils.clip_grad_norm_
 
-    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-        total = original_clip(*args, **kwargs)
+    original_scale = torch.nn.utils.clip_grads_with_norm_
+
+    def before_clipping(total: Any) -> None:
         # A plain scalar: a DTensor's total (tensor parallelism) is left to the optimizer hook's local norm.
         if tracer.on["metrics"] and type(total) is torch.Tensor and total.numel() == 1:
             record(tracer, "grad_norm", total)
             clipped[:] = [tracer.clock.step]
+
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        total = original_clip(*args, **kwargs)  # its scaling is torch's private function, not the one below
+        before_clipping(total)
         return total
+
+    def clip_grads_with_norm_(parameters: Any, max_norm: Any, total_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        before_clipping(total_norm)
+        return original_scale(parameters, max_norm, total_norm, *args, **kwargs)
 
     def grad_norm(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not tracer.on["metrics"] or clipped == [tracer.clock.step]:
@@ -93,4 +103,5 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
 
     return [replace(torch.autograd, "backward", Opaque(backward)),
             replace(torch.nn.utils, "clip_grad_norm_", Opaque(clip_grad_norm_)),
+            replace(torch.nn.utils, "clip_grads_with_norm_", Opaque(clip_grads_with_norm_)),
             register_optimizer_step_pre_hook(Opaque(grad_norm)).remove]

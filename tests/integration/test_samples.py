@@ -1,0 +1,126 @@
+"""The dataset indices of each step's batch, as the framework integrations' sampler (`SampleKeys`) hands them out
+and the batch rung records them, and the resume contract's DETRACE_DROP_SAMPLES, in process: a DataLoader with 2
+workers that prefetch, gradient accumulation, a resumed epoch whose trained batches the framework draws and drops
+(HF's skip), and an abandoned iterator."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import detrace
+from detrace.errors import UsageError
+from detrace.integrations._seeding import seed_samples
+from detrace.investigate.ablate import batch_samples
+
+BATCH, ACCUMULATE = 3, 2
+
+
+class Indexed(Dataset):
+    """Sample i is the number i: the batch says which samples it holds."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index)])
+
+
+def flat(steps: list[list[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(steps))
+
+
+def train(out: Path, *, steps: int, env: dict[str, str] | None = None, discard: int = 0, workers: int = 2
+          ) -> list[list[int]]:
+    """A loop over a shuffled DataLoader seeded by `seed_samples`, traced at the semantic rung, 2 micro-batches a
+    step; `discard`: batches the loop draws and drops first, unseen by the sampler's record (HF's resume). Returns
+    the indices of the samples each step trained on, read from the batches themselves."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
+    assert keys is not None
+    keys.unseen = discard
+    trained: list[list[int]] = []
+    with mock.patch.dict(os.environ, env or {}), detrace.trace(out, rung="semantic"):
+        batches = iter(loader)
+        for _ in range(discard):
+            next(batches)
+        for _ in range(steps):
+            trained.append([])
+            for _ in range(ACCUMULATE):
+                batch = next(batches)
+                trained[-1] += [int(x) for x in batch.flatten()]
+                model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return trained
+
+
+def test_each_step_records_the_samples_it_trained_on_with_workers_that_prefetch(tmp_path: Path) -> None:
+    trained = train(tmp_path / "a", steps=3)
+    assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(3)] == trained
+    assert len(set(flat(trained))) == 3 * BATCH * ACCUMULATE  # one epoch's order, no sample twice
+
+
+def test_batches_the_loop_draws_and_drops_are_not_recorded(tmp_path: Path) -> None:
+    # HF resumed mid-epoch draws the batches already trained and drops them: without `unseen` every step would
+    # be recorded with the samples of a batch 2 earlier.
+    trained = train(tmp_path / "a", steps=2, discard=2, workers=0)
+    assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(2)] == trained
+
+
+def test_dropped_samples_are_never_trained_on_and_the_next_fill_in(tmp_path: Path) -> None:
+    reference = train(tmp_path / "a", steps=3)
+    dropped = reference[1][:2]
+    trained = train(tmp_path / "b", steps=2, env={"DETRACE_DROP_SAMPLES": ",".join(map(str, dropped))})
+    assert trained[0] == reference[0]
+    order = [i for i in flat(reference) if i not in dropped]
+    assert flat(trained) == order[: len(flat(trained))] and not set(dropped) & set(flat(trained))
+    assert list(batch_samples(tmp_path / "b", 0, 1)) == trained[1]
+
+
+def test_an_abandoned_iterator_leaves_nothing_behind(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=2)
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
+    assert keys is not None
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        next(iter(loader))  # prefetched batches, never trained on (Lightning restarts an epoch's iterator)
+        keys.epoch = 1  # another order: a stale batch would not pass for this one
+        batch = next(iter(loader))
+        model(batch).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert list(batch_samples(tmp_path / "a", 0, 0)) == [int(x) for x in batch.flatten()]
+
+
+def test_a_malformed_drop_is_refused() -> None:
+    from detrace.state.contract import drop_samples_requested
+
+    with mock.patch.dict(os.environ, {"DETRACE_DROP_SAMPLES": "3,x"}), pytest.raises(
+            UsageError, match=r"^DETRACE_DROP_SAMPLES must be dataset indices separated by commas"):
+        drop_samples_requested()
+
+
+def test_batches_a_wrapper_reshapes_are_not_recorded(tmp_path: Path) -> None:
+    # accelerate under DDP wraps the batch sampler in its shard of each batch: this rank trains on other batches
+    # than the ones the index sampler's order groups, so no samples are recorded rather than wrong ones.
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    dataset = Indexed()
+    sharded = BatchSamplerShard(BatchSampler(RandomSampler(dataset), BATCH, False), num_processes=2, process_index=1)
+    loader = DataLoader(dataset, batch_sampler=sharded)
+    keys = seed_samples(loader, seed=0, framework="test", record=True)
+    assert keys is not None and keys.batching is None
+    plain = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    keys = seed_samples(plain, seed=0, framework="test", record=True)
+    assert keys is not None and keys.batching == (BATCH, False)
