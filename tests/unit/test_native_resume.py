@@ -18,9 +18,10 @@ from detrace.analyze import Divergence
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed, UsageError
-from detrace.investigate.check_resume import check_resume, forgotten
+from detrace.investigate.check_resume import check_resume
 from detrace.investigate.native_resume import NativeContract
 from detrace.launch.launcher import LaunchResult
+from detrace.report.meaning import forgotten
 from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
 from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
 from detrace.tracefile.layout import checkpoint_log_path, run_header_path
