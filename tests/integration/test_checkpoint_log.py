@@ -4,6 +4,7 @@ controls of check-resume --native applied to what `torch.load` returns."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -50,23 +51,29 @@ def test_the_native_controls_change_what_the_program_loads(tmp_path: Path, monke
     model, optimizer = _trained()
     torch.manual_seed(1)
     random.seed(1)
-    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-             "python": random.getstate(), "pair": (torch.ones(3), 3)}  # a tuple that is no RNG state
-    torch.save(saved, tmp_path / "ckpt.pt")
+    with detrace.trace(tmp_path / "saving"):  # the stopped run: its save says where its RNG states are
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+                 "states": [{"python": random.getstate()}],
+                 "pair": (torch.ones(3), 3),  # a tuple that is no RNG state
+                 "buffer": torch.get_rng_state().clone()}  # an RNG state's shape and dtype, not one: left alone
+        torch.save(saved, tmp_path / "ckpt.pt")
+    [io] = read_checkpoint_log(tmp_path / "saving")
+    assert io.rng == (("torch", ("rng",)), ("python", ("states", 0, "python")))
     torch.manual_seed(2)
     random.seed(2)
     monkeypatch.setenv("DETRACE_NATIVE_CONTROL", control)
+    monkeypatch.setenv("DETRACE_NATIVE_RNG", json.dumps({str(tmp_path / "ckpt.pt"): [list(i) for i in io.rng]}))
     with detrace.trace(tmp_path / "run"):
         loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert torch.equal(loaded["model"]["weight"], saved["model"]["weight"])  # the model is always restored
-    assert torch.equal(loaded["pair"][0], saved["pair"][0])
+    assert torch.equal(loaded["pair"][0], saved["pair"][0]) and torch.equal(loaded["buffer"], saved["buffer"])
     if control == "skip-optimizer":
         assert loaded["optimizer"]["state"] == {}
         assert loaded["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
         assert torch.equal(loaded["rng"], saved["rng"])
     else:
         assert torch.equal(loaded["rng"], torch.get_rng_state()) and not torch.equal(loaded["rng"], saved["rng"])
-        assert loaded["python"] == random.getstate() != saved["python"]
+        assert loaded["states"][0]["python"] == random.getstate() != saved["states"][0]["python"]
         assert loaded["optimizer"]["state"].keys() == saved["optimizer"]["state"].keys()
     [io] = read_checkpoint_log(tmp_path / "run")
     assert io.control == control

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -103,6 +105,25 @@ def test_every_arm_starts_from_a_clean_slate_and_the_continuous_files_come_back(
     assert result.points[0].controls[0].applied  # type: ignore[attr-defined]
 
 
+def test_only_the_checkpoint_folders_are_looked_into(tmp_path: Path, work: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slate is kept in the folders the saves and loads named: the rest of the working directory (a log the
+    command writes, a data folder) is neither walked nor moved."""
+    (work / "data" / "deep").mkdir(parents=True)
+    walked: list[str] = []
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walked.append(str(top)) or walk(top, *a, **k))
+
+    class Logs(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            Path("train.log").write_text(out.name)
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    assert _check(tmp_path, Logs({"control-rng": FAULT})).verdict == "exact"  # type: ignore[attr-defined]
+    assert (work / "train.log").read_text() == "control-rng"  # the last arm's, never moved
+    assert set(walked) == {str(work / "checkpoints")}
+
+
 def test_a_command_that_does_not_resume_by_itself_is_one_sentence(tmp_path: Path, work: Path) -> None:
     with pytest.raises(CommandFailed, match=r"^CMD did not resume: its resumed run after at-2 loaded no checkpoint; "
                                             r"give --resume-args"):
@@ -135,6 +156,7 @@ def test_a_checkpoint_there_before_the_check_is_refused_or_moved_aside_and_put_b
                                                                                     work: Path) -> None:
     (work / "checkpoints").mkdir()
     (work / "checkpoints" / "step-4.pt").write_text("the user's own")
+    os.utime(work / "checkpoints" / "step-4.pt", (time.time() - 3600,) * 2)  # saved before the check
     with pytest.raises(UsageError, match=r"^CMD's continuous run loaded checkpoints/step-4.pt, a checkpoint that "
                                          r"was there before the check, .* give --force"):
         _check(tmp_path / "refused", OwnCheckpoints())

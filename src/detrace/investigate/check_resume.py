@@ -291,9 +291,9 @@ class Contract:
         self.controls = controls_for(cmd)
         """The negative controls, in the order they are tried."""
 
-    def before(self, arm: str, point: Path | None) -> None:
-        """An arm ("continuous", "again", "stopped", "resumed", "resumed-again", "control-PART") is about to run;
-        `point` is its stop point's directory (None for the continuous arms)."""
+    def before(self, arm: str, run: Path, point: Path | None) -> None:
+        """An arm ("continuous", "again", "stopped", "resumed", "resumed-again", "control-PART") is about to run
+        into `run`; `point` is its stop point's directory (None for the continuous arms)."""
 
     def after(self, arm: str, run: Path, point: Path | None) -> None:
         """The arm ran into `run`: check what it did (refuse a run that proves nothing) and tidy up after it."""
@@ -349,7 +349,7 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
         # Each run digests its state, part by part, as the step after each stop point it reaches begins.
         env = {**(env or {}), ENV_STATE_AT: ",".join(map(str, state_at))}
         for _ in range(FORCE_TRIES):
-            contract.before(name, point)
+            contract.before(name, run, point)
             run_checked(command, run, progress=progress, timeout=timeout, launch=launch, steps=window, label=label,
                         env=env)
             try:
