@@ -33,6 +33,10 @@ def test_a_torch_save_loop_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     [point] = report["points"]
     assert point["resume"]["verdict"] == "identical" and point["controls"][0]["control"] == "skip-rng"
     assert point["controls"][0]["mattered"]  # its dropout draws from the restored RNG state
+    # the restored state, part by part, is the continuous run's (Python's and NumPy's RNG: never seeded, not compared)
+    assert {c["part"]: c["equal"] for c in point["restored"]} == {
+        "parameters": True, "optimizer state": True, "param groups": True, "scheduler": True, "torch RNG state": True,
+        "Python RNG state": None, "NumPy RNG state": None, "data position": True}
     # the continuous run's checkpoints are back in place, the other arms' in OUT
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
     assert (tmp_path / "check" / "saved-by-cmd" / "at-4" / "stopped" / "checkpoints" / "step-4.pt").is_file()
@@ -45,3 +49,8 @@ def test_a_checkpoint_without_the_scheduler_is_named(tmp_path: Path, monkeypatch
     first = report["first"]
     assert (first["step"], first["phase"], first["origin"]) == (5, "optimizer", True)
     assert "does your checkpoint save the scheduler" in report["forgot"]
+    # before the first resumed update, only the scheduler differs (the lr it set is restored with the optimizer)
+    [point] = report["points"]
+    assert [c["part"] for c in point["restored"] if c["equal"] is False] == ["scheduler"]
+    [scheduler] = [c for c in point["restored"] if c["part"] == "scheduler"]
+    assert (scheduler["resumed"], scheduler["continuous"]) == ("LambdaLR at its step 0", "LambdaLR at its step 4")

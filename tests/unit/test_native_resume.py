@@ -45,6 +45,7 @@ class OwnCheckpoints:
         self.resumes, self.flag, self.saves = resumes, flag, saves
         self.seen: dict[str, list[str]] = {}
         self.commands: dict[str, list[str]] = {}
+        self.envs: dict[str, dict[str, str]] = {}
 
     def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object
                  ) -> LaunchResult:
@@ -53,6 +54,7 @@ class OwnCheckpoints:
         found = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])) if folder.is_dir() else []
         self.seen[out.name] = [p.name for p in found]
         self.commands[out.name] = list(cmd)
+        self.envs[out.name] = env
         log: list[dict[str, object]] = []
         start = 0
         if found and self.resumes and (self.flag is None or self.flag in cmd):
@@ -65,7 +67,8 @@ class OwnCheckpoints:
                 folder.mkdir(exist_ok=True)
                 (folder / f"step-{step}.pt").write_text(f"{out.name} {step}")
                 log.append({"op": "save", "api": "torch.save", "completed": step,
-                            "paths": [f"checkpoints/step-{step}.pt"], "pid": 1, "control": None})
+                            "paths": [f"checkpoints/step-{step}.pt"], "pid": 1, "control": None,
+                            "rng": [["torch", ["rng", "cpu"]]]})
         out.mkdir(parents=True, exist_ok=True)
         write_run(out, RUN, self.faults.get(out.name))
         write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
@@ -103,6 +106,10 @@ def test_every_arm_starts_from_a_clean_slate_and_the_continuous_files_come_back(
     assert (aside / "at-2" / "stopped" / "checkpoints" / "step-2.pt").read_text() == "stopped 2"
     assert (aside / "at-2" / "resumed" / "checkpoints" / "step-4.pt").read_text() == "resumed 4"
     assert result.points[0].controls[0].applied  # type: ignore[attr-defined]
+    # skip-rng is told where the stopped run's save put its RNG states, per file
+    assert json.loads(launcher.envs["control-rng"]["DETRACE_NATIVE_RNG"]) == {
+        str(work / "checkpoints" / "step-2.pt"): [["torch", ["rng", "cpu"]]]}
+    assert "DETRACE_NATIVE_RNG" not in launcher.envs["resumed"]
 
 
 def test_only_the_checkpoint_folders_are_looked_into(tmp_path: Path, work: Path,

@@ -78,7 +78,7 @@ def _schedulers(optimizer: Any) -> list[Any]:
     order the garbage collector lists them: found once per stop point, so no constructor needs patching."""
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        if issubclass(type(obj), torch.optim.lr_scheduler.LRScheduler):  # (type: never a proxy's __class__)
             driven = getattr(obj, "optimizer", None)
             if driven is optimizer or getattr(driven, "optimizer", None) is optimizer:
                 found.append(obj)
