@@ -10,9 +10,11 @@ program imported it (looked for as each optimizer step begins, and at install).
 Two variables of `detrace check-resume --native` act here:
 - DETRACE_NATIVE_STOP_AT=K: the process ends (as a preemption would, its trace complete) when the optimizer step
   after K completed steps begins: after the program's save at step K returned, before anything more is trained.
-- DETRACE_NATIVE_CONTROL=skip-optimizer | skip-rng: a negative control applied to what `torch.load` returns: every
-  optimizer state dict in it loses its per-parameter state (moments, step counts: a fresh optimizer's), or every
-  RNG state in it is replaced by this process's own, so that restoring it restores nothing.
+- DETRACE_NATIVE_CONTROL=skip-optimizer | skip-rng: a negative control applied to what a load gives the program
+  (what `torch.load` and safetensors' `load_file` return, the state dict that `torch.distributed.checkpoint.load`
+  fills in place): every optimizer state dict in it loses its per-parameter state (moments, step counts: a fresh
+  optimizer's), or every RNG state in it is replaced by this process's own, so that restoring it restores nothing.
+  A DCP load of `Stateful` objects (torchtitan's containers) restores them inside the load: no control applies.
 
 RNG states are known by where they came from, never by their shape: the states that `torch.get_rng_state`,
 `torch.cuda.get_rng_state(_all)`, `random.getstate` and `numpy.random.get_state` return are remembered (the last
@@ -104,11 +106,12 @@ class _Log:
 
 
 def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Callable[..., Any], *,
-          transform: Callable[[Any, list[str]], tuple[Any, str | None]] | None = None,
+          transform: Callable[[Any, list[str]], tuple[Any, str | None]] | None = None, in_place: bool = False,
           saved: Callable[[Any], list[tuple[str, KeyPath]]] | None = None) -> Callable[..., Any]:
     """`function` run as checkpoint I/O and logged; `target(*args, **kwargs)` gives what it names. A load's result
-    goes through `transform(result, paths)` (the negative control); `saved(obj)` finds the RNG states in what a
-    save writes (its first argument)."""
+    goes through `transform(result, paths)` (the negative control), or with `in_place` what it loaded into (its
+    first argument: DCP fills the state dict it is given); `saved(obj)` finds the RNG states in what a save writes
+    (its first argument)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if log.depth:  # inside another checkpoint call: that one is logged
@@ -121,7 +124,9 @@ def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Ca
             log.depth -= 1
         paths = _named(target(*args, **kwargs))
         control = None
-        if transform is not None:
+        if transform is not None and in_place:
+            _, control = transform(args[0] if args else kwargs.get("state_dict"), paths)
+        elif transform is not None:
             result, control = transform(result, paths)
         rng = saved(args[0] if args else kwargs.get("obj")) if saved is not None else None
         log.add(op, api, paths, control, rng)
@@ -204,9 +209,7 @@ class _Controls:
 
     def __call__(self, loaded: Any, paths: list[str]) -> tuple[Any, str | None]:
         if self.control == "skip-optimizer":
-            changed = [False]
-            result = self._without_optimizer_state(loaded, changed)
-            return result, self.control if changed[0] else None
+            return loaded, self.control if self._without_optimizer_state(loaded) else None
         if self.control == "skip-rng":
             found = [item for path in paths for item in self.rng.get(os.path.abspath(path), [])]
             whole = next((kind for kind, key_path in found if not key_path and kind in self.states.fresh), None)
@@ -216,17 +219,17 @@ class _Controls:
             return loaded, self.control if any(replaced) else None
         return loaded, None
 
-    def _without_optimizer_state(self, value: Any, changed: list[bool]) -> Any:
+    def _without_optimizer_state(self, value: Any) -> bool:
+        """Empty every optimizer state dict's per-parameter state in `value`, in place (a loaded checkpoint is the
+        program's own fresh object; a DCP state dict is filled in place, then given to the optimizer); whether
+        there was one."""
         if isinstance(value, dict) and {"state", "param_groups"} <= set(value):
             # A fresh optimizer's state; the step count it carried still numbers the steps of the trace.
             self.tracer.restored(restored_step(types.SimpleNamespace(state=value["state"])))
-            changed[0] = True
-            return {**value, "state": {}}
-        if isinstance(value, dict):
-            return {key: self._without_optimizer_state(item, changed) for key, item in value.items()}
-        if isinstance(value, list):
-            return [self._without_optimizer_state(item, changed) for item in value]
-        return value
+            value["state"] = {}
+            return True
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        return any([self._without_optimizer_state(item) for item in items])  # (a list: every one of them)
 
     def _replace(self, loaded: Any, key_path: KeyPath, kind: str) -> bool:
         """Put this process's own state of `kind` at `key_path` (in place: a loaded checkpoint is the program's
@@ -288,9 +291,9 @@ def install(tracer: Tracer) -> list[Undo]:
     else:
         undo += [
             replace(safetensors, "save_file", _wrap(log, "save", "safetensors.save_file", safetensors.save_file,
-                                                    _argument(1, "filename"))),
+                                                    _argument(1, "filename"), saved=states.found)),
             replace(safetensors, "load_file", _wrap(log, "load", "safetensors.load_file", safetensors.load_file,
-                                                    _argument(0, "filename"))),
+                                                    _argument(0, "filename"), transform=controls)),
         ]
     late: dict[str, list[Undo]] = {}
 
@@ -300,7 +303,8 @@ def install(tracer: Tracer) -> list[Undo]:
         if "dcp" not in late and dcp is not None and hasattr(dcp, "save"):
             late["dcp"] = [replace(dcp, "save", _wrap(log, "save", "dcp.save", dcp.save, _dcp_target,
                                                       saved=states.found)),
-                           replace(dcp, "load", _wrap(log, "load", "dcp.load", dcp.load, _dcp_target))]
+                           replace(dcp, "load", _wrap(log, "load", "dcp.load", dcp.load, _dcp_target,
+                                                      transform=controls, in_place=True))]
         numpy = sys.modules.get("numpy")
         if "numpy" not in late and numpy is not None and hasattr(numpy, "random"):
             late["numpy"] = [replace(numpy.random, "get_state", states.wrap("numpy", numpy.random.get_state))]
