@@ -59,3 +59,25 @@ def test_no_stop_point_no_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             model(torch.ones(3)).sum().backward()
             optimizer.step()
     assert read_state_parts(tmp_path / "run") == []
+
+
+def test_the_order_of_a_state_dicts_keys_is_not_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state restored through torch.distributed.checkpoint lists its keys in another order (sorted): the same
+    bits, the same digests."""
+    monkeypatch.setenv("DETRACE_STATE_AT", "2")
+    base = _loop(tmp_path / "a")
+    original = torch.optim.AdamW.step
+
+    def reordered(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> object:
+        for group in self.param_groups:
+            items = sorted(group.items(), reverse=True)
+            group.clear()
+            group.update(items)
+        for state in self.state.values():
+            items = sorted(state.items(), reverse=True)
+            state.clear()
+            state.update(items)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", reordered)
+    assert _loop(tmp_path / "b") == base

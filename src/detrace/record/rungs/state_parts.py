@@ -55,8 +55,9 @@ class _Digest:
             return f"tensor:{len(self.tensors) - 1}"
         if isinstance(value, float):
             return value.hex()
-        if isinstance(value, dict):
-            return [[self.text(key), self.text(item)] for key, item in value.items()]
+        if isinstance(value, dict):  # in key order: a state dict restored through DCP lists its keys sorted
+            items = sorted(value.items(), key=lambda item: (type(item[0]).__name__, str(item[0])))
+            return [[self.text(key), self.text(item)] for key, item in items]
         if isinstance(value, list | tuple):
             return [self.text(item) for item in value]
         if isinstance(value, bool | int | str) or value is None:
