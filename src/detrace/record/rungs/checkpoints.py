@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from detrace import _events
 from detrace._exit import leave
 from detrace.errors import UsageError
-from detrace.record.opaque import Opaque
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.rungs.clock import restored_step
 from detrace.record.session import Tracer
@@ -167,6 +167,10 @@ class _RngStates:
         self.fresh[kind] = function
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # is_compiling() first: Dynamo inlines this into a compiled region (activation checkpointing keeps the
+            # RNG state there) and must see the original call alone, so that its graphs are the untraced ones.
+            if torch.compiler.is_compiling():
+                return function(*args, **kwargs)
             state = function(*args, **kwargs)
             self.recent[id(state)] = (kind, state)
             while len(self.recent) > _KEPT:
@@ -174,6 +178,7 @@ class _RngStates:
             return state
 
         wrapped.__wrapped__ = function  # type: ignore[attr-defined]
+        skip_frames(wrapped)  # a frame of it that Dynamo would start from (after a graph break) runs as it is
         return wrapped
 
     def found(self, obj: Any) -> list[tuple[str, KeyPath]]:
