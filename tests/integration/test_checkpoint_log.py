@@ -137,3 +137,15 @@ def test_skip_rng_reaches_into_a_safetensors_file(tmp_path: Path, monkeypatch: p
     assert saved.rng == (("torch", ("rng",)),)
     assert torch.equal(loaded["rng"], torch.get_rng_state()) and torch.equal(loaded["w"], torch.ones(2))
     assert read_checkpoint_log(tmp_path / "run")[0].control == "skip-rng"
+
+
+def test_lightning_saves_are_logged_with_their_file(tmp_path: Path) -> None:
+    """Lightning saves into a buffer with torch.save and writes it through fsspec: its `_atomic_save` is logged, with
+    the file, once."""
+    torch_io = pytest.importorskip("lightning.fabric.plugins.io.torch_io")
+    with detrace.trace(tmp_path / "run"):
+        torch_io.TorchCheckpointIO().save_checkpoint({"w": torch.ones(2), "rng": torch.get_rng_state()},
+                                                      tmp_path / "ckpts" / "step=2.ckpt")
+    [io] = read_checkpoint_log(tmp_path / "run")
+    assert (io.op, io.api, io.paths) == ("save", "lightning._atomic_save", (str(tmp_path / "ckpts" / "step=2.ckpt"),))
+    assert io.rng == (("torch", ("rng",)),)
