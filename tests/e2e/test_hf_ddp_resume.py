@@ -34,6 +34,11 @@ def test_hf_trainer_under_torchrun_resumes_exactly(tmp_path: Path, capsys: pytes
     assert any("compared apart from the training" in note and "; evaluations: " in note and
                "in both, every bit equal" in note.split("; evaluations: ")[1] for note in notes), notes
     assert point["control"]["verdict"] == "diverged"
+    # before the first resumed update, every part of the restored state is the continuous run's, on both ranks
+    restored = {c["part"]: c["equal"] for c in point["restored"]}
+    assert restored == {"parameters": True, "optimizer state": True, "param groups": True, "scheduler": True,
+                        "torch RNG state": True, "Python RNG state": True, "NumPy RNG state": True,
+                        "data position": True}, point["restored"]
     # The model's BatchNorm statistics differ by rank (each rank's forward updates its own): each rank saved its own.
     manifest = next((tmp_path / "check" / "at-2" / "checkpoint").glob("checkpoint-2/detrace/step-*/manifest.json"))
     tensors = json.loads(manifest.read_text())["tensors"]

@@ -7,23 +7,28 @@ in milliseconds; the README tour (tests/e2e/test_readme_tour.py) and the framewo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _synthetic import Fault, SyntheticRun, write_run
 
+from detrace.analyze import Divergence
 from detrace.cli import check as check_cli
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check import check
-from detrace.investigate.check_resume import check_resume
+from detrace.investigate.check_resume import check_resume, compare_parts
 from detrace.launch.launcher import LaunchResult
-from detrace.tracefile.layout import run_header_path
+from detrace.report.meaning import forgotten
+from detrace.tracefile.layout import run_header_path, state_parts_path
+from detrace.tracefile.state_parts import RECORDED
 from detrace.tracefile.writer import write_json_atomic
 
 RUN = SyntheticRun(ranks=2, steps=4, ops=4)
@@ -356,3 +361,73 @@ def test_exact_and_identical_say_what_was_compared_apart(tmp_path: Path, monkeyp
     assert capsys.readouterr().out.splitlines()[-1] == ("note: compared apart from the training, by identity: "
                                                         "evaluations: 2 records in A, 2 in B, 2 in both, every bit "
                                                         "equal")
+
+
+class WithState(Scripted):
+    """Scripted, and each arm digests its state at the steps of DETRACE_STATE_AT as the tracer would: the same
+    digests in every arm, but for the parts `differs` gives that arm (rank 1's), and Python's RNG state, which
+    each process has its own of (never seeded)."""
+
+    def __init__(self, faults: Mapping[str, Fault | None], differs: Mapping[str, dict[str, str | None]]) -> None:
+        super().__init__(faults)
+        self.differs = differs
+        self.state_at: dict[str, str] = {}
+
+    def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **kw: object
+                 ) -> LaunchResult:
+        env = env or {}
+        done = super().__call__(cmd, out, env=env, **kw)
+        self.state_at[out.name] = env["DETRACE_STATE_AT"]
+        lines = []
+        for step in filter(None, env["DETRACE_STATE_AT"].split(",")):
+            for rank in range(RUN.ranks):
+                parts: dict[str, str | None] = {part: "same" for part in RECORDED}
+                parts |= {"CUDA RNG states": None, "Python RNG state": f"{out.name}"}
+                if rank == 1:
+                    parts |= self.differs.get(self.arms[-1], {})
+                shown = {"param groups": "lr 0.5, weight decay 0.0",
+                         "scheduler": f"LambdaLR at its step {0 if parts['scheduler'] != 'same' else step}"}
+                lines.append(json.dumps({"step": int(step), "rank": rank, "optimizer": 0, "parts": parts,
+                                         "shown": shown}))
+        state_parts_path(out, 7).write_text("".join(line + "\n" for line in lines))
+        return done
+
+
+def test_the_restored_state_is_compared_part_by_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    forgot = {"scheduler": "another"}
+    launcher = WithState({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG},
+                         {"resumed": forgot, "resumed-again": forgot})
+    assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2")) == 1
+    out = capsys.readouterr().out
+    assert "what the resume forgot: the learning-rate scheduler is not where the continuous run's was: does your " \
+           "checkpoint save the scheduler?" in out
+    assert ("restored after step 2, before the resumed run's first update, against the continuous run's state at "
+            "that point: equal: parameters, optimizer state, param groups, torch RNG state, NumPy RNG state, data "
+            "position\n  differs: scheduler (resumed: LambdaLR at its step 0; continuous: LambdaLR at its step 2) on "
+            "rank 1\n  not compared: Python RNG state (the two continuous runs differ in it already") in out
+    # the continuous runs digest their state at every stop point, the resumed ones at theirs, the others never
+    assert launcher.state_at == {"continuous": "2", "continuous-again": "2", "stopped": "", "resumed": "2",
+                                 "resumed-again": "2"}
+
+
+def test_an_exact_resume_shows_every_part_equal_and_the_data_position_comes_from_the_trace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    launcher = WithState({"control-rng": CONTROL}, {})
+    assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2", "--json")) == 0
+    [point] = json.loads(capsys.readouterr().out)["points"]
+    assert [(c["part"], c["equal"]) for c in point["restored"]] == [
+        ("parameters", True), ("optimizer state", True), ("param groups", True), ("scheduler", True),
+        ("torch RNG state", True), ("Python RNG state", None), ("NumPy RNG state", True), ("data position", True)]
+    # a resumed run whose first batch differs on rank 1: the data position is the trace's input batch of that step
+    runs = tmp_path / "r"
+    batch = Divergence(rank=1, step=2, seq=0, rung="semantic", phase="data", kind="numeric", name="batch",
+                       module=None, role="input", origin=True)
+    later = dataclasses.replace(batch, rank=0, step=3, phase="forward")
+    diverged = SimpleNamespace(ranks=[SimpleNamespace(rank=0, first=later), SimpleNamespace(rank=1, first=batch)])
+    compared = compare_parts(runs / "continuous", runs / "continuous-again", runs / "at-2" / "resumed", 2,
+                             diverged)  # type: ignore[arg-type]
+    assert [(c.part, c.equal, c.where) for c in compared][-1] == ("data position", False, ("rank 1",))
+    said = forgotten(None, [c.part for c in compared if c.equal is False])
+    assert said is not None and said.startswith("the data order or position is not the continuous run's")
+    assert compare_parts(runs / "continuous", runs / "continuous-again", runs / "nothing", 2, diverged) == ()  # type: ignore[arg-type]

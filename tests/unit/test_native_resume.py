@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,9 +20,10 @@ from detrace.analyze import Divergence
 from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed, UsageError
-from detrace.investigate.check_resume import check_resume, forgotten
+from detrace.investigate.check_resume import check_resume
 from detrace.investigate.native_resume import NativeContract
 from detrace.launch.launcher import LaunchResult
+from detrace.report.meaning import forgotten
 from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
 from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
 from detrace.tracefile.layout import checkpoint_log_path, run_header_path
@@ -42,6 +45,7 @@ class OwnCheckpoints:
         self.resumes, self.flag, self.saves = resumes, flag, saves
         self.seen: dict[str, list[str]] = {}
         self.commands: dict[str, list[str]] = {}
+        self.envs: dict[str, dict[str, str]] = {}
 
     def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object
                  ) -> LaunchResult:
@@ -50,6 +54,7 @@ class OwnCheckpoints:
         found = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])) if folder.is_dir() else []
         self.seen[out.name] = [p.name for p in found]
         self.commands[out.name] = list(cmd)
+        self.envs[out.name] = env
         log: list[dict[str, object]] = []
         start = 0
         if found and self.resumes and (self.flag is None or self.flag in cmd):
@@ -62,7 +67,8 @@ class OwnCheckpoints:
                 folder.mkdir(exist_ok=True)
                 (folder / f"step-{step}.pt").write_text(f"{out.name} {step}")
                 log.append({"op": "save", "api": "torch.save", "completed": step,
-                            "paths": [f"checkpoints/step-{step}.pt"], "pid": 1, "control": None})
+                            "paths": [f"checkpoints/step-{step}.pt"], "pid": 1, "control": None,
+                            "rng": [["torch", ["rng", "cpu"]]]})
         out.mkdir(parents=True, exist_ok=True)
         write_run(out, RUN, self.faults.get(out.name))
         write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
@@ -100,6 +106,29 @@ def test_every_arm_starts_from_a_clean_slate_and_the_continuous_files_come_back(
     assert (aside / "at-2" / "stopped" / "checkpoints" / "step-2.pt").read_text() == "stopped 2"
     assert (aside / "at-2" / "resumed" / "checkpoints" / "step-4.pt").read_text() == "resumed 4"
     assert result.points[0].controls[0].applied  # type: ignore[attr-defined]
+    # skip-rng is told where the stopped run's save put its RNG states, per file
+    assert json.loads(launcher.envs["control-rng"]["DETRACE_NATIVE_RNG"]) == {
+        str(work / "checkpoints" / "step-2.pt"): [["torch", ["rng", "cpu"]]]}
+    assert "DETRACE_NATIVE_RNG" not in launcher.envs["resumed"]
+
+
+def test_only_the_checkpoint_folders_are_looked_into(tmp_path: Path, work: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slate is kept in the folders the saves and loads named: the rest of the working directory (a log the
+    command writes, a data folder) is neither walked nor moved."""
+    (work / "data" / "deep").mkdir(parents=True)
+    walked: list[str] = []
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walked.append(str(top)) or walk(top, *a, **k))
+
+    class Logs(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            Path("train.log").write_text(out.name)
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    assert _check(tmp_path, Logs({"control-rng": FAULT})).verdict == "exact"  # type: ignore[attr-defined]
+    assert (work / "train.log").read_text() == "control-rng"  # the last arm's, never moved
+    assert set(walked) == {str(work / "checkpoints")}
 
 
 def test_a_command_that_does_not_resume_by_itself_is_one_sentence(tmp_path: Path, work: Path) -> None:
@@ -134,6 +163,7 @@ def test_a_checkpoint_there_before_the_check_is_refused_or_moved_aside_and_put_b
                                                                                     work: Path) -> None:
     (work / "checkpoints").mkdir()
     (work / "checkpoints" / "step-4.pt").write_text("the user's own")
+    os.utime(work / "checkpoints" / "step-4.pt", (time.time() - 3600,) * 2)  # saved before the check
     with pytest.raises(UsageError, match=r"^CMD's continuous run loaded checkpoints/step-4.pt, a checkpoint that "
                                          r"was there before the check, .* give --force"):
         _check(tmp_path / "refused", OwnCheckpoints())

@@ -19,9 +19,9 @@ from typing import Any
 from detrace.analyze import DiffResult
 from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
-from detrace.investigate.check_resume import ResumeResult, StopPoint, check_resume, forgotten, parse_stop_points
+from detrace.investigate.check_resume import PartCompared, ResumeResult, StopPoint, check_resume, parse_stop_points
 from detrace.investigate.native_resume import NativeContract
-from detrace.report.meaning import apart_notes, locate_command, locate_next, warned
+from detrace.report.meaning import apart_notes, forgotten, locate_command, locate_next, warned
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
 
@@ -41,16 +41,17 @@ def _point(point: StopPoint) -> dict[str, Any]:
             "controls": [{"control": c.control, "part": c.part, "mattered": c.mattered, "diff": c.diff.to_json()}
                          for c in point.controls],
             "untried": list(point.untried), "depends": point.dependence,
+            "restored": [c.to_json() for c in point.restored],
             "resumed_again": _diff(point.again_diff)}
 
 
 def to_json(result: ResumeResult, cmd: list[str]) -> dict[str, Any]:
     """The `--json` object, schema detrace.check-resume/1."""
     deciding = result.deciding
+    changed = next((p for p in result.points if p.verdict == "resume-changed-the-run"), None)
     return {"schema": SCHEMA, "verdict": result.verdict, "exit_code": result.exit_code, "at": result.at,
             "first": deciding.first.to_json() if deciding.first is not None else None,
-            "forgot": forgotten(deciding.first) if result.verdict == "resume-changed-the-run" and
-            deciding.first is not None else None,
+            "forgot": forgotten(changed.resume_diff.first, changed.differing) if changed is not None else None,
             "suggest": locate_command(cmd) if result.verdict == "nondeterministic" else None,
             "runs": {"continuous": str(result.continuous), "continuous_again": str(result.again)},
             "repeat": result.repeat_diff.to_json(), "points": [_point(p) for p in result.points]}
@@ -74,7 +75,7 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
               "and a second resume differs in the same way):")
         render_diff(point.resume_diff)
-        forgot = forgotten(point.resume_diff.first) if point.resume_diff.first is not None else None
+        forgot = forgotten(point.resume_diff.first, point.differing)
         if forgot is not None:
             print(f"what the resume forgot: {forgot}")
         for line in warned(point.stopped, point.resumed):
@@ -97,6 +98,29 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         for point in result.points:
             for note in apart_notes(point.resume_diff):
                 print(f"note: after step {point.at}, {note}")
+
+
+def restored_lines(point: StopPoint) -> list[str]:
+    """The state the resumed run restored, part by part, against the continuous run's: which parts are equal and
+    which differ (where, with the values that tell them apart)."""
+    if not point.restored:
+        return []
+    equal = [c.part for c in point.restored if c.equal]
+    lines = [f"restored after step {point.at}, before the resumed run's first update, against the continuous "
+             f"run's state at that point: {'equal: ' + ', '.join(equal) if equal else 'no part equal'}"]
+    lines += [f"  differs: {_differs(c)}" for c in point.restored if c.equal is False]
+    unseeded = [c.part for c in point.restored if c.equal is None]
+    if unseeded:
+        lines.append(f"  not compared: {', '.join(unseeded)} (the two continuous runs differ in it already: the run "
+                     "never seeds it)")
+    return lines
+
+
+def _differs(compared: PartCompared) -> str:
+    text = compared.part
+    if compared.continuous is not None or compared.resumed is not None:
+        text += f" (resumed: {compared.resumed or '?'}; continuous: {compared.continuous or '?'})"
+    return f"{text} on {', '.join(compared.where)}"
 
 
 def main(argv: list[str]) -> int:
@@ -136,4 +160,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(to_json(result, cmd)))
     else:
         _summary(result, cmd)
+        for point in result.points:
+            for line in restored_lines(point):
+                print(line)
     return result.exit_code

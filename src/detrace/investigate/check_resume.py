@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detrace._numbers import parse_count
-from detrace.analyze import DiffResult, Divergence, diff
+from detrace.analyze import DiffResult, diff
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.integrations.advice import advice, framework_of
 from detrace.investigate.check import Progress, run_checked
 from detrace.launch.launcher import Launcher, run_traced
 from detrace.tracefile import open_run
 from detrace.tracefile.layout import prepare_out
+from detrace.tracefile.state_parts import ENV_STATE_AT, PARTS, RECORDED, StateParts, read_state_parts
 from detrace.verdicts import RESUME, ResumeVerdict
 
-PARTS = {
+CONTROL_PARTS = {
     "skip-rng": "RNG states",
     "skip-data": "data position",
     "skip-optimizer": "optimizer state",
@@ -50,7 +51,7 @@ class ControlRun:
     """One negative control of a stop point: the run resumed with one part of the state left out."""
 
     control: str
-    """The contract's name of the control (DETRACE_RESUME_CONTROL), a key of `PARTS`."""
+    """The contract's name of the control (DETRACE_RESUME_CONTROL), a key of `CONTROL_PARTS`."""
     run: Path
     diff: DiffResult
     """Continuous vs this control: diverged when the rest of the run depends on the part left out."""
@@ -58,18 +59,87 @@ class ControlRun:
     """Whether the part was there to leave out (a native checkpoint may hold no RNG state, or no optimizer)."""
 
     def __post_init__(self) -> None:
-        if self.control not in PARTS:
+        if self.control not in CONTROL_PARTS:
             raise ValueError(f"unknown negative control {self.control!r}")
 
     @property
     def part(self) -> str:
         """The part left out, in words: "RNG states", "data position", "optimizer state", "model"."""
-        return PARTS[self.control]
+        return CONTROL_PARTS[self.control]
 
     @property
     def mattered(self) -> bool:
         """Leaving the part out changed the run."""
         return self.diff.verdict == "diverged"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartCompared:
+    """One part of the state a resumed run restored, compared bit for bit with the continuous run's at the same
+    point: as the optimizer step after the stop point begins (the resumed run's first update)."""
+
+    part: str
+    """One of detrace.tracefile.state_parts.PARTS: "parameters", "optimizer state", "param groups", "scheduler",
+    "torch RNG state", ..., "data position"."""
+    equal: bool | None
+    """None: not compared, since the two continuous runs differ in it already (a generator the run never seeds)."""
+    where: tuple[str, ...] = ()
+    """Where it differs: "rank 1", "rank 0, optimizer 1"."""
+    continuous: str | None = None
+    resumed: str | None = None
+    """The values shown next to a difference (learning rate and weight decay, the schedulers' step), each run's;
+    "none" for a part one of the runs does not have (a scheduler), None when there is nothing to show."""
+
+    def __post_init__(self) -> None:
+        if self.part not in PARTS:
+            raise ValueError(f"unknown part of the state {self.part!r}")
+
+    def to_json(self) -> dict[str, object]:
+        return {"part": self.part, "equal": self.equal, "where": list(self.where), "continuous": self.continuous,
+                "resumed": self.resumed}
+
+
+def compare_parts(continuous: Path, again: Path, resumed: Path, k: int,
+                  resume_diff: DiffResult) -> tuple[PartCompared, ...]:
+    """The resumed run's state before its first update after step `k`, part by part, against the continuous run's
+    at the same point (empty when a run recorded none: its optimizer never stepped there). A part the two
+    continuous runs differ in (Python's or NumPy's generator, never seeded) is not compared; a part that neither
+    run has (no scheduler, no CUDA) is left out. The data position is the trace's: the input batch of step `k` on
+    each rank (a rank's first divergence, when it is that batch)."""
+    def at_k(run: Path) -> dict[tuple[int, int], StateParts]:
+        return {(s.rank, s.optimizer): s for s in read_state_parts(run) if s.step == k}
+
+    base, twice, mine = at_k(continuous), at_k(again), at_k(resumed)
+    if not base or not mine:
+        return ()
+    compared = []
+    for part in RECORDED:
+        keys = sorted(set(base) | set(mine))
+        if all(key in base and key in mine and base[key].parts[part] is None is mine[key].parts[part]
+               for key in keys):
+            continue  # neither run has it
+        if any(key in base and key in twice and base[key].parts[part] != twice[key].parts[part] for key in keys):
+            compared.append(PartCompared(part=part, equal=None))
+            continue
+        where = [key for key in keys
+                 if key not in base or key not in mine or base[key].parts[part] != mine[key].parts[part]]
+        first = where[0] if where else None
+        compared.append(PartCompared(
+            part=part, equal=not where, where=tuple(f"rank {r}" + (f", optimizer {o}" if o else "") for r, o in where),
+            continuous=_shown(base.get(first), part) if first else None,
+            resumed=_shown(mine.get(first), part) if first else None))
+    data = tuple(f"rank {r.rank}" for r in resume_diff.ranks
+                 if r.first is not None and r.first.step == k and r.first.phase == "data")
+    compared.append(PartCompared(part=PARTS[-1], equal=not data, where=data))
+    return tuple(compared)
+
+
+def _shown(parts: StateParts | None, part: str) -> str | None:
+    if parts is None:
+        return "not recorded"
+    if parts.parts[part] is None:
+        return "none"
+    return parts.shown.get(part)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +154,9 @@ class StopPoint:
     resumed: Path
     resume_diff: DiffResult
     """Continuous vs resumed, on the steps both have (`at` and up)."""
+    restored: tuple[PartCompared, ...] = ()
+    """The resumed run's state before its first update, part by part, against the continuous run's (empty when a
+    run recorded none)."""
     controls: tuple[ControlRun, ...] = ()
     """The negative controls run (when the resume matched), in order: one must diverge. By default they stop at the
     first that does; with every control, each is run."""
@@ -111,9 +184,14 @@ class StopPoint:
         if absent:
             words += f" (its checkpoint holds no {_join(absent, 'or')} to leave out)"
         if self.untried:
-            words += (f" (not tried: its {_join([PARTS[c] for c in self.untried], 'and')}; --every-control tries "
-                      "each part)")
+            untried = _join([CONTROL_PARTS[c] for c in self.untried], "and")
+            words += f" (not tried: its {untried}; --every-control tries each part)"
         return words
+
+    @property
+    def differing(self) -> list[str]:
+        """The parts of the restored state that differ from the continuous run's."""
+        return [c.part for c in self.restored if c.equal is False]
 
     @property
     def deciding_control(self) -> ControlRun | None:
@@ -171,25 +249,6 @@ class ResumeResult:
         return point.first  # type: ignore[return-value]
 
 
-def forgotten(first: Divergence) -> str | None:
-    """What a resume that changed the run did not restore, in the words of a user's checkpoint, read from the first
-    divergence between the continuous and the resumed run; None when its kind says nothing about it."""
-    if first.kind != "numeric":
-        return None
-    if first.phase == "optimizer" and first.origin:
-        return ("the learning rate or optimizer state is not the one the continuous run had: an optimizer step "
-                "made other parameters from the same gradients; does your checkpoint save the scheduler (and the "
-                "optimizer's state)?")
-    if first.phase == "data":
-        return ("the data order or position is not the continuous run's: the resumed run trained on another batch; "
-                "does your checkpoint save where the data loader was (its sampler's epoch and position)?")
-    if first.phase in ("forward", "backward"):
-        return ("the RNG state (a dropout mask, an augmentation), or the model, is not the continuous run's: the "
-                "same batch gave another result; does your checkpoint save and restore the RNG states (torch's, "
-                "NumPy's, Python's) and every part of the model?")
-    return None
-
-
 def _join(words: list[str], conjunction: str) -> str:
     """"a", "a and b", "a, b and c"."""
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
@@ -232,9 +291,9 @@ class Contract:
         self.controls = controls_for(cmd)
         """The negative controls, in the order they are tried."""
 
-    def before(self, arm: str, point: Path | None) -> None:
-        """An arm ("continuous", "again", "stopped", "resumed", "resumed-again", "control-PART") is about to run;
-        `point` is its stop point's directory (None for the continuous arms)."""
+    def before(self, arm: str, run: Path, point: Path | None) -> None:
+        """An arm ("continuous", "again", "stopped", "resumed", "resumed-again", "control-PART") is about to run
+        into `run`; `point` is its stop point's directory (None for the continuous arms)."""
 
     def after(self, arm: str, run: Path, point: Path | None) -> None:
         """The arm ran into `run`: check what it did (refuse a run that proves nothing) and tidy up after it."""
@@ -286,9 +345,11 @@ def check_resume(cmd: list[str], *, at: list[int], out: Path, timeout: float | N
     window = f"{at[0]}::1"
 
     def arm(name: str, run: Path, *, label: str, point: Path | None = None, command: list[str] = cmd,
-            env: dict[str, str] | None = None) -> None:
+            env: dict[str, str] | None = None, state_at: list[int] = at) -> None:
+        # Each run digests its state, part by part, as the step after each stop point it reaches begins.
+        env = {**(env or {}), ENV_STATE_AT: ",".join(map(str, state_at))}
         for _ in range(FORCE_TRIES):
-            contract.before(name, point)
+            contract.before(name, run, point)
             run_checked(command, run, progress=progress, timeout=timeout, launch=launch, steps=window, label=label,
                         env=env)
             try:
@@ -325,7 +386,7 @@ def _check(cmd: list[str], at: list[int], out: Path, arm: Arm, contract: Contrac
     if repeat.verdict != "identical":
         return result
     for k in at:
-        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, contract, every_control))
+        result.points.append(_stop_point(arm, k, out / f"at-{k}", continuous, again, contract, every_control))
     return result
 
 
@@ -338,35 +399,37 @@ def _last_step(run: Path) -> int | None:
     return None if steps is None else steps[1]
 
 
-def _stop_point(arm: Arm, k: int, out: Path, continuous: Path, contract: Contract,
+def _stop_point(arm: Arm, k: int, out: Path, continuous: Path, again: Path, contract: Contract,
                 every_control: bool) -> StopPoint:
     """One stop point's arms, each run by `arm(name, run, label=..., point=..., command=..., env=...)`."""
     stopped, resumed = out / "stopped", out / "resumed"
     command, env = contract.stop(k, out)
-    arm("stopped", stopped, label=f"run stopped after step {k}", point=out, command=command, env=env)
+    arm("stopped", stopped, label=f"run stopped after step {k}", point=out, command=command, env=env, state_at=[])
     contract.stopped(k, stopped, out)
     command, env = contract.resume(out)
-    arm("resumed", resumed, label=f"run resumed after step {k}", point=out, command=command, env=env)
+    arm("resumed", resumed, label=f"run resumed after step {k}", point=out, command=command, env=env, state_at=[k])
     resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
+    restored = compare_parts(continuous, again, resumed, k, resume_diff)
     if resume_diff.verdict != "identical":
         again = out / "resumed-again"
-        arm("resumed-again", again, label=f"run resumed after step {k}, again", point=out, command=command, env=env)
+        arm("resumed-again", again, label=f"run resumed after step {k}, again", point=out, command=command, env=env,
+            state_at=[k])
         again_diff = _comparable(diff(resumed, again), f"the two runs resumed after step {k}")
         verdict: ResumeVerdict = "resume-changed-the-run" if again_diff.verdict == "identical" else "nondeterministic"
         return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
-                         resumed_again=again, again_diff=again_diff)
+                         restored=restored, resumed_again=again, again_diff=again_diff)
     runs: list[ControlRun] = []
     for control in contract.controls:
-        part = PARTS[control]
+        part = CONTROL_PARTS[control]
         name = f"control-{control.removeprefix('skip-')}"
         run = out / name
         command, env = contract.resume(out, control)
         arm(name, run, label=f"negative control after step {k} ({control}: without the {part})", point=out,
-            command=command, env=env)
+            command=command, env=env, state_at=[])
         runs.append(ControlRun(control=control, run=run, applied=contract.applied(control, run), diff=_comparable(
             diff(continuous, run), f"the continuous run and the negative control after step {k} ({control})")))
         if runs[-1].mattered and not every_control:
             break
     verdict = "exact" if any(c.mattered for c in runs) else "inconclusive"
     return StopPoint(at=k, verdict=verdict, stopped=stopped, resumed=resumed, resume_diff=resume_diff,
-                     controls=tuple(runs), untried=contract.controls[len(runs):])
+                     restored=restored, controls=tuple(runs), untried=contract.controls[len(runs):])

@@ -6,17 +6,20 @@ step K begins, once CMD's own save at step K has returned (as a preemption would
 again, which resumes by itself from what is on disk, or with `--resume-args` appended. The negative controls change
 what CMD loads (its optimizer state emptied, its RNG states replaced by the process's own).
 
-Every arm starts from a clean slate: the files an arm wrote in the working directory (and wherever its saves
-named outside it) are moved aside into OUT, never deleted; the stopped arm's files are put back in place before
-each resumed arm. At the end the first continuous run's files are put back (what one run of CMD leaves). A
-checkpoint that was there before the check, which CMD's continuous run loaded, is refused in one sentence, or with
-`--force` moved aside for the check and put back after it.
+Every arm starts from a clean slate: the files an arm wrote in its checkpoint folders (the folders that the saves
+and loads of the arms so far named, found in their logs; never the whole working directory) are moved aside into
+OUT, never deleted; a file is an arm's when it was written after the check began. The stopped arm's files are put
+back in place before each resumed arm. At the end the first continuous run's files are put back (what one run of
+CMD leaves). A checkpoint that was there before the check, which CMD's continuous run loaded, is refused in one
+sentence, or with `--force` moved aside for the check and put back after it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,7 +52,16 @@ class NativeContract(Contract):
         """Where each arm's files go: `saved-by-cmd/<arm>/...` (a stop point's under `at-K/...`)."""
         self.before_check = self.out / "before-check"
         """With --force: the checkpoints that were there before the check."""
-        self.baseline_files, self.baseline_dirs = self._tree()
+        with tempfile.NamedTemporaryFile() as stamp:  # the clock files are stamped with (coarser than time's)
+            self.start = os.stat(stamp.name).st_mtime_ns
+        """When the check began: a file modified since is an arm's, one older was there before the check."""
+        self.folders: set[Path] = set()
+        """The checkpoint folders in the working directory that the arms' saves and loads named so far (the working
+        directory itself for a file saved there: its own files only)."""
+        self.running: Path | None = None
+        """The run of the arm under way (its log says what a failed arm saved)."""
+        self.rng: dict[Path, dict[str, list[list[object]]]] = {}
+        """Per stop point, where the stopped run's saves put RNG states, per file (for the skip-rng control)."""
         self.saves: list[CheckpointIO] = []
         """The continuous run's saves (what --at can name)."""
         self.discarded = 0
@@ -57,12 +69,15 @@ class NativeContract(Contract):
 
     # -- the arms ---------------------------------------------------------------------------------------------
 
-    def before(self, arm: str, point: Path | None) -> None:
+    def before(self, arm: str, run: Path, point: Path | None) -> None:
+        self.running = run
         if point is not None and arm != "stopped":
             self._copy_back(self._stash(point))  # the stopped arm's checkpoint, as that arm left it
 
     def after(self, arm: str, run: Path, point: Path | None) -> None:
+        self.running = None
         log = read_checkpoint_log(run)
+        self._learn(log)
         if point is None:  # a continuous arm
             old = self._old_checkpoint(log)
             if old is not None:
@@ -88,7 +103,10 @@ class NativeContract(Contract):
         return self.cmd, {ENV_NATIVE_STOP_AT: str(k)}
 
     def stopped(self, k: int, run: Path, point: Path) -> None:
-        if any(io.op == "save" and io.completed == k for io in read_checkpoint_log(run)):
+        log = read_checkpoint_log(run)
+        self.rng[point] = {str(self._absolute(path)): [[kind, list(key_path)] for kind, key_path in io.rng]
+                           for io in log if io.op == "save" and io.rng for path in io.paths}
+        if any(io.op == "save" and io.completed == k for io in log):
             return
         steps = sorted({io.completed for io in self.saves})
         if not steps:
@@ -98,9 +116,12 @@ class NativeContract(Contract):
                          f"{', '.join(map(str, steps))}; give --at one of them")
 
     def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
-        from detrace.state.contract import ENV_NATIVE_CONTROL  # see __init__
+        from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_RNG  # see __init__
 
-        return [*self.cmd, *self.resume_args], ({ENV_NATIVE_CONTROL: control} if control is not None else {})
+        env = {ENV_NATIVE_CONTROL: control} if control is not None else {}
+        if control == "skip-rng":
+            env[ENV_NATIVE_RNG] = json.dumps(self.rng.get(point, {}))
+        return [*self.cmd, *self.resume_args], env
 
     def applied(self, control: str, run: Path) -> bool:
         return any(io.op == "load" and io.control == control for io in read_checkpoint_log(run))
@@ -109,7 +130,10 @@ class NativeContract(Contract):
         """Put back the checkpoints that were there before the check (with --force), else the first continuous
         run's files; the other arms' stay under OUT. An arm that failed left its files in place: they go aside
         first."""
-        self._move_aside(self.aside / "unfinished-arm", [])
+        if self.running is not None:
+            log = read_checkpoint_log(self.running) if self.running.is_dir() else []
+            self._learn(log)
+            self._move_aside(self.aside / "unfinished-arm", log)
         source = self.before_check if self.before_check.exists() else self.aside / "continuous"
         if not source.exists() or (source != self.before_check and not self.saves):
             return  # (the continuous run was refused: its files stay in OUT)
@@ -124,16 +148,32 @@ class NativeContract(Contract):
     def _stash(self, point: Path) -> Path:
         return self.aside / point.name / "stopped"
 
-    def _tree(self) -> tuple[set[str], set[str]]:
-        """The files (and directories) under the working directory, relative to it, past `_SKIPPED_DIRS` and OUT."""
-        files: set[str] = set()
-        dirs: set[str] = set()
-        for top, names, filenames in os.walk(self.root):
-            here = Path(top)
-            names[:] = [n for n in names if n not in _SKIPPED_DIRS and (here / n).resolve() != self.out]
-            dirs.update(str((here / n).relative_to(self.root)) for n in names)
-            files.update(str((here / n).relative_to(self.root)) for n in filenames)
-        return files, dirs
+    def _absolute(self, path: str | Path) -> Path:
+        return (self.root / path).absolute()  # (an absolute path stays as it is)
+
+    def _learn(self, log: list[CheckpointIO]) -> None:
+        """Add the checkpoint folders an arm's saves and loads named in the working directory."""
+        for io in log:
+            for path in io.paths:
+                absolute = self._absolute(path)
+                folder = absolute if absolute.is_dir() else absolute.parent  # (a DCP checkpoint is a folder)
+                if folder.resolve().is_relative_to(self.root):
+                    self.folders.add(folder.resolve())
+
+    def _written(self) -> tuple[list[str], list[str]]:
+        """The files the arms wrote in the checkpoint folders (written since the check began), and the folders,
+        each relative to the working directory: the working directory's own files only, not its subfolders."""
+        files: list[str] = []
+        for folder in sorted(self.folders):
+            if not folder.is_dir():
+                continue
+            walk = os.walk(folder) if folder != self.root else [(str(folder), [], os.listdir(folder))]
+            for top, names, filenames in walk:
+                here = Path(top)
+                names[:] = [n for n in names if n not in _SKIPPED_DIRS and (here / n).resolve() != self.out]
+                files += [str((here / n).relative_to(self.root)) for n in filenames
+                          if (here / n).is_file() and (here / n).stat().st_mtime_ns >= self.start]
+        return sorted(set(files)), [str(f.relative_to(self.root)) for f in sorted(self.folders) if f != self.root]
 
     def _old_checkpoint(self, log: list[CheckpointIO]) -> str | None:
         """A checkpoint a continuous run loaded that it did not save: one that was there before the check."""
@@ -151,16 +191,14 @@ class NativeContract(Contract):
         target = self.before_check / self._name(top)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(top, target)
-        # What was moved is no longer there before the check: the files CMD writes in its place are the arms'.
-        self.baseline_files, self.baseline_dirs = self._tree()
         raise RerunArm(f"moved aside {top}, which CMD's {arm} run resumed from, into {target}")
 
     def _existed(self, path: str) -> bool:
-        absolute = (self.root / path).resolve()
-        if not absolute.is_relative_to(self.root):
-            return absolute.exists()  # outside the working directory: not saved by this run, so there before
-        relative = str(absolute.relative_to(self.root))
-        return relative in self.baseline_files or relative in self.baseline_dirs
+        """Whether the file or folder was there before the check: not written since it began."""
+        try:
+            return self._absolute(path).stat().st_mtime_ns < self.start
+        except OSError:
+            return False
 
     def _top(self, path: Path) -> Path:
         """What --force moves aside for a checkpoint file: its folder in the working directory (the folder CMD
@@ -172,17 +210,18 @@ class NativeContract(Contract):
         return absolute.parent
 
     def _move_aside(self, target: Path, log: list[CheckpointIO]) -> None:
-        """Move the files the arm wrote into `target` (the working directory's new files, and what its saves named
-        outside it), and remove the directories the arm created that are empty now."""
-        files, dirs = self._tree()
-        for relative in sorted(files - self.baseline_files):
+        """Move the files the arm wrote into `target` (the new files of the checkpoint folders, and what its saves
+        named outside the working directory), and remove the checkpoint folders that are empty now."""
+        files, folders = self._written()
+        for relative in files:
             destination = target / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(self.root / relative, destination)
-        for relative in sorted(dirs - self.baseline_dirs, key=len, reverse=True):
-            with_files = any((self.root / relative).iterdir())
-            if not with_files:
-                (self.root / relative).rmdir()
+        for relative in sorted(folders, key=len, reverse=True):
+            folder = self.root / relative
+            while folder != self.root and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()  # an empty folder, or one the arm made: the files put back make it again
+                folder = folder.parent
         for io in log:
             for path in io.paths:
                 absolute = Path(path).absolute()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
-from detrace.analyze.diff_result import DiffResult
+from detrace.analyze.diff_result import DiffResult, Divergence
 from detrace.tracefile.layout import run_header_path
+from detrace.tracefile.state_parts import RNG_PARTS
 
 
 def locate_command(cmd: list[str]) -> str:
@@ -51,3 +53,43 @@ def warned(*runs: Path | str | None) -> list[str]:
         if isinstance(said, list):
             found += [text for text in said if isinstance(text, str) and text not in found]
     return [f"the run warned: {text}" for text in found]
+
+
+FORGOT_PART = {
+    "parameters": "the model's parameters are not the continuous run's: does your checkpoint save and load every "
+                  "part of the model?",
+    "optimizer state": "the optimizer's state (its moments, its step counts) is not the continuous run's: does your "
+                       "checkpoint save the optimizer's state_dict, and load it into the optimizer the run steps?",
+    "param groups": "the learning rate or weight decay is not the one the continuous run had: does your checkpoint "
+                    "save the optimizer (its param groups) and the scheduler?",
+    "scheduler": "the learning-rate scheduler is not where the continuous run's was: does your checkpoint save the "
+                 "scheduler?",
+    **dict.fromkeys(RNG_PARTS, "the RNG state is not the continuous run's (a dropout mask, an augmentation will "
+                               "differ): does your checkpoint save and restore the RNG states (torch's, NumPy's, "
+                               "Python's)?"),
+    "data position": "the data order or position is not the continuous run's: the resumed run trained on another "
+                     "batch; does your checkpoint save where the data loader was (its sampler's epoch and position)?",
+}
+"""What a checkpoint forgot, in a user's words, for each part of the restored state (detrace.tracefile.state_parts'
+PARTS) that differs from the continuous run's."""
+
+
+def forgotten(first: Divergence | None, differing: Sequence[str] = ()) -> str | None:
+    """What a resume that changed the run did not restore, in the words of a user's checkpoint: from the parts of
+    the restored state that differ from the continuous run's (`differing`, the surest), else from the first
+    divergence between the continuous and the resumed run; None when neither says anything about it."""
+    if differing:
+        return " ".join(dict.fromkeys(FORGOT_PART[part] for part in differing))  # each sentence once
+    if first is None or first.kind != "numeric":
+        return None
+    if first.phase == "optimizer" and first.origin:
+        return ("the learning rate or optimizer state is not the one the continuous run had: an optimizer step "
+                "made other parameters from the same gradients; does your checkpoint save the scheduler (and the "
+                "optimizer's state)?")
+    if first.phase == "data":
+        return FORGOT_PART["data position"]
+    if first.phase in ("forward", "backward"):
+        return ("the RNG state (a dropout mask, an augmentation), or the model, is not the continuous run's: the "
+                "same batch gave another result; does your checkpoint save and restore the RNG states (torch's, "
+                "NumPy's, Python's) and every part of the model?")
+    return None

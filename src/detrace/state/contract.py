@@ -65,6 +65,9 @@ ENV_NATIVE_STOP_AT = "DETRACE_NATIVE_STOP_AT"
 """The traced process ends as the optimizer step after K completed steps begins (after the script's save at K)."""
 ENV_NATIVE_CONTROL = "DETRACE_NATIVE_CONTROL"
 """A negative control applied to what the script's `torch.load` returns: one of `NATIVE_CONTROLS`."""
+ENV_NATIVE_RNG = "DETRACE_NATIVE_RNG"
+"""For skip-rng: JSON {absolute file path: [[kind, key path], ...]}, where the save that wrote each file put RNG
+states (from the stopped run's checkpoint log)."""
 NATIVE_CONTROLS = ("skip-rng", "skip-optimizer")
 """The controls the tracer applies at a load, in the order check-resume --native tries them."""
 

@@ -31,6 +31,9 @@ class CheckpointIO:
     pid: int
     control: str | None = None
     """The negative control applied to what this load returned (check-resume --native), or None."""
+    rng: tuple[tuple[str, tuple[str | int, ...]], ...] = ()
+    """A save's RNG states: (kind, key path) for each state that an RNG getter returned in what it wrote (kind:
+    "torch", "cuda", "cuda-all", "python", "numpy"; the key path: dict keys and list indices from the top)."""
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -50,7 +53,8 @@ def read_checkpoint_log(run: Path) -> list[CheckpointIO]:
                 item = json.loads(line)
                 found.append(CheckpointIO(op=item["op"], api=item["api"], completed=int(item["completed"]),
                                           paths=tuple(item["paths"]), pid=int(item["pid"]),
-                                          control=item.get("control")))
+                                          control=item.get("control"),
+                                          rng=tuple((str(kind), tuple(path)) for kind, path in item.get("rng", []))))
             except (ValueError, KeyError, TypeError) as err:
                 raise TraceError(f"{path}, line {number}, is not a checkpoint record ({err})") from err
     return found

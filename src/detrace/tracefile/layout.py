@@ -31,6 +31,9 @@ RANK_GLOB = "rank-*.arrow"
 """The rank files of a run, as a pattern for messages."""
 CHECKPOINT_LOG_GLOB = "checkpoints-*.jsonl"
 """The checkpoint saves and loads of each traced process of a run (JSON lines: detrace.tracefile.checkpoints)."""
+STATE_PARTS_GLOB = "state-*.jsonl"
+"""The training state, part by part, of each traced process at check-resume's stop points (JSON lines:
+detrace.tracefile.state_parts)."""
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.arrow$")
 _RANK_FOOTER = re.compile(r"^rank-(\d{5})\.json$")
 _AUX_FILE = re.compile(r"^aux-(\d+)\.(arrow|json)$")
@@ -41,6 +44,11 @@ _CAPTURE_FILE = re.compile(r"^rank-(\d+)-seq(\d+)\.safetensors$")
 def checkpoint_log_path(run_dir: str | Path, pid: int) -> Path:
     """The checkpoint saves and loads of one traced process (see CHECKPOINT_LOG_GLOB)."""
     return Path(run_dir) / f"checkpoints-{pid}.jsonl"
+
+
+def state_parts_path(run_dir: str | Path, pid: int) -> Path:
+    """The state, part by part, of one traced process at check-resume's stop points (see STATE_PARTS_GLOB)."""
+    return Path(run_dir) / f"state-{pid}.jsonl"
 
 
 def rank_path(run_dir: str | Path, rank: int) -> Path:
@@ -134,14 +142,15 @@ def capture_paths(run_dir: str | Path) -> list[tuple[int, int, Path]]:
 
 def trace_files(run_dir: str | Path) -> list[Path]:
     """What a traced run wrote into its directory: rank files, footers, auxiliary traces, a run.json of detrace's,
-    capture files, checkpoint logs, notes of processes whose tracer did not start (nothing else: a user's own files
-    there, `capture/` included, are never detrace's to remove)."""
+    capture files, checkpoint logs, state parts, notes of processes whose tracer did not start (nothing else: a
+    user's own files there, `capture/` included, are never detrace's to remove)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if (p.name == RUN_HEADER and is_run_header(p))
              or _RANK_FILE.match(p.name) or _RANK_FOOTER.match(p.name) or _AUX_FILE.match(p.name)
-             or (p.match(CHECKPOINT_LOG_GLOB) and not p.is_dir()) or _UNTRACED_FILE.match(p.name)]
+             or (p.match(CHECKPOINT_LOG_GLOB) and not p.is_dir())
+             or (p.match(STATE_PARTS_GLOB) and not p.is_dir()) or _UNTRACED_FILE.match(p.name)]
     captures = run_dir / CAPTURE_DIR
     if captures.is_dir() and not captures.is_symlink():
         found += [p for p in captures.iterdir() if _CAPTURE_FILE.match(p.name) and not p.is_dir()]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrace.record import opaque
-from detrace.record.rungs import batch, checkpoints, clock, compiled, metrics, module, op, semantic
+from detrace.record.rungs import batch, checkpoints, clock, compiled, metrics, module, op, semantic, state_parts
 from detrace.record.session import Tracer
 from detrace.tracefile.schema import rung_includes
 
@@ -20,6 +20,7 @@ def install(tracer: Tracer) -> list[Undo]:
     """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables."""
     undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer),
             *batch.install(tracer),  # at every rung: the model's forward begins a step (detrace.record.steps)
+            *state_parts.install(tracer),  # at every rung, before the stop of checkpoints: check-resume's parts
             *checkpoints.install(tracer)]  # at every rung: the program's own checkpoint saves and loads
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):

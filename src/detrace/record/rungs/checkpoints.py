@@ -10,10 +10,17 @@ program imported it (looked for as each optimizer step begins, and at install).
 Two variables of `detrace check-resume --native` act here:
 - DETRACE_NATIVE_STOP_AT=K: the process ends (as a preemption would, its trace complete) when the optimizer step
   after K completed steps begins: after the program's save at step K returned, before anything more is trained.
-- DETRACE_NATIVE_CONTROL=skip-optimizer | skip-rng: a negative control applied to what `torch.load` returns: every
-  optimizer state dict in it loses its per-parameter state (moments, step counts: a fresh optimizer's), or every
-  RNG state in it (torch's CPU generator, Python's `random`, NumPy's) is replaced by this process's own, so that
-  restoring it restores nothing.
+- DETRACE_NATIVE_CONTROL=skip-optimizer | skip-rng: a negative control applied to what a load gives the program
+  (what `torch.load` and safetensors' `load_file` return, the state dict that `torch.distributed.checkpoint.load`
+  fills in place): every optimizer state dict in it loses its per-parameter state (moments, step counts: a fresh
+  optimizer's), or every RNG state in it is replaced by this process's own, so that restoring it restores nothing.
+  A DCP load of `Stateful` objects (torchtitan's containers) restores them inside the load: no control applies.
+
+RNG states are known by where they came from, never by their shape: the states that `torch.get_rng_state`,
+`torch.cuda.get_rng_state(_all)`, `random.getstate` and `numpy.random.get_state` return are remembered (the last
+few, by identity), and a save logs where in the saved object they are (their key paths). The skip-rng control
+gets those key paths, per file, from the save that wrote it (DETRACE_NATIVE_RNG, set by check-resume from the
+stopped run's log) and replaces what is there by this process's state of the same kind.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from detrace import _events
 from detrace._exit import leave
 from detrace.errors import UsageError
-from detrace.record.opaque import Opaque
+from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.rungs.clock import restored_step
 from detrace.record.session import Tracer
 from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
+from detrace.state.contract import ENV_NATIVE_RNG as RNG_VAR
 from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
 from detrace.state.contract import NATIVE_CONTROLS
 from detrace.tracefile.layout import checkpoint_log_path
@@ -83,11 +91,12 @@ class _Log:
         """Checkpoint calls running now, in any thread (only the outermost is logged: DCP's writer threads save
         its items with torch.save)."""
 
-    def add(self, op: str, api: str, paths: list[str], control: str | None = None) -> None:
+    def add(self, op: str, api: str, paths: list[str], control: str | None = None,
+            rng: list[tuple[str, KeyPath]] | None = None) -> None:
         if not self.tracer.enabled and self.tracer.rank is not None:
             return  # a rank outside the window, or a closed trace
         line = {"op": op, "api": api, "completed": completed_steps(self.tracer), "paths": paths,
-                "pid": os.getpid(), "control": control}
+                "pid": os.getpid(), "control": control, "rng": rng or []}
         try:
             self.tracer.config.out.mkdir(parents=True, exist_ok=True)  # a process that recorded nothing yet
             with open(checkpoint_log_path(self.tracer.config.out, os.getpid()), "a") as stream:
@@ -96,9 +105,13 @@ class _Log:
             print(f"detrace: the checkpoint log of process {os.getpid()} cannot be written ({err})", file=sys.stderr)
 
 
-def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Callable[..., Any],
-          transform: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
-    """`function` run as checkpoint I/O and logged; `target(*args, **kwargs)` gives what it names."""
+def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Callable[..., Any], *,
+          transform: Callable[[Any, list[str]], tuple[Any, str | None]] | None = None, in_place: bool = False,
+          saved: Callable[[Any], list[tuple[str, KeyPath]]] | None = None) -> Callable[..., Any]:
+    """`function` run as checkpoint I/O and logged; `target(*args, **kwargs)` gives what it names. A load's result
+    goes through `transform(result, paths)` (the negative control), or with `in_place` what it loaded into (its
+    first argument: DCP fills the state dict it is given); `saved(obj)` finds the RNG states in what a save writes
+    (its first argument)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if log.depth:  # inside another checkpoint call: that one is logged
@@ -109,10 +122,14 @@ def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Ca
                 result = function(*args, **kwargs)
         finally:
             log.depth -= 1
+        paths = _named(target(*args, **kwargs))
         control = None
-        if transform is not None:
-            result, control = transform(result)
-        log.add(op, api, _named(target(*args, **kwargs)), control)
+        if transform is not None and in_place:
+            _, control = transform(args[0] if args else kwargs.get("state_dict"), paths)
+        elif transform is not None:
+            result, control = transform(result, paths)
+        rng = saved(args[0] if args else kwargs.get("obj")) if saved is not None else None
+        log.add(op, api, paths, control, rng)
         return result
 
     wrapped.__wrapped__ = function  # type: ignore[attr-defined]
@@ -131,62 +148,146 @@ def _dcp_target(*args: Any, **kwargs: Any) -> Any:
     return None
 
 
+KeyPath = list[str | int]
+"""Where a value is in a saved object: dict keys and list or tuple indices, from the top."""
+_KEPT = 64
+"""RNG states remembered by identity (the most recent): a checkpoint saves the ones it just took."""
+
+
+class _RngStates:
+    """Where the RNG states come from: the functions that return them are wrapped, and what they returned last is
+    remembered by identity (with a reference, so that no other object takes its id), with its kind."""
+
+    def __init__(self) -> None:
+        self.recent: dict[int, tuple[str, Any]] = {}
+        self.fresh: dict[str, Callable[[], Any]] = {}
+        """Per kind, the original function that gives this process's own state of that kind."""
+
+    def wrap(self, kind: str, function: Callable[[], Any]) -> Callable[[], Any]:
+        self.fresh[kind] = function
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # is_compiling() first: Dynamo inlines this into a compiled region (activation checkpointing keeps the
+            # RNG state there) and must see the original call alone, so that its graphs are the untraced ones.
+            if torch.compiler.is_compiling():
+                return function(*args, **kwargs)
+            state = function(*args, **kwargs)
+            self.recent[id(state)] = (kind, state)
+            while len(self.recent) > _KEPT:
+                del self.recent[next(iter(self.recent))]
+            return state
+
+        wrapped.__wrapped__ = function  # type: ignore[attr-defined]
+        skip_frames(wrapped)  # a frame of it that Dynamo would start from (after a graph break) runs as it is
+        return wrapped
+
+    def found(self, obj: Any) -> list[tuple[str, KeyPath]]:
+        """The RNG states in a saved object, with their key paths (dicts, lists and tuples are looked into)."""
+        found: list[tuple[str, KeyPath]] = []
+
+        def visit(value: Any, path: KeyPath) -> None:
+            known = self.recent.get(id(value))
+            if known is not None and known[1] is value:
+                found.append((known[0], path))
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(key, str | int):
+                        visit(item, [*path, key])
+            elif isinstance(value, list | tuple):
+                for index, item in enumerate(value):
+                    visit(item, [*path, index])
+
+        if self.recent:
+            visit(obj, [])
+        return found
+
+
 class _Controls:
     """The negative control of DETRACE_NATIVE_CONTROL, applied to what `torch.load` returns."""
 
-    def __init__(self, tracer: Tracer, control: str | None) -> None:
+    def __init__(self, tracer: Tracer, control: str | None, states: _RngStates) -> None:
         self.tracer = tracer
         self.control = control
+        self.states = states
+        self.rng: dict[str, list[tuple[str, KeyPath]]] = _rng_paths() if control == "skip-rng" else {}
+        """Per file (its absolute path), where the save that wrote it put RNG states (DETRACE_NATIVE_RNG)."""
 
-    def __call__(self, loaded: Any) -> tuple[Any, str | None]:
-        if self.control is None:
-            return loaded, None
-        changed = [False]
-        result = self._visit(loaded, changed)
-        return result, self.control if changed[0] else None
+    def __call__(self, loaded: Any, paths: list[str]) -> tuple[Any, str | None]:
+        if self.control == "skip-optimizer":
+            return loaded, self.control if self._without_optimizer_state(loaded) else None
+        if self.control == "skip-rng":
+            found = [item for path in paths for item in self.rng.get(os.path.abspath(path), [])]
+            whole = next((kind for kind, key_path in found if not key_path and kind in self.states.fresh), None)
+            if whole is not None:  # a file that is one RNG state
+                return self.states.fresh[whole](), self.control
+            replaced = [self._replace(loaded, key_path, kind) for kind, key_path in found]
+            return loaded, self.control if any(replaced) else None
+        return loaded, None
 
-    def _visit(self, value: Any, changed: list[bool]) -> Any:
-        if self.control == "skip-optimizer" and isinstance(value, dict) and {"state", "param_groups"} <= set(value):
+    def _without_optimizer_state(self, value: Any) -> bool:
+        """Empty every optimizer state dict's per-parameter state in `value`, in place (a loaded checkpoint is the
+        program's own fresh object; a DCP state dict is filled in place, then given to the optimizer); whether
+        there was one."""
+        if isinstance(value, dict) and {"state", "param_groups"} <= set(value):
             # A fresh optimizer's state; the step count it carried still numbers the steps of the trace.
             self.tracer.restored(restored_step(types.SimpleNamespace(state=value["state"])))
-            changed[0] = True
-            return {**value, "state": {}}
-        if self.control == "skip-rng":
-            fresh = _fresh_rng(value)
-            if fresh is not None:
-                changed[0] = True
-                return fresh
-        if isinstance(value, dict):
-            return {key: self._visit(item, changed) for key, item in value.items()}
-        if isinstance(value, list):
-            return [self._visit(item, changed) for item in value]
-        return value
+            value["state"] = {}
+            return True
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        return any([self._without_optimizer_state(item) for item in items])  # (a list: every one of them)
+
+    def _replace(self, loaded: Any, key_path: KeyPath, kind: str) -> bool:
+        """Put this process's own state of `kind` at `key_path` (in place: a loaded checkpoint is the program's
+        own fresh object); False when the loaded object has nothing there to replace."""
+        if kind not in self.states.fresh:
+            return False
+        holder = loaded
+        try:
+            for key in key_path[:-1]:
+                holder = holder[key]
+        except (KeyError, IndexError, TypeError):
+            return False
+        last = key_path[-1]
+        there = (last in holder if isinstance(holder, dict) else
+                 isinstance(holder, list) and isinstance(last, int) and 0 <= last < len(holder))
+        if not there:
+            return False  # (a tuple is not changed in place: its holder would have to be)
+        holder[key_path[-1]] = self.states.fresh[kind]()
+        return True
 
 
-def _fresh_rng(value: Any) -> Any:
-    """This process's own RNG state in place of a saved one (torch's CPU generator, `random`, NumPy's legacy
-    global state), or None when `value` is none of them."""
-    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
-        mine = torch.get_rng_state()
-        return mine if value.numel() == mine.numel() else None
-    if not isinstance(value, tuple) or not value or not isinstance(value[0], int | str):
-        return None
-    if len(value) == 3 and value[0] == 3 and isinstance(value[1], tuple) and len(value[1]) == 625:
-        return random.getstate()
-    if len(value) == 5 and value[0] == "MT19937":
-        numpy = sys.modules.get("numpy")
-        return numpy.random.get_state() if numpy is not None else None
-    return None
+def _rng_paths() -> dict[str, list[tuple[str, KeyPath]]]:
+    text = os.environ.get(RNG_VAR)
+    if not text:
+        return {}
+    try:
+        given = json.loads(text)
+        return {str(path): [(str(kind), list(key_path)) for kind, key_path in items] for path, items in given.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise UsageError(f"{RNG_VAR} is not the RNG states of check-resume --native ({err})") from err
+
+
+LIGHTNING_IO = ("lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io")
+"""Lightning's checkpoint writers: `_atomic_save(checkpoint, filepath)` saves into a buffer with torch.save and
+writes it through fsspec, so the file it names is logged there."""
 
 
 def install(tracer: Tracer) -> list[Undo]:
-    """Wrap the checkpoint functions; under DETRACE_NATIVE_STOP_AT, end the process at the step after it."""
+    """Wrap the checkpoint functions and the RNG state getters; under DETRACE_NATIVE_STOP_AT, end the process at
+    the step after it."""
     log = _Log(tracer)
     stop_at = _stop_at()
-    controls = _Controls(tracer, _control())
+    states = _RngStates()
+    controls = _Controls(tracer, _control(), states)
+    cuda = torch.cuda
     undo: list[Undo] = [
-        replace(torch, "save", _wrap(log, "save", "torch.save", torch.save, _argument(1, "f"))),
-        replace(torch, "load", _wrap(log, "load", "torch.load", torch.load, _argument(0, "f"), controls)),
+        replace(torch, "save", _wrap(log, "save", "torch.save", torch.save, _argument(1, "f"), saved=states.found)),
+        replace(torch, "load", _wrap(log, "load", "torch.load", torch.load, _argument(0, "f"), transform=controls)),
+        *(replace(module, name, states.wrap(kind, getattr(module, name))) for module, name, kind in (
+            (torch, "get_rng_state", "torch"), (torch.random, "get_rng_state", "torch"),
+            (cuda, "get_rng_state", "cuda"), (cuda.random, "get_rng_state", "cuda"),
+            (cuda, "get_rng_state_all", "cuda-all"), (cuda.random, "get_rng_state_all", "cuda-all"),
+            (random, "getstate", "python"))),
     ]
     try:
         import safetensors.torch as safetensors
@@ -195,27 +296,39 @@ def install(tracer: Tracer) -> list[Undo]:
     else:
         undo += [
             replace(safetensors, "save_file", _wrap(log, "save", "safetensors.save_file", safetensors.save_file,
-                                                    _argument(1, "filename"))),
+                                                    _argument(1, "filename"), saved=states.found)),
             replace(safetensors, "load_file", _wrap(log, "load", "safetensors.load_file", safetensors.load_file,
-                                                    _argument(0, "filename"))),
+                                                    _argument(0, "filename"), transform=controls)),
         ]
-    late: list[Undo] = []
+    late: dict[str, list[Undo]] = {}
 
-    def wrap_dcp() -> None:
+    def wrap_late() -> None:
+        """What the program may import after the tracer started: DCP (a second to import), NumPy, Lightning."""
         dcp = sys.modules.get("torch.distributed.checkpoint")
-        if late or dcp is None or not hasattr(dcp, "save"):
-            return
-        late.append(replace(dcp, "save", _wrap(log, "save", "dcp.save", dcp.save, _dcp_target)))
-        late.append(replace(dcp, "load", _wrap(log, "load", "dcp.load", dcp.load, _dcp_target)))
+        if "dcp" not in late and dcp is not None and hasattr(dcp, "save"):
+            late["dcp"] = [replace(dcp, "save", _wrap(log, "save", "dcp.save", dcp.save, _dcp_target,
+                                                      saved=states.found)),
+                           replace(dcp, "load", _wrap(log, "load", "dcp.load", dcp.load, _dcp_target,
+                                                      transform=controls, in_place=True))]
+        numpy = sys.modules.get("numpy")
+        if "numpy" not in late and numpy is not None and hasattr(numpy, "random"):
+            late["numpy"] = [replace(numpy.random, "get_state", states.wrap("numpy", numpy.random.get_state))]
+        for name in LIGHTNING_IO:
+            module = sys.modules.get(name)
+            if name not in late and module is not None and hasattr(module, "_atomic_save"):
+                late[name] = [replace(module, "_atomic_save", _wrap(log, "save", "lightning._atomic_save",
+                                                                    module._atomic_save, _argument(1, "filepath"),
+                                                                    saved=states.found))]
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        wrap_dcp()
+        wrap_late()
         if stop_at is not None and tracer.clock.step >= stop_at:
             leave(0)  # the exit handlers close the trace
 
-    def unwrap_dcp() -> None:
-        for step in reversed(late):
-            step()
+    def unwrap_late() -> None:
+        for steps in reversed(late.values()):
+            for step in reversed(steps):
+                step()
 
-    wrap_dcp()
-    return [*undo, register_optimizer_step_pre_hook(Opaque(pre)).remove, unwrap_dcp]
+    wrap_late()
+    return [*undo, register_optimizer_step_pre_hook(Opaque(pre)).remove, unwrap_late]
