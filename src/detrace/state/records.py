@@ -1,0 +1,278 @@
+"""The tensor records of DCP's files read in place, without pickle.
+
+DCP stores every tensor chunk as one `torch.save` record: a zip archive, stored uncompressed, whose entry
+`<archive>/data/0` holds the tensor's bytes and whose other entries (the small `data.pkl` naming dtype, shape and
+strides, the byte order, the zip headers) describe them. torch's own reader unpickles `data.pkl` (restricted), copies
+the bytes out of the archive and checks their CRC-32: most of the time of a verify on warm files went there.
+
+Here the save locates each record's tensor bytes once (`frame_of`, with `zipfile` reading the zip directory: no
+pickle) and the manifest keeps, per chunk, where they start in the record (`data_at`) and the SHA-256 of the
+record's other bytes (`frame`). The planner stores every chunk C-contiguous, so the tensor bytes are the chunk's
+elements in order. Verify then reads the records directly (`read_batches`): the frame against its SHA-256 (a change
+to `data.pkl`, the strides or the byte order is damage like any other) and the tensor bytes, mapped in place
+(`mmap`, no copy) where they sit on an 8-byte boundary of the file, else read (`preadv`) into an aligned buffer that
+is reused, by threads that read the next batch while the caller hashes this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import mmap
+import os
+import struct
+import warnings
+import zipfile
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from detrace.errors import CheckpointCorrupted, CheckpointError
+
+_DATA = "/data/0"
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
+_ALIGN = 8  # the fingerprint kernels read 8-byte words: tensor bytes at another file offset are read into a buffer
+_PIECE = 32 << 20  # the most bytes one thread reads in one call: big enough for the disk, small enough to share
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frame:
+    """Where a record's tensor bytes lie, and the checksum of everything else in the record."""
+
+    data_at: int
+    """Byte offset of the tensor bytes within the record."""
+    data_bytes: int
+    """Their length."""
+    sha256: str
+    """SHA-256 (hex) of the record's other bytes: the bytes before the tensor's, then those after."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wanted:
+    """A record that verify reads in place: where it is and what the manifest says of it."""
+
+    fqn: str
+    """The tensor's name (for messages)."""
+    label: str
+    """How a message names the chunk (`'model.0.weight'`, with its offsets when it is a shard)."""
+    file: str
+    """File of the checkpoint directory holding the record."""
+    start: int
+    """Byte offset of the record in the file."""
+    length: int
+    """Byte length of the record."""
+    frame: Frame
+    """The manifest's frame of the record."""
+    dtype: torch.dtype
+    """The chunk's dtype, from the manifest."""
+    shape: tuple[int, ...]
+    """The chunk's shape, from the manifest."""
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a file of their own (a record, for `zipfile`)."""
+
+    def __init__(self, stream: io.BufferedReader, start: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._start, self._length, self._pos = stream, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        count = max(0, min(len(buffer), self._length - self._pos))
+        self._stream.seek(self._start + self._pos)
+        got = self._stream.readinto(memoryview(buffer)[:count])
+        self._pos += got
+        return got
+
+
+def frame_of(path: Path, start: int, length: int) -> Frame | None:
+    """The frame of the torch.save record at [start, start + length) of `path`, or None when it is not one plain
+    tensor stored uncompressed (verify then reads it with torch's reader)."""
+    with path.open("rb") as stream:
+        try:
+            with zipfile.ZipFile(_Window(stream, start, length)) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return None
+        data = [entry for entry in entries if "/data/" in entry.filename]
+        if len(data) != 1 or not data[0].filename.endswith(_DATA) or data[0].compress_type != zipfile.ZIP_STORED:
+            return None
+        stream.seek(start + data[0].header_offset)
+        header = stream.read(_LOCAL_HEADER.size)
+        if len(header) != _LOCAL_HEADER.size:
+            return None
+        signature, name, extra = _LOCAL_HEADER.unpack(header)
+        if signature != b"PK\x03\x04":
+            return None
+        data_at = data[0].header_offset + _LOCAL_HEADER.size + name + extra
+        data_bytes = data[0].file_size
+        if data_at + data_bytes > length:
+            return None
+        return Frame(data_at=data_at, data_bytes=data_bytes,
+                     sha256=_frame_sha256(stream.fileno(), start, length, data_at, data_bytes))
+
+
+def _frame_sha256(fd: int, start: int, length: int, data_at: int, data_bytes: int) -> str:
+    head = os.pread(fd, data_at, start)
+    tail = os.pread(fd, length - data_at - data_bytes, start + data_at + data_bytes)
+    return hashlib.sha256(head + tail).hexdigest()
+
+
+class _File:
+    """One open file of the checkpoint, mapped once for the records whose tensor bytes are read in place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+        self.size = os.fstat(self.fd).st_size
+        self._map: mmap.mmap | None = None
+
+    def mapped(self) -> mmap.mmap:
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+        return self._map
+
+    def close(self) -> None:
+        os.close(self.fd)  # the map, if any, stays valid while tensors use it and goes with the last of them
+
+
+@dataclass
+class _Slot:
+    """One record of a batch being read: its bytes' place (mapped, or a range of the batch's buffer) or its damage."""
+
+    wanted: Wanted
+    damage: CheckpointCorrupted | None = None
+    offset: int = -1
+    """Offset of the tensor bytes in the batch buffer; -1 when they are mapped in place."""
+
+
+def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
+                 workers: int) -> Iterator[list[tuple[Wanted, torch.Tensor | CheckpointCorrupted]]]:
+    """The records' tensors (dtype and shape from the manifest), or the damage found, in batches of about
+    `batch_bytes`, in the order of `wanted`. The next batch is read by `workers` threads while the caller hashes
+    this one: a batch's tensors are valid until the caller asks for the next batch."""
+    files: dict[str, _File] = {}
+    try:
+        for item in wanted:
+            if item.file not in files:
+                if Path(item.file).name != item.file:
+                    raise CheckpointError(f"a record of tensor {item.fqn!r} points outside the checkpoint "
+                                          f"({item.file!r})")
+                files[item.file] = _File(directory / item.file)
+        batches: list[list[Wanted]] = [[]]
+        size = 0
+        for item in wanted:
+            if size >= batch_bytes:
+                batches.append([])
+                size = 0
+            batches[-1].append(item)
+            size += item.frame.data_bytes
+        buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="detrace-verify") as pool:
+            pending = _start(pool, files, batches[0], buffers, 0)
+            for index in range(len(batches)):
+                slots, buffer, futures = pending
+                for future in futures:
+                    future.result()
+                if index + 1 < len(batches):
+                    pending = _start(pool, files, batches[index + 1], buffers, (index + 1) % 2)
+                yield [(slot.wanted, _tensor(files[slot.wanted.file], slot, buffer)) for slot in slots]
+    finally:
+        for file in files.values():
+            file.close()
+
+
+def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted], buffers: list[torch.Tensor],
+           which: int) -> tuple[list[_Slot], torch.Tensor, list[Future[None]]]:
+    """Check the frames of a batch and start reading the tensor bytes that cannot be mapped in place."""
+    slots = [_Slot(wanted=item) for item in batch]
+    copied = 0
+    for slot in slots:
+        slot.damage = _check(files[slot.wanted.file], slot.wanted)
+        item = slot.wanted
+        if slot.damage is None and (item.start + item.frame.data_at) % max(_ALIGN, item.dtype.itemsize):
+            slot.offset = copied
+            copied += -(-item.frame.data_bytes // 64) * 64
+    if buffers[which].numel() < copied:
+        buffers[which] = torch.empty(copied, dtype=torch.uint8)  # torch aligns it to 64 bytes
+    buffer = buffers[which]
+    futures: list[Future[None]] = []
+    for slot in slots:
+        item = slot.wanted
+        if slot.damage is not None:
+            continue
+        at = item.start + item.frame.data_at
+        if slot.offset < 0:
+            if item.frame.data_bytes:  # ask the kernel to read ahead while the previous batch is hashed
+                mapped = files[item.file].mapped()
+                first = at - at % mmap.PAGESIZE
+                mapped.madvise(mmap.MADV_WILLNEED, first, at + item.frame.data_bytes - first)
+            continue
+        view = memoryview(buffer.numpy())
+        for piece in range(0, item.frame.data_bytes, _PIECE):
+            end = min(item.frame.data_bytes, piece + _PIECE)
+            futures.append(pool.submit(_pread, files[item.file], view[slot.offset + piece : slot.offset + end],
+                                       at + piece))
+    return slots, buffer, futures
+
+
+def _pread(file: _File, into: memoryview, at: int) -> None:
+    done = 0
+    while done < len(into):
+        got = os.preadv(file.fd, [into[done:]], at + done)
+        if got == 0:  # the file shrank since it was checked: reported as damage when the frame is read again
+            raise CheckpointError(f"{file.path} changed while it was being verified")
+        done += got
+
+
+def _check(file: _File, item: Wanted) -> CheckpointCorrupted | None:
+    """The damage of a record that its frame reveals, if any: a file too short, a frame whose bytes changed, a
+    manifest's dtype and shape that do not fill the tensor bytes."""
+    if item.start + item.length > file.size:
+        missing = item.start + item.length - file.size
+        return CheckpointCorrupted(f"{file.path} is truncated: tensor {item.fqn!r} is missing {missing} bytes")
+    frame = item.frame
+    numel = 1
+    for size in item.shape:
+        numel *= size
+    fits = frame.data_at + frame.data_bytes <= item.length and numel * item.dtype.itemsize == frame.data_bytes
+    if not fits or _frame_sha256(file.fd, item.start, item.length, frame.data_at, frame.data_bytes) != frame.sha256:
+        return CheckpointCorrupted(f"tensor {item.label}'s stored record (what describes its bytes) does not "
+                                   f"match the manifest")
+    return None
+
+
+def _tensor(file: _File, slot: _Slot, buffer: torch.Tensor) -> torch.Tensor | CheckpointCorrupted:
+    if slot.damage is not None:
+        return slot.damage
+    item = slot.wanted
+    count = item.frame.data_bytes
+    if count == 0:
+        return torch.empty(item.shape, dtype=item.dtype)
+    if slot.offset >= 0:
+        data = buffer[slot.offset : slot.offset + count]
+    else:
+        with warnings.catch_warnings():  # read-only on purpose: the tensor is only hashed
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            data = torch.frombuffer(file.mapped(), dtype=torch.uint8, count=count,
+                                    offset=item.start + item.frame.data_at)
+    return data.view(item.dtype).view(item.shape)
