@@ -21,6 +21,7 @@ import torch
 
 from detrace import __version__
 from detrace._schemes import SCHEME, SCHEMES
+from detrace.digest.scheme import Fingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
 from detrace.state.records import Frame, Wanted, read_batches
@@ -266,7 +267,8 @@ def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]
     wanted = [_wanted(chunk, expected[(chunk.fqn, chunk.offsets)]) for chunk in framed]
     workers = torch.get_num_threads()
     done = 0
-    for batch in read_batches(directory, wanted, batch_bytes=_BATCH_BYTES, workers=workers):
+    for batch in read_batches(directory, wanted, batch_bytes=_BATCH_BYTES, workers=workers,
+                              scheme=manifest.fingerprint):
         problems += _compare(manifest, expected, [(framed[done + i], data) for i, (_, data) in enumerate(batch)])
         done += len(batch)
     batch_: list[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]] = []
@@ -291,19 +293,21 @@ def _wanted(chunk: StoredChunk, entry: dict[str, Any]) -> Wanted:
 
 
 def _compare(manifest: Manifest, expected: dict[tuple[str, tuple[int, ...]], dict[str, Any]],
-             batch: list[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]]) -> list[str]:
-    """The problems of a batch of read chunks: damage found while reading, fingerprints that differ."""
+             batch: Sequence[tuple[StoredChunk, torch.Tensor | Fingerprint | CheckpointCorrupted]]) -> list[str]:
+    """The problems of a batch of read chunks (tensors, or fingerprints already computed while reading): damage
+    found while reading, fingerprints that differ."""
     from detrace.digest import fingerprint_many
 
-    read = [(chunk, data) for chunk, data in batch if isinstance(data, torch.Tensor)]
-    prints = iter(fingerprint_many([data for _, data in read], scheme=manifest.fingerprint))
+    tensors = [data for _, data in batch if isinstance(data, torch.Tensor)]
+    prints = iter(fingerprint_many(tensors, scheme=manifest.fingerprint))
     problems = []
     for chunk, data in batch:
         if isinstance(data, CheckpointCorrupted):
             problems.append(str(data))
             continue
         entry = expected[(chunk.fqn, chunk.offsets)]
-        if _record(next(prints)) != {key: entry[key] for key in ("digest", "dtype", "shape", "numel")}:
+        print_ = next(prints) if isinstance(data, torch.Tensor) else data
+        if _record(print_) != {key: entry[key] for key in ("digest", "dtype", "shape", "numel")}:
             problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")
     return problems
 

@@ -10,8 +10,11 @@ pickle) and the manifest keeps, per chunk, where they start in the record (`data
 record's other bytes (`frame`). The planner stores every chunk C-contiguous, so the tensor bytes are the chunk's
 elements in order. Verify then reads the records directly (`read_batches`): the frame against its SHA-256 (a change
 to `data.pkl`, the strides or the byte order is damage like any other) and the tensor bytes, mapped in place
-(`mmap`, no copy) where they sit on an 8-byte boundary of the file, else read (`preadv`) into an aligned buffer that
-is reused, by threads that read the next batch while the caller hashes this one.
+(`mmap`, no copy) where they sit on an 8-byte boundary of the file (the fingerprint kernels read 8-byte words), else
+read (`preadv`) 4 MiB at a time into a few reused buffers and hashed piece by piece (detrace.digest.stream) by
+threads, while the caller hashes the mapped tensors of the batch before. DCP packs records end to end, so most
+tensor bytes are unaligned; fresh memory is not cheap either (a first touch costs a page fault per 4 KiB), so no
+tensor is ever copied whole.
 """
 
 from __future__ import annotations
@@ -27,15 +30,18 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import torch
 
+from detrace.digest.scheme import Fingerprint
+from detrace.digest.stream import PIECE_ALIGN, StreamedFingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 
 _DATA = "/data/0"
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
 _ALIGN = 8  # the fingerprint kernels read 8-byte words: tensor bytes at another file offset are read into a buffer
-_PIECE = 32 << 20  # the most bytes one thread reads in one call: big enough for the disk, small enough to share
+_PIECE = 1024 * PIECE_ALIGN  # bytes read and hashed at once by one thread (4 MiB): few enough to stay in cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,21 +161,13 @@ class _File:
         os.close(self.fd)  # the map, if any, stays valid while tensors use it and goes with the last of them
 
 
-@dataclass
-class _Slot:
-    """One record of a batch being read: its bytes' place (mapped, or a range of the batch's buffer) or its damage."""
-
-    wanted: Wanted
-    damage: CheckpointCorrupted | None = None
-    offset: int = -1
-    """Offset of the tensor bytes in the batch buffer; -1 when they are mapped in place."""
-
-
-def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
-                 workers: int) -> Iterator[list[tuple[Wanted, torch.Tensor | CheckpointCorrupted]]]:
-    """The records' tensors (dtype and shape from the manifest), or the damage found, in batches of about
-    `batch_bytes`, in the order of `wanted`. The next batch is read by `workers` threads while the caller hashes
-    this one: a batch's tensors are valid until the caller asks for the next batch."""
+def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int, workers: int, scheme: str
+                 ) -> Iterator[list[tuple[Wanted, torch.Tensor | Fingerprint | CheckpointCorrupted]]]:
+    """What each record holds, in batches of about `batch_bytes`, in the order of `wanted`: its tensor mapped in
+    place (dtype and shape from the manifest) for the caller to fingerprint, or the fingerprint in `scheme` of
+    tensor bytes that are not aligned in the file (read into small reused buffers and hashed piece by piece by
+    `workers` threads, while the caller hashes the batch before), or the damage found. A batch's tensors are
+    valid until the caller asks for the next batch."""
     files: dict[str, _File] = {}
     try:
         for item in wanted:
@@ -186,53 +184,57 @@ def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
                 size = 0
             batches[-1].append(item)
             size += item.frame.data_bytes
-        buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="detrace-verify") as pool:
-            pending = _start(pool, files, batches[0], buffers, 0)
+        workers = max(1, workers)
+        buffers: SimpleQueue[torch.Tensor] = SimpleQueue()
+        for _ in range(workers):
+            buffers.put(torch.empty(_PIECE, dtype=torch.uint8))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detrace-verify") as pool:
+            pending = _start(pool, files, batches[0], buffers, scheme)
             for index in range(len(batches)):
-                slots, buffer, futures = pending
+                started, futures = pending
                 for future in futures:
                     future.result()
                 if index + 1 < len(batches):
-                    pending = _start(pool, files, batches[index + 1], buffers, (index + 1) % 2)
-                yield [(slot.wanted, _tensor(files[slot.wanted.file], slot, buffer)) for slot in slots]
+                    pending = _start(pool, files, batches[index + 1], buffers, scheme)
+                yield [(item, _result(files[item.file], item, found)) for item, found in started]
     finally:
         for file in files.values():
             file.close()
 
 
-def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted], buffers: list[torch.Tensor],
-           which: int) -> tuple[list[_Slot], torch.Tensor, list[Future[None]]]:
-    """Check the frames of a batch and start reading the tensor bytes that cannot be mapped in place."""
-    slots = [_Slot(wanted=item) for item in batch]
-    copied = 0
-    for slot in slots:
-        slot.damage = _check(files[slot.wanted.file], slot.wanted)
-        item = slot.wanted
-        if slot.damage is None and (item.start + item.frame.data_at) % max(_ALIGN, item.dtype.itemsize):
-            slot.offset = copied
-            copied += -(-item.frame.data_bytes // 64) * 64
-    if buffers[which].numel() < copied:
-        buffers[which] = torch.empty(copied, dtype=torch.uint8)  # torch aligns it to 64 bytes
-    buffer = buffers[which]
+def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted],
+           buffers: SimpleQueue[torch.Tensor], scheme: str
+           ) -> tuple[list[tuple[Wanted, StreamedFingerprint | CheckpointCorrupted | None]], list[Future[None]]]:
+    """Check the frames of a batch, ask the kernel to read ahead what is mapped, and start hashing the rest."""
+    started: list[tuple[Wanted, StreamedFingerprint | CheckpointCorrupted | None]] = []
     futures: list[Future[None]] = []
-    for slot in slots:
-        item = slot.wanted
-        if slot.damage is not None:
-            continue
+    for item in batch:
+        file = files[item.file]
+        damage = _check(file, item)
         at = item.start + item.frame.data_at
-        if slot.offset < 0:
-            if item.frame.data_bytes:  # ask the kernel to read ahead while the previous batch is hashed
-                mapped = files[item.file].mapped()
-                first = at - at % mmap.PAGESIZE
-                mapped.madvise(mmap.MADV_WILLNEED, first, at + item.frame.data_bytes - first)
-            continue
-        view = memoryview(buffer.numpy())
-        for piece in range(0, item.frame.data_bytes, _PIECE):
-            end = min(item.frame.data_bytes, piece + _PIECE)
-            futures.append(pool.submit(_pread, files[item.file], view[slot.offset + piece : slot.offset + end],
-                                       at + piece))
-    return slots, buffer, futures
+        if damage is not None or item.frame.data_bytes == 0:
+            started.append((item, damage))
+        elif at % max(_ALIGN, item.dtype.itemsize) == 0:  # mapped in place: read ahead while the last batch hashes
+            first = at - at % mmap.PAGESIZE
+            file.mapped().madvise(mmap.MADV_WILLNEED, first, at + item.frame.data_bytes - first)
+            started.append((item, None))
+        else:
+            streamed = StreamedFingerprint(item.dtype, item.shape, scheme)
+            started.append((item, streamed))
+            futures += [pool.submit(_hash_piece, file, at, piece, min(_PIECE, item.frame.data_bytes - piece),
+                                    streamed, buffers)
+                        for piece in range(0, item.frame.data_bytes, _PIECE)]
+    return started, futures
+
+
+def _hash_piece(file: _File, at: int, piece: int, count: int, streamed: StreamedFingerprint,
+                buffers: SimpleQueue[torch.Tensor]) -> None:
+    buffer = buffers.get()
+    try:
+        _pread(file, memoryview(buffer.numpy().data)[:count], at + piece)
+        streamed.add(buffer[:count], piece)
+    finally:
+        buffers.put(buffer)
 
 
 def _pread(file: _File, into: memoryview, at: int) -> None:
@@ -261,18 +263,16 @@ def _check(file: _File, item: Wanted) -> CheckpointCorrupted | None:
     return None
 
 
-def _tensor(file: _File, slot: _Slot, buffer: torch.Tensor) -> torch.Tensor | CheckpointCorrupted:
-    if slot.damage is not None:
-        return slot.damage
-    item = slot.wanted
-    count = item.frame.data_bytes
-    if count == 0:
+def _result(file: _File, item: Wanted, found: StreamedFingerprint | CheckpointCorrupted | None
+            ) -> torch.Tensor | Fingerprint | CheckpointCorrupted:
+    if isinstance(found, CheckpointCorrupted):
+        return found
+    if isinstance(found, StreamedFingerprint):
+        return found.result()
+    if item.frame.data_bytes == 0:
         return torch.empty(item.shape, dtype=item.dtype)
-    if slot.offset >= 0:
-        data = buffer[slot.offset : slot.offset + count]
-    else:
-        with warnings.catch_warnings():  # read-only on purpose: the tensor is only hashed
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            data = torch.frombuffer(file.mapped(), dtype=torch.uint8, count=count,
-                                    offset=item.start + item.frame.data_at)
+    with warnings.catch_warnings():  # read-only on purpose: the tensor is only hashed
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        data = torch.frombuffer(file.mapped(), dtype=torch.uint8, count=item.frame.data_bytes,
+                                offset=item.start + item.frame.data_at)
     return data.view(item.dtype).view(item.shape)
