@@ -6,7 +6,7 @@ Layout of a checkpoint root (what `TrainState.save(root)` and `DETRACE_CKPT_DIR`
     root/step-00000012/          one complete version
         manifest.json            fingerprints of every stored tensor chunk + checksums of the JSON files
         dcp_metadata.json        torch.distributed.checkpoint's metadata, as JSON
-        __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, read weights_only)
+        __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, their bytes verified in place)
         rank-0.json ...          each rank's skeletons (non-tensor values, tensor keys): its model/optimizer
                                  state and its own state (step, RNG, data position, extra)
     root/.tmp-TOKEN/             a save in progress: invisible until committed

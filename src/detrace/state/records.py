@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
+from typing import BinaryIO
 
 import torch
 
@@ -81,7 +82,7 @@ class Wanted:
 class _Window(io.RawIOBase):
     """Bytes [start, start + length) of an open file, as a file of their own (a record, for `zipfile`)."""
 
-    def __init__(self, stream: io.BufferedReader, start: int, length: int) -> None:
+    def __init__(self, stream: BinaryIO, start: int, length: int) -> None:
         super().__init__()
         self._stream, self._start, self._length, self._pos = stream, start, length, 0
 
@@ -102,36 +103,35 @@ class _Window(io.RawIOBase):
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
         count = max(0, min(len(buffer), self._length - self._pos))
         self._stream.seek(self._start + self._pos)
-        got = self._stream.readinto(memoryview(buffer)[:count])
+        got = self._stream.readinto(memoryview(buffer)[:count])  # type: ignore[attr-defined]
         self._pos += got
         return got
 
 
-def frame_of(path: Path, start: int, length: int) -> Frame | None:
-    """The frame of the torch.save record at [start, start + length) of `path`, or None when it is not one plain
-    tensor stored uncompressed (verify then reads it with torch's reader)."""
-    with path.open("rb") as stream:
-        try:
-            with zipfile.ZipFile(_Window(stream, start, length)) as archive:
-                entries = archive.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError):
-            return None
-        data = [entry for entry in entries if "/data/" in entry.filename]
-        if len(data) != 1 or not data[0].filename.endswith(_DATA) or data[0].compress_type != zipfile.ZIP_STORED:
-            return None
-        stream.seek(start + data[0].header_offset)
-        header = stream.read(_LOCAL_HEADER.size)
-        if len(header) != _LOCAL_HEADER.size:
-            return None
-        signature, name, extra = _LOCAL_HEADER.unpack(header)
-        if signature != b"PK\x03\x04":
-            return None
-        data_at = data[0].header_offset + _LOCAL_HEADER.size + name + extra
-        data_bytes = data[0].file_size
-        if data_at + data_bytes > length:
-            return None
-        return Frame(data_at=data_at, data_bytes=data_bytes,
-                     sha256=_frame_sha256(stream.fileno(), start, length, data_at, data_bytes))
+def frame_of(stream: BinaryIO, start: int, length: int) -> Frame | None:
+    """The frame of the torch.save record at [start, start + length) of the open file `stream`, or None when it is
+    not one plain tensor stored uncompressed (verify then reads it with torch's reader)."""
+    try:
+        with zipfile.ZipFile(_Window(stream, start, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    data = [entry for entry in entries if "/data/" in entry.filename]
+    if len(data) != 1 or not data[0].filename.endswith(_DATA) or data[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    stream.seek(start + data[0].header_offset)
+    header = stream.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    signature, name, extra = _LOCAL_HEADER.unpack(header)
+    if signature != b"PK\x03\x04":
+        return None
+    data_at = data[0].header_offset + _LOCAL_HEADER.size + name + extra
+    data_bytes = data[0].file_size
+    if data_at + data_bytes > length:
+        return None
+    return Frame(data_at=data_at, data_bytes=data_bytes,
+                 sha256=_frame_sha256(stream.fileno(), start, length, data_at, data_bytes))
 
 
 def _frame_sha256(fd: int, start: int, length: int, data_at: int, data_bytes: int) -> str:

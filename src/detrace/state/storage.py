@@ -1,10 +1,10 @@
 """torch.distributed.checkpoint storage without pickle, and the fingerprints of what it writes.
 
-DCP's file system writer stores tensors with `torch.save` (which its reader loads with `weights_only=True`)
-but pickles its `.metadata` file, and reading that back would run arbitrary code from the checkpoint. The
-writer and reader here keep DCP's sharded, rank-parallel data path and store the metadata as JSON instead
-(`dcp_metadata.json`). Non-tensor values never reach DCP (see `detrace.state.tree`), so neither does DCP's
-pickled "bytes" item type.
+DCP's file system writer stores tensors with `torch.save` (which its reader loads with `weights_only=True`;
+verify reads their bytes in place instead, detrace.state.records) but pickles its `.metadata` file, and reading
+that back would run arbitrary code from the checkpoint. The writer and reader here keep DCP's sharded,
+rank-parallel data path and store the metadata as JSON instead (`dcp_metadata.json`). Non-tensor values never
+reach DCP (see `detrace.state.tree`), so neither does DCP's pickled "bytes" item type.
 
 `FingerprintingSavePlanner` records, after DCP's global planning and deduplication, exactly which chunks this
 rank writes, so the manifest fingerprints the bytes that are on disk, once each, by the rank that wrote them.
@@ -71,11 +71,15 @@ class JsonFileSystemWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written = super().write_data(plan, planner)
+        by_file: dict[str, list[WriteResult]] = {}
         for result in written.wait():  # DCP's file system writer has written everything when it returns
-            info = result.storage_data
-            frame = frame_of(Path(self.path) / info.relative_path, info.offset, info.length)
-            if frame is not None:
-                self.frames[(result.index.fqn, tuple(result.index.offset or ()))] = frame
+            by_file.setdefault(result.storage_data.relative_path, []).append(result)
+        for name, results in by_file.items():
+            with (Path(self.path) / name).open("rb") as stream:
+                for result in results:
+                    frame = frame_of(stream, result.storage_data.offset, result.storage_data.length)
+                    if frame is not None:
+                        self.frames[(result.index.fqn, tuple(result.index.offset or ()))] = frame
         return written
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
