@@ -23,7 +23,8 @@ PIECE_ALIGN = ROW_BYTES
 
 
 class StreamedFingerprint:
-    """The fingerprint of a CPU tensor of `dtype` and `shape` in `scheme`, fed its logical bytes in pieces."""
+    """The fingerprint of a CPU tensor of `dtype` and `shape` in `scheme`, fed its logical bytes in pieces (make it
+    in one thread; `add` from any)."""
 
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], scheme: str) -> None:
         self.dtype, self.shape, self.scheme = dtype, shape, scheme
@@ -32,6 +33,8 @@ class StreamedFingerprint:
         self._backend = "eager" if backend == "reference" else backend
         self._total = 0
         self._lock = threading.Lock()
+        # The row keys, taken now: `add` runs in threads, and the shared table may be replaced while it grows.
+        self._keys = device_tables(torch.device("cpu")).rowkeys(-(-self.nbytes // ROW_BYTES), scheme)
 
     def add(self, data: torch.Tensor, at: int) -> None:
         """Add bytes [at, at + len(data)) of the tensor: `data` a 1-D uint8 CPU tensor, 8-byte aligned, `at` a
@@ -48,7 +51,7 @@ class StreamedFingerprint:
             padded[:count] = data
             data = padded
         words = data.view(torch.int64).view(rows, ROW_BYTES // 8)
-        keys = device_tables(data.device).rowkeys(first + rows, self.scheme)[first:]
+        keys = self._keys[first : first + rows]
         partial = int(kernel("total", words, keys, self._backend, self.scheme).numpy().view("uint64")[0])
         with self._lock:
             self._total = add(self._total, partial, self.scheme)

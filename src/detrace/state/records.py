@@ -249,6 +249,8 @@ def _pread(file: _File, into: memoryview, at: int) -> None:
 def _check(file: _File, item: Wanted) -> CheckpointCorrupted | None:
     """The damage of a record that its frame reveals, if any: a file too short, a frame whose bytes changed, a
     manifest's dtype and shape that do not fill the tensor bytes."""
+    if min(item.start, item.length) < 0:
+        return CheckpointCorrupted(f"{file.path}: the record of tensor {item.fqn!r} has a negative place or size")
     if item.start + item.length > file.size:
         missing = item.start + item.length - file.size
         return CheckpointCorrupted(f"{file.path} is truncated: tensor {item.fqn!r} is missing {missing} bytes")
