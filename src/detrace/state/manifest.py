@@ -271,15 +271,15 @@ def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]
                               scheme=manifest.fingerprint):
         problems += _compare(manifest, expected, [(framed[done + i], data) for i, (_, data) in enumerate(batch)])
         done += len(batch)
-    batch_: list[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]] = []
+    loaded: list[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]] = []
     size = 0
     for chunk, data in _read_ahead(directory, others, workers):
-        batch_.append((chunk, data))
+        loaded.append((chunk, data))
         size += data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
         if size >= _BATCH_BYTES:
-            problems += _compare(manifest, expected, batch_)
-            batch_, size = [], 0
-    return problems + _compare(manifest, expected, batch_)
+            problems += _compare(manifest, expected, loaded)
+            loaded, size = [], 0
+    return problems + _compare(manifest, expected, loaded)
 
 
 def _wanted(chunk: StoredChunk, entry: dict[str, Any]) -> Wanted:
