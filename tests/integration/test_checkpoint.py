@@ -452,6 +452,9 @@ def test_an_unusable_checkpoint_directory_is_one_sentence(tmp_path: Path, where:
     ("tensors", {"model.0.weight": [{"offsets": [0, 0], "digest": "0", "dtype": "float32", "shape": [5, 6],
                                      "numel": 30, "data_at": -1, "frame": "0"}]},
      "the chunks of tensor 'model.0.weight' must be"),
+    ("tensors", {"model.0.weight": [{"offsets": [0, 0], "digest": "0", "dtype": "qint8", "shape": [5, 6],
+                                     "numel": 30, "data_at": 0, "frame": "0"}]},
+     "the chunks of tensor 'model.0.weight' must be"),
 ])
 def test_a_manifest_of_wrong_types_is_refused_by_verify_and_load_alike(
         tmp_path: Path, field: str, value: object, words: str, capsys: pytest.CaptureFixture[str]) -> None:

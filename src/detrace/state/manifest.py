@@ -180,9 +180,10 @@ def _chunk_entry(entry: object) -> bool:
 
 
 def _dtype(name: str) -> torch.dtype | None:
-    """The dtype a manifest names (`float32`), or None."""
+    """The plain dtype a manifest names (`float32`), or None (not a dtype, or a quantized one, whose names all start
+    with "q": no chunk of those is read in place)."""
     dtype = getattr(torch, name, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
+    return dtype if isinstance(dtype, torch.dtype) and not name.startswith("q") else None
 
 
 def verify(directory: Path, *, collective: bool) -> Manifest:
