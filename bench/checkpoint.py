@@ -8,9 +8,9 @@ A TrainState (a model of a few large parameters and its AdamW moments, --gib GiB
 
 - verify: `verify_checkpoint` of that version (every stored chunk read back and fingerprinted against the
   manifest) against `cat FILES > /dev/null` of its files: on 1 core (torch 1 thread, one `cat`) and on all cores
-  (torch's default threads, one `cat` per file in parallel). With --cold the page cache is dropped before each
-  timed call (`echo 3 > /proc/sys/vm/drop_caches`, root only): the disk's speed; without it, the files are in
-  the page cache: the memory and CPU side alone.
+  (torch's default threads, one `cat` per file in parallel). With --cold the files' pages are dropped from the
+  page cache before each timed call (`posix_fadvise(DONTNEED)` on each file after a sync: no root needed): the
+  disk's speed; without it, the files are in the page cache: the memory and CPU side alone.
 - save: `TrainState.save` (DCP's write with fsync, plus the manifest: every chunk fingerprinted, the JSON
   checksummed) against DCP's own `dcp.save` of the same tensors with the same fsync, each into a fresh directory.
 
@@ -51,14 +51,20 @@ def make_state(gib: float) -> TrainState:
     return TrainState(model=model, optimizer=optimizer)  # type: ignore[arg-type]
 
 
-def drop_caches() -> None:
+def drop_cached(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (clean pages only: hence the sync first)."""
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def timed(fn: Callable[[], object], cold: bool) -> float:
-    if cold:
-        drop_caches()
+def timed(fn: Callable[[], object], cold: list[Path] | None) -> float:
+    if cold is not None:
+        drop_cached(cold)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -78,7 +84,7 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=2.0, help="checkpoint size in GiB")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (a temporary directory under it)")
-    parser.add_argument("--cold", action="store_true", help="drop the page cache before each timed call (root)")
+    parser.add_argument("--cold", action="store_true", help="drop the files from the page cache before each call")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     here = Path(tempfile.mkdtemp(prefix="detrace-ckpt-bench-", dir=args.dir))
@@ -93,12 +99,13 @@ def main() -> int:
               f"{args.rounds} interleaved rounds, page cache {'dropped before each call' if args.cold else 'warm'}",
               flush=True)
         cache = "cold" if args.cold else "warm"
+        cold = files if args.cold else None
         for label, n, parallel in (("1 core", 1, False), ("all cores", threads, True)):
             torch.set_num_threads(n)
             times: dict[str, list[float]] = {"verify": [], "read": []}
             for _ in range(args.rounds):
-                times["read"].append(timed(lambda parallel=parallel: cat(files, parallel), args.cold))
-                times["verify"].append(timed(lambda: verify_checkpoint(version), args.cold))
+                times["read"].append(timed(lambda parallel=parallel: cat(files, parallel), cold))
+                times["verify"].append(timed(lambda: verify_checkpoint(version), cold))
             gib = size / 2**30
             speeds = ", ".join(f"{k} {gib / sorted(v)[len(v) // 2]:.2f} GiB/s (median)" for k, v in times.items())
             print(f"{label} ({cache}): {speeds}", flush=True)
@@ -111,10 +118,10 @@ def main() -> int:
         saves: dict[str, list[float]] = {"detrace": [], "dcp": []}
         for r in range(args.rounds):
             shutil.rmtree(here / "ckpt")
-            saves["detrace"].append(timed(lambda: state.save(here / "ckpt"), False))
+            saves["detrace"].append(timed(lambda: state.save(here / "ckpt"), None))
             plain = here / f"plain-{r}"
             saves["dcp"].append(timed(lambda plain=plain: dcp.save(
-                tensors, storage_writer=dcp.FileSystemWriter(plain, sync_files=True), no_dist=True), False))
+                tensors, storage_writer=dcp.FileSystemWriter(plain, sync_files=True), no_dist=True), None))
             shutil.rmtree(plain)
         print(f"save: detrace {size / 2**30 / sorted(saves['detrace'])[args.rounds // 2]:.2f} GiB/s, plain DCP "
               f"{size / 2**30 / sorted(saves['dcp'])[args.rounds // 2]:.2f} GiB/s (medians)", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -448,6 +449,12 @@ def test_an_unusable_checkpoint_directory_is_one_sentence(tmp_path: Path, where:
     ("files", [1], "field 'files' must be an object"),
     ("tensors", {"model.0.weight": [{"offsets": "x"}]}, "the chunks of tensor 'model.0.weight' must be"),
     ("fingerprint", "detrace-fp9", "field 'fingerprint' must be one of detrace-fp1, detrace-fp2"),
+    ("tensors", {"model.0.weight": [{"offsets": [0, 0], "digest": "0", "dtype": "float32", "shape": [5, 6],
+                                     "numel": 30, "data_at": -1, "frame": "0"}]},
+     "the chunks of tensor 'model.0.weight' must be"),
+    ("tensors", {"model.0.weight": [{"offsets": [0, 0], "digest": "0", "dtype": "qint8", "shape": [5, 6],
+                                     "numel": 30, "data_at": 0, "frame": "0"}]},
+     "the chunks of tensor 'model.0.weight' must be"),
 ])
 def test_a_manifest_of_wrong_types_is_refused_by_verify_and_load_alike(
         tmp_path: Path, field: str, value: object, words: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -501,3 +508,107 @@ def test_verify_reads_chunks_ahead_in_order_and_keeps_damage_in_place(tmp_path: 
     got = [data for _, data in manifest._read_ahead(version, broken, 2)]
     assert isinstance(got[1], CheckpointCorrupted) and "is truncated" in str(got[1])
     assert torch.equal(got[0], sequential[0]) and torch.equal(got[2], sequential[2])  # type: ignore[arg-type]
+
+
+def _framed(version: Path) -> list[tuple[object, dict]]:
+    """(stored chunk, its manifest entry) of every chunk of a version."""
+    from detrace.state.storage import stored_chunks
+
+    entries = json.loads((version / "manifest.json").read_text())["tensors"]
+    return [(chunk, next(e for e in entries[chunk.fqn] if tuple(e["offsets"]) == chunk.offsets))
+            for chunk in stored_chunks(version)]
+
+
+def _flip_at(path: Path, at: int) -> None:
+    content = bytearray(path.read_bytes())
+    content[at] ^= 0x10
+    path.write_bytes(bytes(content))
+
+
+def test_verify_reads_every_record_in_place_without_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk this detrace saves is located in its record (`data_at`, `frame`), and verify reads them all
+    without torch's record reader (which unpickles data.pkl): mapped in place where aligned, hashed piece by piece
+    where not, in several batches; the tensors it maps are the ones torch's reader gives."""
+    from detrace.state import records
+    from detrace.state.manifest import _wanted
+    from detrace.state.storage import load_chunk
+
+    torch.manual_seed(0)
+    big = torch.nn.Linear(300, 700)  # 840 KB of weights: more than one 4 KiB row and more than a piece of the test
+    state = TrainState(model=torch.nn.Sequential(big, torch.nn.Tanh(), torch.nn.Linear(700, 3)),
+                       optimizer=torch.optim.AdamW(big.parameters(), lr=0.01))
+    state.model(torch.randn(2, 300)).sum().backward()  # type: ignore[operator]
+    state.optimizer.step()  # type: ignore[union-attr]
+    version = state.save(tmp_path, step=1)
+    framed = _framed(version)
+    assert framed and all("frame" in entry and "data_at" in entry for _, entry in framed)
+    wanted = [_wanted(chunk, entry) for chunk, entry in framed]  # type: ignore[arg-type]
+    aligned = [(w.start + w.frame.data_at) % 8 == 0 for w in wanted]
+    assert any(aligned) and not all(aligned)  # both ways of reading are exercised
+
+    def no_pickle(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load was called")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    monkeypatch.setattr(records, "_PIECE", 64 * 1024)  # the large tensors' bytes in many pieces
+    batches = list(records.read_batches(version, wanted, batch_bytes=4096, workers=3, scheme="detrace-fp1"))
+    assert len(batches) > 2 and [w for batch in batches for w, _ in batch] == wanted
+    assert verify_checkpoint(version).step == 1
+    monkeypatch.undo()
+    for (chunk, _), (_, got) in zip(framed, [item for batch in batches for item in batch], strict=True):
+        if isinstance(got, torch.Tensor):  # mapped: the bytes torch's reader gives (a streamed one was compared)
+            assert torch.equal(got, load_chunk(version, chunk))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["aligned data", "unaligned data", "data.pkl"])
+def test_a_flipped_byte_of_a_record_is_found_when_read_in_place(tmp_path: Path, where: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte flipped in a tensor's data (mapped, or hashed piece by piece) or in its record's data.pkl (where the
+    strides are: a checkpoint that would load other values) is damage, reported by tensor name, never read with
+    pickle."""
+    version = make_state().save(tmp_path)
+    picked = None
+    for chunk, entry in _framed(version):
+        at = chunk.start + entry["data_at"]  # type: ignore[attr-defined]
+        if entry["numel"] > 1 and (at % 8 == 0) == (where == "aligned data"):
+            picked = chunk, entry, at
+            break
+    assert picked is not None
+    chunk, entry, at = picked
+    shard = version / chunk.file  # type: ignore[attr-defined]
+    if where == "data.pkl":
+        record = shard.read_bytes()[chunk.start : chunk.start + chunk.length]  # type: ignore[attr-defined]
+        _flip_at(shard, chunk.start + record.index(b"_rebuild_tensor_v2"))  # type: ignore[attr-defined]
+        message = "stored record (what describes its bytes) does not match the manifest"
+    else:
+        _flip_at(shard, at + 4)
+        message = "does not match its fingerprint in the manifest"
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    with pytest.raises(CheckpointCorrupted, match=re.escape(f"tensor '{chunk.fqn}'") + ".*" + re.escape(message)):  # type: ignore[attr-defined]
+        verify_checkpoint(version)
+
+
+def test_a_truncated_shard_file_is_reported_without_reading_past_its_end(tmp_path: Path) -> None:
+    version = make_state().save(tmp_path)
+    (shard,) = version.glob("*.distcp")
+    with shard.open("r+b") as stream:
+        stream.truncate(shard.stat().st_size - 100)
+    with pytest.raises(CheckpointCorrupted, match=rf"{shard} is truncated: tensor '.*' is missing \d+ bytes"):
+        verify_checkpoint(version)
+
+
+def test_a_manifest_without_record_frames_is_verified_with_torchs_reader(tmp_path: Path) -> None:
+    """Checkpoints saved before the records were located (no `data_at`/`frame`) verify as they did, and a flipped
+    bit is still found."""
+    state = make_state()
+    version = state.save(tmp_path)
+    path = version / "manifest.json"
+    document = json.loads(path.read_text())
+    for entries in document["tensors"].values():
+        for entry in entries:
+            del entry["data_at"], entry["frame"]
+    path.write_text(json.dumps(document))
+    assert verify_checkpoint(version).step == 0
+    flip_one_bit(version, state.model[2].weight)  # type: ignore[index]
+    with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.2\.weight' does not match its fingerprint"):
+        verify_checkpoint(version)

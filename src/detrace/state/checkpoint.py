@@ -6,7 +6,7 @@ Layout of a checkpoint root (what `TrainState.save(root)` and `DETRACE_CKPT_DIR`
     root/step-00000012/          one complete version
         manifest.json            fingerprints of every stored tensor chunk + checksums of the JSON files
         dcp_metadata.json        torch.distributed.checkpoint's metadata, as JSON
-        __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, read weights_only)
+        __0_0.distcp ...         tensor chunks, one file per rank (torch.save records, their bytes verified in place)
         rank-0.json ...          each rank's skeletons (non-tensor values, tensor keys): its model/optimizer
                                  state and its own state (step, RNG, data position, extra)
     root/.tmp-TOKEN/             a save in progress: invisible until committed
@@ -126,11 +126,12 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     shared_tensors = {names.get(key, key): tensor for key, tensor in shared_tensors.items()}
     local_skeleton, local_tensors = dist.together(lambda: tree.split(local, f"rank{rank}"))
     planner = FingerprintingSavePlanner()
+    storage = JsonFileSystemWriter(tmp, sync_files=True)
     try:
         with _single_process_is_intended():
             dcp.save(
                 {**shared_tensors, **local_tensors},
-                storage_writer=JsonFileSystemWriter(tmp, sync_files=True),
+                storage_writer=storage,
                 planner=planner,
                 no_dist=not dist.active(),
             )
@@ -141,7 +142,7 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     write_json(
         tmp / manifest.rank_file(rank), {"rank": rank, "step": step, "shared": shared_skeleton, "local": local_skeleton}
     )
-    write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks()))
+    write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks(), storage.frames))
     dist.barrier()  # every rank's part is on disk before rank 0 commits
     suffix = _commit(root, tmp, step=step, world=world, keep=keep) if rank == 0 else 0
     # nobody returns (and, say, exits) before the checkpoint is visible

@@ -11,7 +11,7 @@ corrupted checkpoint is never trained on silently.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +21,10 @@ import torch
 
 from detrace import __version__
 from detrace._schemes import SCHEME, SCHEMES
+from detrace.digest.scheme import Fingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
+from detrace.state.records import Frame, Wanted, read_batches
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
 from detrace.tracefile.integrity import file_sha256
 
@@ -37,17 +39,30 @@ _SCHEMA_FAMILY = "detrace.checkpoint/"
 _BATCH_BYTES = 256 * 2**20
 
 
-def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> list[dict[str, Any]]:
+def chunk_records(chunks: Iterable[tuple[str, tuple[int, ...], torch.Tensor]],
+                  frames: Mapping[tuple[str, tuple[int, ...]], Frame] | None = None) -> list[dict[str, Any]]:
     """Manifest records of (fqn, offsets, data) chunks: fingerprints computed in one bulk call, each record naming
-    the scheme (the manifest keeps it once)."""
+    the scheme (the manifest keeps it once). `frames`: where the writer found each chunk's tensor bytes in its
+    record (detrace.state.records); a chunk that has one is verified by reading them in place."""
     from detrace.digest import fingerprint_many
 
     chunks = list(chunks)
     prints = fingerprint_many([data for _, _, data in chunks])
-    return [
-        {"fqn": fqn, "offsets": list(offsets), **_record(print_), "fingerprint": print_.scheme}
-        for (fqn, offsets, _), print_ in zip(chunks, prints, strict=True)
-    ]
+    records = []
+    for (fqn, offsets, data), print_ in zip(chunks, prints, strict=True):
+        record = {"fqn": fqn, "offsets": list(offsets), **_record(print_), "fingerprint": print_.scheme}
+        frame = (frames or {}).get((fqn, tuple(offsets)))
+        if frame is not None and _in_place(data, frame):
+            record |= {"data_at": frame.data_at, "frame": frame.sha256}
+        records.append(record)
+    return records
+
+
+def _in_place(data: torch.Tensor, frame: Frame) -> bool:
+    """Whether verify may read this chunk's stored bytes as its elements: a plain dense tensor, C-contiguous (the
+    planner stores it so), whose bytes fill the record's tensor entry."""
+    return (data.layout == torch.strided and not data.is_quantized and data.is_contiguous()
+            and data.numel() * data.element_size() == frame.data_bytes)
 
 
 def build(*, step: int, world_size: int, records: Iterable[dict[str, Any]], files: Sequence[Path],
@@ -114,7 +129,8 @@ class Manifest:
     files: dict[str, str]
     """JSON file name -> SHA-256."""
     tensors: dict[str, list[dict[str, Any]]]
-    """Tensor name -> its chunks: offsets, digest, dtype, shape, numel."""
+    """Tensor name -> its chunks: offsets, digest, dtype, shape, numel, and for a chunk read in place (every chunk
+    this detrace writes) `data_at` and `frame` (detrace.state.records)."""
     fingerprint: str = SCHEME
     """The scheme of the chunk digests (detrace-fp1 in manifests that name none)."""
     command: tuple[str, ...] | None = None
@@ -155,9 +171,19 @@ def _chunk_entry(entry: object) -> bool:
     if not isinstance(entry, dict):
         return False
     dims = [entry.get("offsets"), entry.get("shape")]
+    framed = "data_at" in entry or "frame" in entry
     return (all(isinstance(d, list) and all(_is_int(v) for v in d) for d in dims)
             and isinstance(entry.get("digest"), str) and isinstance(entry.get("dtype"), str)
-            and _is_int(entry.get("numel")))
+            and _is_int(entry.get("numel"))
+            and (not framed or (_is_int(entry.get("data_at")) and isinstance(entry.get("frame"), str)
+                                and _dtype(entry["dtype"]) is not None)))
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    """The plain dtype a manifest names (`float32`), or None (not a dtype, or a quantized one, whose names all start
+    with "q": no chunk of those is read in place)."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) and not name.startswith("q") else None
 
 
 def verify(directory: Path, *, collective: bool) -> Manifest:
@@ -223,41 +249,67 @@ def _check_coverage(manifest: Manifest, chunks: list[StoredChunk]) -> list[str]:
 
 
 def _check_chunks(directory: Path, manifest: Manifest, chunks: list[StoredChunk]) -> list[str]:
-    from detrace.digest import fingerprint_many
-
     problems: list[str] = []
     expected = {
         (fqn, tuple(entry.pop("offsets"))): entry
         for fqn, entries in manifest.tensors.items()
         for entry in (dict(entry) for entry in entries)
     }
-    batch: list[tuple[StoredChunk, torch.Tensor]] = []
-
-    def flush() -> None:
-        prints = fingerprint_many([data for _, data in batch], scheme=manifest.fingerprint)
-        for (chunk, _), print_ in zip(batch, prints, strict=True):
-            if _record(print_) != expected[(chunk.fqn, chunk.offsets)]:
-                problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")
-        batch.clear()
-
-    size = 0
     known = []
     for chunk in chunks:
         if (chunk.fqn, chunk.offsets) in expected:
             known.append(chunk)
         else:
             problems.append(f"tensor {_describe(chunk)} has no fingerprint in the manifest")
-    for chunk, data in _read_ahead(directory, known, torch.get_num_threads()):
+    # Chunks whose manifest entry locates their bytes are read in place; the others (checkpoints written before
+    # detrace.state.records existed) with torch's record reader.
+    framed = [chunk for chunk in known if "frame" in expected[(chunk.fqn, chunk.offsets)]]
+    others = [chunk for chunk in known if "frame" not in expected[(chunk.fqn, chunk.offsets)]]
+    wanted = [_wanted(chunk, expected[(chunk.fqn, chunk.offsets)]) for chunk in framed]
+    workers = torch.get_num_threads()
+    done = 0
+    for batch in read_batches(directory, wanted, batch_bytes=_BATCH_BYTES, workers=workers,
+                              scheme=manifest.fingerprint):
+        problems += _compare(manifest, expected, [(framed[done + i], data) for i, (_, data) in enumerate(batch)])
+        done += len(batch)
+    loaded: list[tuple[StoredChunk, torch.Tensor | CheckpointCorrupted]] = []
+    size = 0
+    for chunk, data in _read_ahead(directory, others, workers):
+        loaded.append((chunk, data))
+        size += data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
+        if size >= _BATCH_BYTES:
+            problems += _compare(manifest, expected, loaded)
+            loaded, size = [], 0
+    return problems + _compare(manifest, expected, loaded)
+
+
+def _wanted(chunk: StoredChunk, entry: dict[str, Any]) -> Wanted:
+    dtype = _dtype(entry["dtype"])
+    assert dtype is not None  # the manifest was validated
+    shape = tuple(entry["shape"])
+    data_bytes = entry["numel"] * dtype.itemsize
+    return Wanted(fqn=chunk.fqn, label=_describe(chunk), file=chunk.file, start=chunk.start, length=chunk.length,
+                  frame=Frame(data_at=entry["data_at"], data_bytes=data_bytes, sha256=entry["frame"]),
+                  dtype=dtype, shape=shape)
+
+
+def _compare(manifest: Manifest, expected: dict[tuple[str, tuple[int, ...]], dict[str, Any]],
+             batch: Sequence[tuple[StoredChunk, torch.Tensor | Fingerprint | CheckpointCorrupted]]) -> list[str]:
+    """The problems of a batch of read chunks (tensors, or fingerprints already computed while reading): damage
+    found while reading, fingerprints that differ."""
+    from detrace.digest import fingerprint_many
+
+    tensors = [data for _, data in batch if isinstance(data, torch.Tensor)]
+    prints = iter(fingerprint_many(tensors, scheme=manifest.fingerprint))
+    problems = []
+    for chunk, data in batch:
         if isinstance(data, CheckpointCorrupted):
             problems.append(str(data))
             continue
-        batch.append((chunk, data))
-        size += data.numel() * data.element_size()
-        if size >= _BATCH_BYTES:
-            flush()
-            size = 0
-    if batch:
-        flush()
+        entry = expected[(chunk.fqn, chunk.offsets)]
+        print_ = next(prints) if isinstance(data, torch.Tensor) else data
+        if _record(print_) != {key: entry[key] for key in ("digest", "dtype", "shape", "numel")}:
+            problems.append(f"tensor {_describe(chunk)} does not match its fingerprint in the manifest")
     return problems
 
 

@@ -1,10 +1,10 @@
 """torch.distributed.checkpoint storage without pickle, and the fingerprints of what it writes.
 
-DCP's file system writer stores tensors with `torch.save` (which its reader loads with `weights_only=True`)
-but pickles its `.metadata` file, and reading that back would run arbitrary code from the checkpoint. The
-writer and reader here keep DCP's sharded, rank-parallel data path and store the metadata as JSON instead
-(`dcp_metadata.json`). Non-tensor values never reach DCP (see `detrace.state.tree`), so neither does DCP's
-pickled "bytes" item type.
+DCP's file system writer stores tensors with `torch.save` (which its reader loads with `weights_only=True`;
+verify reads their bytes in place instead, detrace.state.records) but pickles its `.metadata` file, and reading
+that back would run arbitrary code from the checkpoint. The writer and reader here keep DCP's sharded,
+rank-parallel data path and store the metadata as JSON instead (`dcp_metadata.json`). Non-tensor values never
+reach DCP (see `detrace.state.tree`), so neither does DCP's pickled "bytes" item type.
 
 `FingerprintingSavePlanner` records, after DCP's global planning and deduplication, exactly which chunks this
 rank writes, so the manifest fingerprints the bytes that are on disk, once each, by the rank that wrote them.
@@ -32,9 +32,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from detrace.errors import CheckpointCorrupted, CheckpointError
+from detrace.state.records import Frame, frame_of
 
 METADATA_FILE = "dcp_metadata.json"
 _SCHEMA = "detrace.dcp-metadata/1"
@@ -57,7 +60,27 @@ class StoredChunk:
 
 
 class JsonFileSystemWriter(FileSystemWriter):
-    """DCP's file system writer, with the metadata written as JSON instead of a pickle."""
+    """DCP's file system writer, with the metadata written as JSON instead of a pickle, that locates the tensor
+    bytes of every record it wrote (`frames`), so that verify reads them in place (detrace.state.records)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.frames: dict[tuple[str, tuple[int, ...]], Frame] = {}
+        """(fqn, offsets) -> the frame of the record this rank wrote for that chunk (none for a record that is not
+        one plain tensor)."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        written = super().write_data(plan, planner)
+        by_file: dict[str, list[WriteResult]] = {}
+        for result in written.wait():  # DCP's file system writer has written everything when it returns
+            by_file.setdefault(result.storage_data.relative_path, []).append(result)
+        for name, results in by_file.items():
+            with (Path(self.path) / name).open("rb") as stream:
+                for result in results:
+                    frame = frame_of(stream, result.storage_data.offset, result.storage_data.length)
+                    if frame is not None:
+                        self.frames[(result.index.fqn, tuple(result.index.offset or ()))] = frame
+        return written
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         storage = {result.index: result.storage_data for per_rank in results for result in per_rank}
@@ -102,6 +125,12 @@ class FingerprintingSavePlanner(DefaultSavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self._written = super().finish_plan(new_plan)
         return self._written
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        # Stored C-contiguous (a copy only for a chunk that is not): a record's tensor bytes are then its elements
+        # in order, which verify hashes in place without reading the strides from the record's pickle.
+        data = super().resolve_data(write_item)
+        return data.contiguous() if isinstance(data, torch.Tensor) else data
 
     def written_chunks(self) -> Iterator[tuple[str, tuple[int, ...], torch.Tensor]]:
         """(fqn, offsets, data) of every tensor chunk this rank wrote, valid after `dcp.save` returned."""
