@@ -39,20 +39,20 @@ def test_layout_names() -> None:
 def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert resolve_layout("invariant", "fsdp4", None) == ("fsdp-invariant", 1, 1)
-    assert resolve_layout("plain", "fsdp4", None) == ("fsdp-plain", 1, 1)
-    assert resolve_layout("invariant", "2x2", None) == ("tp-invariant", 2, 1)
-    assert resolve_layout("plain", "dp2xtp2", None) == ("tp-plain", 2, 1)
-    assert resolve_layout("invariant", None, None) == ("dp-invariant", 1, 1)  # dp over every process
-    assert resolve_layout("invariant", "pp4", None) == ("pp-invariant", 1, 4)
-    assert resolve_layout("invariant", "pp2xdp2", None) == ("pp-invariant", 1, 2)
-    assert resolve_layout("invariant", "fsdp2xtp2", None) == ("fsdp-invariant", 2, 1)
+    assert resolve_layout("invariant", "fsdp4", None) == ("fsdp-invariant", 1, 1, 1)
+    assert resolve_layout("plain", "fsdp4", None) == ("fsdp-plain", 1, 1, 1)
+    assert resolve_layout("invariant", "2x2", None) == ("tp-invariant", 2, 1, 1)
+    assert resolve_layout("plain", "dp2xtp2", None) == ("tp-plain", 2, 1, 1)
+    assert resolve_layout("invariant", None, None) == ("dp-invariant", 1, 1, 1)  # dp over every process
+    assert resolve_layout("invariant", "pp4", None) == ("pp-invariant", 1, 4, 1)
+    assert resolve_layout("invariant", "pp2xdp2", None) == ("pp-invariant", 1, 2, 1)
+    assert resolve_layout("invariant", "fsdp2xtp2", None) == ("fsdp-invariant", 2, 1, 1)
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
-    assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1)
+    assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1, 1)
-    assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1)  # sizes 1: one process, unsplit
-    assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1)  # a named tp: the chunked layers
+    assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1, 1, 1)
+    assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1, 1)  # sizes 1: one process, unsplit
+    assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1, 1)  # a named tp: the chunked layers
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
                                (2, ("invariant", "ep2", None), "not one the reference trainer runs"),
                                (2, ("plain", "pp2", None), "not one the reference trainer runs"),

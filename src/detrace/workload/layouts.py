@@ -32,15 +32,21 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "fsdp-invariant": (("fsdp", None),),
     "fsdp-plain": (("fsdp", None),),
     "pp-invariant": (("pp", None), ("dp", None)),
+    "ep-invariant": (("dp", None), ("ep", None)),
+    "ep-plain": (("dp", None), ("ep", None)),
 }
-"""The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
+"""The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T; the ep- layouts' from
+`setup(kind, ep=E)`: dp = W / E, ep = E."""
 
-INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant")
+INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant",
+             "ep-invariant", "ep-plain")
 """Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
 fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
 tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
 fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
-over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`)."""
+over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`), or over the dp x ep ranks with
+the experts' gradients summed per source (ep-invariant, `detrace.parallel.expert`; ep-plain: the ordinary all-to-all
+MoE, the control)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +98,10 @@ class Layout:
         return self.coord("dp") * self.size("ep") + self.coord("ep")
 
 
-def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
+def setup(kind: str, *, tp: int = 1, pp: int = 1, ep: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
-    tensor-parallel size of the tp layouts, `pp` the stages of pp-invariant (data-parallel over the rest)."""
+    tensor-parallel size of the tp layouts, `pp` the stages of pp-invariant (data-parallel over the rest), `ep` the
+    expert-parallel size of the ep- layouts (data-parallel over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -109,6 +116,11 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1) -> Layout:
         if pp < 2 or world % pp:
             raise UsageError(f"--parallel pp-invariant needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // pp}, cuda)
+    if kind in ("ep-invariant", "ep-plain"):
+        if ep < 1 or ep & (ep - 1) or world % ep:
+            raise UsageError(f"the expert-parallel size must be a power of two dividing the world size {world}, "
+                             f"not {ep}")
+        return _mesh(kind, world, {"dp": world // ep, "ep": ep}, cuda)
     if kind == "fsdp-invariant" and tp > 1:
         if tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

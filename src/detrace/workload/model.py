@@ -296,9 +296,15 @@ class Experts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=w.shape[-1] ** -0.5)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D]."""
-        w1, w3, w2 = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
+    def forward(self, x: torch.Tensor, counts: list[int],
+                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D].
+
+        `weights`: (w1, w3, w2) to compute with instead of the local parameters (the same shapes): the invariant
+        expert parallelism's views of them, one per source rank, whose gradients stay apart."""
+        if weights is None:
+            weights = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
+        w1, w3, w2 = weights
         if self.grouped:
             from detrace.ops import grouped_mm
 

@@ -98,6 +98,9 @@ class TrainConfig:
     """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
     stages: int = 1
     """--parallel pp-invariant: pipeline stages P (each data-parallel over world / P ranks)."""
+    ep: int = 1
+    """--parallel ep-invariant, ep-plain: the expert-parallel size E (the experts split over E ranks, each
+    data-parallel over world / E; from a named layout such as ep2 or ep2xdp2)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -143,6 +146,8 @@ class TrainConfig:
             raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel == "fsdp-invariant"):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
+        if self.ep < 1 or (self.ep != 1 and not self.parallel.startswith("ep-")):
+            raise UsageError("an expert-parallel size other than 1 goes with the ep layouts (--layout ep2)")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -185,19 +190,19 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                         "or a poisoned batch under a smaller bump (both); off by default")
     p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
-    kind, tp, stages = resolve_layout(args.parallel, args.layout, args.tp)
+    kind, tp, stages, ep = resolve_layout(args.parallel, args.layout, args.tp)
     return TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("tp", "layout", "parallel")},
-                       parallel=kind, tp=tp, stages=stages)
+                       parallel=kind, tp=tp, stages=stages, ep=ep)
 
 
-def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int, int]:
-    """(layout kind, tensor-parallel size, pipeline stages) of --parallel, --layout and --tp: --parallel invariant
-    or plain runs the named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE processes) with the
-    invariant layers or their control; any other --parallel is itself, with --tp."""
+def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[str, int, int, int]:
+    """(layout kind, tensor-parallel size, pipeline stages, expert-parallel size) of --parallel, --layout and --tp:
+    --parallel invariant or plain runs the named layout (--layout, else $DETRACE_LAYOUT, else dp over WORLD_SIZE
+    processes) with the invariant layers or their control; any other --parallel is itself, with --tp."""
     if parallel not in NAMED:
         if layout is not None:
             raise UsageError("--layout goes with --parallel invariant or plain")
-        return parallel, _tp_size(tp), 1
+        return parallel, _tp_size(tp), 1, 1
     if tp is not None:
         raise UsageError(f"--parallel {parallel} takes the tensor-parallel size from the layout, not from --tp")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -206,17 +211,19 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
         raise UsageError(f"layout {named} takes {named.world} processes, not {world}: launch it with torchrun "
                          f"--nproc-per-node {named.world}")
     t = named.size("tp")
+    if "ep" in dict(named.sizes) and set(dict(named.sizes)) <= {"dp", "ep"}:  # ep1 too: its own final param lines
+        return f"ep-{parallel}", 1, 1, named.size("ep")
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
         # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
-        return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1
+        return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1, 1
     if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp"}:
-        return f"fsdp-{parallel}", 1, 1
+        return f"fsdp-{parallel}", 1, 1, 1
     if "fsdp" in dict(named.sizes) and named.dims <= {"fsdp", "tp"} and parallel == "invariant":
-        return "fsdp-invariant", t, 1
+        return "fsdp-invariant", t, 1, 1
     if "pp" in dict(named.sizes) and named.dims <= {"pp", "dp"} and parallel == "invariant":
-        return "pp-invariant", 1, named.size("pp")
+        return "pp-invariant", 1, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp) and, invariant only, ppPxdpD and fsdpFxtpT layouts")
+                     "dp, fsdp, epE, epExdpD, DxT (dp x tp) and, invariant only, ppPxdpD and fsdpFxtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
@@ -280,7 +287,7 @@ def train(cfg: TrainConfig) -> None:
         detrace.deterministic(cfg.seed)
     else:
         torch.manual_seed(cfg.seed)
-    layout = layouts.setup(cfg.parallel, tp=cfg.tp, pp=cfg.stages)
+    layout = layouts.setup(cfg.parallel, tp=cfg.tp, pp=cfg.stages, ep=cfg.ep)
     completed = False
     try:
         preset = PRESETS[cfg.preset]
