@@ -16,8 +16,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | tp-plain | dp=W/T, tp=T | as tp-invariant (the control)                  | fixed tree over dp, all-reduce over tp |
 | fsdp-invariant | fsdp=W (or 1) | dp-invariant's; parameters sharded on dim 0 | fixed tree in the reduce-scatter |
 | fsdp-plain | fsdp=W (or 1) | as fsdp-invariant (the control)            | fully_shard's accumulation, reduce-scatter |
-| ep-invariant | dp=W/E, ep=E (or 1) | dp-invariant's over dp x ep; experts over ep | fixed trees: dense over all, experts per source |
-| ep-plain | dp=W/E, ep=E (or 1) | as ep-invariant (the control)               | dense: the tree; experts: one GEMM over all sources, autograd's running sum |
+| ep-invariant | dp=W/E, ep=E | dp-invariant's over dp x ep; experts over ep | fixed trees (experts: per source) |
+| ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
