@@ -32,9 +32,15 @@ Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over
 forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
 whole step on 2 stages, interleaved the same way.
 
+Expert parallelism (`--part ep`): ep-invariant (`detrace.parallel.expert`: each source's tokens through the
+experts apart, the expert weight gradients in the fixed tree) against ep-plain (the ordinary all-to-all MoE: one
+GEMM per expert over every rank's tokens, autograd's accumulation), the rest of the model alike (the tree over the
+dp x ep blocks), the reference model's whole step over the global batch of M microbatches, at each ep size of
+--worlds, interleaved the same way.
+
 The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
 
-    python bench/topology.py [--part dp|tp|fsdp|pp|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
+    python bench/topology.py [--part dp|tp|fsdp|pp|ep|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
         [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64]
 """
 
@@ -300,6 +306,41 @@ def _fsdp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rend
     dist.destroy_process_group()
 
 
+def _ep_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
+    """ep-invariant against ep-plain (the ordinary all-to-all MoE), the reference model's whole step on the global
+    batch of M microbatches, experts over `world` ranks, interleaved on one set of ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from detrace.workload.layouts import Layout
+    from detrace.workload.sharding import ParallelModel
+
+    _setup(rank, world, rendezvous, args.threads)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    cfg, batch, seq, _ = _reference(args.preset)
+    gen = torch.Generator().manual_seed(0)
+    steps = {}
+    for mode in ("invariant", "plain"):
+        layout = Layout(kind=f"ep-{mode}", rank=rank, world=world, device=torch.device("cpu"),
+                        sizes={"dp": 1, "ep": world}, coords={"dp": 0, "ep": rank}, mesh=mesh)
+        pm = ParallelModel(cfg, layout, seed=0, batch_size=batch, seq_len=seq, microbatches=args.microbatches)
+        opt = torch.optim.AdamW(pm.raw.parameters(), lr=1e-3)
+
+        def step(pm: ParallelModel = pm, opt: torch.optim.Optimizer = opt) -> None:
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 2), generator=gen)
+            pm.forward_backward(tokens[:, :seq], tokens[:, 1:])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[mode] = step
+    for fn in steps.values():  # warm-up
+        fn()
+    result = {"step": _interleaved(steps, args.steps)}
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _pp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
     """pp-invariant against torch's own schedule (1F1B, gradients accumulated by autograd and scaled), the
     reference model's whole step on 2 stages, M microbatches, interleaved on one set of ranks."""
@@ -353,7 +394,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "all"))
+    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "ep", "all"))
     p.add_argument("--tp-sizes", default="2,4")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
@@ -376,6 +417,12 @@ def main() -> None:
             _spawn(_fsdp_timing, world, args, path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time fsdp{world} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
+                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+        for world in [int(w) for w in args.worlds.split(",")] if args.part in ("ep", "all") else []:
+            path = f"{tmp}/ep-{world}.json"
+            _spawn(_ep_timing, world, args, path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time ep{world} ({args.preset}, M={args.microbatches}) ep-invariant/all-to-all MoE: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         if args.part in ("pp", "all"):
             path = f"{tmp}/pp-2.json"

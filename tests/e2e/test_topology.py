@@ -584,20 +584,23 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_and_fully_shard_does_not(
+def test_fsdp_1_2_4_and_ep2xdp2_give_the_same_bits_across_a_resume_and_fully_shard_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # fsdp2 runs on, and stops after step 1; fsdp4 and fsdp1 resume from its checkpoint (DCP reshards): each equals
-    # the run that never stopped, step by step (losses by global microbatch) and in the final parameters
-    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "fsdp2,fsdp4,fsdp1", "--resume-at", "1", "--",
-                              *TRAIN, "--parallel", "invariant", "--steps", "2")
+    # fsdp2 runs on, and stops after step 1; fsdp4, fsdp1 and ep2xdp2 (experts over 2 ranks, data over all 4) resume
+    # from its checkpoint (DCP reshards): each equals the run that never stopped, step by step (losses by global
+    # microbatch) and in the final parameters
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "fsdp2,fsdp4,fsdp1,ep2xdp2", "--resume-at", "1",
+                              "--", *TRAIN, "--parallel", "invariant", "--steps", "2")
     assert code == 0, report
     assert list(report["runs"]) == ["layout fsdp2", "layout fsdp2 stopped after step 1",  # type: ignore[call-overload]
-                                    "layout fsdp4 resumed after step 1", "layout fsdp1 resumed after step 1"]
+                                    "layout fsdp4 resumed after step 1", "layout fsdp1 resumed after step 1",
+                                    "layout ep2xdp2 resumed after step 1"]
     finals = report["final_params"]
     assert isinstance(finals, dict) and finals.pop("layout fsdp2 stopped after step 1") != finals["layout fsdp2"]
     assert len(set(finals.values())) == 1 and None not in finals.values()
     # the control: fully_shard's own gradient accumulation and reduce-scatter (2 shards, 4 of 8 microbatches each)
-    # sums in another order than one process does; check-topology names the first parameter that differs
+    # sums in another order than one process does; check-topology names the first parameter that differs (the
+    # ordinary all-to-all MoE's control is in process: tests/unit/test_expert_parallel.py; a job costs ~5 s a rank)
     code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp2", "--", *TRAIN, "--parallel",
                               "plain", "--microbatches", "8", "--steps", "1")
     assert code == 1 and report["first"]["kind"] == "final params", report  # type: ignore[index]
