@@ -123,3 +123,21 @@ def test_ep_layouts_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_layout("invariant", "ep2xtp2", None)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_layout("invariant", "ep1", None) == ("ep-invariant", 1, 1, 1)
+
+
+def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from detrace.workload import layouts
+    from detrace.workload.model import PRESETS, ModelConfig
+    from detrace.workload.sharding import ParallelModel
+    from detrace.workload.train import TrainConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = PRESETS["tiny"]["model"]
+    assert isinstance(base, ModelConfig)
+    with pytest.raises(UsageError, match="--recompute does not go with the ep layouts"):
+        ParallelModel(replace(base, recompute=True, dispatch="fixed"), layouts.setup("ep-invariant"), seed=0,
+                      batch_size=8, seq_len=32, microbatches=4)
+    with pytest.raises(UsageError, match="expert-parallel size other than 1 goes with the ep layouts"):
+        TrainConfig(parallel="dp-invariant", microbatches=4, dispatch="fixed", ep=2)
