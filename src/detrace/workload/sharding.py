@@ -39,6 +39,7 @@ global name (`by_global_name`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -301,6 +302,11 @@ class _InvariantPipeline:
         return _tree_sum(logged)[0], sq
 
 
+def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The local shards of `params` (what this rank computes with)."""
+    return [local_tensor(p) for p in params]
+
+
 class _ExpertParallel:
     """ep-invariant and ep-plain: every rank computes its block of the global microbatches (ep and dp are both data
     dimensions); the non-expert parameters' gradients are summed in the fixed tree over the world
@@ -325,7 +331,7 @@ class _ExpertParallel:
         if sharded and invariant:
             for moe in model.moe_layers():
                 params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
-                exchange = FixedOrderExperts(lambda ps=params: [local_tensor(p) for p in ps],  # type: ignore[misc]
+                exchange = FixedOrderExperts(functools.partial(_locals, params),
                                              microbatches=microbatches // layout.world, group=layout.group("ep"),
                                              replicas=self.replicas)
                 moe.exchange = exchange
