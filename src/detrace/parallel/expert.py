@@ -143,6 +143,9 @@ class FixedOrderExperts:
         per_source = recv_counts.view(ep, -1)
         recv = per_source.sum(1).tolist()
         received = all_to_all(routed, recv, send, self.group)  # source by source, each sorted by local expert
+        # The functional all-to-all returns a lazily waited tensor subclass that its views keep: every op of the
+        # experts on a view would go through its Python dispatch (1.5-2x the step on CPU). A copy waits once.
+        received = received.clone()
         outs, views = run_apart(experts, received.split(recv), per_source.tolist(), self.weights())
         if self.tree is not None and torch.is_grad_enabled():
             self._pending = views
