@@ -34,9 +34,15 @@ Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over
 forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
 whole step on 2 stages, interleaved the same way.
 
+Expert parallelism (`--part ep`): ep-invariant (`detrace.parallel.expert`: each source's tokens through the
+experts apart, the expert weight gradients in the fixed tree) against ep-plain (the ordinary all-to-all MoE: one
+GEMM per expert over every rank's tokens, autograd's accumulation), the rest of the model alike (the tree over the
+dp x ep blocks), the reference model's whole step over the global batch of M microbatches, at each ep size of
+--worlds, interleaved the same way.
+
 The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
 
-    python bench/topology.py [--part dp|tp|fsdp|pp|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
+    python bench/topology.py [--part dp|tp|fsdp|pp|ep|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
         [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64]
 """
 
@@ -326,7 +332,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "all"))
+    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "ep", "all"))
     p.add_argument("--tp-sizes", default="2,4")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
@@ -352,6 +358,13 @@ def main() -> None:
             _spawn(_layout_timing, world, args, sizes, fsdp, path)
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time {name} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
+                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+        for world in [int(w) for w in args.worlds.split(",")] if args.part in ("ep", "all") else []:
+            path = f"{tmp}/ep-{world}.json"
+            _spawn(_layout_timing, world, args, {"ep": world}, (("invariant", "ep-invariant"), ("plain", "ep-plain")),
+                   path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time ep{world} ({args.preset}, M={args.microbatches}) ep-invariant/all-to-all MoE: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         if args.part in ("pp", "all"):
             path = f"{tmp}/pp-2.json"

@@ -603,23 +603,25 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-def test_fsdp_invariant_gives_the_same_bits_at_1_2_4_shards_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
+def test_fsdp_1_2_4_and_ep2xdp2_give_the_same_bits_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # the 2x2 mesh dp2xfsdp2 (2 replicas of 2 shards) runs on, and stops after step 1; fsdp4, fsdp2 and one process
-    # resume from its checkpoint (DCP reshards): each equals the run that never stopped, step by step (losses by
-    # global microbatch) and in the final parameters
-    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1", "--resume-at", "1",
-                              "--", *TRAIN, "--parallel", "invariant", "--steps", "2")
+    # the 2x2 mesh dp2xfsdp2 (2 replicas of 2 shards) runs on, and stops after step 1; fsdp4, fsdp2, one process and
+    # the 2x2 mesh ep2xdp2 (experts over 2 ranks, data over all 4) resume from its checkpoint (DCP reshards): each
+    # equals the run that never stopped, step by step (losses by global microbatch) and in the final parameters
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1,ep2xdp2",
+                              "--resume-at", "1", "--", *TRAIN, "--parallel", "invariant", "--steps", "2")
     assert code == 0, report
     assert list(report["runs"]) == ["layout dp2xfsdp2",  # type: ignore[call-overload]
                                     "layout dp2xfsdp2 stopped after step 1", "layout fsdp4 resumed after step 1",
-                                    "layout fsdp2 resumed after step 1", "layout dp1 resumed after step 1"]
+                                    "layout fsdp2 resumed after step 1", "layout dp1 resumed after step 1",
+                                    "layout ep2xdp2 resumed after step 1"]
     finals = report["final_params"]
     assert isinstance(finals, dict) and finals.pop("layout dp2xfsdp2 stopped after step 1") != \
         finals["layout dp2xfsdp2"]
     assert len(set(finals.values())) == 1 and None not in finals.values()
     # the control: fully_shard's own gradient accumulation and reduce-scatter (2 shards, 4 of 8 microbatches each)
-    # sums in another order than one process does; check-topology names the first parameter that differs
+    # sums in another order than one process does; check-topology names the first parameter that differs (the
+    # ordinary all-to-all MoE's control is in process: tests/unit/test_expert_parallel.py; a job costs ~5 s a rank)
     code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "fsdp1,fsdp2", "--", *TRAIN, "--parallel",
                               "plain", "--microbatches", "8", "--steps", "1")
     assert code == 1 and report["first"]["kind"] == "final params", report  # type: ignore[index]

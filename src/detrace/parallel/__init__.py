@@ -3,10 +3,13 @@ whatever the number of ranks (`InvariantDataParallel`, `invariant_backward`); `t
 tensor-parallel sums are fixed trees over model-sized chunks, whatever the TP size (`ColumnParallelLinear`,
 `RowParallelLinear`); `fsdp`, fully_shard's reduce-scatter as the same tree over microbatches, whatever the number
 of shards (`shard_invariantly`); `pipeline`, a pipeline stage's gradients as that tree, whatever the schedule and
-the number of stages (`TreeGradients`, `SeededForwards`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`).
+the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert parallelism whose experts run each
+source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
+(`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`).
 See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
+from detrace.parallel.expert import FixedOrderExperts
 from detrace.parallel.fsdp import FixedOrderReduceScatter, shard_invariantly
 from detrace.parallel.layout import Layout
 from detrace.parallel.pipeline import SeededForwards, TreeGradients
@@ -14,6 +17,7 @@ from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_
 
 __all__ = [
     "ColumnParallelLinear",
+    "FixedOrderExperts",
     "FixedOrderReduceScatter",
     "InvariantDataParallel",
     "Layout",

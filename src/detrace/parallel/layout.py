@@ -25,9 +25,10 @@ DIMS = ("pp", "dp", "fsdp", "ep", "tp")
 """The dimensions a layout may name, outermost first: pipeline stages, data-parallel replicas, FSDP shards, expert
 parallelism, tensor parallelism."""
 
-DATA_DIMS = ("dp", "fsdp")
+DATA_DIMS = ("dp", "fsdp", "ep")
 """The dimensions over which the global batch's microbatches are split (a rank computes the block of its coordinate
-over them); the others split the model."""
+over them); the others split the model. Expert parallelism splits the experts and, as in torchtitan, the data of
+every other layer: its ranks compute different microbatches."""
 
 LAYOUT_ENV = "DETRACE_LAYOUT"
 """`detrace check-topology --layouts A,B` runs CMD with this variable set to the layout's name."""
@@ -100,10 +101,10 @@ class Layout:
 
     def data_block(self, rank: int) -> int:
         """The block of microbatches global rank `rank` computes: its coordinate over the data dimensions of the
-        mesh (row-major, in the order of `DIMS`)."""
+        mesh (row-major, in the order of `DIMS`; they are neighbours there)."""
         if not 0 <= rank < self.world:
             raise UsageError(f"rank {rank} is not one of layout {self.name}'s {self.world} ranks")
-        inner = math.prod(self.size(dim) for dim in DIMS[DIMS.index("fsdp") + 1:])
+        inner = math.prod(self.size(dim) for dim in DIMS[DIMS.index(DATA_DIMS[-1]) + 1:])
         return (rank // inner) % self.data
 
     def __str__(self) -> str:

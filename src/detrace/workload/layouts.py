@@ -33,16 +33,21 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "fsdp-plain": (("fsdp", None),),
     "pp-invariant": (("pp", None), ("dp", None)),
     "pp-plain": (("pp", None), ("dp", None)),
+    "ep-invariant": (("dp", None), ("ep", None)),
+    "ep-plain": (("dp", None), ("ep", None)),
 }
-"""The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T."""
+"""The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T; the ep- layouts' from
+`setup(kind, dp=D)`: dp = D, ep = W / D."""
 
-INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant", "pp-plain")
+INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant", "pp-plain",
+             "ep-invariant", "ep-plain")
 """Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
 fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
 tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
 fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
 over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`; pp-plain: autograd's running sum
-over them, the control of pp-invariant)."""
+over them, the control of pp-invariant), or over the dp x ep ranks with the experts' gradients summed per source
+(ep-invariant, `detrace.parallel.expert`; ep-plain: the ordinary all-to-all MoE, the control)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +102,8 @@ class Layout:
 def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
     tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
-    (data-parallel over the rest), `dp` the replicas of the fsdp layouts (each sharded over the rest)."""
+    (data-parallel over the rest), `dp` the replicas of the fsdp layouts (each sharded over the rest) and of the ep
+    layouts (the experts split over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -117,6 +123,10 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
             raise UsageError(f"--tp and the replicas must be powers of two dividing the world size {world}")
         return _mesh(kind, world, {**({"dp": dp} if dp > 1 else {}), "fsdp": world // (tp * dp),
                                    **({"tp": tp} if tp > 1 else {})}, cuda)
+    if kind in ("ep-invariant", "ep-plain"):
+        if dp < 1 or world % dp or (world // dp) & (world // dp - 1):
+            raise UsageError(f"the expert-parallel size must be a power of two dividing the world size {world}")
+        return _mesh(kind, world, {"dp": dp, "ep": world // dp}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

@@ -282,6 +282,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """silu(gate) * up over rows sorted by expert. On CPU one expert's rows at a time: a CPU elementwise kernel
+    computes the elements at the end of its range (or of a thread's share) with a scalar exp whose bits differ from
+    the vectorized one's, so over the whole tensor an element's bits would depend on the other experts' rows
+    (which expert parallelism sends elsewhere). CUDA kernels compute every element alike: one call."""
+    if gate.device.type != "cpu":
+        return F.silu(gate) * up
+    return torch.cat([F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts), strict=True)])
+
+
 class Experts(nn.Module):
     """`n` SwiGLU experts stored as stacked weights [n, out, in], so expert parallelism can split dim 0
     (it makes them DTensors sharded on dim 0: this module then holds and runs only its local experts)."""
@@ -296,15 +306,21 @@ class Experts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=w.shape[-1] ** -0.5)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D]."""
-        w1, w3, w2 = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
+    def forward(self, x: torch.Tensor, counts: list[int],
+                weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D].
+
+        `weights`: (w1, w3, w2) to compute with instead of the local parameters (the same shapes): the invariant
+        expert parallelism's views of them, one per source rank, whose gradients stay apart."""
+        if weights is None:
+            weights = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
+        w1, w3, w2 = weights
         if self.grouped:
             from detrace.ops import grouped_mm
 
             if self.quant != "none":  # both operands quantized along `in`, as qmatmul does
                 x, w1, w3, w2 = (_FakeQuantize.apply(t, self.quant) for t in (x, w1, w3, w2))
-            h = F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts)
+            h = _swiglu(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), counts)
             if self.quant != "none":
                 h = _FakeQuantize.apply(h, self.quant)
             return grouped_mm(h, w2, counts)

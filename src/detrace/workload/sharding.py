@@ -21,6 +21,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
 | pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
 | pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
+| ep-invariant | dp=W/E, ep=E | dp-invariant's over dp x ep; experts over ep | fixed trees (experts: per source) |
+| ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -42,6 +44,7 @@ global name (`by_global_name`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,7 +54,8 @@ from torch import nn
 
 from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stage
 from detrace.errors import UsageError
-from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
+from detrace.parallel.data import InvariantDataParallel, LossOf, _digests, invariant_backward, owned_microbatches
+from detrace.parallel.expert import FixedOrderExperts
 from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name, global_parameter_names
 from detrace.workload.layouts import INVARIANT, Layout
@@ -316,6 +320,63 @@ class _InvariantPipeline:
         return _tree_sum(logged)[0], sq
 
 
+def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The local shards of `params` (what this rank computes with)."""
+    return [local_tensor(p) for p in params]
+
+
+class _ExpertParallel:
+    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (ep and dp are both data
+    dimensions); the non-expert parameters' gradients are summed in the fixed tree over the world
+    (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant), or by autograd
+    over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum over the dp
+    replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`)."""
+
+    def __init__(self, model: HybridLM, microbatches: int, layout: Layout, *, invariant: bool) -> None:
+        if model.cfg.recompute:
+            # a recomputed forward would run the exchange again inside the backward, out of the tree's order
+            raise UsageError("--recompute does not go with the ep layouts")
+        self.microbatches, self.layout, self.invariant = microbatches, layout, invariant
+        named = list(model.named_parameters())
+        sharded = layout.size("ep") > 1
+        # one process (ep1) is dp-invariant: every parameter in the tree of invariant_backward (the plain control
+        # too: its experts are the ordinary accumulation only where they are split)
+        self.experts = [p for n, p in named if _is_expert(n)] if sharded else []
+        self.dense = [p for n, p in named if not (sharded and _is_expert(n))]
+        self.plain_experts = sharded and not invariant
+        self.replicas = layout.group("dp") if sharded and layout.size("dp") > 1 else None
+        self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
+        if sharded and invariant:
+            for moe in model.moe_layers():
+                params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
+                exchange = FixedOrderExperts(functools.partial(_locals, params),
+                                             microbatches=microbatches // layout.world, group=layout.group("ep"),
+                                             replicas=self.replicas)
+                moe.exchange = exchange
+                self.exchanges.append((params, exchange))
+
+    def backward(self, loss_of: LossOf) -> torch.Tensor:
+        """One step's gradients: the dense ones in the tree over the world's blocks, the experts' as above. Returns
+        the tree's sums of the logged values."""
+        from torch.distributed.tensor import DTensor
+
+        for p in self.experts:
+            p.grad = None
+        for _, exchange in self.exchanges:
+            exchange.begin()
+        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches)
+        for params, exchange in self.exchanges:
+            for p, g in zip(params, exchange.finish(), strict=True):
+                p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
+                    if isinstance(p, DTensor) else g
+        if self.plain_experts and self.replicas is not None:  # the ordinary sum over the replicas
+            for p in self.experts:
+                if p.grad is None:  # every replica contributes
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(local_tensor(p.grad), group=self.replicas)
+        return sums
+
+
 class ParallelModel:
     """The reference model placed on a layout, with the trainer's per-step operations:
     `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
@@ -365,6 +426,7 @@ class ParallelModel:
         self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
         self._comms: list[FixedOrderReduceScatter] = []  # fsdp-invariant's reduce-scatters
         self._pipeline: _InvariantPipeline | None = None
+        self._ep: _ExpertParallel | None = None
         if kind in INVARIANT:
             if microbatches is None or batch_size % microbatches:
                 raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
@@ -378,6 +440,8 @@ class ParallelModel:
                     else layout.group("fsdp")
                 self._fsdp = microbatches, group
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
+            elif kind.startswith("ep-"):
+                self._ep = _ExpertParallel(self.raw, microbatches, layout, invariant=kind == "ep-invariant")
             else:
                 dp = layout.group("dp") if layout.mesh is not None else None
                 self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
@@ -468,7 +532,7 @@ class ParallelModel:
                 else:
                     self.schedule.step()
             return
-        if self.invariant is not None or self._fsdp is not None:
+        if self.invariant is not None or self._fsdp is not None or self._ep is not None:
             self._invariant_step(inputs, targets)
             return
         if self.schedule is not None:
@@ -500,6 +564,8 @@ class ParallelModel:
         cfg = self.cfg
         if self._fsdp is not None:
             M, group = self._fsdp
+        elif self._ep is not None:
+            M, group = self._ep.microbatches, None
         else:
             assert self.invariant is not None
             M, group = self.invariant.microbatches, None
@@ -521,6 +587,8 @@ class ParallelModel:
         if self._fsdp is not None:
             _, sums = invariant_backward(self.raw, loss_of, microbatches=M, group=group, sharded=group is not None)
             check_complete(self._comms)
+        elif self._ep is not None:
+            sums = self._ep.backward(loss_of)
         else:
             assert self.invariant is not None
             _, sums = self.invariant.backward(loss_of)
@@ -537,7 +605,7 @@ class ParallelModel:
         whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
         each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
-            if self._fsdp is not None and self._tp_group is None else {}
+            if (self._fsdp is not None or self._ep is not None) and self._tp_group is None else {}
         return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:

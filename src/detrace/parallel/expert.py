@@ -1,0 +1,166 @@
+"""Expert parallelism whose bits do not depend on the number of expert-parallel ranks.
+
+The experts of each MoE layer are split over the E ep ranks: rank r holds experts [r L, (r + 1) L). As in
+torchtitan, the ep ranks also split the data of every other layer: each rank computes its block of the global
+batch's M microbatches (the contiguous blocks of `detrace.parallel.data`), all ranks in step. For each microbatch
+the routed tokens go to the ranks that hold their experts with one all-to-all (dispatch) and come back with another
+(combine): `torch.distributed`'s all_to_all_single, differentiable (its backward is the reverse all-to-all); gloo
+has it on CPU, NCCL on GPU.
+
+An ordinary expert-parallel layer runs each local expert as one GEMM over the tokens of every source rank, and
+autograd adds up the expert weight gradients over sources and microbatches: the rows one GEMM reduces over, and the
+order of the additions, change with E. `FixedOrderExperts` keeps the bits of one process (E = 1):
+
+- the rank that holds an expert runs it on each source rank's rows apart: the same GEMMs on the same rows as one
+  process running that microbatch (`detrace.ops.grouped_mm`: one GEMM per expert and microbatch);
+- each source computes with its own views of the expert weights (`detach`: no copy), so the weight gradient of each
+  (source, microbatch) is a leaf of its own, never added into another one by autograd;
+- the leaves are summed in the fixed balanced tree over the global microbatch indices of `detrace.parallel.data`: a
+  source's block is a node of the tree (`ExpertGradientTree`), the holder adds its ep group's blocks in the tree's
+  order, and where the experts have replicas over another data dimension (dp) the replicas complete the tree with
+  data parallelism's exchange.
+
+The token side (router, `detrace.ops` permute and combine, aux loss) runs on the source rank as in one process.
+
+What it gives up against the ordinary all-to-all: E smaller GEMMs per local expert instead of one (less efficient
+on a GPU for few tokens); the weight gradients are added after each microbatch's backward (about log2(M / W) + 1
+partial sums per source kept until the step's last microbatch) instead of inside the GEMM; and the ranks run their
+microbatches in step, one all-to-all pair per microbatch and MoE layer.
+
+    exchange = FixedOrderExperts(lambda: [w1, w3, w2], microbatches=M // W, group=ep_group)
+    exchange.begin()                                        # each step, before the microbatches
+    invariant_backward(dense_parameters, loss_of, microbatches=M)   # the model calls exchange(rows, counts, experts)
+    grads = exchange.finish()                               # the tree's sums, in the order of the weights
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from detrace._compat import all_to_all_single_autograd
+from detrace.errors import UsageError
+from detrace.parallel.data import _Accumulator, _exchange, _tree_sum
+
+__all__ = ["ExpertGradientTree", "FixedOrderExperts", "run_apart"]
+
+Experts = Callable[..., torch.Tensor]
+"""The local experts: (rows [R, D] sorted by local expert, rows per local expert, weights=views) -> [R, D]
+(`detrace.workload.model.Experts`)."""
+
+
+def run_apart(experts: Experts, chunks: Sequence[torch.Tensor], counts: Sequence[list[int]],
+              weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Run the local experts on each source's rows apart, each with its own views of `weights`: (the outputs, one
+    per source; the views, one list per source, whose `.grad` after the backward is that source's weight
+    gradient)."""
+    outs, views = [], []
+    for rows, per_expert in zip(chunks, counts, strict=True):
+        mine = [w.detach().requires_grad_(True) for w in weights]
+        outs.append(experts(rows, per_expert, weights=tuple(mine)))
+        views.append(mine)
+    return outs, views
+
+
+class ExpertGradientTree:
+    """The fixed tree over one step's expert weight gradients: one leaf per (source, microbatch), where source s
+    computes the block of microbatches [s n, (s + 1) n) of its group. `push` takes one microbatch's leaves of every
+    source; `result` is the sum over the E n microbatches in the tree of `detrace.parallel.data`."""
+
+    def __init__(self, sources: int, microbatches: int) -> None:
+        if sources < 1 or microbatches < 1:
+            raise UsageError(f"an expert gradient tree needs sources and microbatches, not {sources} and "
+                             f"{microbatches}")
+        self.microbatches = microbatches
+        self.trees = [_Accumulator(microbatches) for _ in range(sources)]
+
+    @property
+    def seen(self) -> int:
+        """Microbatches pushed so far this step."""
+        return self.trees[0].seen
+
+    def push(self, leaves: Sequence[Sequence[torch.Tensor]]) -> None:
+        if len(leaves) != len(self.trees):
+            raise UsageError(f"{len(leaves)} sources' gradients for a tree over {len(self.trees)} sources")
+        if self.seen == self.microbatches:
+            raise UsageError(f"the experts took part in more than the {self.microbatches} microbatches of a step")
+        for tree, leaf in zip(self.trees, leaves, strict=True):
+            tree.push(list(leaf))
+
+    def result(self) -> list[torch.Tensor]:
+        if self.seen != self.microbatches:
+            raise UsageError(f"the experts took part in {self.seen} of the {self.microbatches} microbatches of a "
+                             "step: every MoE layer must take part in every microbatch's forward and backward")
+        # the blocks are the tree's nodes: their sums, added in the tree's order over the sources, are its top
+        return _tree_sum([tree.result() for tree in self.trees])
+
+
+class FixedOrderExperts:
+    """One MoE layer's expert-parallel exchange (the model's `MoE.exchange`): sends each routed row to the rank
+    that holds its expert, runs the local experts on each source's rows apart, sends the results back; and sums the
+    expert weight gradients in the fixed tree (see the module docstring).
+
+    Args:
+        weights: returns the local expert weights (plain tensors; each [L, ...]) to compute with.
+        microbatches: n, the microbatches each rank computes per step (M / W).
+        group: the expert-parallel group (None: one process, no exchange; the experts run as they are).
+        replicas: the group over which the experts are replicated (the dp ranks that hold the same experts), or
+            None; its ranks complete the tree over their blocks.
+    """
+
+    def __init__(self, weights: Callable[[], Sequence[torch.Tensor]], *, microbatches: int,
+                 group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
+        if microbatches < 1:
+            raise UsageError(f"microbatches per rank must be positive, not {microbatches}")
+        self.weights, self.microbatches, self.group, self.replicas = weights, microbatches, group, replicas
+        self.ep = dist.get_world_size(group)
+        self.tree: ExpertGradientTree | None = None
+        self._pending: list[list[torch.Tensor]] | None = None  # the views of the microbatch whose backward runs
+
+    def begin(self) -> None:
+        """Start a step: the next `microbatches` forwards and backwards are its leaves."""
+        self.tree, self._pending = ExpertGradientTree(self.ep, self.microbatches), None
+
+    def _flush(self) -> None:
+        """Push the previous microbatch's leaves (its backward has run: invariant_backward runs one microbatch's
+        forward and backward before the next one's forward)."""
+        if self._pending is not None and self.tree is not None:
+            self.tree.push([[torch.zeros_like(v) if v.grad is None else v.grad for v in views]
+                            for views in self._pending])
+        self._pending = None
+
+    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        """routed [R, D] sorted by global expert, counts [E L] rows per global expert -> the experts' outputs [R, D],
+        in `routed`'s order."""
+        self._flush()
+        all_to_all = all_to_all_single_autograd()
+        ep = self.ep
+        recv_counts = torch.empty_like(counts)  # row s: the rows source s sends for each of my local experts
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        send = counts.view(ep, -1).sum(1).tolist()
+        per_source = recv_counts.view(ep, -1)
+        recv = per_source.sum(1).tolist()
+        received = all_to_all(routed, recv, send, self.group)  # source by source, each sorted by local expert
+        # The functional all-to-all returns a lazily waited tensor subclass that its views keep: every op of the
+        # experts on a view would go through its Python dispatch (1.5-2x the step on CPU). A copy waits once.
+        received = received.clone()
+        outs, views = run_apart(experts, received.split(recv), per_source.tolist(), self.weights())
+        if self.tree is not None and torch.is_grad_enabled():
+            self._pending = views
+        return all_to_all(torch.cat(outs), send, recv, self.group)
+
+    def finish(self) -> list[torch.Tensor]:
+        """End the step: the expert weight gradients summed over the global batch's microbatches, in the order and
+        shapes of `weights()`. Collective over `replicas`."""
+        if self.tree is None:
+            raise UsageError("FixedOrderExperts.finish() without begin(): no step is open")
+        self._flush()
+        tree, self.tree = self.tree, None
+        sums = tree.result()
+        if self.replicas is not None and dist.get_world_size(self.replicas) > 1:
+            flats = _exchange([s.reshape(-1) for s in sums], group=self.replicas, rank=dist.get_rank(self.replicas),
+                              world=dist.get_world_size(self.replicas), how="auto")
+            sums = [flat.view_as(s) for flat, s in zip(flats, sums, strict=True)]
+        return sums

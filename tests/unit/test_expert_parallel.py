@@ -1,0 +1,143 @@
+"""Expert-parallel-invariant MoE (detrace.parallel.expert) with the ranks simulated in one process, and the ep layouts
+by name. The real all-to-all runs in tests/e2e/test_topology.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detrace.errors import UsageError
+from detrace.ops import permute, route
+from detrace.parallel.data import _tree_sum
+from detrace.parallel.expert import ExpertGradientTree, run_apart
+from detrace.parallel.layout import LAYOUT_ENV, Layout
+from detrace.workload.model import Experts
+from detrace.workload.train import resolve_layout
+
+E, K, D, H, N, M = 8, 4, 32, 48, 48, 8
+"""experts, fan-out, width, expert hidden width, tokens per microbatch, microbatches per step"""
+
+
+def _microbatch(i: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Microbatch i's routed rows (sorted by expert), rows per expert, and the gradient that comes back to them."""
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(N, D, generator=g) * 10.0 ** torch.randint(-2, 3, (N, 1), generator=g)
+    routing = route(torch.rand(N, E, generator=g).topk(K, dim=-1).indices, E)
+    return permute(x, routing, backend="torch"), routing.counts.tolist(), torch.randn(N * K, D, generator=g)
+
+
+def _experts() -> Experts:
+    torch.manual_seed(0)
+    return Experts(E, D, H, "none", grouped=True)
+
+
+def _one_process() -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """EP = 1: (each microbatch's expert outputs, its rows' gradients; the weight gradients' tree over the M)."""
+    experts = _experts()
+    outs, row_grads, leaves = [], [], []
+    for i in range(M):
+        rows, counts, back = _microbatch(i)
+        rows.requires_grad_(True)
+        experts.zero_grad(set_to_none=True)
+        out = experts(rows, counts)
+        out.backward(back)
+        outs.append(out.detach())
+        row_grads.append(rows.grad)
+        leaves.append([p.grad.clone() for p in (experts.w1, experts.w3, experts.w2)])  # type: ignore[union-attr]
+    return outs, row_grads, _tree_sum(leaves)
+
+
+def _rows_of(counts: list[int], owner: int, local: int) -> slice:
+    return slice(sum(counts[:owner * local]), sum(counts[:(owner + 1) * local]))
+
+
+def test_experts_run_apart_keep_the_bits_of_one_process_and_one_gemm_over_every_source_does_not() -> None:
+    """W ranks simulated: rank s computes microbatches [s n, (s + 1) n) in step with the others; owner r holds
+    experts [r L, (r + 1) L) and receives, at each step k, every source's rows for them (what the all-to-all
+    delivers)."""
+    outs, row_grads, tree = _one_process()
+    experts = _experts()
+    weights = [experts.w1.detach(), experts.w3.detach(), experts.w2.detach()]
+    batches = [_microbatch(i) for i in range(M)]
+    for world in (2, 4):
+        n, local = M // world, E // world
+        for owner in range(world):
+            mine = [w[owner * local:(owner + 1) * local] for w in weights]
+            grads = ExpertGradientTree(world, n)
+            plain = [w.clone().requires_grad_(True) for w in mine]  # the ordinary layer: autograd accumulates
+            for k in range(n):
+                sources = [batches[s * n + k] for s in range(world)]
+                cuts = [_rows_of(counts, owner, local) for _, counts, _ in sources]
+                chunks = [rows[cut].clone().requires_grad_(True)
+                          for (rows, _, _), cut in zip(sources, cuts, strict=True)]
+                counts = [c[owner * local:(owner + 1) * local] for _, c, _ in sources]
+                got, views = run_apart(experts, chunks, counts, mine)
+                torch.autograd.backward(got, [back[cut] for (_, _, back), cut in zip(sources, cuts, strict=True)])
+                grads.push([[v.grad for v in vs] for vs in views])  # type: ignore[misc]
+                for s, (out, chunk, cut) in enumerate(zip(got, chunks, cuts, strict=True)):
+                    assert torch.equal(out, outs[s * n + k][cut]), (world, owner, k, s)
+                    assert torch.equal(chunk.grad, row_grads[s * n + k][cut]), (world, owner, k, s)
+                # the control: one GEMM per expert over every source's rows, as the ordinary all-to-all runs it
+                by_expert = [torch.cat([chunk.detach()[sum(c[:e]):sum(c[:e + 1])] for chunk, c in
+                                        zip(chunks, counts, strict=True)]) for e in range(local)]
+                grad_by_expert = [torch.cat([back[cut][sum(c[:e]):sum(c[:e + 1])] for (_, _, back), cut, c in
+                                             zip(sources, cuts, counts, strict=True)]) for e in range(local)]
+                together = [sum(c[e] for c in counts) for e in range(local)]
+                experts(torch.cat(by_expert), together, weights=tuple(plain)).backward(torch.cat(grad_by_expert))
+            for got_sum, whole in zip(grads.result(), tree, strict=True):
+                assert torch.equal(got_sum, whole[owner * local:(owner + 1) * local]), (world, owner)
+            if owner == 0:
+                assert not all(torch.equal(p.grad, whole[:local]) for p, whole in  # type: ignore[arg-type]
+                               zip(plain, tree, strict=True)), world
+
+
+def test_the_expert_gradient_tree_refuses_a_step_that_is_not_whole() -> None:
+    with pytest.raises(UsageError, match="needs sources and microbatches"):
+        ExpertGradientTree(2, 0)
+    grads = ExpertGradientTree(2, 2)
+
+    def leaves(sources: int) -> list[list[torch.Tensor]]:
+        return [[torch.ones(3)] for _ in range(sources)]
+
+    with pytest.raises(UsageError, match="1 sources' gradients for a tree over 2"):
+        grads.push(leaves(1))
+    grads.push(leaves(2))
+    with pytest.raises(UsageError, match="took part in 1 of the 2 microbatches"):
+        grads.result()
+    grads.push(leaves(2))
+    with pytest.raises(UsageError, match="more than the 2 microbatches"):
+        grads.push(leaves(2))
+    assert torch.equal(grads.result()[0], torch.full((3,), 4.0))
+
+
+def test_ep_layouts_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # expert parallelism is a data dimension: its ranks compute different microbatches (tp ranks share theirs)
+    assert [Layout.parse("ep2xdp2").data_block(r) for r in range(4)] == [0, 1, 2, 3]
+    assert [Layout.parse("ep2xtp2").data_block(r) for r in range(4)] == [0, 0, 1, 1]
+    assert Layout.parse("ep4").data == 4
+    monkeypatch.delenv(LAYOUT_ENV, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_layout("invariant", "ep2xdp2", None) == ("ep-invariant", 1, 1, 2)
+    assert resolve_layout("plain", "ep4", None) == ("ep-plain", 1, 1, 1)  # the experts' replicas: dp
+    with pytest.raises(UsageError, match="not one the reference trainer runs"):
+        resolve_layout("invariant", "ep2xtp2", None)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_layout("invariant", "ep1", None) == ("ep-invariant", 1, 1, 1)
+
+
+def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from detrace.workload import layouts
+    from detrace.workload.model import PRESETS, ModelConfig
+    from detrace.workload.sharding import ParallelModel
+    from detrace.workload.train import TrainConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = PRESETS["tiny"]["model"]
+    assert isinstance(base, ModelConfig)
+    with pytest.raises(UsageError, match="--recompute does not go with the ep layouts"):
+        ParallelModel(replace(base, recompute=True, dispatch="fixed"), layouts.setup("ep-invariant"), seed=0,
+                      batch_size=8, seq_len=32, microbatches=4)
+    with pytest.raises(UsageError, match="replicas of a sharded model go with"):
+        TrainConfig(parallel="dp-invariant", microbatches=4, dispatch="fixed", replicas=2)
