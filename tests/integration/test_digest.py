@@ -248,6 +248,24 @@ def test_the_native_kernel_checks_its_buffers_and_splits_rows_over_threads():
         assert kernels.cpu_kernel.row_sums(big, keys, scheme.T_U64[:512], threads).tolist() == expected
 
 
+def test_the_fp2_kernel_checks_its_buffers_as_fp1_does():
+    from detrace._fp2 import row_sums
+
+    words = np.arange(6 * 4, dtype=np.uint32).reshape(6, 4)
+    rowkeys, out = np.arange(6, dtype=np.uint64), np.empty(6, np.uint64)
+    colkeys = np.concatenate([scheme.TA_U32, scheme.TB_U32])
+    with pytest.raises(ValueError, match="shorter than"):
+        row_sums(words, 5, rowkeys, colkeys, out, 0, 6)
+    with pytest.raises(ValueError, match="0 <= start <= stop"):
+        row_sums(words, 4, rowkeys, colkeys, out, 4, 2)
+    with pytest.raises(ValueError, match="shorter than"):  # 2047 column keys: TB cut short
+        row_sums(words, 4, rowkeys, colkeys[:2047], out, 0, 6)
+    with pytest.raises(ValueError, match="misaligned"):  # the loop reads the column keys as uint32
+        row_sums(words, 4, rowkeys, np.frombuffer(b"\0" + colkeys.tobytes(), np.uint8)[1:], out, 0, 6)
+    row_sums(words, 4, rowkeys, colkeys, out, 0, 6)
+    assert np.array_equal(out, scheme.np_row_sums2(words.view(np.uint64), rowkeys))
+
+
 def test_unknown_backend_is_a_usage_error(monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, "fastest")
     with pytest.raises(UsageError, match="DETRACE_FINGERPRINT_BACKEND"):
