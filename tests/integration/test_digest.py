@@ -307,11 +307,26 @@ def test_layout_does_not_matter(backend):
     assert fingerprint(torch._neg_view(z)) == fingerprint(-z)
 
 
-def test_misaligned_byte_tensors_on_the_body_path(backend):
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+def test_misaligned_byte_tensors_on_the_body_path(backend, name):
     raw = random_bits((plan.BODY_MIN_BYTES + 4096 + 40,), torch.uint8, seed=11)
     for offset in range(1, 9):
         view = raw[offset : offset + plan.BODY_MIN_BYTES + 4096 + 17]
-        assert fingerprint(view) == reference_fingerprint(view.clone())
+        assert fingerprint(view, scheme=name) == reference_fingerprint(view.clone(), scheme=name)
+
+
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_large_cpu_tensor_skips_the_batch_planner_with_the_same_bits(monkeypatch, name, dtype):
+    def no_planner(*args, **kwargs):
+        raise AssertionError("the planner ran")
+
+    big = random_bits((plan.BODY_MIN_BYTES + 4096 * 3 + 6,), dtype, seed=12)  # whole rows and a tail row
+    tensors = (big, big[:-3], torch.nn.Parameter(big[: plan.BODY_MIN_BYTES // big.element_size()]))
+    expected = [reference_fingerprint(t, scheme=name) for t in tensors]
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    monkeypatch.setattr(dg, "Planner", no_planner)
+    assert [fingerprint(t, scheme=name) for t in tensors] == expected
 
 
 def test_same_digest_with_one_and_two_threads(backend):
@@ -638,11 +653,11 @@ def test_fingerprinting_is_invisible_to_dispatch_modes():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
-    x = torch.randn(100)
-    expected = fingerprint(x)
-    with Recorder() as recorder:
-        got = fingerprint(x)
-    assert got == expected and recorder.ops == []
+    for x in (torch.randn(100), torch.randn(plan.BODY_MIN_BYTES // 2 + 5)):  # the planner, one tensor's fast path
+        expected = fingerprint(x)
+        with Recorder() as recorder:
+            got = fingerprint(x)
+        assert got == expected and recorder.ops == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -659,6 +674,7 @@ def test_fp2_every_path_gives_the_reference_bits(backend, fp2):
     expected = [reference_fingerprint(t) for t in zoo]
     assert {fp.scheme for fp in expected} == {scheme.SCHEME2}
     assert fingerprint_many(zoo) == expected
+    assert [fingerprint(t) for t in zoo] == expected
     chunked = random_bits((300, 1500), torch.bfloat16, seed=5)
     assert fingerprint(chunked, chunks=7) == reference_fingerprint(chunked, chunks=7)
     # fp1 and fp2 are different functions of the same bits
