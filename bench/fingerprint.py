@@ -6,14 +6,18 @@ Everything runs on the default path (`DETRACE_FINGERPRINT_BACKEND=auto`: the nat
 scheme chosen per call (`fingerprint(x, scheme=...)`). `torch.sum` is the memory-speed floor: it reads every byte
 once and does almost nothing with it.
 
-1. Fresh processes (--fresh, 5 by default): each imports detrace and hashes a float32 64 MiB tensor five times with
-   fp1, fp2 and torch.hash_tensor in turn; the figures are the first-call and five-call ratios (fp1 time / fp2 time,
-   hash_tensor time / fp2 time), median over the processes with their range.
+1. Fresh processes (--fresh rounds, 5 by default): each process imports detrace and calls one of fp2, fp1,
+   torch.hash_tensor and torch.sum five times on a float32 64 MiB tensor, a process per function and round, the
+   four one after the other; CPU time of the process (all its threads). Figures: (other's time / fp2's time) of
+   the first call and of the five calls, geometric mean over the rounds with its 95% interval.
 2. Per core: one thread, CPU time of the calling thread (so that other processes on a shared machine cost nothing),
-   float32 and bfloat16 at each size; fp1, fp2, hash_tensor and sum interleaved round by round, each round timing
-   the same number of bytes (several calls for small tensors). A figure is the geometric mean over the rounds of
-   (other's time / fp2's time), i.e. fp2's throughput relative to the other, with its 95% confidence interval
-   (Student's t on the log ratios): ``per core fp2/sum float32 1MiB: 0.93x [0.88, 0.98]``.
+   float32 and bfloat16 at each size, placed two ways: "from memory" (a rotation through 128 MiB of tensors or
+   more, four times the L3 of the machine measured, so every call reads DRAM: the memory-speed floor) and "in
+   cache" for sizes up to 16 MiB (the same tensor every call: `sum` then reads L2/L3, far faster than memory).
+   fp1, fp2, hash_tensor and sum interleaved round by round, each round timing the same number of bytes (several
+   calls for small tensors). A figure is the geometric mean over the rounds of (other's time / fp2's time), i.e.
+   fp2's throughput relative to the other, with its 95% confidence interval (Student's t on the log ratios):
+   ``per core fp2/sum float32 1MiB from memory: 0.93x [0.88, 0.98]``.
 3. All threads: the same, wall time, with torch's default thread count.
 4. Many small tensors in one fingerprint_many call, both schemes.
 
@@ -23,6 +27,7 @@ On a CUDA machine bench/gpu_check.py measures the GPU. The last lines are the fi
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -34,30 +39,55 @@ import torch
 from overhead import interval
 
 DTYPES = (torch.float32, torch.bfloat16)
+# Tensors read in rotation for the "from memory" figures: four times the 32 MiB L3 of the machine measured.
+POOL_MIB = 128
+# Sizes also measured "in cache" (fits its 2 MiB L2 or its L3).
+CACHED_MAX_MIB = 16
 
 _FRESH_PROBE = """
-import time, torch
+import sys, time, torch
 t = time.perf_counter()
 from detrace.digest import fingerprint
 imported = time.perf_counter() - t
 x = torch.randn(16 * 2**20)
+fn = {"fp2": lambda: fingerprint(x, scheme="fp2"), "fp1": lambda: fingerprint(x, scheme="fp1"),
+      "hash_tensor": lambda: torch.hash_tensor(x), "sum": lambda: x.sum()}[sys.argv[1]]
 rows = []
 for _ in range(5):
-    for fn in (lambda: fingerprint(x, scheme="fp1"), lambda: fingerprint(x, scheme="fp2"),
-               lambda: torch.hash_tensor(x)):
-        t = time.perf_counter(); fn(); rows.append(time.perf_counter() - t)
+    t = time.process_time(); fn(); rows.append(time.process_time() - t)
 print(imported, *rows)
 """
+FRESH_FNS = ("fp2", "fp1", "hash_tensor", "sum")
 
 
-def fresh_process() -> tuple[float, float, float, float, float]:
-    """A fresh process hashing fp32 64 MiB five times with fp1, fp2 and hash_tensor in turn: (import seconds,
-    first-call fp1/fp2, five-call fp1/fp2, first-call hash_tensor/fp2, longest fp2 call)."""
+def fresh_process(name: str) -> tuple[float, float, float]:
+    """A fresh process that imports detrace.digest, then calls `name` five times on a float32 64 MiB tensor:
+    (import seconds, CPU seconds of the first call, of all five), all threads of the process counted."""
     env = {**os.environ, "DETRACE_FINGERPRINT_BACKEND": "auto"}
-    done = subprocess.run([sys.executable, "-c", _FRESH_PROBE], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROBE, name], env=env, capture_output=True, text=True,
+                          check=True)
     imported, *values = map(float, done.stdout.split())
-    fp1, fp2, hashes = values[0::3], values[1::3], values[2::3]
-    return imported, fp1[0] / fp2[0], sum(fp1) / sum(fp2), hashes[0] / fp2[0], max(fp2)
+    return imported, values[0], sum(values)
+
+
+def fresh_figures(processes: int, figures: list[str]) -> None:
+    """Each function's first call, each in its own fresh process, the four processes of a round one after the
+    other (so that load drifts alike): ratios other/fp2 of the first call and of the five calls."""
+    imports: list[float] = []
+    first: dict[str, list[float]] = {name: [] for name in FRESH_FNS}
+    five: dict[str, list[float]] = {name: [] for name in FRESH_FNS}
+    for _ in range(processes):
+        for name in FRESH_FNS:
+            imported, one, all_five = fresh_process(name)
+            imports.append(imported)
+            first[name].append(one)
+            five[name].append(all_five)
+    print(f"fresh processes: import of detrace.digest {spread(imports, ' s')}; first fp2 call "
+          f"{spread(first['fp2'], ' CPU s')}")
+    for other in FRESH_FNS[1:]:
+        for label, times in (("first call", first), ("five calls", five)):
+            mean, low, high = interval([o / f for o, f in zip(times[other], times["fp2"], strict=True)])
+            figures.append(f"fresh process fp2/{other} float32 64MiB {label}: {mean:.2f}x [{low:.2f}, {high:.2f}]")
 
 
 def spread(values: list[float], unit: str = "x") -> str:
@@ -80,24 +110,41 @@ def rounds_of(fns: dict[str, Callable[[], object]], rounds: int, reps: int,
     return times
 
 
-def measure(label: str, sizes: list[int], rounds: int, clock: Callable[[], float], figures: list[str]) -> None:
+def placements(mib: int) -> list[tuple[str, int]]:
+    """(name, tensors in rotation) for a size: from memory (a pool of POOL_MIB or more, so that each call reads
+    what the last POOL_MIB of calls evicted from the caches), and in cache (one tensor, the same every call) for
+    sizes that fit the caches."""
+    pool = max(1, -(-POOL_MIB // mib))
+    return [("from memory", pool), *([("in cache", 1)] if mib <= CACHED_MAX_MIB else [])]
+
+
+def contenders(pool: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """fp2, fp1, hash_tensor and sum, each call on the next tensor of one rotation that they share: a tensor comes
+    back only after the whole pool was read."""
     from detrace.digest import fingerprint
 
+    nxt = itertools.cycle(pool).__next__
+    return {"fp2": lambda: fingerprint(nxt(), scheme="fp2"), "fp1": lambda: fingerprint(nxt(), scheme="fp1"),
+            "hash_tensor": lambda: torch.hash_tensor(nxt()), "sum": lambda: nxt().sum()}
+
+
+def measure(label: str, sizes: list[int], rounds: int, clock: Callable[[], float], figures: list[str]) -> None:
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         for mib in sizes:
-            x = torch.randn(mib * 2**20 // torch.empty((), dtype=dtype).element_size()).to(dtype)
-            fns = {"fp2": lambda x=x: fingerprint(x, scheme="fp2"), "fp1": lambda x=x: fingerprint(x, scheme="fp1"),
-                   "hash_tensor": lambda x=x: torch.hash_tensor(x), "sum": lambda x=x: x.sum()}
-            reps = max(1, 32 // mib)  # at least 32 MiB per timed sample: small calls are timed in groups
-            times = rounds_of(fns, rounds, reps, clock)
-            gib = mib * reps / 1024
-            speeds = ", ".join(f"{k} {gib / statistics.median(t):.1f}" for k, t in times.items())
-            print(f"{label} {name} {mib}MiB (GiB/s, median round): {speeds}", flush=True)
-            for other in ("sum", "fp1", "hash_tensor"):
-                mean, low, high = interval([o / f for o, f in zip(times[other], times["fp2"], strict=True)])
-                figures.append(f"{label} fp2/{other} {name} {mib}MiB: {mean:.2f}x [{low:.2f}, {high:.2f}]")
-            del x
+            for where, count in placements(mib):
+                pool = [torch.randn(mib * 2**20 // torch.empty((), dtype=dtype).element_size()).to(dtype)
+                        for _ in range(count)]
+                fns = contenders(pool)
+                reps = max(1, 32 // mib)  # at least 32 MiB per timed sample: small calls are timed in groups
+                times = rounds_of(fns, rounds, reps, clock)
+                gib = mib * reps / 1024
+                speeds = ", ".join(f"{k} {gib / statistics.median(t):.1f}" for k, t in times.items())
+                print(f"{label} {name} {mib}MiB {where} (GiB/s, median round): {speeds}", flush=True)
+                for other in ("sum", "fp1", "hash_tensor"):
+                    mean, low, high = interval([o / f for o, f in zip(times[other], times["fp2"], strict=True)])
+                    figures.append(f"{label} fp2/{other} {name} {mib}MiB {where}: {mean:.2f}x [{low:.2f}, {high:.2f}]")
+                del pool, fns
 
 
 def small_tensors() -> str:
@@ -134,12 +181,7 @@ def main() -> int:
           f"{os.getloadavg()[0]:.1f}, {args.rounds} interleaved rounds")
     figures: list[str] = []
     if args.fresh:
-        runs = [fresh_process() for _ in range(args.fresh)]
-        imported, first, five, hashed, longest = (list(column) for column in zip(*runs, strict=True))
-        print(f"fresh processes: import of detrace.digest {spread(imported, ' s')}")
-        figures.append(f"fresh process fp2 float32 64MiB ({args.fresh} processes): first call fp1/fp2 "
-                       f"{spread(first)}, five calls fp1/fp2 {spread(five)}, first call hash_tensor/fp2 "
-                       f"{spread(hashed)}; longest fp2 call {spread(longest, ' s')}")
+        fresh_figures(args.fresh, figures)
     torch.set_num_threads(1)
     try:
         measure("per core", sizes, args.rounds, time.thread_time, figures)

@@ -701,6 +701,16 @@ def test_fp2_kernels_match_the_definition_row_by_row():
                                np.zeros(1, np.uint64), 0, 1)
 
 
+def test_fp2_totals_add_lane_by_lane():
+    gen = np.random.default_rng(8)
+    for n in (0, 1, 2, 3, 1000):
+        values = gen.integers(0, 2**64, size=n, dtype=np.uint64)
+        low = sum(int(v) & scheme.M32 for v in values) & scheme.M32
+        high = sum(int(v) >> 32 for v in values) & scheme.M32
+        assert scheme.np_total(values, scheme.SCHEME2) == low | high << 32
+    assert scheme.np_total(np.full(5, 2**32 - 1, dtype=np.uint64), scheme.SCHEME2) == 2**32 - 5  # no carry upward
+
+
 def test_fp2_triton_kernel_gives_the_definition_bits():
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")

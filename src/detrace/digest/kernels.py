@@ -176,6 +176,7 @@ class _DeviceTables:
         self.zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
         self._rowkeys = torch.empty(0, dtype=torch.int64, device=device)
         self._rowkeys2 = torch.empty(0, dtype=torch.int64, device=device)
+        self._host_rowkeys: dict[str, np.ndarray] = {}  # CPU: NumPy views of the row keys, per scheme
 
     def rowkeys(self, n: int, scheme: str = SCHEME) -> torch.Tensor:
         """Row keys of rows 0..n-1 of `scheme` on the device."""
@@ -188,6 +189,17 @@ class _DeviceTables:
             size = max(n, 2 * self._rowkeys.numel(), 1024)
             self._rowkeys = _torch_rowkeys(torch.arange(size, dtype=torch.int64, device=self.device))
         return self._rowkeys[:n]
+
+
+    def host_rowkeys(self, n: int, scheme: str) -> np.ndarray:
+        """Row keys of rows 0..n-1 of `scheme` as uint64 NumPy, on a CPU device: a view, a few microseconds less per
+        call than a tensor's."""
+        host = self._host_rowkeys.get(scheme)
+        if host is None or host.size < n:
+            self.rowkeys(n, scheme)
+            host = (self._rowkeys2 if scheme == SCHEME2 else self._rowkeys).numpy().view(np.uint64)
+            self._host_rowkeys[scheme] = host
+        return host[:n]
 
 
 _tables: dict[torch.device, _DeviceTables] = {}

@@ -211,7 +211,7 @@ def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
     if n < BODY_MIN_BYTES or data.data_ptr() % 8:  # small or misaligned: packed or copied by the planner
         return None
     rows = -(-n // ROW_BYTES)
-    keys = device_tables(t.device).rowkeys(rows, scheme).numpy().view(np.uint64)
+    keys = device_tables(t.device).host_rowkeys(rows, scheme)
     host = data.numpy()
     body = n // ROW_BYTES
     total = np_total(native_rows(host[: body * ROW_BYTES].reshape(body, ROW_BYTES), keys[:body], scheme), scheme)
