@@ -1,19 +1,20 @@
 """Fingerprint throughput: detrace-fp2 against detrace-fp1, torch.hash_tensor and torch.sum of the same tensor.
 
-Usage: python bench/fingerprint.py [--rounds N] [--fresh N] [--sizes 1,64,256]
+Usage: python bench/fingerprint.py [--rounds N] [--fresh N] [--sizes 1,64,256] [--pool-mib 128]
 
 Everything runs on the default path (`DETRACE_FINGERPRINT_BACKEND=auto`: the native kernels on the CPU), each
 scheme chosen per call (`fingerprint(x, scheme=...)`). `torch.sum` is the memory-speed floor: it reads every byte
 once and does almost nothing with it.
 
 1. Fresh processes (--fresh rounds, 5 by default): each process imports detrace and calls one of fp2, fp1,
-   torch.hash_tensor and torch.sum five times on a float32 64 MiB tensor, a process per function and round, the
-   four one after the other; CPU time of the process (all its threads). Figures: (other's time / fp2's time) of
+   torch.hash_tensor and torch.sum five times on a float32 64 MiB tensor on one thread, a process per function and
+   round, the four one after the other; CPU time of the process. Figures: (other's time / fp2's time) of
    the first call and of the five calls, geometric mean over the rounds with its 95% interval.
 2. Per core: one thread, CPU time of the calling thread (so that other processes on a shared machine cost nothing),
-   float32 and bfloat16 at each size, placed two ways: "from memory" (a rotation through 128 MiB of tensors or
-   more, four times the L3 of the machine measured, so every call reads DRAM: the memory-speed floor) and "in
-   cache" for sizes up to 16 MiB (the same tensor every call: `sum` then reads L2/L3, far faster than memory).
+   float32 and bfloat16 at each size, placed two ways: "from memory" (a rotation through --pool-mib of tensors
+   or more, by default 128 MiB: four times the L3 of the machine measured, so that every call reads DRAM: the
+   memory-speed floor) and "in cache" for sizes up to 16 MiB (the same tensor every call: `sum` then reads L2/L3,
+   far faster than memory).
    fp1, fp2, hash_tensor and sum interleaved round by round, each round timing the same number of bytes (several
    calls for small tensors). A figure is the geometric mean over the rounds of (other's time / fp2's time), i.e.
    fp2's throughput relative to the other, with its 95% confidence interval (Student's t on the log ratios):
@@ -39,7 +40,8 @@ import torch
 from overhead import interval
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Tensors read in rotation for the "from memory" figures: four times the 32 MiB L3 of the machine measured.
+# Tensors read in rotation for the "from memory" figures (--pool-mib): four times the 32 MiB L3 of the machine
+# measured.
 POOL_MIB = 128
 # Sizes also measured "in cache" (fits its 2 MiB L2 or its L3).
 CACHED_MAX_MIB = 16
@@ -49,6 +51,7 @@ import sys, time, torch
 t = time.perf_counter()
 from detrace.digest import fingerprint
 imported = time.perf_counter() - t
+torch.set_num_threads(1)  # per core: an idle OpenMP thread's spinning would count as the process's CPU time
 x = torch.randn(16 * 2**20)
 fn = {"fp2": lambda: fingerprint(x, scheme="fp2"), "fp1": lambda: fingerprint(x, scheme="fp1"),
       "hash_tensor": lambda: torch.hash_tensor(x), "sum": lambda: x.sum()}[sys.argv[1]]
@@ -61,8 +64,8 @@ FRESH_FNS = ("fp2", "fp1", "hash_tensor", "sum")
 
 
 def fresh_process(name: str) -> tuple[float, float, float]:
-    """A fresh process that imports detrace.digest, then calls `name` five times on a float32 64 MiB tensor:
-    (import seconds, CPU seconds of the first call, of all five), all threads of the process counted."""
+    """A fresh process that imports detrace.digest, then calls `name` five times on a float32 64 MiB tensor on one
+    thread: (import seconds, CPU seconds of the first call, of all five)."""
     env = {**os.environ, "DETRACE_FINGERPRINT_BACKEND": "auto"}
     done = subprocess.run([sys.executable, "-c", _FRESH_PROBE, name], env=env, capture_output=True, text=True,
                           check=True)
@@ -110,11 +113,11 @@ def rounds_of(fns: dict[str, Callable[[], object]], rounds: int, reps: int,
     return times
 
 
-def placements(mib: int) -> list[tuple[str, int]]:
-    """(name, tensors in rotation) for a size: from memory (a pool of POOL_MIB or more, so that each call reads
-    what the last POOL_MIB of calls evicted from the caches), and in cache (one tensor, the same every call) for
+def placements(mib: int, pool_mib: int) -> list[tuple[str, int]]:
+    """(name, tensors in rotation) for a size: from memory (a pool of pool_mib or more, so that each call reads
+    what the last pool_mib of calls evicted from the caches), and in cache (one tensor, the same every call) for
     sizes that fit the caches."""
-    pool = max(1, -(-POOL_MIB // mib))
+    pool = max(1, -(-pool_mib // mib))
     return [("from memory", pool), *([("in cache", 1)] if mib <= CACHED_MAX_MIB else [])]
 
 
@@ -128,11 +131,12 @@ def contenders(pool: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             "hash_tensor": lambda: torch.hash_tensor(nxt()), "sum": lambda: nxt().sum()}
 
 
-def measure(label: str, sizes: list[int], rounds: int, clock: Callable[[], float], figures: list[str]) -> None:
+def measure(label: str, sizes: list[int], rounds: int, pool_mib: int, clock: Callable[[], float],
+            figures: list[str]) -> None:
     for dtype in DTYPES:
         name = str(dtype).removeprefix("torch.")
         for mib in sizes:
-            for where, count in placements(mib):
+            for where, count in placements(mib, pool_mib):
                 pool = [torch.randn(mib * 2**20 // torch.empty((), dtype=dtype).element_size()).to(dtype)
                         for _ in range(count)]
                 fns = contenders(pool)
@@ -169,6 +173,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--fresh", type=int, default=5, help="fresh processes measured (0: skip)")
     parser.add_argument("--sizes", default="1,64,256", help="tensor sizes in MiB, comma-separated")
+    parser.add_argument("--pool-mib", type=int, default=POOL_MIB,
+                        help="MiB of tensors read in rotation for the from-memory figures (several times the L3)")
     args = parser.parse_args()
     if not hasattr(torch, "hash_tensor"):
         print("torch.hash_tensor needs torch>=2.8", file=sys.stderr)
@@ -184,11 +190,11 @@ def main() -> int:
         fresh_figures(args.fresh, figures)
     torch.set_num_threads(1)
     try:
-        measure("per core", sizes, args.rounds, time.thread_time, figures)
+        measure("per core", sizes, args.rounds, args.pool_mib, time.thread_time, figures)
     finally:
         torch.set_num_threads(threads)
     if threads > 1:
-        measure(f"{threads} threads", sizes, args.rounds, time.perf_counter, figures)
+        measure(f"{threads} threads", sizes, args.rounds, args.pool_mib, time.perf_counter, figures)
     print(small_tensors())
     print("\n".join(figures))
     return 0

@@ -711,22 +711,6 @@ def test_fp2_totals_add_lane_by_lane():
     assert scheme.np_total(np.full(5, 2**32 - 1, dtype=np.uint64), scheme.SCHEME2) == 2**32 - 5  # no carry upward
 
 
-def test_fp2_triton_kernel_gives_the_definition_bits():
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
-    from detrace.digest._triton import fp2_row_sums
-
-    device = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-    gen = np.random.default_rng(3)
-    tables = kernels.device_tables(device)
-    for width, n in ((8, 3), (32, 9), (128, 2), (512, 11)):  # row counts around the kernel's block of 8 rows
-        words = gen.integers(0, 2**64, size=(n, width), dtype=np.uint64)
-        rowkeys = scheme.np_rowkeys2(np.arange(5, 5 + n) * 4099)
-        got = fp2_row_sums(torch.from_numpy(words.view(np.int64)).to(device),
-                           torch.from_numpy(rowkeys.view(np.int64)).to(device), tables.colkeys2_u32)
-        assert np.array_equal(got.cpu().numpy().view(np.uint64), scheme.np_row_sums2(words, rowkeys))
-
-
 def test_fp2_positions_have_distinct_keys():
     cols = np.stack([scheme.TA_U32, scheme.TB_U32]) & np.uint32(1023)
     assert (cols == np.arange(1024, dtype=np.uint32)).all()
