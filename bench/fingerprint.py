@@ -101,8 +101,8 @@ def spread(values: list[float], unit: str = "x") -> str:
 def rounds_of(fns: dict[str, Callable[[], object]], rounds: int, reps: int,
               clock: Callable[[], float]) -> dict[str, list[float]]:
     """Seconds of `reps` calls of each function, in rotation `rounds` times after one warm-up call each; every
-    other round in reverse order, so that no function always follows the same one (a fixed order measured fp2/fp1
-    at 1 MiB from memory 0.85x where alternating orders give 1.15x)."""
+    other round in reverse order, so that no function always follows the same one (whose leftovers in the caches
+    and on the memory bus it would always meet)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
