@@ -116,6 +116,7 @@ def test_all_size_classes_match_the_reference(backend):
     zoo = size_zoo()
     expected = [reference_fingerprint(t) for t in zoo]
     assert fingerprint_many(zoo) == expected
+    assert [fingerprint(t) for t in zoo] == expected
 
 
 def test_packed_batches_flushed_early_give_the_same_bits(monkeypatch):
