@@ -9,5 +9,7 @@ without a C compiler detrace installs all the same and fingerprints on the CPU w
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(f"detrace._{name}", sources=[f"src/detrace/_{name}.c"], optional=True)
+# depends: both include _fpkernel.h (their shared entry point); it ships in the sdist and a change to it rebuilds
+setup(ext_modules=[Extension(f"detrace._{name}", sources=[f"src/detrace/_{name}.c"],
+                             depends=["src/detrace/_fpkernel.h"], optional=True)
                    for name in ("fp1", "fp2")])

@@ -9,10 +9,7 @@
    or AVX-512 clones on x86-64 Linux, picked at load time; NEON on arm64 by default), and the plain C is the
    portable fallback. The same bits as the reference, eager and Triton kernels (tests/integration/test_digest.py). */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "_fpkernel.h"
 
 static inline uint32_t mix_a(uint32_t x) {
     x ^= x >> 16;
@@ -30,11 +27,6 @@ static inline uint32_t mix_b(uint32_t x) { /* one round: a third multiply per wo
     return x;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define DETRACE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DETRACE_CLONES
-#endif
 /* The loop must be vectorized whatever the build's -O level (at -O2 GCC before 12 does not vectorize it, and
    scalar code is several times slower than reading memory). */
 #if defined(__GNUC__) && !defined(__clang__)
@@ -43,10 +35,10 @@ static inline uint32_t mix_b(uint32_t x) { /* one round: a third multiply per wo
 #define DETRACE_VECTORIZE
 #endif
 
-DETRACE_CLONES DETRACE_VECTORIZE
+DETRACE_CLONES("avx512f", "avx2", "default") DETRACE_VECTORIZE
 static void sums(const unsigned char *words, Py_ssize_t width, const unsigned char *rowkeys,
-                 const uint32_t *colkeys, unsigned char *out, Py_ssize_t start, Py_ssize_t stop) {
-    const uint32_t *ta = colkeys, *tb = colkeys + 1024;
+                 const unsigned char *colkeys, unsigned char *out, Py_ssize_t start, Py_ssize_t stop) {
+    const uint32_t *ta = (const uint32_t *)colkeys, *tb = ta + 1024; /* aligned: row_sums checks it */
     for (Py_ssize_t r = start; r < stop; r++) {
         const unsigned char *row = words + (size_t)r * (size_t)width * 4;
         uint64_t key;
@@ -64,46 +56,7 @@ static void sums(const unsigned char *words, Py_ssize_t width, const unsigned ch
     }
 }
 
-static PyObject *row_sums(PyObject *self, PyObject *args) {
-    Py_buffer words, rowkeys, colkeys, out;
-    Py_ssize_t width, start, stop;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*ny*y*w*nn", &words, &width, &rowkeys, &colkeys, &out, &start, &stop)) {
-        return NULL;
-    }
-    const char *problem = NULL;
-    if (width < 0 || width > 1024 || start < 0 || stop < start) {
-        problem = "row_sums: width, start and stop must satisfy 0 <= width <= 1024 and 0 <= start <= stop";
-    } else if ((width > 0 && stop > words.len / 4 / width) || rowkeys.len / 8 < stop || out.len / 8 < stop ||
-               colkeys.len < 2048 * 4 || ((uintptr_t)colkeys.buf % 4) != 0) {
-        problem = "row_sums: a buffer is shorter than width, start and stop require (colkeys: 2048 aligned uint32)";
-    }
-    if (problem == NULL) {
-        Py_BEGIN_ALLOW_THREADS
-        sums(words.buf, width, rowkeys.buf, colkeys.buf, out.buf, start, stop);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&words);
-    PyBuffer_Release(&rowkeys);
-    PyBuffer_Release(&colkeys);
-    PyBuffer_Release(&out);
-    if (problem != NULL) {
-        PyErr_SetString(PyExc_ValueError, problem);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
+static const detrace_layout layout = {.word_bytes = 4, .max_width = 1024, .colkeys_bytes = 2048 * 4,
+                                      .colkeys_align = 4};
 
-static PyMethodDef methods[] = {
-    {"row_sums", row_sums, METH_VARARGS,
-     "row_sums(words, width, rowkeys, colkeys, out, start, stop): detrace-fp2's per-row lane sums of rows "
-     "start..stop of words (C-contiguous rows of `width` 32-bit words) into out (uint64), without the GIL."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fp2", "detrace-fp2's CPU kernel, compiled at install (see _fp2.c).", -1, methods,
-    NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__fp2(void) { return PyModule_Create(&module); }
+DETRACE_MODULE(_fp2, sums, layout, "detrace-fp2's CPU kernel, compiled at install (see _fp2.c).")

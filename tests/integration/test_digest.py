@@ -248,6 +248,24 @@ def test_the_native_kernel_checks_its_buffers_and_splits_rows_over_threads():
         assert kernels.cpu_kernel.row_sums(big, keys, scheme.T_U64[:512], threads).tolist() == expected
 
 
+def test_the_fp2_kernel_checks_its_buffers_as_fp1_does():
+    from detrace._fp2 import row_sums
+
+    words = np.arange(6 * 4, dtype=np.uint32).reshape(6, 4)
+    rowkeys, out = np.arange(6, dtype=np.uint64), np.empty(6, np.uint64)
+    colkeys = np.concatenate([scheme.TA_U32, scheme.TB_U32])
+    with pytest.raises(ValueError, match="shorter than"):
+        row_sums(words, 5, rowkeys, colkeys, out, 0, 6)
+    with pytest.raises(ValueError, match="0 <= start <= stop"):
+        row_sums(words, 4, rowkeys, colkeys, out, 4, 2)
+    with pytest.raises(ValueError, match="shorter than"):  # 2047 column keys: TB cut short
+        row_sums(words, 4, rowkeys, colkeys[:2047], out, 0, 6)
+    with pytest.raises(ValueError, match="misaligned"):  # the loop reads the column keys as uint32
+        row_sums(words, 4, rowkeys, np.frombuffer(b"\0" + colkeys.tobytes(), np.uint8)[1:], out, 0, 6)
+    row_sums(words, 4, rowkeys, colkeys, out, 0, 6)
+    assert np.array_equal(out, scheme.np_row_sums2(words.view(np.uint64), rowkeys))
+
+
 def test_unknown_backend_is_a_usage_error(monkeypatch):
     monkeypatch.setenv(dg.ENV_BACKEND, "fastest")
     with pytest.raises(UsageError, match="DETRACE_FINGERPRINT_BACKEND"):
@@ -294,6 +312,22 @@ def test_misaligned_byte_tensors_on_the_body_path(backend):
     for offset in range(1, 9):
         view = raw[offset : offset + plan.BODY_MIN_BYTES + 4096 + 17]
         assert fingerprint(view) == reference_fingerprint(view.clone())
+
+
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_large_cpu_tensor_skips_the_batch_planner_with_the_same_bits(monkeypatch, name, dtype):
+    def no_planner(*args, **kwargs):
+        raise AssertionError("the planner ran")
+
+    big = random_bits((plan.BODY_MIN_BYTES + 4096 * 3 + 6,), dtype, seed=12)  # whole rows and a tail row
+    tensors = (big, big[:-3], torch.nn.Parameter(big[: plan.BODY_MIN_BYTES // big.element_size()]))
+    expected = [reference_fingerprint(t, scheme=name) for t in tensors]
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    misaligned = big[1:]  # not 8-byte aligned: the planner hashes an aligned copy
+    assert fingerprint(misaligned, scheme=name) == reference_fingerprint(misaligned, scheme=name)
+    monkeypatch.setattr(dg, "Planner", no_planner)
+    assert [fingerprint(t, scheme=name) for t in tensors] == expected
 
 
 def test_same_digest_with_one_and_two_threads(backend):
@@ -620,11 +654,11 @@ def test_fingerprinting_is_invisible_to_dispatch_modes():
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
-    x = torch.randn(100)
-    expected = fingerprint(x)
-    with Recorder() as recorder:
-        got = fingerprint(x)
-    assert got == expected and recorder.ops == []
+    for x in (torch.randn(100), torch.randn(plan.BODY_MIN_BYTES // 2 + 5)):  # the planner, one tensor's fast path
+        expected = fingerprint(x)
+        with Recorder() as recorder:
+            got = fingerprint(x)
+        assert got == expected and recorder.ops == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -667,20 +701,14 @@ def test_fp2_kernels_match_the_definition_row_by_row():
                                np.zeros(1, np.uint64), 0, 1)
 
 
-def test_fp2_triton_kernel_gives_the_definition_bits():
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
-    from detrace.digest._triton import fp2_row_sums
-
-    device = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-    gen = np.random.default_rng(3)
-    tables = kernels.device_tables(device)
-    for width, n in ((8, 3), (32, 9), (128, 2), (512, 11)):  # row counts around the kernel's block of 8 rows
-        words = gen.integers(0, 2**64, size=(n, width), dtype=np.uint64)
-        rowkeys = scheme.np_rowkeys2(np.arange(5, 5 + n) * 4099)
-        got = fp2_row_sums(torch.from_numpy(words.view(np.int64)).to(device),
-                           torch.from_numpy(rowkeys.view(np.int64)).to(device), tables.colkeys2_u32)
-        assert np.array_equal(got.cpu().numpy().view(np.uint64), scheme.np_row_sums2(words, rowkeys))
+def test_fp2_totals_add_lane_by_lane():
+    gen = np.random.default_rng(8)
+    for n in (0, 1, 2, 3, 1000):
+        values = gen.integers(0, 2**64, size=n, dtype=np.uint64)
+        low = sum(int(v) & scheme.M32 for v in values) & scheme.M32
+        high = sum(int(v) >> 32 for v in values) & scheme.M32
+        assert scheme.np_total(values, scheme.SCHEME2) == low | high << 32
+    assert scheme.np_total(np.full(5, 2**32 - 1, dtype=np.uint64), scheme.SCHEME2) == 2**32 - 5  # no carry upward
 
 
 def test_fp2_positions_have_distinct_keys():

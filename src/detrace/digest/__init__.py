@@ -34,7 +34,7 @@ from detrace.digest.inputs import (
 from detrace.digest.kernels import BACKENDS, SCHEME_NAMES, selected_backend, selected_scheme
 from detrace.digest.kernels import ENV_BACKEND as ENV_BACKEND  # re-exported: the variable users set
 from detrace.digest.kernels import ENV_SCHEME as ENV_SCHEME
-from detrace.digest.plan import Planner, StagedFingerprints, collect
+from detrace.digest.plan import Planner, StagedFingerprints, collect, one_native
 from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, combine, header, np_bytes_sum
 from detrace.errors import UsageError
 
@@ -100,6 +100,13 @@ def fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0, scheme:
     `__detrace_components__()` is fingerprinted as its components. `scheme` (``"fp1"`` or ``"fp2"``) overrides
     ``DETRACE_FINGERPRINT_SCHEME`` (fp1 when unset); digests of different schemes are never comparable.
     """
+    check_chunks(chunks, dim)
+    if chunks is None:
+        name = scheme_named(scheme)
+        with _quiet_modes():
+            fast = one_native(tensor, selected_backend(), name)
+        if fast is not None:
+            return fast
     return fingerprint_many([tensor], chunks=chunks, dim=dim, scheme=scheme)[0]
 
 

@@ -176,6 +176,7 @@ class _DeviceTables:
         self.zeros = torch.zeros(ROW_BYTES, dtype=torch.uint8, device=device)
         self._rowkeys = torch.empty(0, dtype=torch.int64, device=device)
         self._rowkeys2 = torch.empty(0, dtype=torch.int64, device=device)
+        self._host_rowkeys: dict[str, np.ndarray] = {}  # CPU: NumPy views of the row keys, per scheme
 
     def rowkeys(self, n: int, scheme: str = SCHEME) -> torch.Tensor:
         """Row keys of rows 0..n-1 of `scheme` on the device."""
@@ -188,6 +189,14 @@ class _DeviceTables:
             size = max(n, 2 * self._rowkeys.numel(), 1024)
             self._rowkeys = _torch_rowkeys(torch.arange(size, dtype=torch.int64, device=self.device))
         return self._rowkeys[:n]
+
+    def host_rowkeys(self, n: int, scheme: str) -> np.ndarray:
+        """Row keys of rows 0..n-1 of `scheme` as uint64 NumPy, on a CPU device: a view, a few microseconds less per
+        call than a tensor's."""
+        host = self._host_rowkeys.get(scheme)
+        if host is None or host.size < n:  # from the slice rowkeys returns: n keys whatever other threads grow
+            host = self._host_rowkeys[scheme] = self.rowkeys(n, scheme).numpy().view(np.uint64)
+        return host[:n]
 
 
 _tables: dict[torch.device, _DeviceTables] = {}
@@ -320,19 +329,35 @@ def _triton_fp2() -> Callable[..., torch.Tensor] | None:
     return fp2_row_sums
 
 
+def runs_native(backend: str, scheme: str) -> bool:
+    """Whether `backend` hashes CPU tensors with the native kernel of `scheme` (FingerprintError when it must and
+    the kernel was not built)."""
+    native = cpu_kernel2 if scheme == SCHEME2 else cpu_kernel
+    if backend == "native" and not native.usable:
+        raise FingerprintError(f"{ENV_BACKEND}=native, but {native.failed}")
+    return backend == "native" or (backend == "auto" and native.usable)
+
+
+def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str) -> np.ndarray:
+    """Per-row sums (uint64 [N]) by the native kernel of `scheme` of host rows [N, ...] (C-contiguous bytes of
+    whole words: any dtype) keyed by rowkeys (uint64 [N])."""
+    tables = device_tables(torch.device("cpu"))
+    if scheme == SCHEME2:
+        words, colkeys, native = rows.view(np.uint32), tables.colkeys2_u32.numpy().view(np.uint32), cpu_kernel2
+    else:
+        words = rows.view(np.uint64)
+        colkeys, native = tables.colkeys[: words.shape[1]].numpy().view(np.uint64), cpu_kernel
+    return native.row_sums(words, rowkeys, colkeys, torch.get_num_threads())
+
+
 def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:
     """Per-row sums (kind "rows", shape [N]) or the total (kind "total", shape [1]) as int64 on the device."""
     tables = device_tables(words.device)
     fp2 = scheme == SCHEME2
     colkeys = tables.colkeys2[:, : 2 * words.shape[1]] if fp2 else tables.colkeys[: words.shape[1]]
-    native = cpu_kernel2 if fp2 else cpu_kernel
-    if words.device.type == "cpu" and (backend == "native" or (backend == "auto" and native.usable)):
+    if words.device.type == "cpu" and runs_native(backend, scheme):
         # On the CPU `auto` never pauses for torch.compile: the native kernel from the first call
-        if not native.usable:
-            raise FingerprintError(f"{ENV_BACKEND}=native, but {native.failed}")
-        host_words = words.numpy().view(np.uint32 if fp2 else np.uint64)
-        host_colkeys = tables.colkeys2_u32.numpy().view(np.uint32) if fp2 else colkeys.numpy().view(np.uint64)
-        host = native.row_sums(host_words, rowkeys.numpy().view(np.uint64), host_colkeys, torch.get_num_threads())
+        host = native_rows(words.numpy(), rowkeys.numpy().view(np.uint64), scheme)
         if kind == "total":  # in NumPy: a few microseconds less per call than torch ops on a small vector
             host = np.array([np_total(host, scheme)], dtype=np.uint64)
         return torch.from_numpy(host.view(np.int64))

@@ -28,8 +28,18 @@ from detrace.digest.inputs import (
     part_chunks,
     plain,
 )
-from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel
-from detrace.digest.scheme import ROW_BYTES, SPECS, Fingerprint, add, combine, header, np_accumulate, np_add
+from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel, native_rows, runs_native
+from detrace.digest.scheme import (
+    ROW_BYTES,
+    SPECS,
+    Fingerprint,
+    add,
+    combine,
+    header,
+    np_accumulate,
+    np_add,
+    np_total,
+)
 
 # Tensors from this size on are hashed in place (no copy) by the one-pass body kernel.
 BODY_MIN_BYTES = 1 << 18
@@ -181,6 +191,36 @@ class _DevicePlan:
         self._rows(words, self.spec.rowkeys(row_numbers), np.repeat(owners, counts))
         self.packed = []
         self.packed_bytes = 0
+
+
+def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
+    """The fingerprint of one plain CPU tensor of at least BODY_MIN_BYTES by the native kernel, or None where the
+    planner applies (anything else: chunks are the caller's to rule out).
+
+    The same sums as the planner's body path and its packed tail row, without a batch's bookkeeping (device plans,
+    owners, the read-back): on one core a 1 MiB call took ~150 us with it and takes ~100 us without, the kernel
+    ~50 us of either.
+    """
+    if components_of(obj) is not None:
+        return None
+    t = plain(obj)
+    if t.device.type != "cpu" or not runs_native(backend, scheme):
+        return None
+    data = logical_bytes(t)
+    n = data.numel()
+    if n < BODY_MIN_BYTES or data.data_ptr() % 8:  # small or misaligned: packed or copied by the planner
+        return None
+    rows = -(-n // ROW_BYTES)
+    keys = device_tables(t.device).host_rowkeys(rows, scheme)
+    host = data.numpy()
+    body = n // ROW_BYTES
+    total = np_total(native_rows(host[: body * ROW_BYTES].reshape(body, ROW_BYTES), keys[:body], scheme), scheme)
+    if body < rows:  # the last row, zero-padded
+        tail = np.zeros((1, ROW_BYTES), dtype=np.uint8)
+        tail[0, : n - body * ROW_BYTES] = host[body * ROW_BYTES :]
+        total = add(total, int(native_rows(tail, keys[body:], scheme)[0]), scheme)
+    dtype, shape = dtype_name(t.dtype), tuple(t.shape)
+    return Fingerprint(add(total, header(dtype, shape, scheme), scheme), dtype, shape, t.numel(), scheme=scheme)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+/* What the CPU fingerprint kernels of every scheme share (_fp1.c, _fp2.c): the Python entry point `row_sums`
+   (argument parsing, the buffer checks, the loop run without the GIL, the buffers released on every path) and the
+   module boilerplate. Each kernel file defines only its loop, `sums`, and names its module with DETRACE_MODULE. */
+
+#ifndef DETRACE_FPKERNEL_H
+#define DETRACE_FPKERNEL_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* On x86-64 Linux under GCC/clang, clones of the loop for the listed targets beside the baseline one, picked at
+   load time by the CPU it runs on: the compiler vectorizes a loop only for the instructions a target has. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define DETRACE_CLONES(...) __attribute__((target_clones(__VA_ARGS__)))
+#else
+#define DETRACE_CLONES(...)
+#endif
+
+/* out[r] for start <= r < stop: the per-row sum of rows of `width` words of `words`, keyed by rowkeys[r] (one
+   uint64 per row) and the column keys. */
+typedef void (*detrace_sums)(const unsigned char *words, Py_ssize_t width, const unsigned char *rowkeys,
+                             const unsigned char *colkeys, unsigned char *out, Py_ssize_t start, Py_ssize_t stop);
+
+/* The layout a kernel's buffers must have, checked before its loop runs on them. */
+typedef struct {
+    Py_ssize_t word_bytes;    /* bytes per word of `words` (8 for fp1, 4 for fp2) */
+    Py_ssize_t max_width;     /* most words per row */
+    Py_ssize_t colkeys_bytes; /* bytes of `colkeys` needed: 0 for word_bytes per column of the row width */
+    Py_ssize_t colkeys_align; /* alignment of `colkeys` that the loop reads it with */
+} detrace_layout;
+
+/* row_sums(words, width, rowkeys, colkeys, out, start, stop): checks the buffers against `layout`, runs `sums`
+   without the GIL (so detrace.digest.native splits rows over Python threads), releases the buffers. */
+static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detrace_layout *layout) {
+    Py_buffer words, rowkeys, colkeys, out;
+    Py_ssize_t width, start, stop;
+    if (!PyArg_ParseTuple(args, "y*ny*y*w*nn", &words, &width, &rowkeys, &colkeys, &out, &start, &stop)) {
+        return NULL;
+    }
+    const Py_ssize_t colkeys_bytes = layout->colkeys_bytes ? layout->colkeys_bytes : width * layout->word_bytes;
+    const char *problem = NULL;
+    if (width < 0 || width > layout->max_width || start < 0 || stop < start) {
+        problem = "row_sums: width, start and stop must satisfy 0 <= width <= the row width and 0 <= start <= stop";
+    } else if ((width > 0 && stop > words.len / layout->word_bytes / width) || rowkeys.len / 8 < stop ||
+               out.len / 8 < stop || colkeys.len < colkeys_bytes ||
+               ((uintptr_t)colkeys.buf % (uintptr_t)layout->colkeys_align) != 0) {
+        problem = "row_sums: a buffer is shorter than width, start and stop require, or colkeys is misaligned";
+    }
+    if (problem == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        sums(words.buf, width, rowkeys.buf, colkeys.buf, out.buf, start, stop);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&rowkeys);
+    PyBuffer_Release(&colkeys);
+    PyBuffer_Release(&out);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* The module `detrace.NAME` with the one function row_sums, running SUMS on buffers of layout LAYOUT. */
+#define DETRACE_MODULE(NAME, SUMS, LAYOUT, DOC)                                                                    \
+    static PyObject *row_sums(PyObject *self, PyObject *args) {                                                    \
+        (void)self;                                                                                                \
+        return detrace_row_sums(args, SUMS, &(LAYOUT));                                                            \
+    }                                                                                                              \
+    static PyMethodDef methods[] = {                                                                               \
+        {"row_sums", row_sums, METH_VARARGS,                                                                       \
+         "row_sums(words, width, rowkeys, colkeys, out, start, stop): the per-row sums of rows start..stop of "    \
+         "words (C-contiguous rows of `width` words) into out (uint64), without the GIL."},                        \
+        {NULL, NULL, 0, NULL},                                                                                     \
+    };                                                                                                             \
+    static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, #NAME, DOC, -1, methods, NULL, NULL, NULL, NULL};  \
+    PyMODINIT_FUNC PyInit_##NAME(void) { return PyModule_Create(&module); }
+
+#endif
