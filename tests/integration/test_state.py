@@ -418,6 +418,73 @@ def test_environment_contract_stops_saves_and_resumes(tmp_path: Path, monkeypatc
         _state().load(tmp_path, control="skip-all")
 
 
+def _adam_state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return TrainState(model=model, optimizer=optimizer, data=ResumableSampler(8),
+                      scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 + s))
+
+
+def _parts(state: TrainState) -> dict[str, list[torch.Tensor]]:
+    """Each part DETRACE_RESTORE_PART replaces, as tensors, and the position of the data (which it keeps)."""
+    assert state.optimizer is not None and state.scheduler is not None
+    moments = [per[key] for per in state.optimizer.state.values() for key in sorted(per)]
+    lr = [torch.tensor([group["lr"] for group in state.optimizer.param_groups]),
+          torch.tensor([state.scheduler.last_epoch])]
+    return {"weights": [p.detach().clone() for p in state.model.parameters()],
+            "moments": [m.clone() for m in moments], "lr": lr, "data": [torch.tensor(state.data.position)]}
+
+
+@pytest.mark.parametrize("part", ["lr", "moments", "weights"])
+def test_restore_part_takes_one_part_from_another_checkpoint(part: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.setenv("DETRACE_CKPT_EVERY", "2")
+    state = _adam_state()
+    assert state.resume_if_requested() == 0
+    saved = {}
+    for step in (1, 2, 3, 4):
+        _train_one_step(state.model, state.optimizer)
+        state.scheduler.step()
+        next(iter(state.data))
+        state.end_of_step(step)
+        saved[step] = _parts(state)
+    monkeypatch.delenv("DETRACE_CKPT_EVERY")
+    monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / "step-00000004"))
+    monkeypatch.setenv("DETRACE_RESTORE_PART", f"{part}:{tmp_path / 'step-00000002'}")
+    resumed = _adam_state()
+    assert resumed.resume_if_requested() == 4 and resumed.step == 4
+    got = _parts(resumed)
+    for name, tensors in got.items():
+        want = saved[2 if name == part else 4][name]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, want, strict=True)), name
+    # Two checkpoints that differ in each part, so the comparison above tells them apart.
+    assert all(not all(torch.equal(a, b) for a, b in zip(saved[2][name], saved[4][name], strict=True)) for name in got)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("momentum:/x", "DETRACE_RESTORE_PART must be PART:PATH, PART one of lr, moments, weights, not 'momentum:/x'"),
+     ("weights", "DETRACE_RESTORE_PART must be PART:PATH")],
+)
+def test_restore_part_refuses_what_it_cannot_apply(value: str, message: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    state = _state()
+    state.end_of_step(1)
+    state.save(tmp_path)
+    monkeypatch.setenv("DETRACE_RESUME", "1")
+    monkeypatch.setenv("DETRACE_RESTORE_PART", value)
+    with pytest.raises(UsageError, match=message):
+        _state().resume_if_requested()
+    bare = TrainState(model=torch.nn.Linear(3, 2))
+    bare.save(tmp_path / "bare", step=1)
+    monkeypatch.setenv("DETRACE_RESTORE_PART", f"moments:{tmp_path}")
+    with pytest.raises(UsageError, match="DETRACE_RESTORE_PART=moments needs an optimizer, and this TrainState has"):
+        bare.load(tmp_path / "bare")
+
+
 @pytest.mark.parametrize(
     ("variables", "message"),
     [

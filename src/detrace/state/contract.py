@@ -14,10 +14,12 @@ unmodified training script stop, save and resume, and the checkpoint layouts a s
                                 step gets the batch of the step k later (the loader advances k batches first)
     DETRACE_DROP_SAMPLES=i,j    data control: the samples of dataset indices i, j, ... are never trained on; the
                                 sampler hands out the next ones in their place (detrace's framework integrations)
+    DETRACE_RESTORE_PART=part:path  state control: after the resume's load, one part of the state comes from the
+                                checkpoint at path instead: lr, moments or weights (`RESTORE_PARTS`)
 
 Global steps count as traces count them: global step g runs after g completed steps (a run resumed from the
 checkpoint after K steps runs global step K first). `detrace ablate` uses the data controls to change the data
-of a replay and nothing else.
+of a replay and nothing else, and the state control to tell which part of the state carries a spike.
 
 `TrainState` implements it for a hand-written loop; the framework integrations implement it for transformers'
 and Lightning's trainers, each in its framework's own checkpoint layout (`LAYOUTS`).
@@ -43,6 +45,7 @@ ENV_RESUME_CONTROL = "DETRACE_RESUME_CONTROL"
 ENV_SKIP_STEPS = "DETRACE_SKIP_STEPS"
 ENV_DATA_SHIFT = "DETRACE_DATA_SHIFT"
 ENV_DROP_SAMPLES = "DETRACE_DROP_SAMPLES"
+ENV_RESTORE_PART = "DETRACE_RESTORE_PART"
 CHECKPOINT_VARIABLES = (ENV_CKPT_DIR, ENV_STOP_AT, ENV_CKPT_EVERY, ENV_RESUME, ENV_RESUME_FROM, ENV_RESUME_CONTROL)
 """The variables that tell a run where to save and what to resume: the commands that run CMD (ablate, check-resume,
 locate) set them for each run, on checkpoints of that run's own."""
@@ -56,6 +59,12 @@ CONTROLS = {
     "skip-optimizer": "do not restore the optimizer's per-parameter state (moments, step counts): start it empty",
     "skip-model": "do not restore the model's parameters and buffers",
 }
+RESTORE_PARTS = {
+    "lr": "the learning rate: the LR scheduler's state and the optimizer's param groups",
+    "moments": "the optimizer's per-parameter state (moments, step counts)",
+    "weights": "the model's parameters and buffers",
+}
+"""The parts DETRACE_RESTORE_PART takes from another checkpoint, each what it replaces."""
 MODEL_CONTROL = "skip-model"
 """The control that a framework which restores the model itself (transformers, accelerate, Lightning) cannot apply:
 detrace's state is restored over the framework's, so leaving it out would leave the framework's restored model."""
@@ -114,6 +123,11 @@ def saved_versions(root: Path) -> dict[int, Path]:
     return found
 
 
+def state_of(path: Path) -> Path:
+    """The TrainState checkpoint that verifies the checkpoint at `path` (any of the `LAYOUTS`)."""
+    return next((layout.state(path) for layout in LAYOUTS if layout.pattern.fullmatch(path.name)), path)
+
+
 def resume_problem(path: Path) -> str | None:
     """Why a checkpoint the contract resumes from (DETRACE_RESUME_FROM, any of the `LAYOUTS`) cannot be resumed,
     as a clause naming the cause, or None when it is there and matches its manifest."""
@@ -121,9 +135,8 @@ def resume_problem(path: Path) -> str | None:
 
     if not path.exists():
         return f"the checkpoint it resumes from, {path}, is gone (no checkpoint)"
-    state = next((layout.state(path) for layout in LAYOUTS if layout.pattern.fullmatch(path.name)), path)
     try:
-        verify_checkpoint(state)
+        verify_checkpoint(state_of(path))
     except CheckpointCorrupted as err:
         return f"the checkpoint it resumes from is corrupted (CheckpointCorrupted: {err})"
     except CheckpointError as err:
@@ -233,6 +246,19 @@ def drop_samples_requested() -> frozenset[int]:
     if not all(item.isdigit() for item in items):
         raise UsageError(f"{ENV_DROP_SAMPLES} must be dataset indices separated by commas, such as 3,17, not {text!r}")
     return frozenset(int(item) for item in items)
+
+
+def restore_part_requested() -> tuple[str, Path] | None:
+    """The contract's DETRACE_RESTORE_PART=part:path: (the part of `RESTORE_PARTS`, the checkpoint it comes from),
+    or None when unset."""
+    text = os.environ.get(ENV_RESTORE_PART)
+    if not text:
+        return None
+    part, sep, path = text.partition(":")
+    if not sep or part not in RESTORE_PARTS or not path:
+        raise UsageError(f"{ENV_RESTORE_PART} must be PART:PATH, PART one of {', '.join(RESTORE_PARTS)}, "
+                         f"not {text!r}")
+    return part, Path(path)
 
 
 def batches_to_skip(step: int, *, first: bool) -> int:

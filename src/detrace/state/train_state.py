@@ -31,8 +31,10 @@ from detrace.state.contract import (
     check_checkpoint_dir,
     checkpoint_dir,
     every_requested,
+    restore_part_requested,
     resume_requested,
     resume_source,
+    state_of,
     stop_requested,
 )
 
@@ -224,6 +226,10 @@ class TrainState:
 
         from detrace.state import checkpoint
 
+        # The state control is checked before anything loads: a refused load leaves the state as it was.
+        part = restore_part_requested()
+        if part is not None and part[0] in ("lr", "moments") and self.optimizer is None:
+            raise UsageError(f"DETRACE_RESTORE_PART={part[0]} needs an optimizer, and this TrainState has none")
         template = self._shared()
         # The skip-model control keeps the model this process has: a copy, since the read fills the template's
         # tensors (the parameters' own storage, for a plain model) in place.
@@ -248,6 +254,8 @@ class TrainState:
             self.scheduler.load_state_dict(shared["scheduler"])
         if self.scaler is not None:
             self.scaler.load_state_dict(shared["scaler"])
+        if part is not None:
+            self._restore_part(*part)
         if self.data is not None and control != "skip-data":
             self.data.load_state_dict(local["data"])
         self._load_extra(local["extra"])
@@ -257,6 +265,37 @@ class TrainState:
         self.step = loaded.step
         _events.restored(loaded.step)
         return loaded.step
+
+    def _restore_part(self, part: str, path: Path) -> None:
+        """The state control DETRACE_RESTORE_PART: over the state just loaded, `part` (lr, moments, weights) from
+        the checkpoint at `path`, the rest kept. The read fills its template in place, so it reads into copies of
+        the live tensors, and the part is then set from them as a load sets it."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        from torch.distributed.tensor import DTensor
+
+        from detrace.state import checkpoint, tree
+
+        skeleton, tensors = tree.split(self._shared(), "")
+        if any(isinstance(tensor, DTensor) for tensor in tensors.values()):
+            raise CheckpointError("DETRACE_RESTORE_PART cannot restore one part of a sharded state (DTensors): "
+                                  "only a replicated or single-process one")
+        copies = tree.join(skeleton, {key: tensor.detach().clone() for key, tensor in tensors.items()})
+        other = checkpoint.read(state_of(path), shared=copies, check=self._check_fits, elastic=self.elastic).shared
+        if part == "weights":
+            set_model_state_dict(self.model, other["model"])
+            return
+        assert self.optimizer is not None  # _restore checked it
+        with _unobserved_optimizer_steps(self.optimizer):
+            live = get_optimizer_state_dict(self.model, self.optimizer)
+            mixed = ({"state": live["state"], "param_groups": other["optimizer"]["param_groups"]} if part == "lr"
+                     else {"state": other["optimizer"]["state"], "param_groups": live["param_groups"]})
+            set_optimizer_state_dict(self.model, self.optimizer, mixed)
+        if part == "lr" and self.scheduler is not None:
+            self.scheduler.load_state_dict(other["scheduler"])
 
     def _check_fits(self, directory: Path, shared: Mapping[str, Any], local: Mapping[str, Any]) -> None:
         """Refuse a checkpoint whose parts are not those of this TrainState (before anything is loaded)."""
