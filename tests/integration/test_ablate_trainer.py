@@ -72,3 +72,17 @@ def test_each_planted_spike_is_found_reproduced_and_told_apart(kind: str, tmp_pa
     spiked = {o.variant.name: o.spiked for o in result.outcomes}
     assert spiked == {"data-from-earlier": kind == "data", "skip-batches": kind == "state",
                       "state-only": kind == "state"}, result.summary
+    if kind != "state":
+        assert result.split is None
+        return
+    # The planted state spike is a schedule fault: the scheduler's step count at C decides the bumped step. With
+    # the learning rate of the checkpoint after 4 steps (the rest from 8) the bump comes after S; with the earlier
+    # weights or moments it does not move.
+    assert result.split is not None and result.split.earlier == 4
+    assert {o.variant.name: o.spiked for o in result.split.replays} == {
+        "restore-lr": False, "restore-moments": True, "restore-weights": True}
+    # The trace is the loss alone: the earlier weights change the loss of step 8, the others the update after it.
+    assert {o.variant.name: o.departure and o.departure.step for o in result.split.replays} == {
+        "restore-lr": 9, "restore-moments": 9, "restore-weights": 8}
+    assert result.split.parts == ("lr",) and "the state's part that carries it: lr" in result.summary
+    assert len(result.runs) == 7

@@ -22,6 +22,7 @@ from detrace.investigate.ablate import (
     AblateConfig,
     AblateResult,
     Launch,
+    Outcome,
     ablate,
     launcher,
 )
@@ -71,11 +72,22 @@ def render(result: AblateResult) -> None:
         print(f"  samples  of step {bisected.step}: {', '.join(map(str, bisected.indices)) or 'not recorded'}; "
               f"the one it needs: {named}")
         for o in bisected.replays:
-            shown = "-" if o.value is None else f"{o.value:.6g}"
-            state = "unavailable" if o.unavailable is not None else "spikes" if o.spiked else "no spike"
-            print(f"  {o.variant.name:<18} {shown:>10}  {state:<8}  {o.variant.change}")
+            _replay(o)
+    if result.split is not None:
+        parts = ", ".join(result.split.parts) or "-"
+        print(f"  state    at step {result.checkpoint}, one part at a time from the checkpoint after "
+              f"{result.split.earlier} steps; the part that carries it: {parts}")
+        for o in result.split.replays:
+            _replay(o)
     print(f"  cost     {len(result.runs)} runs, {result.steps} steps, {result.seconds:.1f} s; kept in {config.out}")
     print(f"  report   {config.out / 'report.html'}")
+
+
+def _replay(o: Outcome) -> None:
+    """One line for a replay of the bisection or the split: its metric, whether it spikes, what it changes."""
+    shown = "-" if o.value is None else f"{o.value:.6g}"
+    state = "unavailable" if o.unavailable is not None else "spikes" if o.spiked else "no spike"
+    print(f"  {o.variant.name:<18} {shown:>10}  {state:<8}  {o.variant.change}")
 
 
 def main(argv: list[str]) -> int:

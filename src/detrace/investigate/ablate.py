@@ -24,6 +24,10 @@ at a time to isolate its cause.
    program's sampler is detrace's: the framework integrations); replays from C that drop half the candidates
    (DETRACE_DROP_SAMPLES) bisect them down to the one sample whose absence removes the spike, in about
    log2(batch) replays, the last one dropping that sample alone.
+6. For a state verdict, the part: three replays from C with the baseline's data, each taking one part of the state
+   from the checkpoint C' before C (DETRACE_RESTORE_PART: the learning rate, the optimizer's moments, the weights)
+   and the rest from C. The verdict names the part(s) whose earlier version removes the spike, or says that none
+   alone does.
 
 The function that runs CMD is a parameter (`Launch`): the decision logic is tested on synthetic traces.
 """
@@ -246,6 +250,24 @@ class Samples:
                 "note": self.note, "replays": [o.to_json(baseline) for o in self.replays]}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """The split of a state verdict: which part of the state at C carries the spike."""
+
+    earlier: int
+    """C': completed steps of the checkpoint the parts come from (0: there was none, and nothing ran)."""
+    replays: tuple[Outcome, ...]
+    """One replay from C per part (`RESTORE_PARTS`), that part from C', in the order run."""
+    parts: tuple[str, ...]
+    """The parts whose version at C' removes the spike."""
+    note: str
+    """What it found, or why it could not run, as a clause."""
+
+    def to_json(self, baseline: float) -> dict[str, Any]:
+        return {"earlier": self.earlier, "parts": list(self.parts), "note": self.note,
+                "replays": [o.to_json(baseline) for o in self.replays]}
+
+
 def batch_samples(run: Path, rank: int, step: int) -> tuple[int, ...]:
     """The dataset indices of the samples one rank trained on at `step`, as its trace's batch rung recorded them
     (the "samples" records, micro-batch after micro-batch); empty when it recorded none."""
@@ -280,6 +302,8 @@ class AblateResult:
     """The variants, ranked by their effect on the spike (the largest fall of the metric at S first)."""
     samples: Samples | None = None
     """The bisection of S's batch (a data or both verdict)."""
+    split: Split | None = None
+    """Which part of the state carries the spike (a state verdict)."""
 
     @property
     def exit_code(self) -> int:
@@ -289,7 +313,8 @@ class AblateResult:
     def runs(self) -> list[Outcome]:
         """Every run ablate made."""
         return (([self.baseline] if self.baseline else []) + list(self.outcomes)
-                + (list(self.samples.replays) if self.samples else []))
+                + (list(self.samples.replays) if self.samples else [])
+                + (list(self.split.replays) if self.split else []))
 
     @property
     def seconds(self) -> float:
@@ -314,6 +339,7 @@ class AblateResult:
                                                  if abs(t - self.config.step) <= 2 * self.config.rule.window}),
                 "variants": [o.to_json(value) for o in self.outcomes],
                 "samples": None if self.samples is None else self.samples.to_json(value),
+                "split": None if self.split is None else self.split.to_json(value),
                 "cost": {"runs": len(self.runs), "steps": self.steps, "seconds": round(self.seconds, 3)}}
 
 
@@ -466,8 +492,63 @@ def ablate(config: AblateConfig, launch: Launch, progress: Callable[[str], None]
     if cause in ("data", "both"):
         samples = bisect(s, rank, batch_samples(baseline.run, rank, s), baseline, execute, progress)
         cause, summary = judge(config, c, outcomes, samples.note)
+    parts = None
+    if cause == "state":
+        parts = split(c, versions, baseline, execute, progress)
+        cause, summary = judge(config, c, outcomes, parts.note)
     return AblateResult(verdict="isolated", cause=cause, summary=summary, baseline=baseline,
-                        outcomes=tuple(ranked), samples=samples, **common)
+                        outcomes=tuple(ranked), samples=samples, split=parts, **common)
+
+
+def split(c: int, versions: Mapping[int, Path], baseline: Outcome, execute: Callable[[Variant], Outcome],
+          progress: Callable[[str], None]) -> Split:
+    """Which part of the state at C carries the spike: one replay from C per part of `RESTORE_PARTS`, that part
+    taken from the checkpoint C' before C (DETRACE_RESTORE_PART), the rest and the data the baseline's. A replay
+    that computed the baseline's very bits is no evidence about its part (the part is the same at C' and C, or the
+    program does not apply the control), and a part is named only from replays that departed."""
+    from detrace.state.contract import ENV_RESTORE_PART, RESTORE_PARTS
+
+    earlier = max((v for v in versions if v < c), default=0)
+    if not earlier:
+        return Split(earlier=0, replays=(), parts=(),
+                     note=f"which part of the state carries it is not split: the run saved no checkpoint before the "
+                          f"one after {c} steps to take a part from")
+    progress(f"split the state at step {c}: {len(RESTORE_PARTS)} replays, each with one part from the checkpoint "
+             f"after {earlier} steps")
+    replays = []
+    for part, what in RESTORE_PARTS.items():
+        variant = dataclasses.replace(
+            baseline.variant, name=f"restore-{part}", change=f"{what} from the checkpoint after {earlier} steps",
+            env={ENV_RESTORE_PART: f"{part}:{versions[earlier]}"})
+        outcome = execute(variant)
+        if outcome.unavailable is None:
+            outcome = dataclasses.replace(outcome, departure=_departure(baseline.run, outcome.run))
+        replays.append(outcome)
+    ran = [o for o in replays if o.unavailable is None]
+    same = [o.variant.name for o in ran if o.departure is None]
+    departed = [o for o in ran if o.departure is not None]
+    named = tuple(o.variant.name.removeprefix("restore-") for o in departed if o.value is not None and not o.spiked)
+    after = f"from the checkpoint after {earlier} steps"
+    if named:
+        note = (f"the state's part that carries it: {' and '.join(named)} ({after}, the rest from the one after {c} "
+                f"steps, {'removes' if len(named) == 1 else 'each removes'} the spike)")
+    elif not ran:
+        note = (f"which part of the state carries it could not be split: no replay with one part {after} could run "
+                "(ablate.json says why)")
+    elif not departed:
+        note = "which part of the state carries it could not be split"
+    else:
+        note = (f"no part of the state alone carries it: {', '.join(o.variant.name for o in departed)} "
+                f"({'that part' if len(departed) == 1 else 'each part'} {after}) still "
+                f"spike{'s' * (len(departed) == 1)}")
+    if same:
+        note += (f"; {', '.join(same)} computed the baseline's very bits (that part is the same in both checkpoints, "
+                 f"or the program does not apply {ENV_RESTORE_PART}: TrainState and detrace's integrations do), so "
+                 "it is no evidence about its part")
+    unavailable = [o.variant.name for o in replays if o.unavailable is not None]
+    if unavailable and ran:
+        note += f"; {', '.join(unavailable)} could not run (ablate.json says why)"
+    return Split(earlier=earlier, replays=tuple(replays), parts=named, note=note)
 
 
 def bisect(s: int, rank: int, indices: tuple[int, ...], baseline: Outcome, execute: Callable[[Variant], Outcome],
@@ -529,8 +610,8 @@ def _indices(indices: Sequence[int]) -> str:
 
 def judge(config: AblateConfig, c: int, outcomes: Sequence[Outcome], sample: str | None = None
           ) -> tuple[AblateCause, str]:
-    """What the variants' evidence points to, in one sentence (then the bisection's `sample` clause, what could
-    not run, and a user variant that changed nothing)."""
+    """What the variants' evidence points to, in one sentence (then the bisection's `sample` clause or the split's,
+    what could not run, and a user variant that changed nothing)."""
     ran = [o for o in outcomes if o.unavailable is None]
     if outcomes and not ran:
         return "undetermined", (f"undetermined: no variant could run from the checkpoint after {c} steps "
