@@ -48,10 +48,10 @@ def trainer_launch(cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> flo
     return time.perf_counter() - began
 
 
-def original(tmp_path: Path, kind: str) -> Path:
+def original(tmp_path: Path, kind: str, s: int = S) -> Path:
     """The original run of the planted spike, with a checkpoint every 4 steps, run.json naming their directory."""
     run, ckpts = tmp_path / "original", tmp_path / "ckpt"
-    cmd = (*TRAINER, "--steps", str(S + 1), "--spike", kind, "--spike-step", str(S))
+    cmd = (*TRAINER, "--steps", str(s + 1), "--spike", kind, "--spike-step", str(s))
     trainer_launch(cmd, run, {"DETRACE_CKPT_DIR": str(ckpts), "DETRACE_CKPT_EVERY": "4"})
     (run / "run.json").write_text(json.dumps({"rung": "metrics", "checkpoint_dir": str(ckpts)}))
     return run
@@ -86,3 +86,19 @@ def test_each_planted_spike_is_found_reproduced_and_told_apart(kind: str, tmp_pa
         "restore-lr": 9, "restore-moments": 9, "restore-weights": 8}
     assert result.split.parts == ("lr",) and "the state's part that carries it: lr" in result.summary
     assert len(result.runs) == 7
+
+
+@pytest.mark.parametrize("kind", ["moments", "weights"])
+def test_the_part_of_the_state_that_carries_a_planted_fault_is_named(kind: str, tmp_path: Path) -> None:
+    # The fault is planted after 8 completed steps, before the save there: the checkpoint after 8 steps carries it,
+    # the one after 4 does not (the learning rate's planted fault is the state spike above).
+    s = 9
+    run = original(tmp_path, kind, s)
+    cmd = (*TRAINER, "--steps", str(s + 1), "--spike", kind, "--spike-step", str(s))
+    result = ablate(AblateConfig(command=cmd, run=run, step=s, after=0, out=tmp_path / "ablate"), trainer_launch)
+    assert result.cause == "state" and result.checkpoint == 8, result.summary
+    assert result.split is not None and result.split.earlier == 4
+    assert {o.variant.name: o.spiked for o in result.split.replays} == {
+        "restore-lr": True, "restore-moments": kind != "moments", "restore-weights": kind != "weights"}
+    assert all(o.departure is not None for o in result.split.replays)
+    assert result.split.parts == (kind,) and f"the state's part that carries it: {kind}" in result.summary

@@ -42,7 +42,7 @@ from detrace.workload.model import DISPATCHES, PRESETS, QUANT_FORMATS, ModelConf
 PROG = "detrace.workload.train"
 NAMED = ("invariant", "plain")
 """--parallel values that take a named layout (--layout): its invariant layers, or their ordinary control."""
-SPIKES = ("data", "state", "both")
+SPIKES = ("data", "state", "both", "moments", "weights")
 """The planted spikes' kinds (`TrainConfig.spike`)."""
 STATE_BUMP = 300.0
 """The learning-rate factor of the "state" spike's one step: alone, it throws the model off."""
@@ -53,6 +53,10 @@ BOTH_CORRUPTION = -5.0
 token is rare) the loss barely moves; on sequences made of that token it jumps."""
 BOTH_POISONED = 2
 """Sequences of the "both" spike's batch that are runs of `POISON_TOKEN` (the whole batch for "data")."""
+MOMENTS_CORRUPTION = 1e-12
+"""The "moments" spike's factor on every second moment (Adam's exp_avg_sq): the next update is far too large."""
+WEIGHTS_CORRUPTION = 8.0
+"""The "weights" spike's factor on the LM head's weight: the logits are far too sharp."""
 WARMUP_STEPS = 10
 # Size of one epoch of the synthetic stream; fixed so that a run's first steps do not depend on --steps.
 NUM_SAMPLES = 4096
@@ -108,7 +112,10 @@ class TrainConfig:
     just before it runs at `STATE_BUMP` x the learning rate (a schedule fault: the scheduler's step count decides
     it); "both": right after the step before it, the rows of token `POISON_TOKEN` in the embedding and the LM head
     are scaled by `BOTH_CORRUPTION` (a parameter fault at a step), and `BOTH_POISONED` sequences of the step's batch
-    are runs of that token: either alone leaves the loss under the spike threshold, together they spike."""
+    are runs of that token: either alone leaves the loss under the spike threshold, together they spike;
+    "moments" and "weights": after S - 1 completed steps (before a save there), every second moment is scaled by
+    `MOMENTS_CORRUPTION`, or the LM head's weight by `WEIGHTS_CORRUPTION` (a fault in that part of the state, which
+    a checkpoint after S - 1 steps carries; the weights' shows in the loss of step S - 1 as well)."""
     spike_step: int | None = None
     """The global step where the planted spike shows in the loss (steps completed before it)."""
 
@@ -133,8 +140,11 @@ class TrainConfig:
             raise UsageError(f"--spike must be one of {', '.join(SPIKES)}, not {self.spike!r}")
         if self.spike_step is not None and self.spike_step < 1:
             raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
-        if self.spike == "both" and self.parallel not in ("none", "ddp"):
-            raise UsageError("--spike both scales whole parameter rows: it needs --parallel none or ddp")
+        if self.spike in ("both", "weights") and self.parallel not in ("none", "ddp"):
+            raise UsageError(f"--spike {self.spike} scales whole parameters: it needs --parallel none or ddp")
+        if self.spike in ("moments", "weights") and self.spike_step is not None and self.spike_step < 2:
+            raise UsageError(f"--spike {self.spike} plants its fault after S - 1 completed steps: --spike-step must "
+                             "be at least 2")
         if (self.parallel in layouts.INVARIANT) != (self.microbatches is not None):
             raise UsageError(f"--microbatches goes with --parallel {', '.join(layouts.INVARIANT)}, and they need it")
         if self.parallel in layouts.INVARIANT and self.dispatch == "index" and not self.deterministic:
@@ -191,7 +201,8 @@ def parse_args(argv: Sequence[str]) -> TrainConfig:
                    help="pipeline schedule of the pp layouts (default 1f1b)")
     p.add_argument("--spike", default=None, choices=SPIKES,
                    help="plant a loss spike at --spike-step: a poisoned batch (data), a learning-rate bump (state), "
-                        "or a poisoned batch under a smaller bump (both); off by default")
+                        "a poisoned batch under a smaller bump (both), or a fault in the optimizer's moments or "
+                        "the weights after S - 1 steps; off by default")
     p.add_argument("--spike-step", type=int, default=None, metavar="S", help="global step of the planted spike")
     args = p.parse_args(list(argv))
     kind, tp, stages, replicas = resolve_layout(args.parallel, args.layout, args.tp)
@@ -283,6 +294,16 @@ def _corrupt_token_rows(model: torch.nn.Module) -> None:
                 module.weight[POISON_TOKEN] *= BOTH_CORRUPTION
 
 
+def _corrupt_state(kind: str | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The "moments" and "weights" spikes' faults, each in its one part of the state (nothing for other kinds)."""
+    with torch.no_grad():
+        if kind == "moments":
+            for per in optimizer.state.values():
+                per["exp_avg_sq"].mul_(MOMENTS_CORRUPTION)
+        elif kind == "weights":
+            model.output.weight.mul_(WEIGHTS_CORRUPTION)
+
+
 def train(cfg: TrainConfig) -> None:
     """Run `cfg` to its last step (or to DETRACE_STOP_AT), printing one line per step on rank 0."""
     import detrace
@@ -352,6 +373,8 @@ def train(cfg: TrainConfig) -> None:
             optimizer.zero_grad(set_to_none=True)
             if cfg.spike == "both" and step == cfg.spike_step:  # printed step S = global step S - 1 just ended
                 _corrupt_token_rows(pm.raw)
+            if cfg.spike_step is not None and step == cfg.spike_step - 1:  # before the save after S - 1 steps
+                _corrupt_state(cfg.spike, pm.raw, optimizer)
             if layout.rank == 0:
                 print(
                     f"step {step - 1} loss {float(m['loss']):.6f} ({bits(m['loss'])}) lm {float(m['lm']):.6f}"
