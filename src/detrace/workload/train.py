@@ -301,7 +301,9 @@ def _corrupt_state(kind: str | None, model: torch.nn.Module, optimizer: torch.op
             for per in optimizer.state.values():
                 per["exp_avg_sq"].mul_(MOMENTS_CORRUPTION)
         elif kind == "weights":
-            model.output.weight.mul_(WEIGHTS_CORRUPTION)
+            head = getattr(model, "output", None)
+            if isinstance(head, torch.nn.Linear):  # on the ranks that hold it
+                head.weight.mul_(WEIGHTS_CORRUPTION)
 
 
 def train(cfg: TrainConfig) -> None:
