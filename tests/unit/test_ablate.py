@@ -67,8 +67,12 @@ def loss(kind: str, step: int, batch: list[int], args: Sequence[str], env: Mappi
 class World:
     """A fake launcher: each call writes the synthetic trace a run of the world would record."""
 
-    def __init__(self, kind: str, *, drift: int | None = None, samples: bool = True) -> None:
-        self.kind, self.drift, self.samples = kind, drift, samples
+    def __init__(self, kind: str, *, drift: int | None = None, samples: bool = True, part: str | None = None
+                 ) -> None:
+        # part: the world applies DETRACE_RESTORE_PART (None: it ignores it, as a program without TrainState), and
+        # the state spike is in that part of the checkpoint after 8 steps ("step": in none, it is bound to the
+        # step), so that part from the checkpoint after 4 steps removes it.
+        self.kind, self.drift, self.samples, self.part = kind, drift, samples, part
         self.calls: list[tuple[tuple[str, ...], dict[str, str]]] = []
 
     def __call__(self, cmd: Sequence[str], out: Path, env: Mapping[str, str]) -> float:
@@ -78,8 +82,13 @@ class World:
         args = tuple(cmd[1:])
         values = {t: base(t) for t in range(stop)}
         samples = {t: samples_of(t, start, env) for t in range(start, stop)}
+        restored = env.get("DETRACE_RESTORE_PART", ":").split(":")[0] if self.part is not None else ""
         for t in range(start, stop):
             values[t] = loss(self.kind, t, samples[t], args, env)
+            if restored:
+                values[t] += 1e-3 * (t - start + 1)  # another state: another run from its first step
+                if restored == self.part and t == S:
+                    values[t] -= SPIKE
             if t == self.drift:
                 values[t] += 1e-6  # the replay does not reproduce the original run here
         write_metric_run(out, values, first=start, samples=samples if self.samples else None)
@@ -127,7 +136,18 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str, capsys: pytest.C
     # The first record that differs: the samples of the first step skipped.
     assert skip.departure is not None and (skip.departure.step, skip.departure.name) == (8, "samples")
     if kind == "state":
-        assert result.samples is None and len(world.calls) == 4
+        # The split: the world ignores DETRACE_RESTORE_PART, so its three replays computed the baseline's bits and
+        # no part is named.
+        assert result.samples is None and len(world.calls) == 7 and result.split is not None
+        assert [o.variant.env for o in result.split.replays] == [
+            {"DETRACE_RESTORE_PART": f"{part}:{tmp_path / 'ckpt' / 'step-00000004'}"}
+            for part in ("lr", "moments", "weights")]
+        assert result.split.parts == () and all(o.departure is None for o in result.split.replays)
+        assert result.summary.endswith("; which part of the state carries it could not be split; restore-lr, "
+                                       "restore-moments, restore-weights computed the baseline's very bits (that part "
+                                       "is the same in both checkpoints, or the program does not apply "
+                                       "DETRACE_RESTORE_PART: TrainState and detrace's integrations do), so it is no "
+                                       "evidence about its part")
         return
     # The sample: the baseline's trace names S's batch (96-103); dropping 96-99 leaves the spike, so it is in
     # 100-103; dropping 100-101 removes it; dropping 100 leaves it; 101 alone is confirmed: 4 replays, each from C,
@@ -145,6 +165,39 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str, capsys: pytest.C
     printed = capsys.readouterr().out
     assert "  samples  of step 12: 96, 97, 98, 99, 100, 101, 102, 103; the one it needs: dataset index 101\n" in printed
     assert "  drop-4" in printed and "  cost     8 runs, 56 steps, 12.0 s" in printed
+
+
+@pytest.mark.parametrize("part", ["lr", "moments", "weights", "step"])
+def test_a_state_verdict_names_the_part_that_carries_it(part: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    result = ablate(config(tmp_path, original(tmp_path, "state")), World("state", part=part))
+    assert result.cause == "state" and result.split is not None and result.split.earlier == 4
+    removed = {o.variant.name: not o.spiked for o in result.split.replays}
+    assert removed == {f"restore-{name}": name == part for name in ("lr", "moments", "weights")}
+    assert all(o.variant.start == 8 and o.departure is not None for o in result.split.replays)
+    if part == "step":
+        assert result.split.parts == () and result.summary.endswith(
+            "; no part of the state alone carries it: restore-lr, restore-moments, restore-weights (each part from "
+            "the checkpoint after 4 steps) still spike")
+    else:
+        assert result.split.parts == (part,) and result.summary.endswith(
+            f"; the state's part that carries it: {part} (from the checkpoint after 4 steps, the rest from the one "
+            "after 8 steps, removes the spike)")
+    render(result)
+    printed = capsys.readouterr().out
+    named = "-" if part == "step" else part
+    assert (f"  state    at step 8, one part at a time from the checkpoint after 4 steps; the part that carries it: "
+            f"{named}\n") in printed and "  cost     7 runs, 49 steps, 10.5 s" in printed
+
+
+def test_a_state_verdict_without_an_earlier_checkpoint_is_not_split(tmp_path: Path) -> None:
+    run = original(tmp_path, "state")
+    world = World("state", part="weights")
+    result = ablate(config(tmp_path, run, checkpoint=tmp_path / "ckpt" / "step-00000004"), world)
+    assert result.cause == "state" and result.split is not None and result.split.replays == ()
+    assert len(world.calls) == 4 and result.summary.endswith(
+        "; which part of the state carries it is not split: the run saved no checkpoint before the one after 4 "
+        "steps to take a part from")
 
 
 def test_a_nan_spike_is_a_spike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +233,7 @@ def test_a_user_variant_that_removes_the_spike_is_a_setting(tmp_path: Path) -> N
 
 def test_a_step_bound_setting_reads_as_state_and_names_the_user_variants(tmp_path: Path) -> None:
     result = ablate(config(tmp_path, original(tmp_path, "setting"), variants=("fixed=ENV:FIX=1",)), World("setting"))
-    assert result.cause == "state" and result.summary.endswith("; fixed also removes it")
+    assert result.cause == "state" and "; fixed also removes it; " in result.summary
 
 
 def test_no_spike_in_the_baseline_exits_0_after_one_run(tmp_path: Path) -> None:
@@ -225,7 +278,9 @@ def test_the_directory_holds_json_and_a_report(tmp_path: Path) -> None:
     result = run_ablation(config(tmp_path, original(tmp_path, "state")), World("state"))
     record = json.loads((result.config.out / "ablate.json").read_text())
     assert record["schema"] == "detrace.ablate/1" and record["cause"] == "state" and record["exit_code"] == 1
-    assert record["cost"] == {"runs": 4, "steps": 7 + 7 + 7 + 7, "seconds": 6.0} and record["samples"] is None
+    assert record["cost"] == {"runs": 7, "steps": 7 * 7, "seconds": 7 * 1.5} and record["samples"] is None
+    assert [replay["name"] for replay in record["split"]["replays"]] == [
+        "restore-lr", "restore-moments", "restore-weights"]
     assert record["variants"][0]["name"] == "data-from-earlier"
     page = (result.config.out / "report.html").read_text()
     assert "detrace ablate" in page and page.count("<svg") == 4 and "state: the spike survives" in page
