@@ -4,6 +4,7 @@ and loader (with real DataLoader workers), and TrainState's environment contract
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -483,6 +484,28 @@ def test_restore_part_refuses_what_it_cannot_apply(value: str, message: str, tmp
     monkeypatch.setenv("DETRACE_RESTORE_PART", f"moments:{tmp_path}")
     with pytest.raises(UsageError, match="DETRACE_RESTORE_PART=moments needs an optimizer, and this TrainState has"):
         bare.load(tmp_path / "bare")
+
+
+def test_restore_part_refuses_a_sharded_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              free_port: Callable[[], int]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        state = TrainState(model=model, optimizer=optimizer)
+        _train_one_step(model, optimizer)
+        state.save(tmp_path, step=1)
+        monkeypatch.setenv("DETRACE_RESTORE_PART", f"weights:{tmp_path}")
+        with pytest.raises(CheckpointError, match=r"^DETRACE_RESTORE_PART cannot restore one part of a sharded state "
+                                                  r"\(DTensors\): only a replicated or single-process one$"):
+            state.load(tmp_path)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
