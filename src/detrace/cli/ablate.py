@@ -107,8 +107,10 @@ def _ablate(options: list[str], command: list[str]) -> int:
         "ablate", "Replay the spike at step S from the last checkpoint before it (proving that the replay "
         "reproduces the original traced run), then change one thing at a time: skip its batches, feed them from an "
         "earlier state, keep the state with other data, or your own variants; for a data verdict, bisect the spike's "
-        "batch down to the sample. Exit 0 no spike in the replay, 1 "
-        "verdict given, 2 error or not reproducible.", epilog="usage: detrace ablate --step S --run RUN -- CMD...")
+        "batch down to the sample; for a state verdict, take the learning rate, the optimizer's moments or the "
+        "weights from the checkpoint before it, one at a time, to name the part that carries it. Exit 0 no spike "
+        "in the replay, 1 verdict given, 2 error or not reproducible.",
+        epilog="usage: detrace ablate --step S --run RUN -- CMD...")
     parser.add_argument("--step", type=int, required=True, metavar="S", help="global step of the spike")
     parser.add_argument("--run", type=Path, required=True, metavar="RUN",
                         help="the original run, traced with detrace run (its run.json names its checkpoints)")
