@@ -83,6 +83,8 @@ def test_bits_are_the_float32_encoding() -> None:
         (["--lr", "-1"], "--lr must be positive"),
         (["--spike", "data"], "--spike and --spike-step go together"),
         (["--spike", "both", "--spike-step", "3", "--parallel", "tp"], "--spike both scales whole parameter rows"),
+        (["--spike", "weights", "--spike-step", "3", "--parallel", "tp"], "--spike weights scales whole"),
+        (["--spike", "moments", "--spike-step", "1"], "after S - 1 completed steps: --spike-step must"),
     ],
 )
 def test_errors_are_one_sentence(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

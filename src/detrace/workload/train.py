@@ -141,7 +141,7 @@ class TrainConfig:
         if self.spike_step is not None and self.spike_step < 1:
             raise UsageError(f"--spike-step must be at least 1, not {self.spike_step}")
         if self.spike in ("both", "weights") and self.parallel not in ("none", "ddp"):
-            raise UsageError(f"--spike {self.spike} scales whole parameters: it needs --parallel none or ddp")
+            raise UsageError(f"--spike {self.spike} scales whole parameter rows: it needs --parallel none or ddp")
         if self.spike in ("moments", "weights") and self.spike_step is not None and self.spike_step < 2:
             raise UsageError(f"--spike {self.spike} plants its fault after S - 1 completed steps: --spike-step must "
                              "be at least 2")
