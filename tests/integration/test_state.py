@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _tools import close_loader_workers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,6 +180,7 @@ def _accelerate_loop(*, stateful: bool, workers: int, total: int = 8) -> tuple[d
         else:
             continue  # the epoch ended: the next one
         break
+    close_loader_workers(loader.base_dataloader)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 

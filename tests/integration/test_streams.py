@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _tools import close_loader_workers
 from torch.utils.data import DataLoader, IterableDataset
 
 from detrace.errors import CheckpointError
@@ -78,6 +79,7 @@ def _final_parameters(make_dataset: Callable[[], Any], workers: int, *, stop: in
             assert save is not None
             state.save(save)
             break
+    close_loader_workers(loader)
     return [value.detach().clone() for value in model.state_dict().values()]
 
 

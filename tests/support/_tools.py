@@ -79,3 +79,12 @@ def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
     raise AssertionError("the tensor's bytes are in no shard")
 
 
+
+
+def close_loader_workers(loader: object) -> None:
+    """Stop a torchdata StatefulDataLoader's workers now, for a loop that ends mid-epoch. The loader keeps its
+    iterator: left to the cyclic garbage collector (where the loader sits in a reference cycle, as accelerate's
+    prepared loaders do), that iterator's shutdown waits 5 s per worker, in whichever later test the collector runs."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
