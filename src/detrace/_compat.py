@@ -87,6 +87,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "all_to_all_single_autograd",
+    "autograd_sequence_number",
     "current_autograd_node",
     "current_dispatch_mode",
     "current_graph_task_id",
@@ -221,6 +222,16 @@ def current_autograd_node() -> Any:
     the op rung reads the tag of the running node. Replace with: nothing public; torch.autograd.graph exposes no
     current node."""
     return torch._C._current_autograd_node()
+
+
+def autograd_sequence_number(node: Any) -> int:
+    """The sequence number of an autograd node: a counter taken when the node was created, so that a node created
+    earlier on a thread has a smaller one (AccumulateGrad has the largest integer).
+
+    Why: the module rung reuses an inner module's walk of the autograd graph only when none of the outer call's
+    input nodes can lie inside it, and a node created before every node of that walk cannot. Replace with: nothing
+    public; `Node` exposes no creation order."""
+    return int(node._sequence_nr())
 
 
 DDP_BUILTIN_HOOK_REGISTRAR = "_register_builtin_comm_hook"

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from detrace._compat import current_autograd_node
+from detrace._compat import autograd_sequence_number, current_autograd_node
 from detrace.record.names import named_modules
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.records import Call, recorded_leaves
@@ -46,23 +46,66 @@ OWNER = "detrace.module"
 """The key of an autograd node's metadata that names the module whose forward created it."""
 
 
+_REACH = "detrace.module.reach"
+"""The key of a module call's output node's metadata that keeps what the walk from that node found (`_walk`)."""
+
+
 def _tag(outputs: list[torch.Tensor], inputs: list[torch.Tensor], name: str) -> None:
     """Tag with `name` the autograd nodes between a module call's outputs and its inputs that no inner module
     tagged first (inner modules' forwards end first: their nodes carry their own name, and the walk goes on
-    through them to the nodes this module's own code created before them)."""
+    through them to the nodes this module's own code created before them).
+
+    The walk goes from each output node separately (`_walk`), so that what it found is known per output node."""
+    stops = [t.grad_fn for t in inputs]
+    stop_ids = {id(node) for node in stops}
+    latest_stop = max((autograd_sequence_number(node) for node in stops), default=-1)
+    heads = {id(t.grad_fn): t.grad_fn for t in outputs}  # a module's outputs often share a node
+    for key, head in heads.items():
+        if key not in stop_ids and head.next_functions:  # returned an input, or a leaf's AccumulateGrad
+            _walk(head, stop_ids, latest_stop, name)
+
+
+def _walk(head: Any, stop_ids: set[int], latest_stop: int, name: str) -> None:
+    """Tag with `name` the untagged nodes reachable from `head` without passing a node of `stop_ids` (the call's
+    input nodes), and keep on `head` the lowest sequence number of those nodes and the input nodes reached.
+
+    Why it is exact and cheap: an inner call's walk from its output node `o` tagged every node reachable from `o`
+    short of the inner call's inputs, and kept (lowest, reached inputs) on `o`. When this walk reaches `o` and
+    every one of its own input nodes was created before that lowest node (so none of them lies in `o`'s region,
+    where this walk would have stopped), the nodes this walk would find from `o` are exactly that region (all
+    tagged already: nothing to do) and what it finds from the inner inputs `o` reached: it jumps there. Otherwise
+    it walks through `o` as any node. So nested modules no longer walk their inner modules' nodes once per level,
+    and the tags are the same as those of a full walk."""
     # A C++ node's Python object lives only while referenced (at torch 2.10 it is not cached on the node): `kept`
     # holds every node seen, so that the same node keeps its object and no other node's object can take its id.
-    kept: list[Any] = [t.grad_fn for t in inputs]
-    seen = {id(node) for node in kept}
-    todo: list[Any] = [t.grad_fn for t in outputs]  # Node.metadata is a dict at run time, a method to mypy
+    kept: list[Any] = [head]
+    seen = set(stop_ids)
+    reached: dict[int, Any] = {}
+    lowest = autograd_sequence_number(head)
+    todo: list[Any] = [head]  # Node.metadata is a dict at run time, a method to mypy
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or not node.next_functions:
-            continue  # no node, the module's input, visited, or a leaf's AccumulateGrad
+        if node is None:
+            continue
+        key = id(node)
+        if key in seen:
+            if key in stop_ids:
+                reached[key] = node
+            continue  # visited, or the module's input
+        if not node.next_functions:
+            continue  # a leaf's AccumulateGrad
         kept.append(node)
-        seen.add(id(node))
-        node.metadata.setdefault(OWNER, name)
+        seen.add(key)
+        metadata = node.metadata
+        found = metadata.get(_REACH)
+        if found is not None and found[0] > latest_stop:
+            lowest = min(lowest, found[0])
+            todo += found[1]
+            continue
+        metadata.setdefault(OWNER, name)
+        lowest = min(lowest, autograd_sequence_number(node))
         todo += [child for child, _ in node.next_functions]
+    head.metadata[_REACH] = (lowest, tuple(reached.values()))
 
 
 def owner(phase: str, scope: list[str]) -> str | None:
