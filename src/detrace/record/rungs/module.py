@@ -59,7 +59,7 @@ def _tag(outputs: list[torch.Tensor], inputs: list[torch.Tensor], name: str) -> 
     stops = [t.grad_fn for t in inputs]
     stop_ids = {id(node) for node in stops}
     latest_stop = max((autograd_sequence_number(node) for node in stops), default=-1)
-    heads = {id(t.grad_fn): t.grad_fn for t in outputs}  # a module's outputs often share a node
+    heads: dict[int, Any] = {id(t.grad_fn): t.grad_fn for t in outputs}  # outputs often share a node
     for key, head in heads.items():
         if key not in stop_ids and head.next_functions:  # returned an input, or a leaf's AccumulateGrad
             _walk(head, stop_ids, latest_stop, name)
