@@ -25,7 +25,7 @@ nodes once per level. Then the snapshots of each call's tensors (`record.snapsho
 `add` per tensor) and the per-record column building (`tracefile.columns`). Nothing was changed in this stop: the
 candidate is a walk that skips from an inner module's outputs straight to its inputs (each node walked once).
 
-    python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0]
+    python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0] [--clock wall]
 """
 
 from __future__ import annotations
@@ -73,14 +73,19 @@ def tracing(variant: str, out: Path) -> AbstractContextManager[object]:
     return detrace.trace(out, rung=variant)
 
 
-def time_step(step: Callable[[], None], variant: str, out: Path) -> float:
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""`cpu` counts the CPU time of every thread of this process (the tracer's writer included) and nothing of other
+processes: on a machine shared with other work it resolves what wall time cannot."""
+
+
+def time_step(step: Callable[[], None], variant: str, out: Path, clock: Callable[[], float]) -> float:
     """Seconds of the second step of `variant`: the first, untimed, takes what a trace costs once (opening its
     rank file, installing hooks), and for the window variant it is step 0, inside its window."""
     with tracing(variant, out):
         step()
-        start = time.perf_counter()
+        start = clock()
         step()
-        return time.perf_counter() - start
+        return clock() - start
 
 
 # Student's t, two-sided 95%, by degrees of freedom (the normal 1.96 beyond 30)
@@ -105,6 +110,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="seed of the per-round order of the variants")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="what a step's time is")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
@@ -113,12 +119,13 @@ def main() -> None:
     batch, seq = int(preset["batch_size"]), int(preset["seq_len"])  # type: ignore[call-overload]
     step = make_step(config, batch, seq)
     order = random.Random(args.seed)
+    clock = CLOCKS[args.clock]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.warmup + args.rounds):
             variants = list(VARIANTS)
             order.shuffle(variants)
-            sample = {v: time_step(step, v, Path(tmp) / f"{round_}-{v.replace(' ', '-')}") for v in variants}
+            sample = {v: time_step(step, v, Path(tmp) / f"{round_}-{v.replace(' ', '-')}", clock) for v in variants}
             if round_ >= args.warmup:
                 for variant, seconds in sample.items():
                     times[variant].append(seconds)
@@ -127,7 +134,7 @@ def main() -> None:
     untraced = times["untraced"]
     spread = statistics.stdev(untraced) / statistics.fmean(untraced) if len(untraced) > 1 else math.nan
     print(f"model: preset {args.preset}, HybridLM {config.pattern} dim {config.dim}, batch {batch}, seq {seq}, "
-          f"threads {args.threads}, {args.rounds} rounds")
+          f"threads {args.threads}, {args.rounds} rounds, {args.clock} clock")
     print(f"untraced step: median {statistics.median(untraced) * 1e3:.1f} ms, min {min(untraced) * 1e3:.1f}, "
           f"max {max(untraced) * 1e3:.1f}, relative standard deviation {spread:.1%}")
     for variant in VARIANTS[1:]:

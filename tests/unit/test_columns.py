@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detrace.tracefile.columns import column
@@ -27,6 +27,7 @@ VALUES: dict[pa.DataType, st.SearchStrategy] = {
 
 @pytest.mark.parametrize("arrow_type", list(VALUES), ids=str)
 @given(data=st.data())
+@settings(deadline=None)  # the first call warms pyarrow up: over the 200 ms default on a loaded machine
 def test_a_column_is_the_array_pyarrow_builds(arrow_type: pa.DataType, data: st.DataObject) -> None:
     values = data.draw(st.lists(st.none() | VALUES[arrow_type], max_size=40))
     built = column(values, arrow_type)
