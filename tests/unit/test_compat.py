@@ -166,6 +166,15 @@ def test_current_autograd_node_is_the_node_running_its_backward() -> None:
     assert seen[0] is y.grad_fn and seen[0].metadata == {"owner": "probe"}
 
 
+def test_autograd_sequence_numbers_grow_in_creation_order() -> None:
+    x = torch.ones(2, requires_grad=True)
+    a = x * 2
+    b = a.sin()
+    c = (b + a).grad_fn
+    numbers = [_compat.autograd_sequence_number(t.grad_fn) for t in (a, b)] + [_compat.autograd_sequence_number(c)]
+    assert numbers == sorted(numbers) and len(set(numbers)) == 3
+
+
 def test_ddp_builtin_hook_registrar() -> None:
     registrar = getattr(DDP, _compat.DDP_BUILTIN_HOOK_REGISTRAR)
     assert callable(registrar)
