@@ -36,6 +36,10 @@ builds columns without nulls with no per-value Python code (a 100,000-row int co
 32 -> 22 ms). The records are the same bits: every record of a traced `tiny` run at the op and module rungs is
 equal before and after. What remains on the op rung is mostly the fingerprinting of every op's tensors (fp1's
 kernel, compute-bound) and the per-call Python path of the dispatch mode and the snapshot memo.
+Measured with `--clock cpu` at load average 1.5-4.8, before -> after: `small` (6 and 8 rounds) module 1.090x
+[1.034, 1.148] -> 1.094x [1.065, 1.124], op 2.004x [1.907, 2.105] -> 2.013x [1.968, 2.060]; `tiny` (10 rounds)
+module 1.943x [1.694, 2.230] -> 1.887x [1.817, 1.960], op 9.03x -> 8.81x: no change the bench resolves on `small`
+(the walk was about 2% of its step), and the goals (module <= 1.10x, op <= 2x at the upper ends) are not met.
 
     python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0] [--clock wall]
 """
