@@ -1,8 +1,10 @@
-"""End to end: `detrace check-resume --native` on a loop that checkpoints by itself with `torch.save` and resumes,
-like torchtitan, from the latest checkpoint in its folder (examples/torch_save_train.py): its resume is `exact`,
-and its variant that leaves the LR scheduler out of the checkpoint changes the run, named as such; HF `Trainer`
-without detrace's callback at 2 ranks, as the tracer sees it. Real processes,
-one each; the logic (the clean slate, the refusals, --resume-args) is in tests/unit/test_native_resume.py."""
+"""End to end: `detrace check-resume --native` on a loop that checkpoints by itself with `torch.save`
+(examples/torch_save_train.py): resumed nanoGPT-style (`--resume-args=--init_from=resume`) it is `exact`, and its
+variant that leaves the LR scheduler out of the checkpoint, resumed like torchtitan from the latest checkpoint in
+its folder, changes the run, named as such; HF `Trainer` and Lightning with their own checkpoints and nothing of
+detrace: HF's resume is `exact`, Lightning's changes the run and the torch RNG state and data position are named
+(one rank each; at 2 ranks, measured, in docs/resume.md); HF at 2 ranks as the tracer sees it. Real processes, one
+check each; the logic (the clean slate, the refusals, --resume-args) is in tests/unit/test_native_resume.py."""
 
 from __future__ import annotations
 
@@ -19,19 +21,22 @@ from detrace.tracefile.state_parts import read_state_parts
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(Path(__file__).parents[2] / "examples" / "torch_save_train.py")
+SCRIPTS = Path(__file__).parents[1] / "support" / "scripts"
 
 
-def _check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-           *args: str) -> tuple[int, dict]:
+def _check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *cmd: str,
+           resume_args: str | None = None) -> tuple[int, dict]:
     monkeypatch.chdir(tmp_path)
-    code = main(["check-resume", "--native", "--at", "4", "--out", str(tmp_path / "check"), "--json", "--",
-                 sys.executable, SCRIPT, "--steps", "6", *args])
+    resume = [f"--resume-args={resume_args}"] if resume_args else []
+    code = main(["check-resume", "--native", "--at", "4", *resume, "--out", str(tmp_path / "check"), "--json", "--",
+                 sys.executable, *cmd])
     return code, json.loads(capsys.readouterr().out)
 
 
 def test_a_torch_save_loop_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = _check(tmp_path, monkeypatch, capsys)
+    code, report = _check(tmp_path, monkeypatch, capsys, SCRIPT, "--steps", "6", "--init_from=scratch",
+                          resume_args="--init_from=resume")
     assert (code, report["verdict"]) == (0, "exact"), report
     [point] = report["points"]
     assert point["resume"]["verdict"] == "identical" and point["controls"][0]["control"] == "skip-rng"
@@ -47,7 +52,7 @@ def test_a_torch_save_loop_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
 
 def test_a_checkpoint_without_the_scheduler_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = _check(tmp_path, monkeypatch, capsys, "--no-scheduler")
+    code, report = _check(tmp_path, monkeypatch, capsys, SCRIPT, "--steps", "6", "--no-scheduler")
     assert (code, report["verdict"]) == (1, "resume-changed-the-run"), report
     first = report["first"]
     assert (first["step"], first["phase"], first["origin"]) == (5, "optimizer", True)
@@ -69,7 +74,7 @@ def test_hf_trainer_without_the_callback_at_two_ranks_is_seen_by_the_tracer(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DETRACE_NATIVE_STOP_AT", "4")
     monkeypatch.setenv("DETRACE_STATE_AT", "4")
-    script = str(Path(__file__).parents[1] / "support" / "scripts" / "hf_trainer.py")
+    script = str(SCRIPTS / "hf_trainer.py")
     assert main(["run", "--out", str(tmp_path / "run"), "--", sys.executable, "-m", "torch.distributed.run",
                  "--standalone", "--nproc-per-node", "2", script, "--out", "hf"]) == 0
     log = read_checkpoint_log(tmp_path / "run")
@@ -81,3 +86,31 @@ def test_hf_trainer_without_the_callback_at_two_ranks_is_seen_by_the_tracer(
     states = read_state_parts(tmp_path / "run")
     assert sorted((s.step, s.rank) for s in states) == [(4, 0), (4, 1)]
     assert states[0].parts["parameters"] == states[1].parts["parameters"]  # DDP: the same model on both ranks
+
+
+def test_hf_trainers_own_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """HF `Trainer` with `save_steps=4` and `trainer.train(resume_from_checkpoint=...)`, no detrace callback."""
+    pytest.importorskip("transformers")
+    code, report = _check(tmp_path, monkeypatch, capsys, str(SCRIPTS / "hf_trainer.py"), "--out", "hfout",
+                          resume_args="--resume")
+    assert (code, report["verdict"]) == (0, "exact"), report
+    [point] = report["points"]
+    # HF's rng_state.pth is found and left out by skip-rng; this model has no dropout, so the optimizer state matters
+    assert point["depends"].startswith("after step 4 this run depends on its optimizer state, not on its RNG states")
+    assert all(c["equal"] for c in point["restored"]), point["restored"]  # HF seeds Python's and NumPy's RNGs too
+
+
+def test_lightnings_own_resume_forgets_the_torch_rng_and_the_data_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's `ModelCheckpoint` and `fit(ckpt_path=...)`, no detrace callback, a shuffled DataLoader: Lightning's
+    checkpoint holds no torch RNG state, from which the DataLoader draws the resumed epoch's order."""
+    pytest.importorskip("lightning")
+    code, report = _check(tmp_path, monkeypatch, capsys, str(SCRIPTS / "lightning_own_checkpoints.py"),
+                          resume_args="--resume")
+    assert (code, report["verdict"]) == (1, "resume-changed-the-run"), report
+    assert (report["first"]["rank"], report["first"]["step"]) == (0, 4)
+    [point] = report["points"]
+    differs = {c["part"] for c in point["restored"] if c["equal"] is False}
+    assert differs == {"torch RNG state", "data position"}, point["restored"]
+    assert "the RNG state is not the continuous run's" in report["forgot"] and "data order" in report["forgot"]
