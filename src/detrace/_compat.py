@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -465,7 +466,12 @@ def initialize_pipeline_stage(schedule: Any, args: tuple[Any, ...], kwargs: dict
     Why: done before training, every process makes it before its first step, so the first step of a resumed process
     makes the same calls as that step of a run that never stopped (`detrace check-resume`). Replace with: a public
     way to set a schedule up ahead of its first step, if torch adds one."""
-    schedule._initialize_stage(args, kwargs, target)
+    initialize = schedule._initialize_stage
+    # torch 2.10 sets a stage up from its first microbatch's inputs alone; later versions take the target too.
+    if "target" in inspect.signature(initialize).parameters:
+        initialize(args, kwargs, target)
+    else:
+        initialize(args, kwargs)
 
 
 def inductor_code_cache() -> Any:
