@@ -6,12 +6,10 @@ appends one JSON line per call as it returns, so a process that is killed right 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from detrace.errors import TraceError
-from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB
+from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, read_json_lines
 
 OPS = ("save", "load")
 
@@ -44,17 +42,7 @@ class CheckpointIO:
 
 def read_checkpoint_log(run: Path) -> list[CheckpointIO]:
     """Every checkpoint save and load of the run's processes, in each process's order (processes by pid)."""
-    found = []
-    for path in sorted(run.glob(CHECKPOINT_LOG_GLOB)):
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                found.append(CheckpointIO(op=item["op"], api=item["api"], completed=int(item["completed"]),
-                                          paths=tuple(item["paths"]), pid=int(item["pid"]),
-                                          control=item.get("control"),
-                                          rng=tuple((str(kind), tuple(path)) for kind, path in item.get("rng", []))))
-            except (ValueError, KeyError, TypeError) as err:
-                raise TraceError(f"{path}, line {number}, is not a checkpoint record ({err})") from err
-    return found
+    return read_json_lines(run, CHECKPOINT_LOG_GLOB, lambda item: CheckpointIO(
+        op=item["op"], api=item["api"], completed=int(item["completed"]), paths=tuple(item["paths"]),
+        pid=int(item["pid"]), control=item.get("control"),
+        rng=tuple((str(kind), tuple(path)) for kind, path in item.get("rng", []))), "a checkpoint record")

@@ -11,10 +11,13 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from detrace.errors import TraceError, UsageError
+
+T = TypeVar("T")
 
 RUNS_DIR = "detrace-runs"
 """Where every command's default output directory goes, in the working directory (one folder to clean)."""
@@ -49,6 +52,21 @@ def checkpoint_log_path(run_dir: str | Path, pid: int) -> Path:
 def state_parts_path(run_dir: str | Path, pid: int) -> Path:
     """The state, part by part, of one traced process at check-resume's stop points (see STATE_PARTS_GLOB)."""
     return Path(run_dir) / f"state-{pid}.jsonl"
+
+
+def read_json_lines(run: Path, pattern: str, record: Callable[[dict[str, Any]], T], what: str) -> list[T]:
+    """The records of the run's JSON-lines side files matching `pattern` (one file per process, by pid), each line
+    made into a record by `record`; a line that is not one is a TraceError naming the file and line."""
+    found = []
+    for path in sorted(run.glob(pattern)):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                found.append(record(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as err:
+                raise TraceError(f"{path}, line {number}, is not {what} ({err})") from err
+    return found
 
 
 def rank_path(run_dir: str | Path, rank: int) -> Path:

@@ -4,12 +4,10 @@ same point. The tracer (detrace.record.rungs.state_parts) appends one JSON line 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from detrace.errors import TraceError
-from detrace.tracefile.layout import STATE_PARTS_GLOB
+from detrace.tracefile.layout import STATE_PARTS_GLOB, read_json_lines
 
 ENV_STATE_AT = "DETRACE_STATE_AT"
 """K[,K2...]: the traced process digests its state as the optimizer step after K completed steps begins."""
@@ -45,16 +43,6 @@ class StateParts:
 
 def read_state_parts(run: Path) -> list[StateParts]:
     """Every state record of the run's processes."""
-    found = []
-    for path in sorted(run.glob(STATE_PARTS_GLOB)):
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                found.append(StateParts(step=int(item["step"]), rank=int(item["rank"]),
-                                        optimizer=int(item["optimizer"]), parts=dict(item["parts"]),
-                                        shown=dict(item.get("shown", {}))))
-            except (ValueError, KeyError, TypeError) as err:
-                raise TraceError(f"{path}, line {number}, is not a state record ({err})") from err
-    return found
+    return read_json_lines(run, STATE_PARTS_GLOB, lambda item: StateParts(
+        step=int(item["step"]), rank=int(item["rank"]), optimizer=int(item["optimizer"]), parts=dict(item["parts"]),
+        shown=dict(item.get("shown", {}))), "a state record")
