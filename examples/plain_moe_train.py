@@ -1,13 +1,16 @@
 """A plain PyTorch training script that knows nothing of detrace: a tiny top-4 mixture-of-experts MLP
 whose token dispatch uses advanced indexing, the common hand-written way.
 
-    python examples/plain_moe_train.py --steps 8 --threads 2
+    python examples/plain_moe_train.py --steps 8 --threads 8
     detrace run -- python examples/plain_moe_train.py --steps 8        # the tracer, injected from outside
     detrace check -- python examples/plain_moe_train.py --steps 8      # two runs: are they bit-identical?
 
 With 2+ threads the backward of `x[token]` (aten.index_put with accumulate=True over repeated indices) adds
 in an order that changes from run to run, so two runs from the same seed differ in their last bits;
-`--deterministic` turns on torch.use_deterministic_algorithms(True) and they no longer do.
+`--deterministic` turns on torch.use_deterministic_algorithms(True) and they no longer do. The default is 8
+threads, more than a small machine's cores: the operating system then interleaves them, so the race strikes even
+where other work keeps the cores busy (there, 2 threads often run their halves of the backward one after the
+other, in the same order, and two runs agree bit for bit).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class TinyMoE(nn.Module):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true")
     args = p.parse_args()

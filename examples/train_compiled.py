@@ -1,14 +1,15 @@
 """A plain training loop over a `torch.compile`d model that knows nothing of detrace.
 
-    python examples/train_compiled.py --steps 3 --threads 2
+    python examples/train_compiled.py --steps 3 --threads 8
     detrace locate -- python examples/train_compiled.py --steps 3     # names the racing Inductor kernel
     python examples/train_compiled.py --deterministic                 # the same model, bit-identical runs
 
 The model gathers rows of a small table with many repeated indices (`table[idx]`). Inductor compiles the
 backward of that gather into a C++ kernel whose scatter (an `index_put` with accumulate=True, lowered from the
 gather's backward) adds rows with atomic adds from every OpenMP thread: with 2+ threads the order of the adds,
-and so the last bits of the table's gradient, change from run to run. `--deterministic` turns on
-torch.use_deterministic_algorithms(True) before compiling, which makes Inductor fall back to ATen's
+and so the last bits of the table's gradient, change from run to run. The default, 8 threads, is more than a small
+machine's cores, so that the race strikes there even when other work keeps the cores busy. `--deterministic`
+turns on torch.use_deterministic_algorithms(True) before compiling, which makes Inductor fall back to ATen's
 deterministic kernel for that scatter.
 
 `--compile model` compiles the whole model, `--compile blocks` each block on its own (as TorchTitan does);
@@ -56,7 +57,7 @@ class Model(nn.Module):
         return self.head(x).squeeze(-1)
 
 
-def train(*, steps: int = 3, threads: int = 2, seed: int = 0, deterministic: bool = False, compile: str = "model",
+def train(*, steps: int = 3, threads: int = 8, seed: int = 0, deterministic: bool = False, compile: str = "model",
           fullgraph: bool = False, graph_break: bool = False, rows: int = 16, tokens: int = 32768) -> str:
     """Train and return a hash of every parameter's bits after the last step."""
     torch.set_num_threads(threads)
@@ -89,7 +90,7 @@ def train(*, steps: int = 3, threads: int = 2, seed: int = 0, deterministic: boo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     p.add_argument("--compile", choices=("model", "blocks", "none"), default="model")

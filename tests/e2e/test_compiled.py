@@ -92,6 +92,59 @@ def test_replaying_a_kernel_whose_compiled_code_is_gone_says_so(tmp_path: Path) 
         replay(capture, trust_code=True)
 
 
+FAKE_OUTPUT_CODE = """
+import torch
+
+class _AsyncCompile:
+    def cpp_pybinding(self, types, source):
+        def kernel(in_out_ptr0, in_ptr0):
+            in_out_ptr0.copy_(in_ptr0 * 2)  # written before it is read, as Inductor's reused buffers are
+        return kernel
+
+async_compile = _AsyncCompile()
+_garbage = iter(range(1, 100))
+
+def empty_strided_cpu(size, stride, dtype):
+    # uninitialized memory: other contents at each allocation, as a busy machine's allocator leaves them
+    return torch.full(size, float(next(_garbage)), dtype=dtype)
+
+cpp_fused_mul_0 = async_compile.cpp_pybinding(['float*', 'const float*'], r'''
+extern "C"  void  kernel(float* in_out_ptr0,
+                       const float* in_ptr0)
+{
+    auto out_ptr0 = in_out_ptr0;
+}
+''')
+
+def call(args):
+    (x,) = args
+    buf0 = empty_strided_cpu((4,), (1,), torch.float32)
+    cpp_fused_mul_0(buf0, x)
+    return (buf0,)
+"""
+"""An output code module the way Inductor writes one (the names the op rung reads: `cpp_pybinding`, `kernel`'s
+pointer parameters, `empty_strided_cpu`, `call`), whose kernel writes an uninitialized `in_out_ptr` buffer."""
+
+
+def test_a_kernels_uninitialized_in_out_buffer_is_not_recorded_as_garbage(tmp_path: Path) -> None:
+    # Found on a busy machine: two op-rung runs of the compiled example differed at step 0's first forward kernel,
+    # in an input that was memory Inductor had just allocated uninitialized, and locate said inconclusive.
+    from detrace.record.rungs.compiled import instrument
+
+    code = tmp_path / "fake_output_code.py"
+    code.write_text(FAKE_OUTPUT_CODE)
+    module = load_script(code)
+    instrument(module)
+    x = torch.arange(4.0)
+    with detrace.trace(tmp_path / "run", rung="op"):
+        results = [module.call([x])[0] for _ in range(2)]
+    assert all(torch.equal(result, x * 2) for result in results)  # what the program computes is unchanged
+    kernel = [row for row in _rows(tmp_path / "run") if row["name"] == "inductor.cpp_fused_mul_0"]
+    inputs = [row["digest"] for row in kernel if row["role"] == "input" and row["index"] == 0]
+    assert len(inputs) == 2 and inputs[0] == inputs[1], kernel
+    assert module.empty_strided_cpu((2,), (1,), torch.float32).tolist() != [0.0, 0.0]  # untraced: left as it is
+
+
 @pytest.mark.slow
 def test_every_rung_records_a_compiled_model_and_keeps_its_bits(fresh_dynamo: ModuleType, tmp_path: Path) -> None:
     example = fresh_dynamo

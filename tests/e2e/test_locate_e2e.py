@@ -133,7 +133,7 @@ def test_report_names_the_culprit_in_a_real_browser(
 
 # The reference workload with a planted late race: deterministic for 4 steps, then the MoE index dispatch's real
 # race. It follows the resume contract, so the ladder checkpoints its broad runs and resumes the narrow ones.
-PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--batch-size", "32", "--threads", "2",
+PLANTED = [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--batch-size", "32", "--threads", "8",
            "--nondeterministic-from", "4"]
 
 

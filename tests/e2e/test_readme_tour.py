@@ -28,13 +28,13 @@ pytestmark = pytest.mark.slow
 # Each tour command, as written in the README (continuation lines joined), and the exit codes that show what the
 # tour claims. The example's MoE race strikes in nearly every backward, so "is it deterministic?" answers no.
 EXPECTED: dict[str, set[int]] = {
-    "detrace check -- python examples/plain_moe_train.py --steps 3 --threads 2": {1},
-    "detrace run --out runs/a --rung op -- python examples/plain_moe_train.py --steps 2 --threads 2": {0},
-    "detrace run --out runs/b --rung op -- python examples/plain_moe_train.py --steps 2 --threads 2": {0},
+    "detrace check -- python examples/plain_moe_train.py --steps 3 --threads 8": {1},
+    "detrace run --out runs/a --rung op -- python examples/plain_moe_train.py --steps 2 --threads 8": {0},
+    "detrace run --out runs/b --rung op -- python examples/plain_moe_train.py --steps 2 --threads 8": {0},
     "detrace diff runs/a runs/b": {1},
-    "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 2": {1},
+    "detrace locate -- python examples/plain_moe_train.py --steps 4 --threads 8": {1},
     "detrace report detrace-runs/locate-latest": {0},
-    "python examples/plain_moe_train.py --steps 3 --threads 2 --deterministic": {0},
+    "python examples/plain_moe_train.py --steps 3 --threads 8 --deterministic": {0},
     "detrace check-resume --at 2 -- python -m detrace.workload.train --preset tiny --steps 4 --deterministic": {0},
     "detrace run --out runs/ddp --rung semantic -- torchrun --standalone --nproc-per-node 2 "
     "-m detrace.workload.train --preset tiny --steps 3 --parallel ddp": {0},

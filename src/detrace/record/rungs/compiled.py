@@ -18,7 +18,13 @@ changing what Dynamo traces or Inductor generates:
   {"kernel": ..., "aten": [the ATen ops it was lowered from], "code": the output code file}`. These are the
   kernel's real bits, not an eager re-execution. Outside the window a wrapper only checks a flag. ATen calls the
   output code makes (`extern_kernels.mm`, fallbacks) reach the op rung's dispatch mode, which
-  `ignore_compile_internals` keeps out of Dynamo's way.
+  `ignore_compile_internals` keeps out of Dynamo's way. An `in_out_ptr` buffer is often one the output code has
+  just allocated uninitialized (`empty_strided_cpu`), which the kernel writes before it reads: its old contents
+  are whatever the allocator left there, which differ between two runs of the same program whenever the
+  allocator's history does (on a busy machine, nearly always). So that a kernel's recorded input is never
+  garbage, the output code's uninitialized buffers are zero-filled while the op rung records (as
+  `torch.utils.deterministic.fill_uninitialized_memory` fills ATen's); a kernel that reads only what it wrote
+  computes the same bits either way.
 
 The patches are put in place the first time the program calls `torch.compile` (or at install when Dynamo is
 already imported), so a program that never compiles does not import Dynamo (detrace.record.opaque).
@@ -277,11 +283,29 @@ class CompiledRecorder:
             _active.remove(self)
 
 
+class _ZeroFilled:
+    """Stands in for an output code module's `empty_strided_<device>` allocator: while the op rung records, the
+    buffer comes zero-filled, so that a kernel's recorded `in_out_ptr` input is never uninitialized memory (see
+    the module docstring)."""
+
+    def __init__(self, allocate: Callable[..., torch.Tensor]) -> None:
+        self.allocate = allocate
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        buffer = self.allocate(*args, **kwargs)
+        if _active and _active[0].tracer.on["op"]:
+            buffer.zero_()
+        return buffer
+
+
 def instrument(module: Any) -> None:
-    """Wrap the C++ kernels of one output code module (once)."""
+    """Wrap the C++ kernels of one output code module, and its allocators of uninitialized buffers (once)."""
     if getattr(module, "_detrace_kernels", False) or not callable(getattr(module, "call", None)):
         return
     module._detrace_kernels = True
+    for name, allocate in list(module.__dict__.items()):
+        if name.startswith("empty_strided") and callable(allocate) and not isinstance(allocate, _ZeroFilled):
+            module.__dict__[name] = _ZeroFilled(allocate)
     path = getattr(module, "__file__", None)
     try:
         source = Path(path).read_text() if path else ""
