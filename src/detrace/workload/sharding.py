@@ -23,6 +23,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
 | ep-invariant | dp=W/E, ep=E | dp-invariant's over dp x ep; experts over ep | fixed trees (experts: per source) |
 | ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |
+| ep-invariant | ep=W/T, tp=T | ep-invariant's; tp-invariant's chunks over tp | fixed trees over ep (chunks too) |
+| ep-fsdp-invariant | fsdp=W/E, ep=E | ep-invariant's; the rest sharded over all | tree in the reduce-scatter; experts |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -326,11 +328,15 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
 
 
 class _ExpertParallel:
-    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (ep and dp are both data
-    dimensions); the non-expert parameters' gradients are summed in the fixed tree over the world
-    (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant), or by autograd
-    over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum over the dp
-    replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`)."""
+    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (dp, fsdp and ep are data
+    dimensions; tp ranks share their block); the non-expert parameters' gradients are summed in the fixed tree over
+    the data ranks (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant),
+    or by autograd over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum
+    over the dp replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`). Under tp (epExtpT) the attention
+    and dense MLP projections are tp-invariant's chunks, each summed over the ep ranks; the experts' ep group is that
+    of the rank's tp coordinate. ep-fsdp-invariant (fsdpFxepE): the experts' replicas are the fsdp ranks, and the
+    other parameters are `fully_shard`ed over fsdp x ep (every rank: its data ranks, as torchtitan shards them over
+    the data dimensions that ep borrows from) with fsdp-invariant's reduce-scatter, the same tree."""
 
     def __init__(self, model: HybridLM, microbatches: int, layout: Layout, *, invariant: bool) -> None:
         if model.cfg.recompute:
@@ -339,32 +345,49 @@ class _ExpertParallel:
         self.microbatches, self.layout, self.invariant = microbatches, layout, invariant
         named = list(model.named_parameters())
         sharded = layout.size("ep") > 1
+        data = layout.size("dp") * layout.size("fsdp") * layout.size("ep")
+        # the data ranks: the world, or under tp the ep group (the tp ranks of a block compute alike)
+        self.group = layout.group("ep") if layout.size("tp") > 1 else None
         # one process (ep1) is dp-invariant: every parameter in the tree of invariant_backward (the plain control
         # too: its experts are the ordinary accumulation only where they are split)
         self.experts = [p for n, p in named if _is_expert(n)] if sharded else []
         self.dense = [p for n, p in named if not (sharded and _is_expert(n))]
         self.plain_experts = sharded and not invariant
-        self.replicas = layout.group("dp") if sharded and layout.size("dp") > 1 else None
+        other = "fsdp" if layout.size("fsdp") > 1 else "dp"
+        self.replicas = layout.group(other) if sharded and layout.size(other) > 1 else None
         self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
         if sharded and invariant:
             for moe in model.moe_layers():
                 params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
-                exchange = FixedOrderExperts(functools.partial(_locals, params),
-                                             microbatches=microbatches // layout.world, group=layout.group("ep"),
-                                             replicas=self.replicas)
+                exchange = FixedOrderExperts(functools.partial(_locals, params), microbatches=microbatches // data,
+                                             group=layout.group("ep"), replicas=self.replicas)
                 moe.exchange = exchange
                 self.exchanges.append((params, exchange))
+        self.comms: list[FixedOrderReduceScatter] = []
+        if layout.size("fsdp") > 1 and sharded:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            # the world in rank order is the data blocks' order (fsdp outer, ep inner): fsdp4's reduce-scatter
+            mesh = DeviceMesh.from_group(dist.group.WORLD, layout.device.type, mesh_dim_names=("data",))
+            experts = set(self.experts)  # split over ep, replicas over fsdp: FixedOrderExperts sums them
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=mesh, ignored_params=experts)
+            fully_shard(model, mesh=mesh, ignored_params=experts)
+            self.comms = shard_invariantly(model, microbatches=microbatches // data)
 
     def backward(self, loss_of: LossOf) -> torch.Tensor:
-        """One step's gradients: the dense ones in the tree over the world's blocks, the experts' as above. Returns
-        the tree's sums of the logged values."""
+        """One step's gradients: the dense ones in the tree over the data ranks' blocks (in their reduce-scatter when
+        sharded), the experts' as above. Returns the tree's sums of the logged values."""
         from torch.distributed.tensor import DTensor
 
         for p in self.experts:
             p.grad = None
         for _, exchange in self.exchanges:
             exchange.begin()
-        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches)
+        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches, group=self.group,
+                                     sharded=bool(self.comms))
+        check_complete(self.comms)
         for params, exchange in self.exchanges:
             for p, g in zip(params, exchange.finish(), strict=True):
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
@@ -418,8 +441,9 @@ class ParallelModel:
             fully_shard(self.raw, mesh=mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
-        elif kind in ("tp-invariant", "tp-plain") or (kind == "pp-invariant" and layout.size("tp") > 1):
-            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-").removeprefix("pp-"))
+        elif kind in ("tp-invariant", "tp-plain") or (kind in ("pp-invariant", "ep-invariant")
+                                                       and layout.size("tp") > 1):
+            _chunked_tensor_parallel(self.raw, layout, "plain" if kind == "tp-plain" else "invariant")
         self.invariant: InvariantDataParallel | None = None
         self._invariant_sums: torch.Tensor | None = None
         self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
@@ -441,7 +465,7 @@ class ParallelModel:
                 self._fsdp = microbatches, group
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
             elif kind.startswith("ep-"):
-                self._ep = _ExpertParallel(self.raw, microbatches, layout, invariant=kind == "ep-invariant")
+                self._ep = _ExpertParallel(self.raw, microbatches, layout, invariant=kind != "ep-plain")
             else:
                 dp = layout.group("dp") if layout.mesh is not None else None
                 self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
@@ -565,7 +589,7 @@ class ParallelModel:
         if self._fsdp is not None:
             M, group = self._fsdp
         elif self._ep is not None:
-            M, group = self._ep.microbatches, None
+            M, group = self._ep.microbatches, self._ep.group
         else:
             assert self.invariant is not None
             M, group = self.invariant.microbatches, None

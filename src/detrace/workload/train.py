@@ -105,7 +105,8 @@ class TrainConfig:
     replicas: int = 1
     """--parallel fsdp-invariant, fsdp-plain: data-parallel replicas D of the sharded model (a named dpDxfsdpF
     layout: each replica's F ranks shard it; HSDP); ep-invariant, ep-plain: the replicas of the experts (a named
-    epExdpD layout: each replica's E ranks split the experts)."""
+    epExdpD layout: each replica's E ranks split the experts); ep-fsdp-invariant: the same over the fsdp dimension
+    (a named fsdpFxepE layout)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -156,12 +157,12 @@ class TrainConfig:
         if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain")):
             raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant or pp-plain")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
-                                                                                      "pp-invariant")):
+                                                                                      "pp-invariant", "ep-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
         if self.replicas < 1 or (self.replicas != 1 and not (self.parallel.startswith("ep-") or (
                 self.parallel.startswith("fsdp-") and self.tp == 1))):
             raise UsageError("data-parallel replicas of a sharded model go with --parallel invariant or plain on a "
-                             "dpDxfsdpF or epExdpD layout")
+                             "dpDxfsdpF or epExdpD layout, or invariant on fsdpFxepE")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -229,6 +230,9 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     t = named.size("tp")
     if "ep" in dict(named.sizes) and set(dict(named.sizes)) <= {"dp", "ep"}:  # ep1 too: its own final param lines
         return f"ep-{parallel}", 1, 1, named.size("dp")
+    if "ep" in dict(named.sizes) and parallel == "invariant" and named.dims in ({"fsdp", "ep"}, {"ep", "tp"}):
+        # fsdpFxepE: the experts' replicas are the fsdp ranks, the other parameters sharded over fsdp x ep
+        return ("ep-fsdp-invariant" if "fsdp" in named.dims else "ep-invariant"), t, 1, named.size("fsdp")
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
         # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
         return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1, 1
@@ -239,8 +243,8 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
                                                                     and parallel == "invariant")):
         return f"pp-{parallel}", t, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp), ppPxdpD, dpDxfsdpF, epE, epExdpD and, invariant only, ppPxtpT and "
-                     "fsdpFxtpT layouts")
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD, dpDxfsdpF, epE, epExdpD and, invariant only, ppPxtpT, "
+                     "fsdpFxtpT, fsdpFxepE and epExtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
