@@ -546,11 +546,12 @@ def test_tp_invariant_layers_give_the_same_bits_on_dp_fsdp_and_pipeline_meshes(
     # one job, the composed meshes of tensor parallelism in turn against one process: 2x2 changes T and D at once
     # (T = 2 alone, 1x2, is one run more for no other question); fsdp2xtp2 shards each rank's projection chunks;
     # pp2xtp2 runs them in 2 stages under GPipe (1F1B: the pipeline test). Every parameter by global name after
-    # every step (fsdp2xtp2's shards: in its final params line)
-    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2,fsdp2xtp2,pp2xtp2", "--", *TRAIN,
-                              "--parallel", "invariant", "--schedule", "gpipe", "--steps", "2")
+    # every step (fsdp2xtp2's shards: in its final params line). ep2xtp2 splits the experts over ep and runs the
+    # chunks over tp (its experts' shards: in its final params line too)
+    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2,fsdp2xtp2,pp2xtp2,ep2xtp2", "--",
+                              *TRAIN, "--parallel", "invariant", "--schedule", "gpipe", "--steps", "2")
     assert code == 0, report
-    assert report["layouts"] == ["1x1", "2x2", "fsdp2xtp2", "pp2xtp2"]
+    assert report["layouts"] == ["1x1", "2x2", "fsdp2xtp2", "pp2xtp2", "ep2xtp2"]
     finals = report["final_params"]  # a pipeline stage holds its own parameters: pp2xtp2 prints none
     assert isinstance(finals, dict) and finals.pop("layout pp2xtp2") is None
     assert len(set(finals.values())) == 1 and None not in finals.values()
@@ -603,18 +604,19 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-def test_fsdp_1_2_4_and_ep2xdp2_give_the_same_bits_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
+def test_fsdp_1_2_4_and_ep_meshes_give_the_same_bits_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # the 2x2 mesh dp2xfsdp2 (2 replicas of 2 shards) runs on, and stops after step 1; fsdp4, fsdp2, one process and
-    # the 2x2 mesh ep2xdp2 (experts over 2 ranks, data over all 4) resume from its checkpoint (DCP reshards): each
-    # equals the run that never stopped, step by step (losses by global microbatch) and in the final parameters
-    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1,ep2xdp2",
+    # the 2x2 meshes ep2xdp2 (experts over 2 ranks, data over all 4) and fsdp2xep2 (the same, the other parameters
+    # sharded over all 4) resume from its checkpoint (DCP reshards): each equals the run that never stopped, step by
+    # step (losses by global microbatch) and in the final parameters
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1,ep2xdp2,fsdp2xep2",
                               "--resume-at", "1", "--", *TRAIN, "--parallel", "invariant", "--steps", "2")
     assert code == 0, report
     assert list(report["runs"]) == ["layout dp2xfsdp2",  # type: ignore[call-overload]
                                     "layout dp2xfsdp2 stopped after step 1", "layout fsdp4 resumed after step 1",
                                     "layout fsdp2 resumed after step 1", "layout dp1 resumed after step 1",
-                                    "layout ep2xdp2 resumed after step 1"]
+                                    "layout ep2xdp2 resumed after step 1", "layout fsdp2xep2 resumed after step 1"]
     finals = report["final_params"]
     assert isinstance(finals, dict) and finals.pop("layout dp2xfsdp2 stopped after step 1") != \
         finals["layout dp2xfsdp2"]

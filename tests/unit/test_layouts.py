@@ -58,7 +58,7 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1, 1)  # sizes 1: one process, unsplit
     assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1, 1)  # a named tp: the chunked layers
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
-                               (4, ("invariant", "ep2xtp2", None), "not one the reference trainer runs"),
+                               (4, ("plain", "ep2xtp2", None), "not one the reference trainer runs"),
                                (4, ("plain", "pp2xtp2", None), "runs with --parallel plain"),
                                (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
                                (4, ("invariant", "fsdp2xpp2", None), "runs with --parallel invariant"),

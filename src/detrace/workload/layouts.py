@@ -125,8 +125,10 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
         return _mesh(kind, world, {**({"dp": dp} if dp > 1 else {}), "fsdp": world // (tp * dp),
                                    **({"tp": tp} if tp > 1 else {})}, cuda)
     if kind in ("ep-invariant", "ep-plain", "ep-fsdp-invariant"):
+        if tp > 1 and kind != "ep-invariant":
+            raise UsageError(f"--parallel {kind} has no tensor-parallel dimension")
         ep = world // (dp * tp)
-        if dp < 1 or world % (dp * tp) or ep & (ep - 1) or (tp > 1 and kind != "ep-invariant"):
+        if dp < 1 or world % (dp * tp) or ep & (ep - 1):
             raise UsageError(f"the expert-parallel size must be a power of two dividing the world size {world}")
         return _mesh(kind, world, {("fsdp" if kind == "ep-fsdp-invariant" else "dp"): dp, "ep": ep,
                                    **({"tp": tp} if tp > 1 else {})}, cuda)
