@@ -369,7 +369,9 @@ class _ExpertParallel:
             from torch.distributed.fsdp import fully_shard
 
             # the world in rank order is the data blocks' order (fsdp outer, ep inner): fsdp4's reduce-scatter
-            mesh = DeviceMesh.from_group(dist.group.WORLD, layout.device.type, mesh_dim_names=("data",))
+            world = dist.group.WORLD
+            assert world is not None  # the layout's mesh started torch.distributed
+            mesh = DeviceMesh.from_group(world, layout.device.type, mesh_dim_names=("data",))
             experts = set(self.experts)  # split over ep, replicas over fsdp: FixedOrderExperts sums them
             for layer in model.layers.values():
                 fully_shard(layer, mesh=mesh, ignored_params=experts)
