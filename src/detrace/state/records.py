@@ -249,7 +249,7 @@ def _hash_piece(file: _File, at: int, piece: int, count: int, streamed: Streamed
         return
     buffer = buffers.get()
     try:
-        _pread(file, memoryview(buffer)[:count], at + piece)
+        _pread(file, buffer.data[:count], at + piece)
         streamed.add(buffer[:count], piece)
     finally:
         buffers.put(buffer)
