@@ -64,13 +64,22 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
     Py_RETURN_NONE;
 }
 
+/* The AVX-512 clone a kernel has beside avx2 and default (DETRACE_MODULE's AVX512): none, `avx512f`, or
+   `arch=x86-64-v4` (AVX-512 F, BW, CD, DQ and VL: fp1 needs DQ's 64-bit multiplies). */
+#define DETRACE_NO_AVX512 0
+#define DETRACE_AVX512F 1
+#define DETRACE_X86_64_V4 2
+
 /* Which clone of the loop runs on this CPU: target_clones' resolver picks, at load time, the first of a kernel's
-   targets that the CPU supports, in the order avx512f, avx2, default (AVX512 says whether the kernel has an avx512f
-   clone). Elsewhere the one loop the build's target gives. `detrace doctor` reports it. */
+   targets that the CPU supports, the AVX-512 one (`avx512`) first, then avx2, then default. Elsewhere the one
+   loop the build's target gives. `detrace doctor` reports it. */
 static const char *detrace_vector_path(int avx512) {
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
     __builtin_cpu_init();
-    if (avx512 && __builtin_cpu_supports("avx512f")) {
+    if (avx512 == DETRACE_X86_64_V4 && __builtin_cpu_supports("x86-64-v4")) {
+        return "x86-64-v4 (AVX-512)";
+    }
+    if (avx512 == DETRACE_AVX512F && __builtin_cpu_supports("avx512f")) {
         return "avx512f";
     }
     return __builtin_cpu_supports("avx2") ? "avx2" : "x86-64 baseline";
@@ -92,8 +101,8 @@ static const char *detrace_vector_path(int avx512) {
 #endif
 
 /* The module `detrace.NAME` with the one function row_sums, running SUMS on buffers of layout LAYOUT, and two
-   strings for `detrace doctor`: VECTOR_PATH (the loop's clone on this CPU; AVX512: whether it has an avx512f one)
-   and COMPILER (what built it). */
+   strings for `detrace doctor`: VECTOR_PATH (the loop's clone on this CPU; AVX512: its AVX-512 clone, above) and
+   COMPILER (what built it). */
 #define DETRACE_MODULE(NAME, SUMS, LAYOUT, AVX512, DOC)                                                            \
     static PyObject *row_sums(PyObject *self, PyObject *args) {                                                    \
         (void)self;                                                                                                \

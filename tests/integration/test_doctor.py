@@ -40,15 +40,17 @@ def _cpu_flags() -> set[str]:
 
 
 def test_doctor_names_each_native_kernels_vector_path_and_compiler(capsys: pytest.CaptureFixture) -> None:
-    """The path named is the clone the loader picks for this CPU: fp2 has an AVX-512 clone, fp1 stops at AVX2."""
+    """The path named is the clone the loader picks for this CPU (built by GCC here): fp2 has an AVX-512F clone,
+    fp1 an x86-64-v4 one (AVX-512 DQ multiplies 64-bit words)."""
     import platform
 
     detrace(["doctor"])
     out = capsys.readouterr().out
     if platform.machine() == "x86_64" and sys.platform == "linux":
         flags = _cpu_flags()
-        fp1 = "avx2" if "avx2" in flags else "x86-64 baseline"
-        fp2 = "avx512f" if "avx512f" in flags else fp1
+        fp2 = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "x86-64 baseline"
+        v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "movbe"} <= flags
+        fp1 = "x86-64-v4 (AVX-512)" if v4 else "avx2" if "avx2" in flags else "x86-64 baseline"
     else:
         fp1 = fp2 = "arm64 baseline (NEON)" if platform.machine() in ("aarch64", "arm64") else "the build's baseline"
     assert f"detrace fingerprint kernel fp1 (CPU) = native  (the C kernel compiled at install, {fp1}" in out
