@@ -155,14 +155,15 @@ class _File:
         self._bytes: np.ndarray | None = None
 
     def mapped(self) -> mmap.mmap:
+        """The file mapped (made by the caller's thread, `_start`, before any piece of it is hashed)."""
         if self._map is None:
             self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         return self._map
 
     def bytes(self) -> np.ndarray:
-        """The mapped file as uint8."""
-        if self._bytes is None:
-            self._bytes = np.frombuffer(self.mapped(), dtype=np.uint8)
+        """The mapped file as uint8, for the pool's threads: `mapped` was called first."""
+        assert self._bytes is not None
         return self._bytes
 
     def close(self) -> None:
