@@ -508,9 +508,9 @@ class ParallelModel:
         tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
         logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
         invariant = self._pipeline is not None
-        where = {"submodule": self.raw, "stage_index": stage, "num_stages": stages, "device": dev,
-                 "input_args": tokens if stage == 0 else hidden,
-                 "output_args": logits if stage == stages - 1 else hidden, "group": layout.group("pp")}
+        where: dict[str, Any] = {"submodule": self.raw, "stage_index": stage, "num_stages": stages, "device": dev,
+                                 "input_args": tokens if stage == 0 else hidden,
+                                 "output_args": logits if stage == stages - 1 else hidden, "group": layout.group("pp")}
         # pp x fsdp: every microbatch's backward reduce-scatters (the tree's leaves, in microbatch order), each onto
         # cleared sharded gradients: fully_shard assigns the last one's output (the tree) instead of adding it to the
         # zeros the earlier ones output (+0 + -0 would lose a zero's sign)
