@@ -102,7 +102,7 @@ class Layout:
 def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
     tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
-    (data-parallel over the rest) and of fsdp-invariant (each stage sharded over the rest), `dp` the replicas of the
+    (data-parallel over the rest) and of the fsdp layouts (each stage sharded over the rest), `dp` the replicas of the
     fsdp layouts (each sharded over the rest) and of the ep layouts (the experts split over the rest)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
@@ -118,7 +118,7 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
         if pp < 2 or world % (pp * tp):
             raise UsageError(f"--parallel {kind} needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // (pp * tp), **({"tp": tp} if tp > 1 else {})}, cuda)
-    if kind == "fsdp-invariant" and pp > 1:  # pp x fsdp: each stage sharded over the rest
+    if kind in ("fsdp-invariant", "fsdp-plain") and pp > 1:  # pp x fsdp: each stage sharded over the rest
         if tp * dp > 1 or world % pp or (world // pp) & (world // pp - 1):
             raise UsageError(f"the stages' FSDP shards must be a power of two dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "fsdp": world // pp}, cuda)

@@ -430,7 +430,7 @@ class ParallelModel:
             # dimension only; dp x fsdp plain: fully_shard's HSDP on the whole mesh (reduce-scatter, then all-reduce)
             if layout.size("tp") > 1 or (layout.size("dp") > 1 and kind == "fsdp-invariant"):
                 mesh = layout.mesh["fsdp"]
-            if layout.size("pp") > 1:  # pp x fsdp (invariant): each stage's layers, sharded over its fsdp ranks
+            if layout.size("pp") > 1:  # pp x fsdp: each stage's layers, sharded over its fsdp ranks
                 assert microbatches is not None
                 self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)  # the whole model's names first
                 _pipeline_stage(self.raw, layout.coord("pp"), layout.size("pp"))
@@ -449,7 +449,8 @@ class ParallelModel:
             if self._pipeline is not None:
                 blocks = self._pipeline.blocks
                 if layout.size("fsdp") > 1:  # the tree over the global microbatches in each stage's reduce-scatter
-                    self._comms = shard_invariantly(self.raw, microbatches=microbatches // blocks)
+                    # (fsdp-plain, the control: torch's stage, fully_shard's accumulation and one reduce-scatter)
+                    self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
                 self._build_pipeline(batch_size // blocks, seq_len, microbatches=microbatches // blocks,
                                      schedule=schedule)
             elif kind.startswith("fsdp-"):
@@ -642,7 +643,7 @@ class ParallelModel:
                 vector += other
             digests = dict(zip(index, vector.unbind(), strict=True))
         each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
-            if (self._fsdp is not None or self._ep is not None or self._comms) and self._tp_group is None else {}
+            if self.layout.kind.startswith(("fsdp-", "ep-")) and self._tp_group is None else {}
         if self._pipeline is not None:
             return fingerprint(torch.stack(list(digests.values()))).hex, each
         return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each

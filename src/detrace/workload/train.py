@@ -154,9 +154,9 @@ class TrainConfig:
         if self.schedule not in parallel.SCHEDULES:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
         if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain") and not (
-                self.parallel == "fsdp-invariant" and self.tp == 1 and self.replicas == 1)):
-            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant, pp-plain, or "
-                             "fsdp-invariant on a ppPxfsdpF layout")
+                self.parallel.startswith("fsdp-") and self.tp == 1 and self.replicas == 1)):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant, pp-plain, or an fsdp "
+                             "layout on a ppPxfsdpF mesh")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
                                                                                       "pp-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
@@ -240,11 +240,11 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     if "pp" in dict(named.sizes) and (named.dims <= {"pp", "dp"} or (named.dims <= {"pp", "tp"}
                                                                     and parallel == "invariant")):
         return f"pp-{parallel}", t, named.size("pp"), 1
-    if named.dims == {"pp", "fsdp"} and parallel == "invariant":  # each stage sharded, the tree in its reduce-scatter
-        return "fsdp-invariant", 1, named.size("pp"), 1
+    if named.dims == {"pp", "fsdp"}:  # each stage sharded: the tree in its reduce-scatter, or (plain) torch's stage
+        return f"fsdp-{parallel}", 1, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp), ppPxdpD, dpDxfsdpF, epE, epExdpD and, invariant only, ppPxtpT, "
-                     "fsdpFxtpT and ppPxfsdpF layouts")
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD, ppPxfsdpF, dpDxfsdpF, epE, epExdpD and, invariant only, "
+                     "ppPxtpT and fsdpFxtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
