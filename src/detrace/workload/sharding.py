@@ -20,6 +20,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | fsdp-plain | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (the control) | fully_shard's HSDP (all-reduce over dp) |
 | fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
 | pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
+| fsdp-invariant | pp=P, fsdp=W/P | layers over pp; stages sharded; blocks over fsdp | tree in reduce-scatter |
+| fsdp-plain | pp=P, fsdp=W/P | as fsdp-invariant (the control)             | torch's stage on fully_shard  |
 | pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
 | ep-invariant | dp=W/E, ep=E | dp-invariant's over dp x ep; experts over ep | fixed trees (experts: per source) |
 | ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |

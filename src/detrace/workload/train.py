@@ -101,7 +101,8 @@ class TrainConfig:
     schedule: str = "1f1b"
     """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
     stages: int = 1
-    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks)."""
+    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks); fsdp-invariant,
+    fsdp-plain: the stages of a ppPxfsdpF layout (each sharded over world / P ranks)."""
     replicas: int = 1
     """--parallel fsdp-invariant, fsdp-plain: data-parallel replicas D of the sharded model (a named dpDxfsdpF
     layout: each replica's F ranks shard it; HSDP); ep-invariant, ep-plain: the replicas of the experts (a named
