@@ -485,6 +485,7 @@ def reducing_pipeline_stage(before_backward: Callable[[], None], **stage: Any) -
     methods the schedules call (`backward_maybe_with_nosync`, `perform_reduce_grad`) and calls torch's private
     `stage_backward` for the full backward that GPipe and 1F1B run. Replace with: a PipelineStage option that reduces
     every microbatch, if torch adds one."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._backward import stage_backward
 
@@ -494,6 +495,8 @@ def reducing_pipeline_stage(before_backward: Callable[[], None], **stage: Any) -
             if backward_type != "full":  # a zero-bubble schedule's split backward: not one of GPipe or 1F1B
                 raise UsageError(f"a pipeline schedule ran a {backward_type!r} backward on a reducing FSDP "
                                       "stage, which takes the full backward of GPipe and 1F1B only")
+            if isinstance(self.submod, FSDPModule):  # as torch's stage: keep the parameters unsharded until the last
+                self.submod.set_reshard_after_backward(last_backward)  # backward (no all-gather per microbatch)
             before_backward()
             return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                   bwd_kwargs["input_values"]), None
