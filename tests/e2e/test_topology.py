@@ -640,13 +640,16 @@ def _tiny() -> nn.Module:
 @pytest.mark.slow
 def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp_and_autograds_running_sum_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # every parameter by name after every step (each stage holds its own, its dp replicas agree), and the losses by
-    # global microbatch; 1F1B on the composed mesh: 2 stages, each data-parallel over 2 (GPipe: pp2xtp2 in the tp
-    # test)
-    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "pp2xdp2,pp1", "--", *TRAIN, "--parallel",
-                              "invariant", "--schedule", "1f1b", "--steps", "2")
+    # 1F1B on the composed meshes against one process: pp2xdp2 (2 stages, each data-parallel over 2) with every
+    # parameter by name after every step (each stage holds its own, its dp replicas agree); pp2xfsdp2 (each stage
+    # sharded over 2, the tree in its reduce-scatter) through its final params (shards); both with the losses by
+    # global microbatch at every step (GPipe: pp2xtp2 in the tp test)
+    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "fsdp1,pp2xdp2,pp2xfsdp2", "--", *TRAIN,
+                              "--parallel", "invariant", "--schedule", "1f1b", "--steps", "2")
     assert code == 0, report
     assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))
+    finals = report["final_params"]  # the pipelines' stages each give their own parameters' entries
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
     # the control: the same schedule, seeds and loss, each stage's microbatch gradients summed in autograd's running
     # sum (in the order the backwards run) instead of the tree: another parameter after the first step, named
     code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "pp1,pp2", "--", *TRAIN, "--parallel", "plain",

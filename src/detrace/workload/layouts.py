@@ -103,8 +103,9 @@ class Layout:
 def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
     tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
-    (data-parallel over the rest), `dp` the replicas of the fsdp layouts (each sharded over the rest) and of the ep
-    layouts' experts (split over the rest; on ep-fsdp-invariant the replicas are its fsdp dimension)."""
+    (data-parallel over the rest) and of the fsdp layouts (each stage sharded over the rest), `dp` the replicas of the
+    fsdp layouts (each sharded over the rest) and of the ep layouts' experts (split over the rest; on
+    ep-fsdp-invariant the replicas are its fsdp dimension)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -119,6 +120,10 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
         if pp < 2 or world % (pp * tp):
             raise UsageError(f"--parallel {kind} needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // (pp * tp), **({"tp": tp} if tp > 1 else {})}, cuda)
+    if kind in ("fsdp-invariant", "fsdp-plain") and pp > 1:  # pp x fsdp: each stage sharded over the rest
+        if tp * dp > 1 or world % pp or (world // pp) & (world // pp - 1):
+            raise UsageError(f"the stages' FSDP shards must be a power of two dividing the world size {world}")
+        return _mesh(kind, world, {"pp": pp, "fsdp": world // pp}, cuda)
     if kind in ("fsdp-invariant", "fsdp-plain") and tp * dp > 1:
         if tp & (tp - 1) or dp & (dp - 1) or world % (tp * dp):
             raise UsageError(f"--tp and the replicas must be powers of two dividing the world size {world}")
