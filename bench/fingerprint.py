@@ -18,7 +18,8 @@ once and does almost nothing with it.
    fp1, fp2, hash_tensor and sum interleaved round by round (every other round in reverse order), each round
    timing the same number of bytes (several calls for small tensors). A figure is the geometric mean over the
    rounds of (other's time / fp2's time), i.e. fp2's throughput relative to the other, with its 95% confidence
-   interval (Student's t on the log ratios): ``per core fp2/sum float32 1MiB from memory: 0.93x [0.88, 0.98]``.
+   interval (Student's t on the log ratios): ``per core fp2/sum float32 1MiB from memory: 0.93x [0.88, 0.98]``;
+   fp1's throughput relative to sum's too (``fp1/sum``).
 3. All threads: the same, wall time, with torch's default thread count.
 4. Many small tensors in one fingerprint_many call, both schemes.
 
@@ -150,6 +151,8 @@ def measure(label: str, sizes: list[int], rounds: int, pool_mib: int, clock: Cal
                 for other in ("sum", "fp1", "hash_tensor"):
                     mean, low, high = interval([o / f for o, f in zip(times[other], times["fp2"], strict=True)])
                     figures.append(f"{label} fp2/{other} {name} {mib}MiB {where}: {mean:.2f}x [{low:.2f}, {high:.2f}]")
+                mean, low, high = interval([s / f for s, f in zip(times["sum"], times["fp1"], strict=True)])
+                figures.append(f"{label} fp1/sum {name} {mib}MiB {where}: {mean:.2f}x [{low:.2f}, {high:.2f}]")
                 del pool, fns
 
 

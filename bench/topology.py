@@ -32,7 +32,9 @@ median of invariant / plain.
 
 Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over microbatch gradients, seeded
 forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
-whole step on 2 stages, interleaved the same way.
+whole step on 2 stages, interleaved the same way; and on pp2xfsdp2 (2 stages, each sharded over 2), fsdp-invariant
+(the tree in each stage's reduce-scatter, one per microbatch) against fsdp-plain (torch's stage on fully_shard: its
+own accumulation, one reduce-scatter after the last microbatch), both 1F1B.
 
 Expert parallelism (`--part ep`): ep-invariant (`detrace.parallel.expert`: each source's tokens through the
 experts apart, the expert weight gradients in the fixed tree) against ep-plain (the ordinary all-to-all MoE: one
@@ -372,6 +374,12 @@ def main() -> None:
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule: "
                            f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            path = f"{tmp}/pp2xfsdp2.json"
+            _spawn(_layout_timing, 4, args, {"pp": 2, "fsdp": 2}, (("invariant", "fsdp-invariant"),
+                                                                   ("plain", "fsdp-plain")), path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time pp2xfsdp2 1F1B ({args.preset}, M={args.microbatches}) fsdp-invariant/torch "
+                           f"stage on fully_shard: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)

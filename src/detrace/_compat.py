@@ -33,7 +33,7 @@ from torch.utils import _python_dispatch
 # and captured calls use). Public replacement: none yet (a public torch.utils.pytree, were it added).
 from torch.utils import _pytree as pytree
 
-from detrace.errors import DetraceError
+from detrace.errors import DetraceError, UsageError
 
 CHECKED_TORCH = ("2.10", "2.11", "2.12", "2.13")
 """The torch releases (major.minor) every entry of this module was checked against: tests/unit/test_compat.py passed
@@ -472,6 +472,41 @@ def initialize_pipeline_stage(schedule: Any, args: tuple[Any, ...], kwargs: dict
         initialize(args, kwargs, target)
     else:
         initialize(args, kwargs)
+
+
+@_private("torch.distributed.pipelining._backward.stage_backward")
+def reducing_pipeline_stage(before_backward: Callable[[], None], **stage: Any) -> Any:
+    """A `PipelineStage(**stage)` whose fully_shard stage reduce-scatters every microbatch's gradients as that
+    microbatch's backward ends (gradient sync on), after `before_backward()`, and does nothing after the last one.
+
+    Why: PipelineStage turns an FSDP stage's gradient sync off for every microbatch and reduce-scatters once after the
+    last (`perform_reduce_grad`): fully_shard's own accumulation, in the order the backwards run, which detrace's
+    fixed-order reduce-scatter (`detrace.parallel.fsdp`) replaces. It has no option for that; this overrides the two
+    methods the schedules call (`backward_maybe_with_nosync`, `perform_reduce_grad`) and calls torch's private
+    `stage_backward` for the full backward that GPipe and 1F1B run. Replace with: a PipelineStage option that reduces
+    every microbatch, if torch adds one."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._backward import stage_backward
+
+    class _ReducingStage(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict[str, Any],
+                                       last_backward: bool = False) -> tuple[Any, None]:
+            if backward_type != "full":  # a zero-bubble schedule's split backward: not one of GPipe or 1F1B
+                raise UsageError(f"a pipeline schedule ran a {backward_type!r} backward on a reducing FSDP "
+                                      "stage, which takes the full backward of GPipe and 1F1B only")
+            if isinstance(self.submod, FSDPModule):  # as torch's stage: keep the parameters unsharded until the last
+                self.submod.set_reshard_after_backward(last_backward)  # backward (no all-gather per microbatch)
+            before_backward()
+            return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                                  bwd_kwargs["input_values"]), None
+
+        def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+            # every microbatch was reduced as its backward ended; the schedule must not scale (scale_grads=False)
+            if grad_scale_factor != 1:
+                raise UsageError("a reducing FSDP pipeline stage takes scale_grads=False")
+
+    return _ReducingStage(**stage)
 
 
 def inductor_code_cache() -> Any:

@@ -59,4 +59,4 @@ static void sums(const unsigned char *words, Py_ssize_t width, const unsigned ch
 static const detrace_layout layout = {.word_bytes = 4, .max_width = 1024, .colkeys_bytes = 2048 * 4,
                                       .colkeys_align = 4};
 
-DETRACE_MODULE(_fp2, sums, layout, "detrace-fp2's CPU kernel, compiled at install (see _fp2.c).")
+DETRACE_MODULE(_fp2, sums, layout, DETRACE_AVX512F, "detrace-fp2's CPU kernel, compiled at install (see _fp2.c).")

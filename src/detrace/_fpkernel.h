@@ -64,8 +64,46 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
     Py_RETURN_NONE;
 }
 
-/* The module `detrace.NAME` with the one function row_sums, running SUMS on buffers of layout LAYOUT. */
-#define DETRACE_MODULE(NAME, SUMS, LAYOUT, DOC)                                                                    \
+/* The AVX-512 clone a kernel has beside avx2 and default (DETRACE_MODULE's AVX512): none, `avx512f`, or
+   `arch=x86-64-v4` (AVX-512 F, BW, CD, DQ and VL: fp1 needs DQ's 64-bit multiplies). */
+#define DETRACE_NO_AVX512 0
+#define DETRACE_AVX512F 1
+#define DETRACE_X86_64_V4 2
+
+/* Which clone of the loop runs on this CPU: target_clones' resolver picks, at load time, the first of a kernel's
+   targets that the CPU supports, the AVX-512 one (`avx512`) first, then avx2, then default. Elsewhere the one
+   loop the build's target gives. `detrace doctor` reports it. */
+static const char *detrace_vector_path(int avx512) {
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+    __builtin_cpu_init();
+    if (avx512 == DETRACE_X86_64_V4 && __builtin_cpu_supports("x86-64-v4")) {
+        return "x86-64-v4 (AVX-512)";
+    }
+    if (avx512 == DETRACE_AVX512F && __builtin_cpu_supports("avx512f")) {
+        return "avx512f";
+    }
+    return __builtin_cpu_supports("avx2") ? "avx2" : "x86-64 baseline";
+#elif defined(__aarch64__)
+    (void)avx512;
+    return "arm64 baseline (NEON)";
+#else
+    (void)avx512;
+    return "the build's baseline target";
+#endif
+}
+
+#if defined(__clang__)
+#define DETRACE_COMPILER "clang " __clang_version__
+#elif defined(__GNUC__)
+#define DETRACE_COMPILER "gcc " __VERSION__
+#else
+#define DETRACE_COMPILER "an unknown compiler"
+#endif
+
+/* The module `detrace.NAME` with the one function row_sums, running SUMS on buffers of layout LAYOUT, and two
+   strings for `detrace doctor`: VECTOR_PATH (the loop's clone on this CPU; AVX512: its AVX-512 clone, above) and
+   COMPILER (what built it). */
+#define DETRACE_MODULE(NAME, SUMS, LAYOUT, AVX512, DOC)                                                            \
     static PyObject *row_sums(PyObject *self, PyObject *args) {                                                    \
         (void)self;                                                                                                \
         return detrace_row_sums(args, SUMS, &(LAYOUT));                                                            \
@@ -77,6 +115,15 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
         {NULL, NULL, 0, NULL},                                                                                     \
     };                                                                                                             \
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, #NAME, DOC, -1, methods, NULL, NULL, NULL, NULL};  \
-    PyMODINIT_FUNC PyInit_##NAME(void) { return PyModule_Create(&module); }
+    PyMODINIT_FUNC PyInit_##NAME(void) {                                                                          \
+        PyObject *created = PyModule_Create(&module);                                                              \
+        if (created != NULL &&                                                                                     \
+            (PyModule_AddStringConstant(created, "VECTOR_PATH", detrace_vector_path(AVX512)) < 0 ||                \
+             PyModule_AddStringConstant(created, "COMPILER", DETRACE_COMPILER) < 0)) {                             \
+            Py_DECREF(created);                                                                                    \
+            return NULL;                                                                                           \
+        }                                                                                                          \
+        return created;                                                                                            \
+    }
 
 #endif

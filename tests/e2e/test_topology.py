@@ -546,11 +546,12 @@ def test_tp_invariant_layers_give_the_same_bits_on_dp_fsdp_and_pipeline_meshes(
     # one job, the composed meshes of tensor parallelism in turn against one process: 2x2 changes T and D at once
     # (T = 2 alone, 1x2, is one run more for no other question); fsdp2xtp2 shards each rank's projection chunks;
     # pp2xtp2 runs them in 2 stages under GPipe (1F1B: the pipeline test). Every parameter by global name after
-    # every step (fsdp2xtp2's shards: in its final params line)
-    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2,fsdp2xtp2,pp2xtp2", "--", *TRAIN,
-                              "--parallel", "invariant", "--schedule", "gpipe", "--steps", "2")
+    # every step (fsdp2xtp2's shards: in its final params line). ep2xtp2 splits the experts over ep and runs the
+    # chunks over tp (its experts' shards: in its final params line too)
+    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2,fsdp2xtp2,pp2xtp2,ep2xtp2", "--",
+                              *TRAIN, "--parallel", "invariant", "--schedule", "gpipe", "--steps", "2")
     assert code == 0, report
-    assert report["layouts"] == ["1x1", "2x2", "fsdp2xtp2", "pp2xtp2"]
+    assert report["layouts"] == ["1x1", "2x2", "fsdp2xtp2", "pp2xtp2", "ep2xtp2"]
     finals = report["final_params"]  # a pipeline stage holds its own parameters: pp2xtp2 prints none
     assert isinstance(finals, dict) and finals.pop("layout pp2xtp2") is None
     assert len(set(finals.values())) == 1 and None not in finals.values()
@@ -603,18 +604,20 @@ def test_a_world_size_beyond_the_machine_needs_force(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.slow
-def test_fsdp_1_2_4_and_ep2xdp2_give_the_same_bits_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
+def test_fsdp_1_2_4_and_fsdp2xep2_give_the_same_bits_across_a_resume_from_a_2x2_mesh_and_fully_shard_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # the 2x2 mesh dp2xfsdp2 (2 replicas of 2 shards) runs on, and stops after step 1; fsdp4, fsdp2, one process and
-    # the 2x2 mesh ep2xdp2 (experts over 2 ranks, data over all 4) resume from its checkpoint (DCP reshards): each
-    # equals the run that never stopped, step by step (losses by global microbatch) and in the final parameters
-    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1,ep2xdp2",
+    # the 2x2 mesh fsdp2xep2 (experts over 2 ranks, their replicas over 2, data over all 4, the other parameters
+    # sharded over all 4) resume from its checkpoint (DCP reshards): each equals the run that never stopped, step by
+    # step (losses by global microbatch) and in the final parameters. (ep2xdp2 is fsdp2xep2 with the other
+    # parameters whole: its tree over unsharded gradients is ep2xtp2's, in the tp test; a 4-rank run costs ~20 s)
+    code, report = _check_cli(capsys, tmp_path, "fsdp", "--layouts", "dp2xfsdp2,fsdp4,fsdp2,dp1,fsdp2xep2",
                               "--resume-at", "1", "--", *TRAIN, "--parallel", "invariant", "--steps", "2")
     assert code == 0, report
     assert list(report["runs"]) == ["layout dp2xfsdp2",  # type: ignore[call-overload]
                                     "layout dp2xfsdp2 stopped after step 1", "layout fsdp4 resumed after step 1",
                                     "layout fsdp2 resumed after step 1", "layout dp1 resumed after step 1",
-                                    "layout ep2xdp2 resumed after step 1"]
+                                    "layout fsdp2xep2 resumed after step 1"]
     finals = report["final_params"]
     assert isinstance(finals, dict) and finals.pop("layout dp2xfsdp2 stopped after step 1") != \
         finals["layout dp2xfsdp2"]
@@ -637,13 +640,16 @@ def _tiny() -> nn.Module:
 @pytest.mark.slow
 def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp_and_autograds_running_sum_does_not(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # every parameter by name after every step (each stage holds its own, its dp replicas agree), and the losses by
-    # global microbatch; 1F1B on the composed mesh: 2 stages, each data-parallel over 2 (GPipe: pp2xtp2 in the tp
-    # test)
-    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "pp2xdp2,pp1", "--", *TRAIN, "--parallel",
-                              "invariant", "--schedule", "1f1b", "--steps", "2")
+    # 1F1B on the composed meshes against one process: pp2xdp2 (2 stages, each data-parallel over 2) with every
+    # parameter by name after every step (each stage holds its own, its dp replicas agree); pp2xfsdp2 (each stage
+    # sharded over 2, the tree in its reduce-scatter) through its final params (shards); both with the losses by
+    # global microbatch at every step (GPipe: pp2xtp2 in the tp test)
+    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "fsdp1,pp2xdp2,pp2xfsdp2", "--", *TRAIN,
+                              "--parallel", "invariant", "--schedule", "1f1b", "--steps", "2")
     assert code == 0, report
     assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))
+    finals = report["final_params"]  # the pipelines' stages each give their own parameters' entries
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
     # the control: the same schedule, seeds and loss, each stage's microbatch gradients summed in autograd's running
     # sum (in the order the backwards run) instead of the tree: another parameter after the first step, named
     code, report = _check_cli(capsys, tmp_path, "plain", "--layouts", "pp1,pp2", "--", *TRAIN, "--parallel", "plain",

@@ -19,6 +19,7 @@ from _ranks import spawn_ranks
 from _tools import flip_one_bit
 
 from detrace.cli import main as detrace
+from detrace.digest.scheme import Fingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import TrainState, verify_checkpoint
 
@@ -525,10 +526,14 @@ def _flip_at(path: Path, at: int) -> None:
     path.write_bytes(bytes(content))
 
 
-def test_verify_reads_every_record_in_place_without_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+def test_verify_reads_every_record_in_place_without_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           backend: str) -> None:
     """Every chunk this detrace saves is located in its record (`data_at`, `frame`), and verify reads them all
-    without torch's record reader (which unpickles data.pkl): mapped in place where aligned, hashed piece by piece
-    where not, in several batches; the tensors it maps are the ones torch's reader gives."""
+    without torch's record reader (which unpickles data.pkl), in several batches: with the native kernel, every
+    record hashed piece by piece where it lies in the mapped file; with another kernel (`eager`), mapped in place
+    where aligned (the tensors it maps are the ones torch's reader gives), read into buffers piece by piece where
+    not."""
     from detrace.state import records
     from detrace.state.manifest import _wanted
     from detrace.state.storage import load_chunk
@@ -551,21 +556,27 @@ def test_verify_reads_every_record_in_place_without_pickle(tmp_path: Path, monke
 
     monkeypatch.setattr(torch, "load", no_pickle)
     monkeypatch.setattr(records, "_PIECE", 64 * 1024)  # the large tensors' bytes in many pieces
+    monkeypatch.setenv("DETRACE_FINGERPRINT_BACKEND", backend)
     batches = list(records.read_batches(version, wanted, batch_bytes=4096, workers=3, scheme="detrace-fp1"))
     assert len(batches) > 2 and [w for batch in batches for w, _ in batch] == wanted
     assert verify_checkpoint(version).step == 1
     monkeypatch.undo()
-    for (chunk, _), (_, got) in zip(framed, [item for batch in batches for item in batch], strict=True):
-        if isinstance(got, torch.Tensor):  # mapped: the bytes torch's reader gives (a streamed one was compared)
-            assert torch.equal(got, load_chunk(version, chunk))  # type: ignore[arg-type]
+    got = [found for batch in batches for _, found in batch]
+    mapped = [found for found in got if isinstance(found, torch.Tensor)]
+    assert all(isinstance(found, Fingerprint) for found in got) if backend == "auto" else 0 < len(mapped) < len(got)
+    for (chunk, _), found in zip(framed, got, strict=True):
+        if isinstance(found, torch.Tensor):  # mapped: the bytes torch's reader gives (a hashed one was compared)
+            assert torch.equal(found, load_chunk(version, chunk))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("backend", ["auto", "eager"])
 @pytest.mark.parametrize("where", ["aligned data", "unaligned data", "data.pkl"])
-def test_a_flipped_byte_of_a_record_is_found_when_read_in_place(tmp_path: Path, where: str,
+def test_a_flipped_byte_of_a_record_is_found_when_read_in_place(tmp_path: Path, where: str, backend: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A byte flipped in a tensor's data (mapped, or hashed piece by piece) or in its record's data.pkl (where the
-    strides are: a checkpoint that would load other values) is damage, reported by tensor name, never read with
-    pickle."""
+    """A byte flipped in a tensor's data (hashed in the mapped file by the native kernel; with another kernel,
+    mapped or read into buffers) or in its record's data.pkl (where the strides are: a checkpoint that would load
+    other values) is damage, reported by tensor name, never read with pickle."""
+    monkeypatch.setenv("DETRACE_FINGERPRINT_BACKEND", backend)
     version = make_state().save(tmp_path)
     picked = None
     for chunk, entry in _framed(version):

@@ -29,18 +29,49 @@ def test_doctor_in_a_clean_environment_exits_0(monkeypatch: pytest.MonkeyPatch,
     assert lines[-1] == "detrace doctor: no setting is off"
     assert any(line.startswith("pending   CUBLAS_WORKSPACE_CONFIG = <unset>") for line in lines)
     assert any(line.startswith("ok        torch.backends.cudnn.benchmark = False") for line in lines)
-    assert any(line.startswith("ok        detrace fingerprint kernel (CPU) = native") for line in lines)
+    for scheme in ("fp1", "fp2"):
+        assert any(line.startswith(f"ok        detrace fingerprint kernel {scheme} (CPU) = native  (the C kernel "
+                                   "compiled at install, ") for line in lines)
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as info:
+        return {flag for line in info if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_doctor_names_each_native_kernels_vector_path_and_compiler(capsys: pytest.CaptureFixture) -> None:
+    """The path named is the clone the loader picks for this CPU (built by GCC here): fp2 has an AVX-512F clone,
+    fp1 an x86-64-v4 one (AVX-512 DQ multiplies 64-bit words)."""
+    import platform
+
+    detrace(["doctor"])
+    out = capsys.readouterr().out
+    if platform.machine() == "x86_64" and sys.platform == "linux":
+        flags = _cpu_flags()
+        fp2 = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "x86-64 baseline"
+        v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "movbe"} <= flags
+        fp1 = "x86-64-v4 (AVX-512)" if v4 else "avx2" if "avx2" in flags else "x86-64 baseline"
+    else:
+        fp1 = fp2 = "arm64 baseline (NEON)" if platform.machine() in ("aarch64", "arm64") else "the build's baseline"
+    assert f"detrace fingerprint kernel fp1 (CPU) = native  (the C kernel compiled at install, {fp1}" in out
+    assert f"detrace fingerprint kernel fp2 (CPU) = native  (the C kernel compiled at install, {fp2}" in out
+    assert out.count(" path, built by gcc ") + out.count(" path, built by clang ") == 2
+
+
+@pytest.mark.parametrize("scheme", ["fp1", "fp2"])
 def test_doctor_says_when_the_native_fingerprint_kernel_was_not_built(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    from detrace.digest.native import kernel
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, scheme: str) -> None:
+    from detrace.digest import native
 
+    kernel = native.kernel if scheme == "fp1" else native.kernel2
     monkeypatch.setattr(kernel, "fn", None)
-    monkeypatch.setattr(kernel, "failed", "the C extension detrace._fp1 was not built at install (test)")
+    monkeypatch.setattr(kernel, "failed", f"the C extension detrace._{scheme} was not built at install (test)")
     assert detrace(["doctor"]) == 0  # slower, not less deterministic
     out = capsys.readouterr().out
-    assert "ok        detrace fingerprint kernel (CPU) = NumPy/eager  (the same bits, several times slower" in out
+    assert (f"ok        detrace fingerprint kernel {scheme} (CPU) = NumPy/eager  (the same bits, several times slower: "
+            f"the C extension detrace._{scheme} was not built") in out
+    other = "fp2" if scheme == "fp1" else "fp1"
+    assert f"ok        detrace fingerprint kernel {other} (CPU) = native" in out
 
 
 def test_doctor_names_what_is_off_and_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

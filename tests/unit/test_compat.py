@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace import _compat
+from detrace.errors import UsageError
 
 
 def test_torch_release_was_checked() -> None:
@@ -398,5 +399,46 @@ def test_initialize_pipeline_stage(tmp_path: Path) -> None:
         assert schedule._stage_forward_initialized and schedule._stage_backward_initialized
         schedule.step(x, target=x, losses=[])
         assert model.weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reducing_pipeline_stage(tmp_path: Path) -> None:
+    """A stage whose every microbatch's backward starts from cleared gradients (`before_backward`), so each lands
+    alone (under fully_shard: each reduce-scatters and is assigned, not added to the last, whose +0 + -0 is +0), and
+    whose end of step adds nothing. torch's stage accumulates them. (fully_shard's reduce-scatter itself is skipped
+    at world 1: the pp2xfsdp2 job of tests/e2e/test_topology.py runs it.)"""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+
+    def where(model: torch.nn.Module) -> dict[str, Any]:
+        return {"submodule": model, "stage_index": 0, "num_stages": 1, "device": torch.device("cpu"),
+                "input_args": x[:1], "output_args": x[:1, :1]}
+
+    try:
+        def landed(reducing: bool) -> tuple[list[torch.Tensor], int]:
+            model = torch.nn.Linear(2, 1, bias=False)
+            seen: list[torch.Tensor] = []
+            model.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+            clears = []
+
+            def clear() -> None:
+                clears.append(1)
+                model.weight.grad = None
+
+            stage = _compat.reducing_pipeline_stage(clear, **where(model)) if reducing else \
+                PipelineStage(**where(model))
+            schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: out.sum(), scale_grads=False)
+            schedule.step(x, target=x[:, :1], losses=[])
+            return seen, len(clears)
+
+        seen, clears = landed(reducing=True)
+        assert clears == 2 and [g.tolist() for g in seen] == [[[1.0, 0.0]], [[0.0, 1.0]]]
+        seen, clears = landed(reducing=False)  # torch's: the second lands on the first
+        assert clears == 0 and [g.tolist() for g in seen] == [[[1.0, 0.0]], [[1.0, 1.0]]]
+        with pytest.raises(UsageError, match="scale_grads=False"):
+            _compat.reducing_pipeline_stage(lambda: None, **where(torch.nn.Linear(2, 1))).perform_reduce_grad(2)
     finally:
         dist.destroy_process_group()

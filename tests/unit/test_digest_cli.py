@@ -84,6 +84,27 @@ def test_json_names_the_scheme_that_the_variable_picks(tmp_path, capsys, monkeyp
     assert record["digest"] == fingerprint(tensor, scheme="fp2").hex != fingerprint(tensor, scheme="fp1").hex
 
 
+def test_the_scheme_flag_overrides_the_variable_for_files_chunks_and_the_demo(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "weights.safetensors"
+    tensors = {"a": torch.randn(5, 2), "b": torch.randn(300).bfloat16()}
+    write_safetensors(path, tensors)
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp1")
+    code, out, _ = run(capsys, str(path), "--scheme", "fp2", "--json", "--chunks", "2")
+    records = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and {r["scheme"] for r in records} == {"detrace-fp2"}
+    for record, tensor in zip(records, tensors.values(), strict=True):
+        expected = fingerprint(tensor, chunks=2, scheme="fp2")
+        assert record["digest"] == expected.hex != fingerprint(tensor, scheme="fp1").hex
+        assert record["chunks"] == [f"{c:016x}" for c in expected.chunks]
+    monkeypatch.setenv("DETRACE_FINGERPRINT_SCHEME", "fp2")
+    code, out, _ = run(capsys, str(path), "--scheme", "fp1")
+    assert code == 0 and out.split()[0] == fingerprint(tensors["a"], scheme="fp1").hex
+    code, out, _ = run(capsys, "--scheme", "fp2")
+    assert code == 0 and fingerprint(torch.arange(1.0, 9.0), scheme="fp2").hex in out
+    code, _, err = run(capsys, str(path), "--scheme", "fp3")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "fp3" in err
+
+
 def test_errors_exit_2_with_one_line(tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")

@@ -119,8 +119,17 @@ def test_ep_layouts_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert resolve_layout("invariant", "ep2xdp2", None) == ("ep-invariant", 1, 1, 2)
     assert resolve_layout("plain", "ep4", None) == ("ep-plain", 1, 1, 1)  # the experts' replicas: dp
-    with pytest.raises(UsageError, match="not one the reference trainer runs"):
-        resolve_layout("invariant", "ep2xtp2", None)
+    # composed with fsdp (the experts' replicas are the fsdp ranks, the rest sharded) and with tp: invariant only
+    assert [Layout.parse("fsdp2xep2").data_block(r) for r in range(4)] == [0, 1, 2, 3]
+    assert resolve_layout("invariant", "fsdp2xep2", None) == ("ep-fsdp-invariant", 1, 1, 2)
+    assert resolve_layout("invariant", "ep2xtp2", None) == ("ep-invariant", 2, 1, 1)
+    for name in ("fsdp2xep2", "ep2xtp2"):
+        with pytest.raises(UsageError, match="not one the reference trainer runs with --parallel plain"):
+            resolve_layout("plain", name, None)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    for name in ("fsdp2xep2xtp2", "dp2xep2xtp2", "dp2xfsdp2xep2"):  # meshes of 3 dimensions: not built
+        with pytest.raises(UsageError, match="not one the reference trainer runs"):
+            resolve_layout("invariant", name, None)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_layout("invariant", "ep1", None) == ("ep-invariant", 1, 1, 1)
 
@@ -141,3 +150,13 @@ def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest
                       batch_size=8, seq_len=32, microbatches=4)
     with pytest.raises(UsageError, match="replicas of a sharded model go with"):
         TrainConfig(parallel="dp-invariant", microbatches=4, dispatch="fixed", replicas=2)
+    # tensor parallelism composes with ep-invariant's experts, not with the fsdp x ep mesh (its sharded parameters
+    # would be tp chunks of fsdp shards) nor with the plain control
+    assert TrainConfig(parallel="ep-invariant", microbatches=4, dispatch="fixed", tp=2).tp == 2
+    for kind in ("ep-fsdp-invariant", "ep-plain"):
+        with pytest.raises(UsageError, match="--tp goes with"):
+            TrainConfig(parallel=kind, microbatches=4, dispatch="fixed", tp=2)
+        monkeypatch.setenv("WORLD_SIZE", "4")  # refused before torch.distributed starts
+        with pytest.raises(UsageError, match=f"--parallel {kind} has no tensor-parallel dimension"):
+            layouts.setup(kind, tp=2)
+        monkeypatch.delenv("WORLD_SIZE")

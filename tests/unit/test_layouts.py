@@ -51,6 +51,10 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("plain", "dp2xfsdp2", None) == ("fsdp-plain", 1, 1, 2)  # fully_shard's HSDP
     assert resolve_layout("invariant", "pp2xtp2", None) == ("pp-invariant", 2, 2, 1)
     assert resolve_layout("plain", "pp2xdp2", None) == ("pp-plain", 1, 2, 1)  # the control: autograd's running sum
+    # 2 stages, each sharded over 2 ranks (the tree in each stage's reduce-scatter), in either order of the name
+    assert resolve_layout("invariant", "pp2xfsdp2", None) == ("fsdp-invariant", 1, 2, 1)
+    assert resolve_layout("invariant", "fsdp2xpp2", None) == ("fsdp-invariant", 1, 2, 1)
+    assert resolve_layout("plain", "pp2xfsdp2", None) == ("fsdp-plain", 1, 2, 1)  # torch's stage and fully_shard's
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
     assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -58,11 +62,11 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1, 1)  # sizes 1: one process, unsplit
     assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1, 1)  # a named tp: the chunked layers
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
-                               (4, ("invariant", "ep2xtp2", None), "not one the reference trainer runs"),
-                               (4, ("plain", "pp2xtp2", None), "runs with --parallel plain"),
+                               (4, ("plain", "ep2xtp2", None), "not one the reference trainer runs"),
+                               (4, ("plain", "pp2xtp2", None), "invariant only, ppPxtpT, fsdpFxtpT"),
+                               (4, ("invariant", "pp2xep2", None), "not one the reference trainer runs"),
                                (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
-                               (4, ("invariant", "fsdp2xpp2", None), "runs with --parallel invariant"),
-                               (4, ("invariant", "pp2xfsdp2", None), "runs with --parallel invariant"),
+                               (8, ("invariant", "pp2xdp2xfsdp2", None), "runs with --parallel invariant"),
                                (8, ("invariant", "dp2xfsdp2xtp2", None), "runs with --parallel invariant"),
                                (1, ("plain", "dp1", None), "not one the reference trainer runs"),
                                (1, ("invariant", "fsdp1", 2), "not from --tp"),
@@ -71,6 +75,21 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
         with pytest.raises(UsageError, match=match):
             resolve_layout(*args)
 
+
+def test_pipeline_stages_go_with_fsdp_invariant_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from detrace.workload import layouts
+    from detrace.workload.train import TrainConfig
+
+    common: dict[str, Any] = {"microbatches": 4, "dispatch": "fixed", "stages": 2}
+    assert TrainConfig(parallel="fsdp-invariant", **common).stages == 2  # ppPxfsdpF
+    assert TrainConfig(parallel="fsdp-plain", **common).stages == 2  # its control
+    for other in ({"parallel": "fsdp-invariant", "replicas": 2},
+                  {"parallel": "fsdp-invariant", "tp": 2}, {"parallel": "dp-invariant"}):
+        with pytest.raises(UsageError, match="pipeline stages other than 1"):
+            TrainConfig(**common, **other)
+    monkeypatch.setenv("WORLD_SIZE", "6")  # 3 shards a stage: the tree splits its blocks in halves
+    with pytest.raises(UsageError, match="power of two dividing the world size 6"):
+        layouts.setup("fsdp-invariant", pp=2)
 
 def _grads(microbatches: int, numel: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)

@@ -3,6 +3,7 @@
 With FILE (a `torch.save` file, read with ``weights_only=True``, or a ``.safetensors`` file), prints one line
 per tensor: digest, dtype, shape and its name inside the file. Without FILE, shows on a small tensor that a
 permutation, an adjacent swap and two equal changes alter detrace's digest but not `torch.hash_tensor`.
+`--scheme fp1|fp2` picks the fingerprint scheme (default: DETRACE_FINGERPRINT_SCHEME, else fp1).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--chunks", type=int, help="also print N chunk digests per tensor along --dim")
     parser.add_argument("--dim", type=int, default=0, help="dimension for --chunks (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per tensor")
+    parser.add_argument("--scheme", choices=("fp1", "fp2"),
+                        help="fingerprint scheme (default: DETRACE_FINGERPRINT_SCHEME, else fp1)")
     return parser
 
 
@@ -103,7 +106,7 @@ def _load(path: Path) -> list[tuple[str, Any]]:
     return list(_walk(obj))
 
 
-def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -> int:
+def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool, scheme: str | None) -> int:
     from detrace.digest import fingerprint_many
 
     start = time.perf_counter()
@@ -116,8 +119,9 @@ def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -
     if chunks is not None and values and not any(chunked):
         raise UsageError(f"--dim {dim} is a dimension of no tensor in {path} (they have at most "
                          f"{max(v.dim() for v in values)}); --chunks needs one they have")
-    with_chunks = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if c], chunks=chunks, dim=dim))
-    plain = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if not c]))
+    with_chunks = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if c], chunks=chunks, dim=dim,
+                                        scheme=scheme))
+    plain = iter(fingerprint_many([v for v, c in zip(values, chunked, strict=True) if not c], scheme=scheme))
     fingerprints = [next(with_chunks) if c else next(plain) for c in chunked]
     for (name, _), fp in zip(named, fingerprints, strict=True):
         if as_json:
@@ -137,7 +141,7 @@ def _fingerprint_file(path: Path, chunks: int | None, dim: int, as_json: bool) -
     return 0
 
 
-def _demo() -> int:
+def _demo(scheme: str | None) -> int:
     from detrace.digest import fingerprint
 
     base = torch.arange(1.0, 9.0)  # [1, 2, ..., 8], float32
@@ -157,9 +161,9 @@ def _demo() -> int:
 
     print(f"x = {base.tolist()} (float32)\n")
     print(f"{'change':<32} {'detrace fingerprint':<20} {'torch.hash_tensor':<20}")
-    first_fp, first_hash = fingerprint(base).hex, hash_tensor(base)
+    first_fp, first_hash = fingerprint(base, scheme=scheme).hex, hash_tensor(base)
     for label, tensor in rows:
-        fp, hashed = fingerprint(tensor).hex, hash_tensor(tensor)
+        fp, hashed = fingerprint(tensor, scheme=scheme).hex, hash_tensor(tensor)
         fp_mark = "" if tensor is base else ("  changed" if fp != first_fp else "  SAME")
         hash_mark = "" if tensor is base else ("  changed" if hashed != first_hash else "  SAME")
         print(f"{label:<32} {fp + fp_mark:<20} {hashed + hash_mark}")
@@ -175,5 +179,5 @@ def main(argv: list[str]) -> int:
     if args.file is None:
         if args.chunks is not None or args.json:
             raise UsageError("--chunks and --json need a FILE")
-        return _demo()
-    return _fingerprint_file(Path(args.file), args.chunks, args.dim, args.json)
+        return _demo(args.scheme)
+    return _fingerprint_file(Path(args.file), args.chunks, args.dim, args.json, args.scheme)

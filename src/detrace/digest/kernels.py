@@ -338,16 +338,17 @@ def runs_native(backend: str, scheme: str) -> bool:
     return backend == "native" or (backend == "auto" and native.usable)
 
 
-def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str) -> np.ndarray:
+def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int | None = None) -> np.ndarray:
     """Per-row sums (uint64 [N]) by the native kernel of `scheme` of host rows [N, ...] (C-contiguous bytes of
-    whole words: any dtype) keyed by rowkeys (uint64 [N])."""
+    whole words: any dtype, any alignment) keyed by rowkeys (uint64 [N]), split over `threads` threads (torch's
+    thread count when None)."""
     tables = device_tables(torch.device("cpu"))
     if scheme == SCHEME2:
         words, colkeys, native = rows.view(np.uint32), tables.colkeys2_u32.numpy().view(np.uint32), cpu_kernel2
     else:
         words = rows.view(np.uint64)
         colkeys, native = tables.colkeys[: words.shape[1]].numpy().view(np.uint64), cpu_kernel
-    return native.row_sums(words, rowkeys, colkeys, torch.get_num_threads())
+    return native.row_sums(words, rowkeys, colkeys, torch.get_num_threads() if threads is None else threads)
 
 
 def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:

@@ -31,8 +31,13 @@ class _Kernel:
     def __init__(self, module: str) -> None:
         self.fn: Callable[..., None] | None = None
         self.failed: str | None = None
+        self.build = ""
+        """Where the kernel was built: its loop's vector path on this CPU and the compiler (for `detrace doctor`)."""
         try:
-            self.fn = importlib.import_module(module).row_sums
+            loaded = importlib.import_module(module)
+            self.fn = loaded.row_sums
+            self.build = (f"{getattr(loaded, 'VECTOR_PATH', 'unknown')} path, built by "
+                          f"{getattr(loaded, 'COMPILER', 'an unknown compiler')}")
         except ImportError as err:
             self.failed = f"the C extension {module} was not built at install ({err})"
         self._pool: tuple[int, ThreadPoolExecutor] | None = None

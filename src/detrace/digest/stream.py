@@ -2,9 +2,9 @@
 
 The digest is a sum over zero-padded 4096-byte rows, each keyed by its row number (detrace.digest.scheme), so
 pieces of whole rows can be hashed in any order, by any thread, and their partial sums added: the result is the
-digest that `detrace.fingerprint` gives for the whole tensor. Verify reads a record whose tensor bytes are not
-8-byte aligned in its file (most of them: DCP packs records end to end) into small reused buffers this way,
-instead of copying the whole tensor into fresh memory first.
+digest that `detrace.fingerprint` gives for the whole tensor. Verify hashes a checkpoint's records this way, a
+piece per thread: straight from the mapped file where the native kernel runs (it reads words at any alignment, and
+each call hashes its piece on its own thread: the threads are the pieces'), else read into small aligned buffers.
 """
 
 from __future__ import annotations
@@ -12,14 +12,26 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import torch
 
 from detrace.digest.inputs import dtype_name
-from detrace.digest.kernels import device_tables, kernel, selected_backend
-from detrace.digest.scheme import ROW_BYTES, Fingerprint, add, header
+from detrace.digest.kernels import device_tables, kernel, native_rows, runs_native, selected_backend
+from detrace.digest.scheme import ROW_BYTES, Fingerprint, add, header, np_total
 
 PIECE_ALIGN = ROW_BYTES
 """Every piece but the last starts and ends on a row boundary."""
+
+
+def _backend() -> str:
+    backend = selected_backend()
+    return "eager" if backend == "reference" else backend
+
+
+def hashes_in_place(scheme: str) -> bool:
+    """Whether pieces in `scheme` are hashed by the native kernel, which reads them at any address (else each piece
+    must be 8-byte aligned)."""
+    return runs_native(_backend(), scheme)
 
 
 class StreamedFingerprint:
@@ -29,17 +41,18 @@ class StreamedFingerprint:
     def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], scheme: str) -> None:
         self.dtype, self.shape, self.scheme = dtype, shape, scheme
         self.nbytes = math.prod(shape) * dtype.itemsize
-        backend = selected_backend()
-        self._backend = "eager" if backend == "reference" else backend
+        self._backend = _backend()
+        self._native = runs_native(self._backend, scheme)
         self._total = 0
         self._lock = threading.Lock()
         # The row keys, taken now: `add` runs in threads, and the shared table may be replaced while it grows.
         self._keys = device_tables(torch.device("cpu")).rowkeys(-(-self.nbytes // ROW_BYTES), scheme)
 
-    def add(self, data: torch.Tensor, at: int) -> None:
-        """Add bytes [at, at + len(data)) of the tensor: `data` a 1-D uint8 CPU tensor, 8-byte aligned, `at` a
-        multiple of 4096, and its end a multiple of 4096 unless it is the tensor's end. Thread-safe."""
-        count = data.numel()
+    def add(self, data: np.ndarray, at: int) -> None:
+        """Add bytes [at, at + len(data)) of the tensor: `data` 1-D uint8, 8-byte aligned unless
+        `hashes_in_place(scheme)`, `at` a multiple of 4096, and its end a multiple of 4096 unless it is the tensor's
+        end. Thread-safe."""
+        count = data.size
         if at % ROW_BYTES or at + count > self.nbytes or (count % ROW_BYTES and at + count != self.nbytes):
             raise ValueError(f"a piece at {at} of {count} bytes does not fit a tensor of {self.nbytes} bytes")
         if count == 0:
@@ -47,12 +60,16 @@ class StreamedFingerprint:
         rows = -(-count // ROW_BYTES)
         first = at // ROW_BYTES
         if count % ROW_BYTES:  # the last row, zero-padded as the definition pads it
-            padded = torch.zeros(rows * ROW_BYTES, dtype=torch.uint8)
+            padded = np.zeros(rows * ROW_BYTES, dtype=np.uint8)
             padded[:count] = data
             data = padded
-        words = data.view(torch.int64).view(rows, ROW_BYTES // 8)
         keys = self._keys[first : first + rows]
-        partial = int(kernel("total", words, keys, self._backend, self.scheme).numpy().view("uint64")[0])
+        if self._native:  # on this thread only: the caller's threads share the pieces
+            sums = native_rows(data.reshape(rows, ROW_BYTES), keys.numpy().view(np.uint64), self.scheme, threads=1)
+            partial = np_total(sums, self.scheme)
+        else:
+            words = torch.from_numpy(data).view(torch.int64).view(rows, ROW_BYTES // 8)
+            partial = int(kernel("total", words, keys, self._backend, self.scheme).numpy().view("uint64")[0])
         with self._lock:
             self._total = add(self._total, partial, self.scheme)
 

@@ -15,7 +15,7 @@ from detrace.recipe import UNSET, Finding, applied_strict, inductor_option, judg
 
 def audit() -> list[Finding]:
     """Every switch of the recipe as it stands in this process, then the risks the recipe cannot remove."""
-    return [_torch_release(), *judge(applied_strict()), *_kernel_routes(), _fingerprint_kernel(), *_risks()]
+    return [_torch_release(), *judge(applied_strict()), *_kernel_routes(), *_fingerprint_kernels(), *_risks()]
 
 
 def _torch_release() -> Finding:
@@ -28,16 +28,23 @@ def _torch_release() -> Finding:
                           "shims may not hold here (a missing one is reported by name when used)")
 
 
-def _fingerprint_kernel() -> Finding:
-    """Which kernel fingerprints CPU tensors: the native one built at install, or the slower fallbacks."""
-    from detrace.digest.native import kernel
+def _fingerprint_kernels() -> list[Finding]:
+    """Which kernel fingerprints CPU tensors in each scheme: the native one built at install (its vector path on
+    this CPU, its compiler), or the slower fallbacks."""
+    from detrace.digest.native import kernel, kernel2
 
-    if kernel.usable:
-        return Finding(name="detrace fingerprint kernel (CPU)", value="native", status="ok",
-                       detail="the C kernel compiled at install hashes CPU tensors from the first call")
-    return Finding(name="detrace fingerprint kernel (CPU)", value="NumPy/eager", status="ok",
-                   detail=f"the same bits, several times slower: {kernel.failed}; reinstall detrace where a C "
-                          "compiler is present")
+    findings = []
+    for scheme, native in (("fp1", kernel), ("fp2", kernel2)):
+        name = f"detrace fingerprint kernel {scheme} (CPU)"
+        if native.usable:
+            findings.append(Finding(name=name, value="native", status="ok",
+                                    detail=f"the C kernel compiled at install, {native.build}: full speed from "
+                                           "the first call"))
+        else:
+            findings.append(Finding(name=name, value="NumPy/eager", status="ok",
+                                    detail=f"the same bits, several times slower: {native.failed}; reinstall "
+                                           "detrace where a C compiler is present"))
+    return findings
 
 
 def _kernel_routes() -> list[Finding]:

@@ -33,10 +33,11 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from detrace.digest.scheme import Fingerprint
-from detrace.digest.stream import PIECE_ALIGN, StreamedFingerprint
+from detrace.digest.stream import PIECE_ALIGN, StreamedFingerprint, hashes_in_place
 from detrace.errors import CheckpointCorrupted, CheckpointError
 
 _DATA = "/data/0"
@@ -151,11 +152,19 @@ class _File:
             raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
         self.size = os.fstat(self.fd).st_size
         self._map: mmap.mmap | None = None
+        self._bytes: np.ndarray | None = None
 
     def mapped(self) -> mmap.mmap:
+        """The file mapped (made by the caller's thread, `_start`, before any piece of it is hashed)."""
         if self._map is None:
             self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         return self._map
+
+    def bytes(self) -> np.ndarray:
+        """The mapped file as uint8, for the pool's threads: `mapped` was called first."""
+        assert self._bytes is not None
+        return self._bytes
 
     def close(self) -> None:
         os.close(self.fd)  # the map, if any, stays valid while tensors use it and goes with the last of them
@@ -185,17 +194,19 @@ def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
             batches[-1].append(item)
             size += item.frame.data_bytes
         workers = max(1, workers)
-        buffers: SimpleQueue[torch.Tensor] = SimpleQueue()
-        for _ in range(workers):
-            buffers.put(torch.empty(_PIECE, dtype=torch.uint8))
+        buffers: SimpleQueue[np.ndarray] | None = None
+        if not hashes_in_place(scheme):
+            buffers = SimpleQueue()
+            for _ in range(workers):
+                buffers.put(np.empty(_PIECE, dtype=np.uint8))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detrace-verify") as pool:
             pending = _start(pool, files, batches[0], buffers, scheme)
             for index in range(len(batches)):
                 started, futures = pending
+                if index + 1 < len(batches):  # queued behind this batch's pieces: the pool never waits for the caller
+                    pending = _start(pool, files, batches[index + 1], buffers, scheme)
                 for future in futures:
                     future.result()
-                if index + 1 < len(batches):
-                    pending = _start(pool, files, batches[index + 1], buffers, scheme)
                 yield [(item, _result(files[item.file], item, found)) for item, found in started]
     finally:
         for file in files.values():
@@ -203,9 +214,11 @@ def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
 
 
 def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted],
-           buffers: SimpleQueue[torch.Tensor], scheme: str
+           buffers: SimpleQueue[np.ndarray] | None, scheme: str
            ) -> tuple[list[tuple[Wanted, StreamedFingerprint | CheckpointCorrupted | None]], list[Future[None]]]:
-    """Check the frames of a batch, ask the kernel to read ahead what is mapped, and start hashing the rest."""
+    """Check the frames of a batch, ask the kernel to read ahead what is mapped, and start hashing pieces in the
+    pool: every record's, from the map, where the native kernel runs (`buffers` None); else those not aligned,
+    read into `buffers`, while the caller hashes the aligned ones, mapped."""
     started: list[tuple[Wanted, StreamedFingerprint | CheckpointCorrupted | None]] = []
     futures: list[Future[None]] = []
     for item in batch:
@@ -214,9 +227,12 @@ def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted
         at = item.start + item.frame.data_at
         if damage is not None or item.frame.data_bytes == 0:
             started.append((item, damage))
-        elif at % max(_ALIGN, item.dtype.itemsize) == 0:  # mapped in place: read ahead while the last batch hashes
+            continue
+        aligned = at % max(_ALIGN, item.dtype.itemsize) == 0
+        if buffers is None or aligned:  # mapped: read ahead while the batch before is hashed
             first = at - at % mmap.PAGESIZE
             file.mapped().madvise(mmap.MADV_WILLNEED, first, at + item.frame.data_bytes - first)
+        if buffers is not None and aligned:  # the caller hashes it, mapped
             started.append((item, None))
         else:
             streamed = StreamedFingerprint(item.dtype, item.shape, scheme)
@@ -228,10 +244,13 @@ def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted
 
 
 def _hash_piece(file: _File, at: int, piece: int, count: int, streamed: StreamedFingerprint,
-                buffers: SimpleQueue[torch.Tensor]) -> None:
+                buffers: SimpleQueue[np.ndarray] | None) -> None:
+    if buffers is None:  # the native kernel reads the mapped file in place, at any alignment
+        streamed.add(file.bytes()[at + piece : at + piece + count], piece)
+        return
     buffer = buffers.get()
     try:
-        _pread(file, memoryview(buffer.numpy().data)[:count], at + piece)
+        _pread(file, buffer.data[:count], at + piece)
         streamed.add(buffer[:count], piece)
     finally:
         buffers.put(buffer)

@@ -35,12 +35,13 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "pp-plain": (("pp", None), ("dp", None)),
     "ep-invariant": (("dp", None), ("ep", None)),
     "ep-plain": (("dp", None), ("ep", None)),
+    "ep-fsdp-invariant": (("fsdp", None), ("ep", None)),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T; the ep- layouts' from
-`setup(kind, dp=D)`: dp = D, ep = W / D."""
+`setup(kind, dp=D, tp=T)`: dp = D (ep-fsdp-invariant: fsdp = D), ep = W / (D T), tp = T (ep-invariant only)."""
 
 INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant", "pp-plain",
-             "ep-invariant", "ep-plain")
+             "ep-invariant", "ep-plain", "ep-fsdp-invariant")
 """Layouts whose every rank reads the whole global batch and computes its block of the M microbatches, summed in the
 fixed tree of `detrace.parallel.data` over the dp ranks (tp-plain: plain tensor parallelism inside, the control of
 tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.parallel.fsdp`; fsdp-plain:
@@ -102,8 +103,9 @@ class Layout:
 def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
     tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
-    (data-parallel over the rest), `dp` the replicas of the fsdp layouts (each sharded over the rest) and of the ep
-    layouts (the experts split over the rest)."""
+    (data-parallel over the rest) and of the fsdp layouts (each stage sharded over the rest), `dp` the replicas of the
+    fsdp layouts (each sharded over the rest) and of the ep layouts' experts (split over the rest; on
+    ep-fsdp-invariant the replicas are its fsdp dimension)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -118,15 +120,23 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
         if pp < 2 or world % (pp * tp):
             raise UsageError(f"--parallel {kind} needs 2 or more stages dividing the world size {world}")
         return _mesh(kind, world, {"pp": pp, "dp": world // (pp * tp), **({"tp": tp} if tp > 1 else {})}, cuda)
+    if kind in ("fsdp-invariant", "fsdp-plain") and pp > 1:  # pp x fsdp: each stage sharded over the rest
+        if tp * dp > 1 or world % pp or (world // pp) & (world // pp - 1):
+            raise UsageError(f"the stages' FSDP shards must be a power of two dividing the world size {world}")
+        return _mesh(kind, world, {"pp": pp, "fsdp": world // pp}, cuda)
     if kind in ("fsdp-invariant", "fsdp-plain") and tp * dp > 1:
         if tp & (tp - 1) or dp & (dp - 1) or world % (tp * dp):
             raise UsageError(f"--tp and the replicas must be powers of two dividing the world size {world}")
         return _mesh(kind, world, {**({"dp": dp} if dp > 1 else {}), "fsdp": world // (tp * dp),
                                    **({"tp": tp} if tp > 1 else {})}, cuda)
-    if kind in ("ep-invariant", "ep-plain"):
-        if dp < 1 or world % dp or (world // dp) & (world // dp - 1):
+    if kind in ("ep-invariant", "ep-plain", "ep-fsdp-invariant"):
+        if tp > 1 and kind != "ep-invariant":
+            raise UsageError(f"--parallel {kind} has no tensor-parallel dimension")
+        ep = world // (dp * tp)
+        if dp < 1 or world % (dp * tp) or ep & (ep - 1):
             raise UsageError(f"the expert-parallel size must be a power of two dividing the world size {world}")
-        return _mesh(kind, world, {"dp": dp, "ep": world // dp}, cuda)
+        return _mesh(kind, world, {("fsdp" if kind == "ep-fsdp-invariant" else "dp"): dp, "ep": ep,
+                                   **({"tp": tp} if tp > 1 else {})}, cuda)
     if kind in ("tp-invariant", "tp-plain"):
         if tp < 1 or tp & (tp - 1) or world % tp:
             raise UsageError(f"--tp must be a power of two dividing the world size {world}, not {tp}")

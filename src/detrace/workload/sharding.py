@@ -20,9 +20,13 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | fsdp-plain | dp=D, fsdp=W/D | as fsdp-invariant, D replicas (the control) | fully_shard's HSDP (all-reduce over dp) |
 | fsdp-invariant | fsdp=W/T, tp=T | tp-invariant's chunks, sharded over fsdp | the tree in the reduce-scatter |
 | pp-invariant | pp=P, dp=W/(PT), tp=T | layers over pp; dp-invariant's blocks; tp chunks | tree per stage, over dp |
+| fsdp-invariant | pp=P, fsdp=W/P | layers over pp; stages sharded; blocks over fsdp | tree in reduce-scatter |
+| fsdp-plain | pp=P, fsdp=W/P | as fsdp-invariant (the control)             | torch's stage on fully_shard  |
 | pp-plain | pp=P, dp=W/P | as pp-invariant (the control)                 | autograd's running sum, tree over dp |
 | ep-invariant | dp=W/E, ep=E | dp-invariant's over dp x ep; experts over ep | fixed trees (experts: per source) |
 | ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |
+| ep-invariant | ep=W/T, tp=T | ep-invariant's; tp-invariant's chunks over tp | fixed trees over ep (chunks too) |
+| ep-fsdp-invariant | fsdp=W/E, ep=E | ep-invariant's; the rest sharded over all | tree in the reduce-scatter; experts |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -52,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stage
+from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stage, reducing_pipeline_stage
 from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, LossOf, _digests, invariant_backward, owned_microbatches
 from detrace.parallel.expert import FixedOrderExperts
@@ -221,16 +225,19 @@ class _InvariantPipeline:
     """pp-invariant's bookkeeping on one stage: the tree over microbatch gradients and the seeded forwards
     (`detrace.parallel.pipeline`), and each microbatch's logged values, reduced to the bits that dp-invariant
     computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
-    model order)."""
+    model order). Under pp x fsdp the stage's fsdp ranks are its data blocks, and the tree is in its reduce-scatter
+    (`detrace.parallel.fsdp`)."""
 
     def __init__(self, model: HybridLM, microbatches: int, layout: Layout) -> None:
-        dp = layout.size("dp")
-        if microbatches % dp:
-            raise UsageError(f"{microbatches} microbatches do not split evenly over {dp} data-parallel ranks")
+        # the data blocks: over dp, or over fsdp (a layout names one of them besides pp)
+        self.blocks = layout.size("dp") * layout.size("fsdp")
+        self.block = layout.coord("dp") * layout.size("fsdp") + layout.coord("fsdp")
+        if microbatches % self.blocks:
+            raise UsageError(f"{microbatches} microbatches do not split evenly over {self.blocks} data-parallel ranks")
         self.M, self.device, self.layout = microbatches, layout.device, layout
         # this rank's block of the global microbatches, as in detrace.parallel.data
-        self.n = microbatches // dp
-        self.first = layout.coord("dp") * self.n
+        self.n = microbatches // self.blocks
+        self.first = self.block * self.n
         # the whole model's order, before the stage is cut out of it; under tp, tp-invariant's order by global name
         # (`by_global_name`), whose chunks one tp rank holds each
         self.tp = layout.size("tp") > 1
@@ -241,8 +248,9 @@ class _InvariantPipeline:
         self.forwards = 0
 
     def attach(self, stage: HybridLM, cfg: ModelConfig, *, tree: bool) -> None:
-        """`tree`: sum the microbatches' gradients in the fixed tree; else (pp-plain, the control) in autograd's
-        running sum, in the order the schedule runs the backwards."""
+        """`tree`: sum the microbatches' gradients in the fixed tree here; else in the stage's fixed-order
+        reduce-scatter (pp x fsdp), or (pp-plain, the control) in autograd's running sum, in the order the schedule
+        runs the backwards."""
         from detrace.parallel.pipeline import SeededForwards, TreeGradients
 
         self.stage, self.cfg = stage, cfg
@@ -294,11 +302,15 @@ class _InvariantPipeline:
 
         squares = torch.zeros(len(self.names), device=self.device)
         index = {n: i for i, n in enumerate(self.names)}
+        # the dp replicas hold the same gradient, the fsdp ranks gather the same whole one, and so do the tp ranks of
+        # a parameter that is not a chunk: the first of them counts it
+        first = self.layout.coord("dp") == 0 and self.layout.coord("fsdp") == 0
         for name, p in self.stage.named_parameters():
-            # the dp replicas hold the same gradient, and so do the tp ranks of a parameter that is not a chunk
-            if p.grad is not None and self.layout.coord("dp") == 0 and (name in self.chunked
-                                                                         or self.layout.coord("tp") == 0):
-                squares[index[name]] = p.grad.float().square().sum()
+            if p.grad is None:
+                continue
+            grad = _whole(p.grad)  # fsdp: gathered (a collective over the stage's fsdp ranks), an exact copy
+            if first and (name in self.chunked or self.layout.coord("tp") == 0):
+                squares[index[name]] = grad.float().square().sum()
         if self.layout.coord("tp") > 0:  # the tp ranks of a stage log the same values: the first counts them
             self.table.zero_()
         mine = torch.cat([self.table.reshape(-1), squares])
@@ -326,11 +338,15 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
 
 
 class _ExpertParallel:
-    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (ep and dp are both data
-    dimensions); the non-expert parameters' gradients are summed in the fixed tree over the world
-    (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant), or by autograd
-    over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum over the dp
-    replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`)."""
+    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (dp, fsdp and ep are data
+    dimensions; tp ranks share their block); the non-expert parameters' gradients are summed in the fixed tree over
+    the data ranks (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant),
+    or by autograd over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum
+    over the dp replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`). Under tp (epExtpT) the attention
+    and dense MLP projections are tp-invariant's chunks, each summed over the ep ranks; the experts' ep group is that
+    of the rank's tp coordinate. ep-fsdp-invariant (fsdpFxepE): the experts' replicas are the fsdp ranks, and the
+    other parameters are `fully_shard`ed over fsdp x ep (every rank: its data ranks, as torchtitan shards them over
+    the data dimensions that ep borrows from) with fsdp-invariant's reduce-scatter, the same tree."""
 
     def __init__(self, model: HybridLM, microbatches: int, layout: Layout, *, invariant: bool) -> None:
         if model.cfg.recompute:
@@ -339,32 +355,51 @@ class _ExpertParallel:
         self.microbatches, self.layout, self.invariant = microbatches, layout, invariant
         named = list(model.named_parameters())
         sharded = layout.size("ep") > 1
+        data = layout.size("dp") * layout.size("fsdp") * layout.size("ep")
+        # the data ranks: the world, or under tp the ep group (the tp ranks of a block compute alike)
+        self.group = layout.group("ep") if layout.size("tp") > 1 else None
         # one process (ep1) is dp-invariant: every parameter in the tree of invariant_backward (the plain control
         # too: its experts are the ordinary accumulation only where they are split)
         self.experts = [p for n, p in named if _is_expert(n)] if sharded else []
         self.dense = [p for n, p in named if not (sharded and _is_expert(n))]
         self.plain_experts = sharded and not invariant
-        self.replicas = layout.group("dp") if sharded and layout.size("dp") > 1 else None
+        other = "fsdp" if layout.size("fsdp") > 1 else "dp"
+        self.replicas = layout.group(other) if sharded and layout.size(other) > 1 else None
         self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
         if sharded and invariant:
             for moe in model.moe_layers():
                 params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
-                exchange = FixedOrderExperts(functools.partial(_locals, params),
-                                             microbatches=microbatches // layout.world, group=layout.group("ep"),
-                                             replicas=self.replicas)
+                exchange = FixedOrderExperts(functools.partial(_locals, params), microbatches=microbatches // data,
+                                             group=layout.group("ep"), replicas=self.replicas)
                 moe.exchange = exchange
                 self.exchanges.append((params, exchange))
+        self.comms: list[FixedOrderReduceScatter] = []
+        if layout.size("fsdp") > 1 and sharded:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            # the world in rank order is the data blocks' order (fsdp outer, ep inner): fsdp4's reduce-scatter
+            world = dist.group.WORLD
+            assert world is not None  # the layout's mesh started torch.distributed
+            mesh = DeviceMesh.from_group(world, layout.device.type, mesh_dim_names=("data",))
+            experts = set(self.experts)  # split over ep, replicas over fsdp: FixedOrderExperts sums them
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=mesh, ignored_params=experts)
+            fully_shard(model, mesh=mesh, ignored_params=experts)
+            self.comms = shard_invariantly(model, microbatches=microbatches // data)
 
     def backward(self, loss_of: LossOf) -> torch.Tensor:
-        """One step's gradients: the dense ones in the tree over the world's blocks, the experts' as above. Returns
-        the tree's sums of the logged values."""
+        """One step's gradients: the dense ones in the tree over the data ranks' blocks (in their reduce-scatter when
+        sharded), the experts' as above. Returns the tree's sums of the logged values."""
         from torch.distributed.tensor import DTensor
 
         for p in self.experts:
             p.grad = None
         for _, exchange in self.exchanges:
             exchange.begin()
-        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches)
+        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches, group=self.group,
+                                     sharded=bool(self.comms))
+        check_complete(self.comms)
         for params, exchange in self.exchanges:
             for p, g in zip(params, exchange.finish(), strict=True):
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
@@ -392,6 +427,15 @@ class ParallelModel:
         self.module: nn.Module = self.raw
         self.schedule: Any = None  # a torch.distributed.pipelining schedule, under --parallel pp
         kind = layout.kind
+        self.invariant: InvariantDataParallel | None = None
+        self._invariant_sums: torch.Tensor | None = None
+        self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
+        self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
+        self._comms: list[FixedOrderReduceScatter] = []  # fsdp-invariant's reduce-scatters
+        self._pipeline: _InvariantPipeline | None = None
+        self._ep: _ExpertParallel | None = None
+        if kind in INVARIANT and (microbatches is None or batch_size % microbatches):
+            raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
         if layout.size("ep") > 1:
             _shard_experts(self.raw, layout)
         if kind == "ddp":
@@ -413,27 +457,30 @@ class ParallelModel:
             # dimension only; dp x fsdp plain: fully_shard's HSDP on the whole mesh (reduce-scatter, then all-reduce)
             if layout.size("tp") > 1 or (layout.size("dp") > 1 and kind == "fsdp-invariant"):
                 mesh = layout.mesh["fsdp"]
+            if layout.size("pp") > 1:  # pp x fsdp: each stage's layers, sharded over its fsdp ranks
+                assert microbatches is not None
+                self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)  # the whole model's names first
+                _pipeline_stage(self.raw, layout.coord("pp"), layout.size("pp"))
+                mesh = layout.mesh["fsdp"]
             for layer in self.raw.layers.values():
                 fully_shard(layer, mesh=mesh)
             fully_shard(self.raw, mesh=mesh)
         elif kind == "tp":
             _tensor_parallel(self.raw, layout)
-        elif kind in ("tp-invariant", "tp-plain") or (kind == "pp-invariant" and layout.size("tp") > 1):
-            _chunked_tensor_parallel(self.raw, layout, kind.removeprefix("tp-").removeprefix("pp-"))
-        self.invariant: InvariantDataParallel | None = None
-        self._invariant_sums: torch.Tensor | None = None
-        self._tp_group = layout.group("tp") if layout.size("tp") > 1 else None
-        self._fsdp: tuple[int, dist.ProcessGroup | None] | None = None  # (M, group) of the fsdp layouts
-        self._comms: list[FixedOrderReduceScatter] = []  # fsdp-invariant's reduce-scatters
-        self._pipeline: _InvariantPipeline | None = None
-        self._ep: _ExpertParallel | None = None
+        elif kind in ("tp-invariant", "tp-plain") or (kind in ("pp-invariant", "ep-invariant")
+                                                       and layout.size("tp") > 1):
+            _chunked_tensor_parallel(self.raw, layout, "plain" if kind == "tp-plain" else "invariant")
         if kind in INVARIANT:
-            if microbatches is None or batch_size % microbatches:
-                raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
+            assert microbatches is not None
             if kind in ("pp-invariant", "pp-plain") and layout.mesh is not None:
                 self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)
-                self._build_pipeline(batch_size // layout.size("dp"), seq_len,
-                                     microbatches=microbatches // layout.size("dp"), schedule=schedule)
+            if self._pipeline is not None:
+                blocks = self._pipeline.blocks
+                if layout.size("fsdp") > 1:  # the tree over the global microbatches in each stage's reduce-scatter
+                    # (fsdp-plain, the control: torch's stage, fully_shard's accumulation and one reduce-scatter)
+                    self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
+                self._build_pipeline(batch_size // blocks, seq_len, microbatches=microbatches // blocks,
+                                     schedule=schedule)
             elif kind.startswith("fsdp-"):
                 # the data blocks are over dp x fsdp (world rank d F + f, dp x fsdp the whole mesh), or over fsdp
                 group = None if layout.mesh is None else dist.group.WORLD if layout.size("dp") > 1 \
@@ -441,7 +488,7 @@ class ParallelModel:
                 self._fsdp = microbatches, group
                 self._shard_fsdp(microbatches, invariant=kind == "fsdp-invariant")
             elif kind.startswith("ep-"):
-                self._ep = _ExpertParallel(self.raw, microbatches, layout, invariant=kind == "ep-invariant")
+                self._ep = _ExpertParallel(self.raw, microbatches, layout, invariant=kind != "ep-plain")
             else:
                 dp = layout.group("dp") if layout.mesh is not None else None
                 self.invariant = InvariantDataParallel(self.raw, microbatches=microbatches, group=dp)
@@ -481,7 +528,8 @@ class ParallelModel:
             raise UsageError(f"pipeline schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
         layout = self.layout
         stage, stages = layout.coord("pp"), layout.size("pp")
-        _pipeline_stage(self.raw, stage, stages)
+        if layout.size("fsdp") == 1:  # pp x fsdp: the stage was cut before fully_shard
+            _pipeline_stage(self.raw, stage, stages)
         # Example microbatches for the stage's input and output, so the stage does not infer shapes with
         # an extra forward (which would run the MoE layers once more than the schedule does).
         mb, cfg, dev = batch_size // microbatches, self.cfg, layout.device
@@ -489,27 +537,29 @@ class ParallelModel:
         tokens = torch.zeros(mb, seq_len, dtype=torch.long, device=dev)
         logits = torch.empty(mb, seq_len, *((2,) if cfg.mtp else ()), cfg.vocab_size, device=dev)
         invariant = self._pipeline is not None
+        where: dict[str, Any] = {"submodule": self.raw, "stage_index": stage, "num_stages": stages, "device": dev,
+                                 "input_args": tokens if stage == 0 else hidden,
+                                 "output_args": logits if stage == stages - 1 else hidden, "group": layout.group("pp")}
+        # pp x fsdp: every microbatch's backward reduce-scatters (the tree's leaves, in microbatch order), each onto
+        # cleared sharded gradients: fully_shard assigns the last one's output (the tree) instead of adding it to the
+        # zeros the earlier ones output (+0 + -0 would lose a zero's sign)
         self.schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(
-            PipelineStage(
-                self.raw,
-                stage,
-                stages,
-                dev,
-                input_args=tokens if stage == 0 else hidden,
-                output_args=logits if stage == stages - 1 else hidden,
-                group=layout.group("pp"),
-            ),
+            reducing_pipeline_stage(self._clear_gradients, **where) if self._comms else PipelineStage(**where),
             n_microbatches=microbatches,
             loss_fn=self._pipeline.loss if self._pipeline is not None else self._loss,
             # pp-invariant: the loss is divided by M and the gradients summed in the tree, never scaled after
             scale_grads=not invariant,
         )
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # pp x fsdp: the tree is the reduce-scatter's
             self._pipeline.attach(self.raw, self.cfg, tree=self.layout.kind == "pp-invariant")
         # Set up before training, not at the first step: a resumed process's first step makes the calls of a run
         # that never stopped (`detrace check-resume`).
         target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None
         initialize_pipeline_stage(self.schedule, (tokens,) if stage == 0 else (), {}, target)
+
+    def _clear_gradients(self) -> None:
+        for p in self.raw.parameters():
+            p.grad = None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lm, mtp = lm_losses(logits, targets)
@@ -521,9 +571,9 @@ class ParallelModel:
         """One step's forward and backward on this rank's batch; afterwards every gradient is final."""
         self._lm, self._mtp = [], []
         if self._pipeline is not None:
-            # this data-parallel rank's block of the global batch: its microbatches [d n, (d + 1) n)
-            inputs = inputs.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
-            targets = targets.chunk(self.layout.size("dp"))[self.layout.coord("dp")]
+            # this data-parallel (or fsdp) rank's block of the global batch: its microbatches [d n, (d + 1) n)
+            blocks, block = self._pipeline.blocks, self._pipeline.block
+            inputs, targets = inputs.chunk(blocks)[block], targets.chunk(blocks)[block]
             with self._pipeline.step():
                 if self.layout.coord("pp") == 0:
                     self.schedule.step(inputs)
@@ -531,6 +581,7 @@ class ParallelModel:
                     self.schedule.step(target=targets, losses=[])
                 else:
                     self.schedule.step()
+            check_complete(self._comms)
             return
         if self.invariant is not None or self._fsdp is not None or self._ep is not None:
             self._invariant_step(inputs, targets)
@@ -565,7 +616,7 @@ class ParallelModel:
         if self._fsdp is not None:
             M, group = self._fsdp
         elif self._ep is not None:
-            M, group = self._ep.microbatches, None
+            M, group = self._ep.microbatches, self._ep.group
         else:
             assert self.invariant is not None
             M, group = self.invariant.microbatches, None
@@ -594,18 +645,35 @@ class ParallelModel:
             _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
-    def fingerprint(self) -> tuple[str, dict[str, str]]:
+    def fingerprint(self) -> tuple[str, dict[str, str]] | None:
         """The `final params` line's fingerprint of every parameter of the whole model in name order (the
         fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T; and on the
         fsdp layouts each parameter's fingerprint by name (the `final param` lines: each rank holds shards, which
-        the tracer records, so these name the parameter that differs)."""
+        the tracer records, so these name the parameter that differs). A pipeline's stages each give their own
+        parameters' entries; None for a pipeline under tp (not built). Collective: every rank calls it."""
         from detrace.digest import fingerprint
 
+        if self._pipeline is not None and self._tp_group is not None:
+            return None
         named = list(self.raw.named_parameters())
         whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
+        if self._pipeline is not None:  # the whole model's vector as `by_global_name`'s (by sorted name), each entry
+            # from the stage that holds it (x + 0 is x)
+            index = {n: i for i, n in enumerate(sorted(self._pipeline.names))}
+            mine = torch.zeros(len(index), dtype=torch.int64, device=self.layout.device)
+            for name, digest in digests.items():
+                mine[index[name]] = digest
+            every = [torch.empty_like(mine) for _ in range(self.layout.size("pp"))]
+            dist.all_gather(every, mine, group=self.layout.group("pp"))
+            vector = every[0].clone()
+            for other in every[1:]:
+                vector += other
+            digests = dict(zip(index, vector.unbind(), strict=True))
         each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
-            if (self._fsdp is not None or self._ep is not None) and self._tp_group is None else {}
+            if self.layout.kind.startswith(("fsdp-", "ep-")) and self._tp_group is None else {}
+        if self._pipeline is not None:
+            return fingerprint(torch.stack(list(digests.values()))).hex, each
         return fingerprint(by_global_name(self.raw, digests, dtype=torch.int64, group=self._tp_group)).hex, each
 
     def _owned(self, name: str, param: torch.Tensor) -> bool:

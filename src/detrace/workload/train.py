@@ -101,11 +101,13 @@ class TrainConfig:
     schedule: str = "1f1b"
     """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
     stages: int = 1
-    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks)."""
+    """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks); fsdp-invariant,
+    fsdp-plain: the stages of a ppPxfsdpF layout (each sharded over world / P ranks)."""
     replicas: int = 1
     """--parallel fsdp-invariant, fsdp-plain: data-parallel replicas D of the sharded model (a named dpDxfsdpF
     layout: each replica's F ranks shard it; HSDP); ep-invariant, ep-plain: the replicas of the experts (a named
-    epExdpD layout: each replica's E ranks split the experts)."""
+    epExdpD layout: each replica's E ranks split the experts); ep-fsdp-invariant: the same over the fsdp dimension
+    (a named fsdpFxepE layout)."""
     spike: str | None = None
     """A planted loss spike at global step `spike_step` (off by default), each reproducible from a checkpoint:
     "data": the batch of that step is poisoned (every sequence one repeated token); "state": the optimizer step
@@ -153,15 +155,17 @@ class TrainConfig:
                              "dispatch's backward races)")
         if self.schedule not in parallel.SCHEDULES:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
-        if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain")):
-            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant or pp-plain")
+        if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain") and not (
+                self.parallel.startswith("fsdp-") and self.tp == 1 and self.replicas == 1)):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant, pp-plain, or an fsdp "
+                             "layout on a ppPxfsdpF mesh")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
-                                                                                      "pp-invariant")):
+                                                                                      "pp-invariant", "ep-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
         if self.replicas < 1 or (self.replicas != 1 and not (self.parallel.startswith("ep-") or (
                 self.parallel.startswith("fsdp-") and self.tp == 1))):
             raise UsageError("data-parallel replicas of a sharded model go with --parallel invariant or plain on a "
-                             "dpDxfsdpF or epExdpD layout")
+                             "dpDxfsdpF or epExdpD layout, or invariant on fsdpFxepE")
 
     def model_config(self) -> ModelConfig:
         base = PRESETS[self.preset]["model"]
@@ -229,6 +233,9 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     t = named.size("tp")
     if "ep" in dict(named.sizes) and set(dict(named.sizes)) <= {"dp", "ep"}:  # ep1 too: its own final param lines
         return f"ep-{parallel}", 1, 1, named.size("dp")
+    if "ep" in dict(named.sizes) and parallel == "invariant" and named.dims in ({"fsdp", "ep"}, {"ep", "tp"}):
+        # fsdpFxepE: the experts' replicas are the fsdp ranks, the other parameters sharded over fsdp x ep
+        return ("ep-fsdp-invariant" if "fsdp" in named.dims else "ep-invariant"), t, 1, named.size("fsdp")
     if "fsdp" not in dict(named.sizes) and named.dims <= {"dp", "tp"} and (parallel == "invariant" or t > 1):
         # a named tp (1x1 too) runs the chunked projections, whose bits are the same at every T (not dp's)
         return ("tp-" + parallel if "tp" in dict(named.sizes) else "dp-invariant"), t, 1, 1
@@ -238,9 +245,11 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     if "pp" in dict(named.sizes) and (named.dims <= {"pp", "dp"} or (named.dims <= {"pp", "tp"}
                                                                     and parallel == "invariant")):
         return f"pp-{parallel}", t, named.size("pp"), 1
+    if named.dims == {"pp", "fsdp"}:  # each stage sharded: the tree in its reduce-scatter, or (plain) torch's stage
+        return f"fsdp-{parallel}", 1, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp), ppPxdpD, dpDxfsdpF, epE, epExdpD and, invariant only, ppPxtpT and "
-                     "fsdpFxtpT layouts")
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD, ppPxfsdpF, dpDxfsdpF, epE, epExdpD and, invariant only, "
+                     "ppPxtpT, fsdpFxtpT, fsdpFxepE and epExtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
@@ -351,7 +360,7 @@ def train(cfg: TrainConfig) -> None:
         # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
                                    elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1
-                                   and cfg.parallel not in ("pp-invariant", "pp-plain"))
+                                   and cfg.parallel not in ("pp-invariant", "pp-plain") and cfg.stages == 1)
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
@@ -386,8 +395,9 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
-        if cfg.parallel in layouts.INVARIANT and pm.schedule is None:  # a stage holds its own parameters only
-            final, each = pm.fingerprint()  # collective over tp and fsdp: every rank
+        finals = pm.fingerprint() if cfg.parallel in layouts.INVARIANT else None  # collective: every rank
+        if finals is not None:
+            final, each = finals
             if layout.rank == 0:
                 for name, digest in sorted(each.items()):
                     print(f"final param {name} {digest}")
