@@ -11,13 +11,13 @@ from detrace.cli.validate import main
 from detrace.investigate import validate
 from detrace.investigate.validate import CONFIGS, FAST, Cell, Config, table
 
-SINGLE = Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=2)
+SINGLE = next(config for config in CONFIGS if config.name == "single index")
 DDP = Config(name="ddp x2, one thread", nproc=2, args=("--parallel", "ddp"), threads=1)
 
 
 def test_commands_launch_the_trainer_directly_or_under_torchrun() -> None:
     single = SINGLE.command(steps=3, deterministic=False)
-    assert single[1:] == ["-m", "detrace.workload.train", "--steps", "3", "--threads", "2",
+    assert single[1:] == ["-m", "detrace.workload.train", "--steps", "3", "--threads", "8",
                           "--dispatch", "index", "--no-deterministic"]  # fmt: skip
     ddp = DDP.command(steps=3, deterministic=True)
     assert ddp[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
