@@ -33,11 +33,11 @@ def test_run_budget_is_stated() -> None:
     assert (BASE_RUNS, MAX_RUNS) == (7, 14)
 
 
-def test_default_command_is_the_index_dispatch_on_two_threads() -> None:
+def test_default_command_is_the_index_dispatch_on_more_threads_than_a_small_machines_cores() -> None:
     command = default_command()
     assert command[:3] == [sys.executable, "-m", "detrace.workload.train"]
     assert command[command.index("--dispatch") + 1] == "index"
-    assert command[command.index("--threads") + 1] == "2"
+    assert command[command.index("--threads") + 1] == "8"  # the race strikes on a busy machine too
 
 
 def test_default_out_is_fresh(tmp_path: Path) -> None:
