@@ -39,7 +39,11 @@ kernel, compute-bound) and the per-call Python path of the dispatch mode and the
 Measured with `--clock cpu` at load average 1.5-4.8, before -> after: `small` (6 and 8 rounds) module 1.090x
 [1.034, 1.148] -> 1.094x [1.065, 1.124], op 2.004x [1.907, 2.105] -> 2.013x [1.968, 2.060]; `tiny` (10 rounds)
 module 1.943x [1.694, 2.230] -> 1.887x [1.817, 1.960], op 9.03x -> 8.81x: no change the bench resolves on `small`
-(the walk was about 2% of its step), and the goals (module <= 1.10x, op <= 2x at the upper ends) are not met.
+(the walk was about 2% of its step), and the goals (module <= 1.10x, op <= 2x at the upper ends) were not met.
+Then fp1's C kernel gained an AVX-512 DQ clone (native 64-bit multiplies: 35 GiB/s per core in cache, against the
+AVX2 clone's 13.5), which cut the fingerprints' share of the step: on 2026-12-05 at load average 0.3-1.9, `small`
+(8 rounds) module 1.060x [1.034, 1.086], op 1.910x [1.824, 2.000]; `tiny` module 1.801x [1.715, 1.892], op 9.65x
+[8.21, 11.35]: both goals met on `small` at the upper ends, the op rung's only just.
 
     python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0] [--clock wall]
 """
