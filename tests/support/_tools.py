@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 
@@ -79,8 +80,6 @@ def flip_one_bit(directory: Path, tensor: torch.Tensor) -> None:
     raise AssertionError("the tensor's bytes are in no shard")
 
 
-
-
 def close_loader_workers(loader: object) -> None:
     """Stop a torchdata StatefulDataLoader's workers now, for a loop that ends mid-epoch. The loader keeps its
     iterator: left to the cyclic garbage collector (where the loader sits in a reference cycle, as accelerate's
@@ -88,3 +87,17 @@ def close_loader_workers(loader: object) -> None:
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
+
+
+def triton_tests() -> tuple[str, pytest.MarkDecorator]:
+    """For a module of Triton kernel tests, called before it imports the kernels: Triton's CPU interpreter unless
+    TRITON_INTERPRET says otherwise (the interpreter is chosen when triton.jit decorates a kernel), the module skipped
+    where triton is not installed (the test extras install it); returns the device the tests' tensors go to and the
+    module's `pytestmark`, which skips its tests where there is neither a CUDA device nor the interpreter."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    interpreted = os.environ["TRITON_INTERPRET"] == "1"
+    skip = pytest.mark.skipif(not interpreted and not torch.cuda.is_available(),
+                              reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    return ("cuda" if torch.cuda.is_available() and not interpreted else "cpu"), skip

@@ -5,23 +5,15 @@ Skipped only where triton is not installed (the test extras install it)."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-if not os.environ.get("TRITON_INTERPRET"):
-    # the interpreter is chosen when triton.jit decorates a kernel: set before detrace.digest._triton is imported
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
 import numpy as np
+import pytest
 import torch
+from _tools import triton_tests
 
 from detrace.digest import kernels, reference_fingerprint, scheme
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="the Triton kernel needs a CUDA device or TRITON_INTERPRET=1")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+device, pytestmark = triton_tests()  # before a test imports detrace.digest._triton
+DEVICE = torch.device(device)
 
 
 def test_fp2_triton_kernel_gives_the_definition_bits():

@@ -6,24 +6,15 @@ Skipped only where triton is not installed (the test extras install it)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-if not os.environ.get("TRITON_INTERPRET"):
-    # the interpreter is chosen when triton.jit decorates a kernel: set before detrace.ops._triton is imported
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
 import torch
+from _tools import triton_tests
 
-from detrace.ops import _triton, combine, grouped_mm, permute, route
-from detrace.ops.index import accumulate_rows_
-from detrace.ops.moe import fixed_sum
+DEVICE, pytestmark = triton_tests()  # before detrace.ops._triton is imported
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+from detrace.ops import _triton, combine, grouped_mm, permute, route  # noqa: E402
+from detrace.ops.index import accumulate_rows_  # noqa: E402
+from detrace.ops.moe import fixed_sum  # noqa: E402
 
 
 def _moe(dtype: torch.dtype, backend: str, block_d: int | None = None) -> list[torch.Tensor]:
