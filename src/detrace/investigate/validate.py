@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from detrace.errors import DetraceError
+from detrace.workload import RACING_THREADS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +55,6 @@ class Config:
         train = ["-m", "detrace.workload.train", "--steps", str(steps), "--threads", str(self.threads)]
         return [*launcher, *train, *self.args, recipe]
 
-
-RACING_THREADS = 8
-"""The single-process rows' threads: more than a small machine's cores, so that the operating system interleaves
-them and the index dispatch's race strikes where other work keeps the cores busy (at 2 threads on a busy core, two
-3-step runs agreed bit for bit 2 times in 3)."""
 
 CONFIGS: tuple[Config, ...] = (
     Config(name="single index", nproc=1, args=("--dispatch", "index"), threads=RACING_THREADS),

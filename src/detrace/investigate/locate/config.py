@@ -8,6 +8,7 @@ from pathlib import Path
 
 from detrace.analyze.replay_result import ReplayConfig
 from detrace.errors import UsageError
+from detrace.workload import RACING_THREADS
 
 BASE_RUNS = 7
 """Runs of a ladder whose every narrower pair reproduces the divergence: 2 + 2 + 2 + 1."""
@@ -26,11 +27,10 @@ are all kept, in OUT/checkpoints: a long run of a large model wants a larger `--
 
 
 def default_command(steps: int = DEFAULT_STEPS) -> list[str]:
-    """The embedded default: the reference workload with its nondeterministic `index` MoE dispatch on 8 threads
-    (more than a small machine's cores: the operating system interleaves them, so the race strikes even where other
-    work keeps the cores busy; at 2 threads on 2 busy cores, two runs often agree for several steps)."""
+    """The embedded default: the reference workload with its nondeterministic `index` MoE dispatch on
+    `RACING_THREADS` (8) threads, so that its race strikes on a busy machine too."""
     return [sys.executable, "-m", "detrace.workload.train", "--preset", "tiny", "--steps", str(steps),
-            "--threads", "8", "--dispatch", "index"]
+            "--threads", str(RACING_THREADS), "--dispatch", "index"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -304,7 +304,7 @@ def instrument(module: Any) -> None:
         return
     module._detrace_kernels = True
     for name, allocate in list(module.__dict__.items()):
-        if name.startswith("empty_strided") and callable(allocate) and not isinstance(allocate, _ZeroFilled):
+        if name.startswith("empty_strided") and callable(allocate):
             module.__dict__[name] = _ZeroFilled(allocate)
     path = getattr(module, "__file__", None)
     try:
