@@ -161,7 +161,8 @@ class TrainConfig:
                              "layout on a ppPxfsdpF mesh")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
                                                                                       "pp-invariant", "ep-invariant")):
-            raise UsageError("--tp goes with --parallel tp-invariant or tp-plain")
+            raise UsageError("--tp goes with --parallel tp-invariant or tp-plain, or with the fsdp, pp and ep "
+                             "invariant layouts of a mesh that names tp")
         if self.replicas < 1 or (self.replicas != 1 and not (self.parallel.startswith("ep-") or (
                 self.parallel.startswith("fsdp-") and self.tp == 1))):
             raise UsageError("data-parallel replicas of a sharded model go with --parallel invariant or plain on a "
