@@ -56,6 +56,7 @@ from detrace.digest.scheme import (
     TA_U32,
     TB_U32,
     Mix,
+    add,
     np_rowkeys2,
     np_total,
     signed,
@@ -349,6 +350,22 @@ def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int
         words = rows.view(np.uint64)
         colkeys, native = tables.colkeys[: words.shape[1]].numpy().view(np.uint64), cpu_kernel
     return native.row_sums(words, rowkeys, colkeys, torch.get_num_threads() if threads is None else threads)
+
+
+def native_total(data: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int | None = None) -> int:
+    """The sum (`scheme.add`) of the native kernel's row sums of bytes `data` (1-D uint8, any alignment) cut into
+    4096-byte rows keyed by rowkeys (uint64, one per row): the whole rows hashed where they lie, the last partial
+    row zero-padded as the definition pads it (`native_rows` for `threads`)."""
+    body = data.size // ROW_BYTES
+    total = 0
+    if body:
+        total = np_total(native_rows(data[: body * ROW_BYTES].reshape(body, ROW_BYTES), rowkeys[:body], scheme,
+                                     threads), scheme)
+    if body * ROW_BYTES < data.size:
+        tail = np.zeros((1, ROW_BYTES), dtype=np.uint8)
+        tail[0, : data.size - body * ROW_BYTES] = data[body * ROW_BYTES :]
+        total = add(total, int(native_rows(tail, rowkeys[body : body + 1], scheme, threads)[0]), scheme)
+    return total
 
 
 def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:

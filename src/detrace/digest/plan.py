@@ -28,7 +28,7 @@ from detrace.digest.inputs import (
     part_chunks,
     plain,
 )
-from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel, native_rows, runs_native
+from detrace.digest.kernels import COMPILE_MIN_WORDS, device_tables, kernel, native_total, runs_native
 from detrace.digest.scheme import (
     ROW_BYTES,
     SPECS,
@@ -38,7 +38,6 @@ from detrace.digest.scheme import (
     header,
     np_accumulate,
     np_add,
-    np_total,
 )
 
 # Tensors from this size on are hashed in place (no copy) by the one-pass body kernel.
@@ -210,15 +209,7 @@ def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
     n = data.numel()
     if n < BODY_MIN_BYTES or data.data_ptr() % 8:  # small or misaligned: packed or copied by the planner
         return None
-    rows = -(-n // ROW_BYTES)
-    keys = device_tables(t.device).host_rowkeys(rows, scheme)
-    host = data.numpy()
-    body = n // ROW_BYTES
-    total = np_total(native_rows(host[: body * ROW_BYTES].reshape(body, ROW_BYTES), keys[:body], scheme), scheme)
-    if body < rows:  # the last row, zero-padded
-        tail = np.zeros((1, ROW_BYTES), dtype=np.uint8)
-        tail[0, : n - body * ROW_BYTES] = host[body * ROW_BYTES :]
-        total = add(total, int(native_rows(tail, keys[body:], scheme)[0]), scheme)
+    total = native_total(data.numpy(), device_tables(t.device).host_rowkeys(-(-n // ROW_BYTES), scheme), scheme)
     dtype, shape = dtype_name(t.dtype), tuple(t.shape)
     return Fingerprint(add(total, header(dtype, shape, scheme), scheme), dtype, shape, t.numel(), scheme=scheme)
 

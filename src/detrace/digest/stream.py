@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from detrace.digest.inputs import dtype_name
-from detrace.digest.kernels import device_tables, kernel, native_rows, runs_native, selected_backend
-from detrace.digest.scheme import ROW_BYTES, Fingerprint, add, header, np_total
+from detrace.digest.kernels import device_tables, kernel, native_total, runs_native, selected_backend
+from detrace.digest.scheme import ROW_BYTES, Fingerprint, add, header
 
 PIECE_ALIGN = ROW_BYTES
 """Every piece but the last starts and ends on a row boundary."""
@@ -59,15 +59,14 @@ class StreamedFingerprint:
             return
         rows = -(-count // ROW_BYTES)
         first = at // ROW_BYTES
-        if count % ROW_BYTES:  # the last row, zero-padded as the definition pads it
-            padded = np.zeros(rows * ROW_BYTES, dtype=np.uint8)
-            padded[:count] = data
-            data = padded
         keys = self._keys[first : first + rows]
         if self._native:  # on this thread only: the caller's threads share the pieces
-            sums = native_rows(data.reshape(rows, ROW_BYTES), keys.numpy().view(np.uint64), self.scheme, threads=1)
-            partial = np_total(sums, self.scheme)
+            partial = native_total(data, keys.numpy().view(np.uint64), self.scheme, threads=1)
         else:
+            if count % ROW_BYTES:  # the last row, zero-padded as the definition pads it
+                padded = np.zeros(rows * ROW_BYTES, dtype=np.uint8)
+                padded[:count] = data
+                data = padded
             words = torch.from_numpy(data).view(torch.int64).view(rows, ROW_BYTES // 8)
             partial = int(kernel("total", words, keys, self._backend, self.scheme).numpy().view("uint64")[0])
         with self._lock:
