@@ -7,8 +7,16 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <setjmp.h>
+#include <signal.h>
+#define DETRACE_BUS_GUARD 1
+#else
+#define DETRACE_BUS_GUARD 0
+#endif
 
 /* On x86-64 Linux under GCC/clang, clones of the loop for the listed targets beside the baseline one, picked at
    load time by the CPU it runs on: the compiler vectorizes a loop only for the instructions a target has. */
@@ -31,6 +39,70 @@ typedef struct {
     Py_ssize_t colkeys_align; /* alignment of `colkeys` that the loop reads it with */
 } detrace_layout;
 
+/* Bus errors. `detrace verify-checkpoint` hashes a checkpoint where it lies in the mapped file: if another process
+   truncates the file meanwhile, reading a page past its new end raises SIGBUS, which would kill the process with
+   no sentence. Once `catch_bus_errors()` has installed the handler, a SIGBUS on a thread inside `row_sums`'s loop
+   jumps back to row_sums, which raises OSError(EFAULT) for detrace to say in one sentence; any other SIGBUS goes
+   to the handler there was before (faulthandler's, or the default: the process dies as it would have). */
+#if DETRACE_BUS_GUARD
+static _Thread_local sigjmp_buf *detrace_bus_guard; /* set while this thread's loop reads the buffers */
+static struct sigaction detrace_bus_before;
+static int detrace_bus_installed;
+
+static void detrace_on_bus(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *guard = detrace_bus_guard;
+    if (guard != NULL) {
+        detrace_bus_guard = NULL;
+        siglongjmp(*guard, 1);
+    }
+    if (detrace_bus_before.sa_flags & SA_SIGINFO) {
+        detrace_bus_before.sa_sigaction(sig, info, context);
+    } else if (detrace_bus_before.sa_handler != SIG_DFL && detrace_bus_before.sa_handler != SIG_IGN) {
+        detrace_bus_before.sa_handler(sig);
+    } else { /* the default: restored, the faulting access runs again and the signal ends the process */
+        sigaction(sig, &detrace_bus_before, NULL);
+    }
+}
+#endif
+
+/* catch_bus_errors(): install the SIGBUS handler (once per process; every later SIGBUS outside a loop goes on to
+   the one there was). */
+static PyObject *detrace_catch_bus_errors(void) {
+#if DETRACE_BUS_GUARD
+    if (!detrace_bus_installed) {
+        struct sigaction action;
+        memset(&action, 0, sizeof action);
+        action.sa_sigaction = detrace_on_bus;
+        /* SA_NODEFER: the jump out of the handler leaves SIGBUS unblocked for the thread's next fault */
+        action.sa_flags = SA_SIGINFO | SA_NODEFER;
+        sigemptyset(&action.sa_mask);
+        if (sigaction(SIGBUS, &action, &detrace_bus_before) != 0) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        detrace_bus_installed = 1;
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
+/* sums(...) with a bus error on this thread's reads turned into a return of 0 (else 1). */
+static int detrace_guarded_sums(detrace_sums sums, const unsigned char *words, Py_ssize_t width,
+                                const unsigned char *rowkeys, const unsigned char *colkeys, unsigned char *out,
+                                Py_ssize_t start, Py_ssize_t stop) {
+#if DETRACE_BUS_GUARD
+    sigjmp_buf guard;
+    if (sigsetjmp(guard, 0) != 0) { /* 0: no signal mask saved (a system call per call); see SA_NODEFER */
+        return 0;
+    }
+    detrace_bus_guard = &guard;
+#endif
+    sums(words, width, rowkeys, colkeys, out, start, stop);
+#if DETRACE_BUS_GUARD
+    detrace_bus_guard = NULL;
+#endif
+    return 1;
+}
+
 /* row_sums(words, width, rowkeys, colkeys, out, start, stop): checks the buffers against `layout`, runs `sums`
    without the GIL (so detrace.digest.native splits rows over Python threads), releases the buffers. */
 static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detrace_layout *layout) {
@@ -48,9 +120,10 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
                ((uintptr_t)colkeys.buf % (uintptr_t)layout->colkeys_align) != 0) {
         problem = "row_sums: a buffer is shorter than width, start and stop require, or colkeys is misaligned";
     }
+    int read = 1;
     if (problem == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        sums(words.buf, width, rowkeys.buf, colkeys.buf, out.buf, start, stop);
+        read = detrace_guarded_sums(sums, words.buf, width, rowkeys.buf, colkeys.buf, out.buf, start, stop);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&words);
@@ -60,6 +133,10 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
     if (problem != NULL) {
         PyErr_SetString(PyExc_ValueError, problem);
         return NULL;
+    }
+    if (!read) {
+        errno = EFAULT;
+        return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_RETURN_NONE;
 }
@@ -100,7 +177,7 @@ static const char *detrace_vector_path(int avx512) {
 #define DETRACE_COMPILER "an unknown compiler"
 #endif
 
-/* The module `detrace.NAME` with the one function row_sums, running SUMS on buffers of layout LAYOUT, and two
+/* The module `detrace.NAME` with row_sums, running SUMS on buffers of layout LAYOUT, catch_bus_errors, and two
    strings for `detrace doctor`: VECTOR_PATH (the loop's clone on this CPU; AVX512: its AVX-512 clone, above) and
    COMPILER (what built it). */
 #define DETRACE_MODULE(NAME, SUMS, LAYOUT, AVX512, DOC)                                                            \
@@ -108,10 +185,18 @@ static const char *detrace_vector_path(int avx512) {
         (void)self;                                                                                                \
         return detrace_row_sums(args, SUMS, &(LAYOUT));                                                            \
     }                                                                                                              \
+    static PyObject *catch_bus_errors(PyObject *self, PyObject *unused) {                                          \
+        (void)self;                                                                                                \
+        (void)unused;                                                                                              \
+        return detrace_catch_bus_errors();                                                                         \
+    }                                                                                                              \
     static PyMethodDef methods[] = {                                                                               \
         {"row_sums", row_sums, METH_VARARGS,                                                                       \
          "row_sums(words, width, rowkeys, colkeys, out, start, stop): the per-row sums of rows start..stop of "    \
-         "words (C-contiguous rows of `width` words) into out (uint64), without the GIL."},                        \
+         "words (C-contiguous rows of `width` words) into out (uint64), without the GIL; OSError(EFAULT) if "      \
+         "reading words raised SIGBUS (a mapped file that shrank) after catch_bus_errors()."},                     \
+        {"catch_bus_errors", catch_bus_errors, METH_NOARGS,                                                        \
+         "catch_bus_errors(): from now on, a SIGBUS inside row_sums's loop makes it raise OSError(EFAULT)."},      \
         {NULL, NULL, 0, NULL},                                                                                     \
     };                                                                                                             \
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, #NAME, DOC, -1, methods, NULL, NULL, NULL, NULL};  \

@@ -608,6 +608,31 @@ def test_a_truncated_shard_file_is_reported_without_reading_past_its_end(tmp_pat
         verify_checkpoint(version)
 
 
+def test_a_shard_file_truncated_while_verify_reads_it_is_one_sentence(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify hashes the records where they lie in the mapped file: a file that another process truncates after
+    its size was checked makes the kernel's read fault (SIGBUS). That is one sentence, not the end of the process."""
+    from detrace.state import records
+    from detrace.state.records import hashes_in_place
+
+    if not hashes_in_place("detrace-fp1"):
+        pytest.skip("the native kernel was not built: records are read into buffers, not mapped")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(300, 700)  # 840 KB of weights: rows mapped, not only a partial row read
+    version = TrainState(model=big).save(tmp_path, step=1)
+    checked = records._check
+
+    def check_then_truncate(file: records._File, item: records.Wanted) -> CheckpointCorrupted | None:
+        found = checked(file, item)
+        if item.frame.data_bytes > 8 * 4096:  # the weight passed the size check, then the file shrinks
+            os.truncate(file.path, item.start)
+        return found
+
+    monkeypatch.setattr(records, "_check", check_then_truncate)
+    with pytest.raises(CheckpointError, match=r"\.distcp changed while it was being verified$"):
+        verify_checkpoint(version)
+
+
 def test_a_manifest_without_record_frames_is_verified_with_torchs_reader(tmp_path: Path) -> None:
     """Checkpoints saved before the records were located (no `data_at`/`frame`) verify as they did, and a flipped
     bit is still found."""

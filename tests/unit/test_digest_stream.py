@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import errno
+import importlib.util
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from detrace.digest import fingerprint
+from detrace.digest.kernels import native_kernel, native_rows
+from detrace.digest.scheme import ROW_BYTES, SCHEME, SCHEME2
 from detrace.digest.stream import StreamedFingerprint, hashes_in_place
 
 
@@ -46,3 +57,62 @@ def test_a_piece_off_the_row_grid_is_refused() -> None:
     streamed = StreamedFingerprint(torch.float32, (4096,), "detrace-fp1")
     with pytest.raises(ValueError, match="does not fit"):
         streamed.add(np.zeros(100, dtype=np.uint8), 4)
+
+
+def _shrunk_map(tmp_path: Path) -> np.ndarray:
+    """A 1 MiB file mapped whole, then truncated to its first 4 KiB row (the map stays 1 MiB long)."""
+    path = tmp_path / "shrinks"
+    path.write_bytes(bytes(range(256)) * 4096)
+    with path.open("rb") as stream:
+        mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    os.truncate(path, ROW_BYTES)
+    return np.frombuffer(mapped, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME2])
+def test_a_mapped_file_that_shrank_under_the_kernel_is_an_error_not_a_bus_error(scheme: str, tmp_path: Path
+                                                                                ) -> None:
+    """Reading a mapped page past a file's new end raises SIGBUS: inside the native kernel's loop, once
+    catch_bus_errors() is on, that is OSError(EFAULT) from the call (again and again), and the rows still there
+    hash as before."""
+    if not hashes_in_place(scheme):
+        pytest.skip("the native kernel was not built")
+    rows = _shrunk_map(tmp_path).reshape(-1, ROW_BYTES)
+    keys = np.arange(len(rows), dtype=np.uint64)
+    first = int(native_rows(rows[:1], keys[:1], scheme, threads=1)[0])
+    native_kernel(scheme).catch_bus_errors()
+    for threads in (1, 2, 1):
+        with pytest.raises(OSError) as raised:
+            native_rows(rows, keys, scheme, threads=threads)
+        assert raised.value.errno == errno.EFAULT
+    assert int(native_rows(rows[:1], keys[:1], scheme, threads=1)[0]) == first
+
+
+def test_a_bus_error_outside_the_kernel_still_ends_the_process(tmp_path: Path) -> None:
+    """The handler hands every other SIGBUS on to the one there was: a plain read past the shrunk file's end still
+    ends the process by SIGBUS (here the default action), after a caught one."""
+    if not hashes_in_place(SCHEME):
+        pytest.skip("the native kernel was not built")
+    spec = importlib.util.find_spec("detrace._fp1")
+    assert spec is not None and spec.origin is not None
+    script = f"""
+import importlib.util, mmap, os, sys
+import numpy as np
+spec = importlib.util.spec_from_file_location("detrace._fp1", {spec.origin!r})
+fp1 = importlib.util.module_from_spec(spec); spec.loader.exec_module(fp1)
+fp1.catch_bus_errors()
+path = {str(tmp_path / "shrinks")!r}
+open(path, "wb").write(bytes(1 << 20))
+with open(path, "rb") as stream:
+    data = np.frombuffer(mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+os.truncate(path, 4096)
+words = data.view(np.uint64).reshape(256, 512)
+try:
+    fp1.row_sums(words, 512, np.zeros(256, np.uint64), np.zeros(512, np.uint64), np.empty(256, np.uint64), 0, 256)
+except OSError as err:
+    print("caught", err.errno, flush=True)
+print(int(data[-1]), flush=True)  # not inside the kernel: SIGBUS, the default action
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == f"caught {errno.EFAULT}\n" and done.returncode == -signal.SIGBUS, (done.stdout,
+                                                                                            done.stderr)

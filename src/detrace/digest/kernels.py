@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from detrace._compat import mark_dynamic
+from detrace.digest.native import _Kernel
 from detrace.digest.native import kernel as cpu_kernel
 from detrace.digest.native import kernel2 as cpu_kernel2
 from detrace.digest.scheme import (
@@ -330,10 +331,15 @@ def _triton_fp2() -> Callable[..., torch.Tensor] | None:
     return fp2_row_sums
 
 
+def native_kernel(scheme: str) -> _Kernel:
+    """The native CPU kernel of `scheme` (built or not: its `usable`)."""
+    return cpu_kernel2 if scheme == SCHEME2 else cpu_kernel
+
+
 def runs_native(backend: str, scheme: str) -> bool:
     """Whether `backend` hashes CPU tensors with the native kernel of `scheme` (FingerprintError when it must and
     the kernel was not built)."""
-    native = cpu_kernel2 if scheme == SCHEME2 else cpu_kernel
+    native = native_kernel(scheme)
     if backend == "native" and not native.usable:
         raise FingerprintError(f"{ENV_BACKEND}=native, but {native.failed}")
     return backend == "native" or (backend == "auto" and native.usable)
@@ -345,11 +351,12 @@ def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int
     thread count when None)."""
     tables = device_tables(torch.device("cpu"))
     if scheme == SCHEME2:
-        words, colkeys, native = rows.view(np.uint32), tables.colkeys2_u32.numpy().view(np.uint32), cpu_kernel2
+        words, colkeys = rows.view(np.uint32), tables.colkeys2_u32.numpy().view(np.uint32)
     else:
         words = rows.view(np.uint64)
-        colkeys, native = tables.colkeys[: words.shape[1]].numpy().view(np.uint64), cpu_kernel
-    return native.row_sums(words, rowkeys, colkeys, torch.get_num_threads() if threads is None else threads)
+        colkeys = tables.colkeys[: words.shape[1]].numpy().view(np.uint64)
+    return native_kernel(scheme).row_sums(words, rowkeys, colkeys,
+                                          torch.get_num_threads() if threads is None else threads)
 
 
 def native_total(data: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int | None = None) -> int:

@@ -30,15 +30,16 @@ class _Kernel:
 
     def __init__(self, module: str) -> None:
         self.fn: Callable[..., None] | None = None
+        self._catch: Callable[[], None] | None = None
         self.failed: str | None = None
         self.build = ""
         """Where the kernel was built: its loop's vector path on this CPU and the compiler (for `detrace doctor`)."""
         try:
             loaded = importlib.import_module(module)
-            self.fn = loaded.row_sums
+            self.fn, self._catch = loaded.row_sums, loaded.catch_bus_errors
             self.build = (f"{getattr(loaded, 'VECTOR_PATH', 'unknown')} path, built by "
                           f"{getattr(loaded, 'COMPILER', 'an unknown compiler')}")
-        except ImportError as err:
+        except (ImportError, AttributeError) as err:  # AttributeError: a build older than this source
             self.failed = f"the C extension {module} was not built at install ({err})"
         self._pool: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -46,6 +47,13 @@ class _Kernel:
     def usable(self) -> bool:
         """Whether the kernel is there (else the caller's other kernels apply)."""
         return self.fn is not None
+
+    def catch_bus_errors(self) -> None:
+        """From now on, a SIGBUS while the kernel reads its words (a mapped file that another process truncated)
+        makes that `row_sums` call raise OSError(EFAULT), rather than end the process with no sentence. Every other
+        SIGBUS goes on to the handler there was (the C module's comment says how)."""
+        if self._catch is not None:
+            self._catch()
 
     def _executor(self, threads: int) -> ThreadPoolExecutor:
         # A pool made before a fork has no threads in the child: one pool per process.

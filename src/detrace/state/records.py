@@ -9,16 +9,20 @@ Here the save locates each record's tensor bytes once (`frame_of`, with `zipfile
 pickle) and the manifest keeps, per chunk, where they start in the record (`data_at`) and the SHA-256 of the
 record's other bytes (`frame`). The planner stores every chunk C-contiguous, so the tensor bytes are the chunk's
 elements in order. Verify then reads the records directly (`read_batches`): the frame against its SHA-256 (a change
-to `data.pkl`, the strides or the byte order is damage like any other) and the tensor bytes, mapped in place
-(`mmap`, no copy) where they sit on an 8-byte boundary of the file (the fingerprint kernels read 8-byte words), else
-read (`preadv`) 4 MiB at a time into a few reused buffers and hashed piece by piece (detrace.digest.stream) by
-threads, while the caller hashes the mapped tensors of the batch before. DCP packs records end to end, so most
-tensor bytes are unaligned; fresh memory is not cheap either (a first touch costs a page fault per 4 KiB), so no
-tensor is ever copied whole.
+to `data.pkl`, the strides or the byte order is damage like any other) and the tensor bytes: where the native
+kernel runs, hashed where they lie in the mapped file (`mmap`, no copy, any alignment) 4 MiB at a time by threads,
+the last partial row of each tensor read (`preadv`); else mapped in place where they sit on an 8-byte boundary of
+the file (the other kernels read 8-byte words), and read 4 MiB at a time into a few reused buffers and hashed piece
+by piece (detrace.digest.stream) by threads where not, while the caller hashes the mapped tensors of the batch
+before. DCP packs records end to end, so most tensor bytes are unaligned; fresh memory is not cheap either (a first
+touch costs a page fault per 4 KiB), so no tensor is ever copied whole. A file truncated by another process while
+it is read through the map raises SIGBUS in the native kernel, which it turns into an error (`catch_bus_errors`):
+one sentence, not the end of the process.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import mmap
@@ -36,6 +40,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from detrace.digest.kernels import native_kernel
 from detrace.digest.scheme import Fingerprint
 from detrace.digest.stream import PIECE_ALIGN, StreamedFingerprint, hashes_in_place
 from detrace.errors import CheckpointCorrupted, CheckpointError
@@ -195,7 +200,9 @@ def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
             size += item.frame.data_bytes
         workers = max(1, workers)
         buffers: SimpleQueue[np.ndarray] | None = None
-        if not hashes_in_place(scheme):
+        if hashes_in_place(scheme):  # every record read through the map: a file truncated meanwhile is one sentence
+            native_kernel(scheme).catch_bus_errors()
+        else:
             buffers = SimpleQueue()
             for _ in range(workers):
                 buffers.put(np.empty(_PIECE, dtype=np.uint8))
@@ -246,7 +253,17 @@ def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted
 def _hash_piece(file: _File, at: int, piece: int, count: int, streamed: StreamedFingerprint,
                 buffers: SimpleQueue[np.ndarray] | None) -> None:
     if buffers is None:  # the native kernel reads the mapped file in place, at any alignment
-        streamed.add(file.bytes()[at + piece : at + piece + count], piece)
+        rows = count - count % PIECE_ALIGN
+        try:
+            streamed.add(file.bytes()[at + piece : at + piece + rows], piece)
+        except OSError as err:  # the kernel's read raised SIGBUS: the file shrank under the map since it was checked
+            if err.errno != errno.EFAULT:
+                raise
+            raise CheckpointError(f"{file.path} changed while it was being verified") from None
+        if rows < count:  # the tensor's last partial row: read, not mapped, as the kernel guards its reads alone
+            tail = np.empty(count - rows, dtype=np.uint8)
+            _pread(file, tail.data, at + piece + rows)
+            streamed.add(tail, piece + rows)
         return
     buffer = buffers.get()
     try:
