@@ -513,6 +513,38 @@ def test_the_command_prints_its_verdict_and_exit_code(tmp_path: Path, monkeypatc
     assert capsys.readouterr().out.rstrip().endswith("; the first parameter that differs: b at the end")
 
 
+def test_each_run_gets_its_own_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """One check of several layouts says which keep the bits and which do not (and where each first differs), so
+    one job can hold an invariant layout and plain controls: the headline is the first run that differs."""
+    fake = _Fake(fault=("layout-1x2", 1, "loss"), param=("layout-1x2", 2, "b"),
+                 final={"layout-2x1": "fedcba9876543210"})
+    result = _topology(tmp_path, fake, layouts="1x1,1x2,2x2,2x1")
+    assert [v.run for v in result.verdicts] == ["layout 1x2", "layout 2x2", "layout 2x1"]
+    apart, same, last = result.verdicts
+    assert apart.first is not None and (apart.first.kind, apart.first.step) == ("loss", 1)
+    assert apart.first_param is not None and (apart.first_param.name, apart.first_param.step) == ("b", 2)
+    assert same.first is None and same.first_param is None
+    assert last.first is not None and (last.first.kind, last.first.run) == ("final params", "layout 2x1")
+    assert (result.first, result.first_param) == (apart.first, apart.first_param)
+    by_run = result.to_json()["by_run"]
+    assert by_run["layout 2x2"] == {"identical": True, "first": None, "first_param": None}  # type: ignore[index]
+    assert by_run["layout 2x1"]["first"]["kind"] == "final params"  # type: ignore[index]
+    # a stopped run ends after step K: its last line is not compared with the end's
+    result = _topology(tmp_path, _Fake(final={"layout-2x2-resumed": "fedcba9876543210"}), layouts="1x1,2x2,1x2",
+                       resume_at=1)
+    assert [(v.run, v.first is None) for v in result.verdicts] == [
+        ("layout 1x1 stopped after step 1", True), ("layout 2x2 resumed after step 1", False),
+        ("layout 1x2 resumed after step 1", True)]
+    _cli_with(monkeypatch, fake)
+    assert cli(["check-topology", "--layouts", "1x1,1x2,2x2,2x1", "--out", str(tmp_path / "cli"), "--", *CMD]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("diverged: layout 1x2 differs from layout 1x1 at step 1: loss of microbatch ")
+    assert out[1:] == [out[0].replace("diverged: layout 1x2 differs from layout 1x1", "  layout 1x2: diverged"),
+                       "  layout 2x2: identical",
+                       "  layout 2x1: diverged at the final params line (0123456789abcdef vs fedcba9876543210)"]
+
+
 def test_a_failing_command_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     _cli_with(monkeypatch, _Fake(fail="world-1"))

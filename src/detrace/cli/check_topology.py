@@ -2,7 +2,7 @@
 [--out DIR] [--timeout S] [--json] [--force] -- CMD...`: CMD run under torchrun at each layout must give the same
 losses and parameters, bit for bit, at every step; with --resume-at K, CMD stopped after step K at the first world
 size and resumed at each other must give the bits of the run that never stopped.
-Exit 0 the same bits, 1 not (the first step and tensor are named), 2 error."""
+Exit 0 the same bits, 1 not (the first step and tensor are named, then each run's own verdict), 2 error."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
-from detrace.investigate.check_topology import Mesh, check_topology, parse_layouts, parse_worlds
+from detrace.investigate.check_topology import Mesh, Mismatch, check_topology, parse_layouts, parse_worlds
 from detrace.tracefile.layout import default_out
 from detrace.verdicts import TOPOLOGY
 
@@ -55,11 +55,21 @@ def main(argv: list[str]) -> int:
               f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "
               f"({result.steps} steps, {result.tensors} parameters)")
     else:
-        param = result.first_param
-        when = "at the end" if param is not None and param.step < 0 else f"at step {param.step}" if param else ""
-        also = f"; the first parameter that differs: {param.name} {when}" if param else ""
-        print(f"diverged: {result.first.sentence(result.reference)}{also}")
+        print(f"diverged: {result.first.sentence(result.reference)}{_param(result.first_param)}")
+        if len(result.verdicts) > 1:  # each run's own verdict: which layouts keep the bits and which do not
+            for v in result.verdicts:
+                print(f"  {v.run}: identical" if v.first is None else
+                      f"  {v.run}: its ranks disagree {v.first.place()}" if v.first.kind == "ranks" else
+                      f"  {v.run}: diverged {v.first.place()}{_param(v.first_param)}")
     return TOPOLOGY["identical" if result.identical else "diverged"]
+
+
+def _param(param: Mismatch | None) -> str:
+    """The first parameter that differs, when the first record that differs is another."""
+    if param is None:
+        return ""
+    when = "at the end" if param.step < 0 else f"at step {param.step}"
+    return f"; the first parameter that differs: {param.name} {when}"
 
 
 def _what(meshes: tuple[Mesh, ...], *, layouts: bool, resume_at: int | None) -> str:

@@ -122,11 +122,15 @@ class Mismatch:
     detail: str
 
     def sentence(self, reference: str) -> str:
+        against = f"{self.run}'s ranks disagree" if self.kind == "ranks" else f"{self.run} differs from {reference}"
+        return f"{against} {self.place()}"
+
+    def place(self) -> str:
+        """Where and what: "at step 1: tensor b (HEX vs HEX)"."""
         where = "the final params line" if self.step < 0 else f"step {self.step}"
         what = {"param": f"tensor {self.name}", "loss": f"loss of microbatch {self.name}",
                 "grad_norm": "grad_norm", "final params": "", "ranks": self.name}[self.kind]
-        against = f"{self.run}'s ranks disagree" if self.kind == "ranks" else f"{self.run} differs from {reference}"
-        return f"{against} at {where}{': ' + what if what else ''} ({self.detail})"
+        return f"at {where}{': ' + what if what else ''} ({self.detail})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,6 +149,23 @@ class Run:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RunVerdict:
+    """How one run compares with the reference."""
+
+    run: str
+    """The run, as the verdict names it."""
+    first: Mismatch | None
+    """Its first record that differs from the reference's (or its own ranks' disagreement); None: the same bits."""
+    first_param: Mismatch | None = None
+    """Its first parameter that differs, when `first` is a loss, a norm or the final params line."""
+
+
+def _json(m: Mismatch | None) -> dict[str, Any] | None:
+    return None if m is None else {"step": m.step, "kind": m.kind, "name": m.name, "world": m.world, "run": m.run,
+                                   "detail": m.detail}
+
+
+@dataclass(frozen=True, kw_only=True)
 class TopologyResult:
     """The outcome of `detrace check-topology`."""
 
@@ -160,6 +181,9 @@ class TopologyResult:
     first_param: Mismatch | None = None
     """The first parameter that differs (in the first run that differs), when `first` is a loss or norm."""
     resume_at: int | None = None
+    verdicts: tuple[RunVerdict, ...] = ()
+    """Each run but the reference, in the order they ran: its own first mismatch or none (`first` is the first
+    run's that differs), so that one check can hold several layouts that differ."""
 
     @property
     def identical(self) -> bool:
@@ -170,13 +194,14 @@ class TopologyResult:
         return self.runs[0].label
 
     def to_json(self) -> dict[str, Any]:
-        first, param = ({"step": m.step, "kind": m.kind, "name": m.name, "world": m.world, "run": m.run,
-                         "detail": m.detail} if m is not None else None for m in (self.first, self.first_param))
+        first, param = _json(self.first), _json(self.first_param)
         return {"schema": "detrace.check-topology/2", "identical": self.identical,
                 "worlds": sorted({r.mesh.world for r in self.runs}), "layouts": [r.mesh.label for r in self.runs],
                 "resume_at": self.resume_at, "runs": {r.label: str(r.path) for r in self.runs}, "steps": self.steps,
                 "tensors": self.tensors, "final_params": dict(self.finals), "first": first,
-                "first_param": param}
+                "first_param": param,
+                "by_run": {v.run: {"identical": v.first is None, "first": _json(v.first),
+                                   "first_param": _json(v.first_param)} for v in self.verdicts}}
 
 
 def max_world() -> int:
@@ -341,22 +366,28 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         finals[run.label] = found[-1] if found else None
         by_name[run.label] = dict(FINAL_PARAM.findall(result.output_tail))
     runs = tuple(run for run, _ in plan)
-    first, first_param, steps, tensors = compare(runs)
+    inner, compared, steps, tensors = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
     sharded = next((r for r in ended if r.mesh.shards), None)
     if sharded is not None and not all(finals[r.label] for r in ended if r.mesh.shards or r is ended[0]):
         raise CommandFailed(f"CMD printed no `final params HEX` line in every run: on {sharded.label} each rank "
                             "holds a shard of the parameters, which are compared through that line")
-    if first is None and finals[ended[0].label]:  # every run that printed one (a pipeline stage's run may not)
-        odd = next((r for r in ended if finals[r.label] and finals[r.label] != finals[ended[0].label]), None)
-        if odd is not None:
-            first = Mismatch(step=-1, kind="final params", name="", world=odd.mesh.world, run=odd.label,
-                             detail=f"{finals[ended[0].label]} vs {finals[odd.label]}")
-    if first is not None and first_param is None:
-        odd = next((r for r in ended if r.label == first.run), None)
-        first_param = None if odd is None else _final_param(by_name[ended[0].label], by_name[odd.label], odd)
+    reference = finals[ended[0].label]
+    verdicts = []
+    for run, (first, first_param) in zip(runs[1:], compared, strict=True):
+        ends = run.until_step is None
+        if first is None and ends and reference and finals[run.label] and finals[run.label] != reference:
+            # every run that printed one (a pipeline stage's run may not)
+            first = Mismatch(step=-1, kind="final params", name="", world=run.mesh.world, run=run.label,
+                             detail=f"{reference} vs {finals[run.label]}")
+        if first is not None and first_param is None and ends:
+            first_param = _final_param(by_name[ended[0].label], by_name[run.label], run)
+        verdicts.append(RunVerdict(run=run.label, first=first, first_param=first_param))
+    odd = next((v for v in verdicts if v.first is not None), None)
+    first, first_param = (inner, None) if inner is not None else (None, None) if odd is None else \
+        (odd.first, odd.first_param)
     return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
-                          first_param=first_param, resume_at=resume_at)
+                          first_param=first_param, resume_at=resume_at, verdicts=tuple(verdicts))
 
 
 def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> Mismatch | None:
@@ -369,18 +400,17 @@ def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> 
         detail=f"{reference.get(name, 'missing')} vs {other.get(name, 'missing')}")
 
 
-def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, int, int]:
-    """Compare traced runs of one command (the first the reference, run to the end from step 0): (the first
-    mismatch or None, the first differing parameter of that run when the mismatch is another record, steps
-    compared, parameters per step). A run resumed after step K is compared from K on, a run stopped after step
-    K up to K."""
+def compare(runs: tuple[Run, ...]
+            ) -> tuple[Mismatch | None, list[tuple[Mismatch | None, Mismatch | None]], int, int]:
+    """Compare traced runs of one command (the first the reference, run to the end from step 0): (the reference's
+    own ranks' first disagreement or None; for each other run, its first mismatch or None and its first differing
+    parameter when the mismatch is another record; steps compared, parameters per step). A run resumed after step
+    K is compared from K on, a run stopped after step K up to K."""
     grad_norm = not any(r.mesh.local_norms for r in runs)
     records: dict[str, dict[Key, str]] = {}
-    first: Mismatch | None = None
-    first_param: Mismatch | None = None
+    inner: dict[str, Mismatch | None] = {}
     for run in runs:
-        records[run.label], inner = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
-        first = first or inner
+        records[run.label], inner[run.label] = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
     # a sharded run's parameters are not compared per step; with a sharded reference, no run's are
     unsharded = not runs[0].mesh.shards
     records = {run.label: {key: bits for key, bits in records[run.label].items()
@@ -389,24 +419,27 @@ def compare(runs: tuple[Run, ...]) -> tuple[Mismatch | None, Mismatch | None, in
         raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
                             "step a torch.optim optimizer?")
     reference = records[runs[0].label]
+    compared: list[tuple[Mismatch | None, Mismatch | None]] = []
     for run in runs[1:]:
         until = run.until_step if run.until_step is not None else sys.maxsize
         expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until
                     and (key[1] != "param" or not run.mesh.shards)}
+        first, first_param = inner[run.label], None
         if first is None:
             differences = _differences(expected, records[run.label], run)
             first = next(differences, None)
             if first is not None and first.kind != "param":
                 first_param = next((m for m in differences if m.kind == "param"), None)
+        compared.append((first, first_param))
     steps = {step for step, _, _ in reference}
-    compared = any(not run.mesh.shards for run in runs[1:])  # a run whose parameters met the reference's
-    tensors = {name for _, kind, name in reference if kind == "param" and compared}
-    return first, first_param, len(steps), len(tensors)
+    met = any(not run.mesh.shards for run in runs[1:])  # a run whose parameters met the reference's
+    tensors = {name for _, kind, name in reference if kind == "param" and met}
+    return inner[runs[0].label], compared, len(steps), len(tensors)
 
 
 def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
     """`compare` for runs of one command at several world sizes ({world: run directory}, the first the
     reference)."""
-    first, _, steps, tensors = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
-                                             for w, p in runs.items()))
-    return first, steps, tensors
+    inner, compared, steps, tensors = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
+                                                    for w, p in runs.items()))
+    return next((m for m in (inner, *(first for first, _ in compared)) if m is not None), None), steps, tensors
