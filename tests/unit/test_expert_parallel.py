@@ -3,13 +3,16 @@ by name. The real all-to-all runs in tests/e2e/test_topology.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from detrace.errors import UsageError
 from detrace.ops import permute, route
 from detrace.parallel.data import _tree_sum
-from detrace.parallel.expert import ExpertGradientTree, run_apart
+from detrace.parallel.expert import ExpertGradientTree, FixedOrderExperts, run_apart
 from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.workload.model import Experts
 from detrace.workload.train import resolve_layout
@@ -89,6 +92,65 @@ def test_experts_run_apart_keep_the_bits_of_one_process_and_one_gemm_over_every_
             if owner == 0:
                 assert not all(torch.equal(p.grad, whole[:local]) for p, whole in  # type: ignore[arg-type]
                                zip(plain, tree, strict=True)), world
+
+
+def _one_f_one_b(microbatches: int, warmup: int) -> list[tuple[str, int]]:
+    """A 1F1B stage's order: `warmup` forwards, then one forward and one backward in turn, then the last backwards."""
+    order = [("f", i) for i in range(warmup)]
+    for i in range(warmup, microbatches):
+        order += [("f", i), ("b", i - warmup)]
+    return order + [("b", i) for i in range(microbatches - warmup, microbatches)]
+
+
+def test_fixed_order_experts_keep_the_bits_whatever_the_schedule_runs_the_backwards_in(
+        free_port: Callable[[], int]) -> None:
+    """A pipeline schedule runs several microbatches' forwards before their backwards (GPipe all of them, 1F1B
+    some): each microbatch's leaves still go into the tree in microbatch (forward) order, the bits of one process
+    (a one-rank group: the schedule, not the exchange, is in question here)."""
+    outs, _, tree = _one_process()
+    experts = _experts()
+    weights = [experts.w1.detach(), experts.w3.detach(), experts.w2.detach()]
+    batches = [_microbatch(i) for i in range(M)]
+    orders = {
+        "in order": [(kind, i) for i in range(M) for kind in ("f", "b")],  # invariant_backward's
+        "gpipe": [("f", i) for i in range(M)] + [("b", i) for i in range(M)],
+        "1f1b": _one_f_one_b(M, 2),  # stage 0 of 3
+        "backwards reversed": [("f", i) for i in range(M)] + [("b", i) for i in reversed(range(M))],
+    }
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for name, order in orders.items():
+            exchange = FixedOrderExperts(lambda: weights, microbatches=M, group=dist.group.WORLD)
+            exchange.begin()
+            got: dict[int, torch.Tensor] = {}
+            for kind, i in order:
+                rows, counts, back = batches[i]
+                if kind == "f":
+                    got[i] = exchange(rows, torch.tensor(counts), experts)
+                    assert torch.equal(got[i], outs[i]), (name, i)
+                else:
+                    got[i].backward(back)
+            for sums, whole in zip(exchange.finish(), tree, strict=True):
+                assert torch.equal(sums, whole), name
+        # a microbatch whose backward gives the experts no gradient is a zero leaf in its place, the later ones after it
+        exchange = FixedOrderExperts(lambda: weights, microbatches=M, group=dist.group.WORLD)
+        exchange.begin()
+        ran = [exchange(rows, torch.tensor(counts), experts) for rows, counts, _ in batches]
+        for i, (out, (_, _, back)) in enumerate(zip(ran, batches, strict=True)):
+            assert torch.equal(out, outs[i])
+            if i != 2:
+                out.backward(back)
+        leaves = []
+        for i in range(M):
+            _, counts, back = batches[i]
+            rows = batches[i][0]
+            views = [w.clone().requires_grad_(True) for w in weights]
+            experts(rows, counts, weights=tuple(views)).backward(back)
+            leaves.append([torch.zeros_like(v) if i == 2 else v.grad for v in views])
+        for sums, whole in zip(exchange.finish(), _tree_sum(leaves), strict=True):
+            assert torch.equal(sums, whole)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_expert_gradient_tree_refuses_a_step_that_is_not_whole() -> None:

@@ -22,10 +22,17 @@ order of the additions, change with E. `FixedOrderExperts` keeps the bits of one
 
 The token side (router, `detrace.ops` permute and combine, aux loss) runs on the source rank as in one process.
 
+A leaf is pushed into the tree once its microbatch's backward has run, and those of every earlier microbatch of the
+step: in forward order, which is the microbatch order under `invariant_backward` (each microbatch's forward and
+backward in turn) and under a pipeline schedule (GPipe runs every forward before the backwards, 1F1B interleaves
+them; both run the forwards in microbatch order). The ep ranks of a pipeline stage run the same schedule, so their
+all-to-alls meet.
+
 What it gives up against the ordinary all-to-all: E smaller GEMMs per local expert instead of one (less efficient
 on a GPU for few tokens); the weight gradients are added after each microbatch's backward (about log2(M / W) + 1
-partial sums per source kept until the step's last microbatch) instead of inside the GEMM; and the ranks run their
-microbatches in step, one all-to-all pair per microbatch and MoE layer.
+partial sums per source kept until the step's last microbatch; under a pipeline schedule also the leaves of the
+microbatches whose forward has run and whose backward, or an earlier one's, has not) instead of inside the GEMM;
+and the ranks run their microbatches in step, one all-to-all pair per microbatch and MoE layer.
 
     exchange = FixedOrderExperts(lambda: [w1, w3, w2], microbatches=M // W, group=ep_group)
     exchange.begin()                                        # each step, before the microbatches
@@ -117,24 +124,42 @@ class FixedOrderExperts:
         self.weights, self.microbatches, self.group, self.replicas = weights, microbatches, group, replicas
         self.ep = dist.get_world_size(group)
         self.tree: ExpertGradientTree | None = None
-        self._pending: list[list[torch.Tensor]] | None = None  # the views of the microbatch whose backward runs
+        # The views of this step's microbatches not pushed yet, in forward order (the microbatch order), each with
+        # the count of its views whose gradient has not arrived. A schedule may run several forwards before their
+        # backwards (a pipeline's GPipe runs them all first, 1F1B interleaves them): a microbatch's leaves go into
+        # the tree once its backward and those of every earlier one have run, in forward order whatever the
+        # schedule.
+        self._held: list[tuple[list[list[torch.Tensor]], list[int]]] = []
 
     def begin(self) -> None:
         """Start a step: the next `microbatches` forwards and backwards are its leaves."""
-        self.tree, self._pending = ExpertGradientTree(self.ep, self.microbatches), None
+        self.tree, self._held = ExpertGradientTree(self.ep, self.microbatches), []
 
-    def _flush(self) -> None:
-        """Push the previous microbatch's leaves (its backward has run: invariant_backward runs one microbatch's
-        forward and backward before the next one's forward)."""
-        if self._pending is not None and self.tree is not None:
-            self.tree.push([[torch.zeros_like(v) if v.grad is None else v.grad for v in views]
-                            for views in self._pending])
-        self._pending = None
+    def _hold(self, views: list[list[torch.Tensor]]) -> None:
+        """Keep one microbatch's views (one list per source) until its backward has set their gradients."""
+        waiting = [sum(len(per_source) for per_source in views)]
+
+        def arrived(view: torch.Tensor) -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                self._flush(whole=False)
+
+        for per_source in views:
+            for view in per_source:
+                view.register_post_accumulate_grad_hook(arrived)
+        self._held.append((views, waiting))
+
+    def _flush(self, *, whole: bool) -> None:
+        """Push the held microbatches whose backward has run, in forward order, up to the first one still waiting
+        (`whole`: every held one; a view whose backward gave it no gradient is a zero leaf)."""
+        while self._held and self.tree is not None and (whole or self._held[0][1][0] == 0):
+            views, _ = self._held.pop(0)
+            self.tree.push([[torch.zeros_like(v) if v.grad is None else v.grad for v in per_source]
+                            for per_source in views])
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         """routed [R, D] sorted by global expert, counts [E L] rows per global expert -> the experts' outputs [R, D],
         in `routed`'s order."""
-        self._flush()
         all_to_all = all_to_all_single_autograd()
         ep = self.ep
         recv_counts = torch.empty_like(counts)  # row s: the rows source s sends for each of my local experts
@@ -148,7 +173,7 @@ class FixedOrderExperts:
         received = received.clone()
         outs, views = run_apart(experts, received.split(recv), per_source.tolist(), self.weights())
         if self.tree is not None and torch.is_grad_enabled():
-            self._pending = views
+            self._hold(views)
         return all_to_all(torch.cat(outs), send, recv, self.group)
 
     def finish(self) -> list[torch.Tensor]:
@@ -156,7 +181,7 @@ class FixedOrderExperts:
         shapes of `weights()`. Collective over `replicas`."""
         if self.tree is None:
             raise UsageError("FixedOrderExperts.finish() without begin(): no step is open")
-        self._flush()
+        self._flush(whole=True)
         tree, self.tree = self.tree, None
         sums = tree.result()
         if self.replicas is not None and dist.get_world_size(self.replicas) > 1:

@@ -38,7 +38,8 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None], ...]] = {
     "ep-fsdp-invariant": (("fsdp", None), ("ep", None)),
 }
 """The tp layouts' sizes come from `setup(kind, tp=T)`: dp = W / T (1 included), tp = T; the ep- layouts' from
-`setup(kind, dp=D, tp=T)`: dp = D (ep-fsdp-invariant: fsdp = D), ep = W / (D T), tp = T (ep-invariant only)."""
+`setup(kind, dp=D, tp=T)`: dp = D (ep-fsdp-invariant: fsdp = D), ep = W / (D T), tp = T (ep-invariant only), or
+`setup(kind, pp=P)` (ep-invariant, ep-plain): pp = P, ep = W / P."""
 
 INVARIANT = ("dp-invariant", "tp-invariant", "tp-plain", "fsdp-invariant", "fsdp-plain", "pp-invariant", "pp-plain",
              "ep-invariant", "ep-plain", "ep-fsdp-invariant")
@@ -48,7 +49,8 @@ tp-invariant), or over the fsdp ranks by fully_shard's reduce-scatter (`detrace.
 fully_shard's own reduce-scatter and gradient accumulation, the control of fsdp-invariant), or by each pipeline stage
 over the microbatches of its schedule (pp-invariant, `detrace.parallel.pipeline`; pp-plain: autograd's running sum
 over them, the control of pp-invariant), or over the dp x ep ranks with the experts' gradients summed per source
-(ep-invariant, `detrace.parallel.expert`; ep-plain: the ordinary all-to-all MoE, the control)."""
+(ep-invariant, `detrace.parallel.expert`; ep-plain: the ordinary all-to-all MoE, the control; on a pp x ep mesh,
+each stage's tree as pp-invariant's and its experts' per source, or the controls of both)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,9 +105,10 @@ class Layout:
 def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
     """Start torch.distributed for `kind` (from torchrun's environment) and build its mesh; `tp` is the
     tensor-parallel size of the tp layouts (and of pp- and fsdp-invariant), `pp` the stages of pp-invariant
-    (data-parallel over the rest) and of the fsdp layouts (each stage sharded over the rest), `dp` the replicas of the
-    fsdp layouts (each sharded over the rest) and of the ep layouts' experts (split over the rest; on
-    ep-fsdp-invariant the replicas are its fsdp dimension)."""
+    (data-parallel over the rest), of the fsdp layouts (each stage sharded over the rest) and of ep-invariant and
+    ep-plain (each stage's experts split over the rest), `dp` the replicas of the fsdp layouts (each sharded over the
+    rest) and of the ep layouts' experts (split over the rest; on ep-fsdp-invariant the replicas are its fsdp
+    dimension)."""
     if kind not in LAYOUTS:
         raise UsageError(f"parallel layout {kind!r} must be one of {', '.join(LAYOUTS)}")
     cuda = torch.cuda.is_available()
@@ -129,6 +132,11 @@ def setup(kind: str, *, tp: int = 1, pp: int = 1, dp: int = 1) -> Layout:
             raise UsageError(f"--tp and the replicas must be powers of two dividing the world size {world}")
         return _mesh(kind, world, {**({"dp": dp} if dp > 1 else {}), "fsdp": world // (tp * dp),
                                    **({"tp": tp} if tp > 1 else {})}, cuda)
+    if kind in ("ep-invariant", "ep-plain") and pp > 1:  # pp x ep: each stage's experts split over the rest
+        if tp * dp > 1 or world % pp or (world // pp) & (world // pp - 1):
+            raise UsageError(f"the stages' expert-parallel ranks must be a power of two dividing the world size "
+                             f"{world}")
+        return _mesh(kind, world, {"pp": pp, "ep": world // pp}, cuda)
     if kind in ("ep-invariant", "ep-plain", "ep-fsdp-invariant"):
         if tp > 1 and kind != "ep-invariant":
             raise UsageError(f"--parallel {kind} has no tensor-parallel dimension")

@@ -27,6 +27,8 @@ combinations, with real processes (gloo on CPU, NCCL on GPU) started by torchrun
 | ep-plain | dp=W/E, ep=E   | as ep-invariant (the control)                  | experts: autograd over all sources |
 | ep-invariant | ep=W/T, tp=T | ep-invariant's; tp-invariant's chunks over tp | fixed trees over ep (chunks too) |
 | ep-fsdp-invariant | fsdp=W/E, ep=E | ep-invariant's; the rest sharded over all | tree in the reduce-scatter; experts |
+| ep-invariant | pp=P, ep=W/P | layers over pp; blocks and experts over ep | tree per stage, over ep; experts |
+| ep-plain | pp=P, ep=W/P | as ep-invariant on pp x ep (the control)     | autograd's sum, tree over ep; all-to-all |
 
 Where gradients are averaged by hand (`_average_gradients`) they are flattened in parameter order into one
 buffer and all-reduced once: plain data parallelism, written out because DDP cannot express "these
@@ -226,12 +228,17 @@ class _InvariantPipeline:
     (`detrace.parallel.pipeline`), and each microbatch's logged values, reduced to the bits that dp-invariant
     computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
     model order). Under pp x fsdp the stage's fsdp ranks are its data blocks, and the tree is in its reduce-scatter
-    (`detrace.parallel.fsdp`)."""
+    (`detrace.parallel.fsdp`). Under pp x ep its ep ranks are its data blocks and split its experts, whose gradients
+    `detrace.parallel.expert.FixedOrderExperts` sums per source (pp x ep invariant) or autograd over every source's
+    rows (the ordinary all-to-all, the control)."""
 
     def __init__(self, model: HybridLM, microbatches: int, layout: Layout) -> None:
-        # the data blocks: over dp, or over fsdp (a layout names one of them besides pp)
-        self.blocks = layout.size("dp") * layout.size("fsdp")
-        self.block = layout.coord("dp") * layout.size("fsdp") + layout.coord("fsdp")
+        if layout.size("ep") > 1:
+            _refuse_recompute(model.cfg)
+        # the data blocks: over dp, fsdp or ep (a layout names one of them besides pp)
+        self.blocks = layout.size("dp") * layout.size("fsdp") * layout.size("ep")
+        self.block = (layout.coord("dp") * layout.size("fsdp") + layout.coord("fsdp")) * layout.size("ep") \
+            + layout.coord("ep")
         if microbatches % self.blocks:
             raise UsageError(f"{microbatches} microbatches do not split evenly over {self.blocks} data-parallel ranks")
         self.M, self.device, self.layout = microbatches, layout.device, layout
@@ -246,15 +253,18 @@ class _InvariantPipeline:
         self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
         self.table = torch.zeros(0)
         self.forwards = 0
+        self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
 
     def attach(self, stage: HybridLM, cfg: ModelConfig, *, tree: bool) -> None:
-        """`tree`: sum the microbatches' gradients in the fixed tree here; else in the stage's fixed-order
-        reduce-scatter (pp x fsdp), or (pp-plain, the control) in autograd's running sum, in the order the schedule
-        runs the backwards."""
+        """`tree`: sum the microbatches' gradients in the fixed tree here (and, under pp x ep, the experts' per
+        source); else in the stage's fixed-order reduce-scatter (pp x fsdp), or (pp-plain, the control) in autograd's
+        running sum, in the order the schedule runs the backwards."""
         from detrace.parallel.pipeline import SeededForwards, TreeGradients
 
         self.stage, self.cfg = stage, cfg
         self.grads = TreeGradients(stage.parameters(), self.n) if tree else None
+        if tree and self.layout.size("ep") > 1:  # the experts' views are their own leaves: TreeGradients sees none
+            self.exchanges = _fixed_order_experts(stage, microbatches=self.n, group=self.layout.group("ep"))
         self.seeds = SeededForwards(stage, self.device)
         here = dict(stage.named_modules())
         self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
@@ -269,20 +279,27 @@ class _InvariantPipeline:
         self.seeds.begin(step_seed(), first=self.first)
         if self.grads is not None:
             self.grads.begin()
+        for _, exchange in self.exchanges:
+            exchange.begin()
         yield
         if self.grads is not None:
             self.grads.finish()
-        if self.layout.size("dp") > 1:  # complete the tree over the data-parallel blocks
+        # complete the tree over the data blocks of dp, or of ep (whose ranks hold other experts: those are not
+        # blocks of one sum, each holder has its experts' whole tree)
+        data = next((dim for dim in ("dp", "ep") if self.layout.size(dim) > 1), None)
+        if data is not None:
             from detrace.parallel.data import _buckets, _exchange, _flatten
 
-            params = [p for p in self.stage.parameters() if p.grad is not None]
+            params = [p for n, p in self.stage.named_parameters()
+                      if p.grad is not None and not (data == "ep" and _is_expert(n))]
             grads = [p.grad for p in params]
             buckets = _buckets([g for g in grads if g is not None])
-            flats = _exchange(_flatten(buckets, grads), group=self.layout.group("dp"),
-                              rank=self.layout.coord("dp"), world=self.layout.size("dp"), how="auto")
+            flats = _exchange(_flatten(buckets, grads), group=self.layout.group(data),
+                              rank=self.layout.coord(data), world=self.layout.size(data), how="auto")
             for b, flat in zip(buckets, flats, strict=True):
                 for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
                     params[i].grad = part.view_as(params[i])
+        _expert_gradients(self.exchanges)
 
     def _aux(self, module: nn.Module, args: Any, output: Any) -> None:
         for col, moe in self.moes:
@@ -302,9 +319,9 @@ class _InvariantPipeline:
 
         squares = torch.zeros(len(self.names), device=self.device)
         index = {n: i for i, n in enumerate(self.names)}
-        # the dp replicas hold the same gradient, the fsdp ranks gather the same whole one, and so do the tp ranks of
-        # a parameter that is not a chunk: the first of them counts it
-        first = self.layout.coord("dp") == 0 and self.layout.coord("fsdp") == 0
+        # the dp and ep replicas hold the same gradient, the fsdp ranks (the ep ranks: of an expert) gather the same
+        # whole one, and so do the tp ranks of a parameter that is not a chunk: the first of them counts it
+        first = self.layout.coord("dp") == 0 and self.layout.coord("fsdp") == 0 and self.layout.coord("ep") == 0
         for name, p in self.stage.named_parameters():
             if p.grad is None:
                 continue
@@ -337,6 +354,37 @@ def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return [local_tensor(p) for p in params]
 
 
+def _refuse_recompute(cfg: ModelConfig) -> None:
+    if cfg.recompute:
+        # a recomputed forward would run the exchange again inside the backward, out of the tree's order
+        raise UsageError("--recompute does not go with the ep layouts")
+
+
+def _fixed_order_experts(model: HybridLM, *, microbatches: int, group: dist.ProcessGroup,
+                         replicas: dist.ProcessGroup | None = None
+                         ) -> list[tuple[list[nn.Parameter], FixedOrderExperts]]:
+    """Every MoE layer of `model` (its experts split over `group`) exchanges through a `FixedOrderExperts` over
+    `microbatches` per rank and step: (the layer's expert weights, its exchange), layer by layer."""
+    exchanges = []
+    for moe in model.moe_layers():
+        params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
+        exchange = FixedOrderExperts(functools.partial(_locals, params), microbatches=microbatches, group=group,
+                                     replicas=replicas)
+        moe.exchange = exchange
+        exchanges.append((params, exchange))
+    return exchanges
+
+
+def _expert_gradients(exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]]) -> None:
+    """End the step of every exchange: its experts' gradients are the tree's sums (DTensors where the weights are)."""
+    from torch.distributed.tensor import DTensor
+
+    for params, exchange in exchanges:
+        for p, g in zip(params, exchange.finish(), strict=True):
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
+                if isinstance(p, DTensor) else g
+
+
 class _ExpertParallel:
     """ep-invariant and ep-plain: every rank computes its block of the global microbatches (dp, fsdp and ep are data
     dimensions; tp ranks share their block); the non-expert parameters' gradients are summed in the fixed tree over
@@ -349,9 +397,7 @@ class _ExpertParallel:
     the data dimensions that ep borrows from) with fsdp-invariant's reduce-scatter, the same tree."""
 
     def __init__(self, model: HybridLM, microbatches: int, layout: Layout, *, invariant: bool) -> None:
-        if model.cfg.recompute:
-            # a recomputed forward would run the exchange again inside the backward, out of the tree's order
-            raise UsageError("--recompute does not go with the ep layouts")
+        _refuse_recompute(model.cfg)
         self.microbatches, self.layout, self.invariant = microbatches, layout, invariant
         named = list(model.named_parameters())
         sharded = layout.size("ep") > 1
@@ -367,12 +413,8 @@ class _ExpertParallel:
         self.replicas = layout.group(other) if sharded and layout.size(other) > 1 else None
         self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
         if sharded and invariant:
-            for moe in model.moe_layers():
-                params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
-                exchange = FixedOrderExperts(functools.partial(_locals, params), microbatches=microbatches // data,
-                                             group=layout.group("ep"), replicas=self.replicas)
-                moe.exchange = exchange
-                self.exchanges.append((params, exchange))
+            self.exchanges = _fixed_order_experts(model, microbatches=microbatches // data, group=layout.group("ep"),
+                                                  replicas=self.replicas)
         self.comms: list[FixedOrderReduceScatter] = []
         if layout.size("fsdp") > 1 and sharded:
             from torch.distributed.device_mesh import DeviceMesh
@@ -391,8 +433,6 @@ class _ExpertParallel:
     def backward(self, loss_of: LossOf) -> torch.Tensor:
         """One step's gradients: the dense ones in the tree over the data ranks' blocks (in their reduce-scatter when
         sharded), the experts' as above. Returns the tree's sums of the logged values."""
-        from torch.distributed.tensor import DTensor
-
         for p in self.experts:
             p.grad = None
         for _, exchange in self.exchanges:
@@ -400,10 +440,7 @@ class _ExpertParallel:
         _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches, group=self.group,
                                      sharded=bool(self.comms))
         check_complete(self.comms)
-        for params, exchange in self.exchanges:
-            for p, g in zip(params, exchange.finish(), strict=True):
-                p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
-                    if isinstance(p, DTensor) else g
+        _expert_gradients(self.exchanges)
         if self.plain_experts and self.replicas is not None:  # the ordinary sum over the replicas
             for p in self.experts:
                 if p.grad is None:  # every replica contributes
@@ -472,7 +509,9 @@ class ParallelModel:
             _chunked_tensor_parallel(self.raw, layout, "plain" if kind == "tp-plain" else "invariant")
         if kind in INVARIANT:
             assert microbatches is not None
-            if kind in ("pp-invariant", "pp-plain") and layout.mesh is not None:
+            if layout.mesh is not None and (kind in ("pp-invariant", "pp-plain")
+                                            or (kind.startswith("ep-") and layout.size("pp") > 1)):
+                # pp x ep: its stages as pp-invariant's, each stage's experts split over its ep ranks
                 self._pipeline = _InvariantPipeline(self.raw, microbatches, layout)
             if self._pipeline is not None:
                 blocks = self._pipeline.blocks
@@ -551,7 +590,7 @@ class ParallelModel:
             scale_grads=not invariant,
         )
         if self._pipeline is not None:  # pp x fsdp: the tree is the reduce-scatter's
-            self._pipeline.attach(self.raw, self.cfg, tree=self.layout.kind == "pp-invariant")
+            self._pipeline.attach(self.raw, self.cfg, tree=self.layout.kind in ("pp-invariant", "ep-invariant"))
         # Set up before training, not at the first step: a resumed process's first step makes the calls of a run
         # that never stopped (`detrace check-resume`).
         target = torch.zeros(mb, seq_len, dtype=torch.long, device=dev) if stage == stages - 1 else None

@@ -102,7 +102,8 @@ class TrainConfig:
     """The pipeline schedule of the pp layouts: "1f1b" or "gpipe"."""
     stages: int = 1
     """--parallel pp-invariant: pipeline stages P (each data-parallel over world / (P T) ranks); fsdp-invariant,
-    fsdp-plain: the stages of a ppPxfsdpF layout (each sharded over world / P ranks)."""
+    fsdp-plain: the stages of a ppPxfsdpF layout (each sharded over world / P ranks); ep-invariant, ep-plain: the
+    stages of a ppPxepE layout (each stage's experts split over world / P ranks, its data blocks over them too)."""
     replicas: int = 1
     """--parallel fsdp-invariant, fsdp-plain: data-parallel replicas D of the sharded model (a named dpDxfsdpF
     layout: each replica's F ranks shard it; HSDP); ep-invariant, ep-plain: the replicas of the experts (a named
@@ -156,9 +157,10 @@ class TrainConfig:
         if self.schedule not in parallel.SCHEDULES:
             raise UsageError(f"--schedule must be one of {', '.join(parallel.SCHEDULES)}, not {self.schedule!r}")
         if self.stages < 1 or (self.stages != 1 and self.parallel not in ("pp-invariant", "pp-plain") and not (
-                self.parallel.startswith("fsdp-") and self.tp == 1 and self.replicas == 1)):
-            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant, pp-plain, or an fsdp "
-                             "layout on a ppPxfsdpF mesh")
+                self.parallel in ("fsdp-invariant", "fsdp-plain", "ep-invariant", "ep-plain") and self.tp == 1
+                and self.replicas == 1)):
+            raise UsageError("pipeline stages other than 1 go with --parallel pp-invariant, pp-plain, or an fsdp or "
+                             "ep layout on a ppPxfsdpF or ppPxepE mesh")
         if self.tp != 1 and not (self.parallel.startswith("tp-") or self.parallel in ("fsdp-invariant",
                                                                                       "pp-invariant", "ep-invariant")):
             raise UsageError("--tp goes with --parallel tp-invariant or tp-plain, or with the fsdp, pp and ep "
@@ -248,9 +250,11 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
         return f"pp-{parallel}", t, named.size("pp"), 1
     if named.dims == {"pp", "fsdp"}:  # each stage sharded: the tree in its reduce-scatter, or (plain) torch's stage
         return f"fsdp-{parallel}", 1, named.size("pp"), 1
+    if named.dims == {"pp", "ep"}:  # each stage's experts split over its ep ranks, which split its data too
+        return f"ep-{parallel}", 1, named.size("pp"), 1
     raise UsageError(f"layout {named} is not one the reference trainer runs with --parallel {parallel}: it runs "
-                     "dp, fsdp, DxT (dp x tp), ppPxdpD, ppPxfsdpF, dpDxfsdpF, epE, epExdpD and, invariant only, "
-                     "ppPxtpT, fsdpFxtpT, fsdpFxepE and epExtpT layouts")
+                     "dp, fsdp, DxT (dp x tp), ppPxdpD, ppPxfsdpF, ppPxepE, dpDxfsdpF, epE, epExdpD and, invariant "
+                     "only, ppPxtpT, fsdpFxtpT, fsdpFxepE and epExtpT layouts")
 
 
 def _tp_size(flag: int | None) -> int:
