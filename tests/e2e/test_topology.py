@@ -674,9 +674,11 @@ def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp_an
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # 1F1B on the composed meshes against one process: pp2xdp2 (2 stages, each data-parallel over 2) with every
     # parameter by name after every step (each stage holds its own, its dp replicas agree); pp2xfsdp2 (each stage
-    # sharded over 2, the tree in its reduce-scatter) through its final params (shards); both with the losses by
-    # global microbatch at every step (GPipe: pp2xtp2 in the tp test)
-    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "fsdp1,pp2xdp2,pp2xfsdp2", "--", *TRAIN,
+    # sharded over 2, the tree in its reduce-scatter) and pp2xep2 (each stage's experts split over 2 ranks that split
+    # its data too; 1F1B runs a second forward before the first backward, which the experts' leaves wait for)
+    # through their final params (shards); all with the losses by global microbatch at every step (GPipe: pp2xtp2 in
+    # the tp test; pp2xep2 under GPipe: by hand, docs/topology.md)
+    code, report = _check_cli(capsys, tmp_path, "1f1b", "--layouts", "fsdp1,pp2xdp2,pp2xfsdp2,pp2xep2", "--", *TRAIN,
                               "--parallel", "invariant", "--schedule", "1f1b", "--steps", "2")
     assert code == 0, report
     assert report["steps"] == 2 and report["tensors"] == len(list(_tiny().parameters()))

@@ -200,8 +200,8 @@ def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest
     from dataclasses import replace
 
     from detrace.workload import layouts
-    from detrace.workload.model import PRESETS, ModelConfig
-    from detrace.workload.sharding import ParallelModel
+    from detrace.workload.model import PRESETS, HybridLM, ModelConfig
+    from detrace.workload.sharding import ParallelModel, _InvariantPipeline
     from detrace.workload.train import TrainConfig
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -210,6 +210,11 @@ def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest
     with pytest.raises(UsageError, match="--recompute does not go with the ep layouts"):
         ParallelModel(replace(base, recompute=True, dispatch="fixed"), layouts.setup("ep-invariant"), seed=0,
                       batch_size=8, seq_len=32, microbatches=4)
+    # nor with a pipeline's stages whose experts are split (pp x ep): refused before any group is used
+    pp_ep = layouts.Layout(kind="ep-invariant", rank=0, world=4, device=torch.device("cpu"), sizes={"pp": 2, "ep": 2},
+                           coords={"pp": 0, "ep": 0})
+    with pytest.raises(UsageError, match="--recompute does not go with the ep layouts"):
+        _InvariantPipeline(HybridLM(replace(base, recompute=True, dispatch="fixed")), 4, pp_ep)
     with pytest.raises(UsageError, match="replicas of a sharded model go with"):
         TrainConfig(parallel="dp-invariant", microbatches=4, dispatch="fixed", replicas=2)
     # tensor parallelism composes with ep-invariant's experts, not with the fsdp x ep mesh (its sharded parameters

@@ -55,6 +55,10 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", "pp2xfsdp2", None) == ("fsdp-invariant", 1, 2, 1)
     assert resolve_layout("invariant", "fsdp2xpp2", None) == ("fsdp-invariant", 1, 2, 1)
     assert resolve_layout("plain", "pp2xfsdp2", None) == ("fsdp-plain", 1, 2, 1)  # torch's stage and fully_shard's
+    # 2 stages, each one's experts split over 2 ranks that split its data too; the control: torch's stage, all-to-all
+    assert resolve_layout("invariant", "pp2xep2", None) == ("ep-invariant", 1, 2, 1)
+    assert resolve_layout("invariant", "ep2xpp2", None) == ("ep-invariant", 1, 2, 1)
+    assert resolve_layout("plain", "pp2xep2", None) == ("ep-plain", 1, 2, 1)
     monkeypatch.setenv(LAYOUT_ENV, "fsdp4")  # what check-topology --layouts sets
     assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -64,7 +68,7 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
                                (4, ("plain", "ep2xtp2", None), "not one the reference trainer runs"),
                                (4, ("plain", "pp2xtp2", None), "invariant only, ppPxtpT, fsdpFxtpT"),
-                               (4, ("invariant", "pp2xep2", None), "not one the reference trainer runs"),
+                               (8, ("invariant", "pp2xep2xtp2", None), "not one the reference trainer runs"),
                                (4, ("plain", "fsdp2xtp2", None), "runs with --parallel plain"),
                                (8, ("invariant", "pp2xdp2xfsdp2", None), "runs with --parallel invariant"),
                                (8, ("invariant", "dp2xfsdp2xtp2", None), "runs with --parallel invariant"),
@@ -76,20 +80,22 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
             resolve_layout(*args)
 
 
-def test_pipeline_stages_go_with_fsdp_invariant_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_stages_go_with_the_fsdp_and_ep_layouts_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from detrace.workload import layouts
     from detrace.workload.train import TrainConfig
 
     common: dict[str, Any] = {"microbatches": 4, "dispatch": "fixed", "stages": 2}
-    assert TrainConfig(parallel="fsdp-invariant", **common).stages == 2  # ppPxfsdpF
-    assert TrainConfig(parallel="fsdp-plain", **common).stages == 2  # its control
-    for other in ({"parallel": "fsdp-invariant", "replicas": 2},
-                  {"parallel": "fsdp-invariant", "tp": 2}, {"parallel": "dp-invariant"}):
+    for kind in ("fsdp-invariant", "fsdp-plain", "ep-invariant", "ep-plain"):  # ppPxfsdpF, ppPxepE, their controls
+        assert TrainConfig(parallel=kind, **common).stages == 2
+    for other in ({"parallel": "fsdp-invariant", "replicas": 2}, {"parallel": "ep-invariant", "replicas": 2},
+                  {"parallel": "fsdp-invariant", "tp": 2}, {"parallel": "ep-invariant", "tp": 2},
+                  {"parallel": "ep-fsdp-invariant"}, {"parallel": "dp-invariant"}):
         with pytest.raises(UsageError, match="pipeline stages other than 1"):
             TrainConfig(**common, **other)
-    monkeypatch.setenv("WORLD_SIZE", "6")  # 3 shards a stage: the tree splits its blocks in halves
-    with pytest.raises(UsageError, match="power of two dividing the world size 6"):
-        layouts.setup("fsdp-invariant", pp=2)
+    monkeypatch.setenv("WORLD_SIZE", "6")  # 3 shards (or ep ranks) a stage: the tree splits its blocks in halves
+    for kind in ("fsdp-invariant", "ep-invariant"):
+        with pytest.raises(UsageError, match="power of two dividing the world size 6"):
+            layouts.setup(kind, pp=2)
 
 def _grads(microbatches: int, numel: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
