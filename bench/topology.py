@@ -32,9 +32,11 @@ median of invariant / plain.
 
 Pipeline (`--part pp`): pp-invariant (`detrace.parallel.pipeline`: the tree over microbatch gradients, seeded
 forwards, 1F1B) against torch's Schedule1F1B as the `pp` layout runs it (autograd's accumulation, scaled), the
-whole step on 2 stages, interleaved the same way; and on pp2xfsdp2 (2 stages, each sharded over 2), fsdp-invariant
+whole step on 2 stages, interleaved the same way; on pp2xfsdp2 (2 stages, each sharded over 2), fsdp-invariant
 (the tree in each stage's reduce-scatter, one per microbatch) against fsdp-plain (torch's stage on fully_shard: its
-own accumulation, one reduce-scatter after the last microbatch), both 1F1B.
+own accumulation, one reduce-scatter after the last microbatch); and on pp2xep2 (2 stages, each one's experts split
+over 2 ranks that split its data too), ep-invariant (the stage's tree, the experts' per source) against ep-plain
+(torch's stage with the ordinary all-to-all MoE); all 1F1B.
 
 Expert parallelism (`--part ep`): ep-invariant (`detrace.parallel.expert`: each source's tokens through the
 experts apart, the expert weight gradients in the fixed tree) against ep-plain (the ordinary all-to-all MoE: one
@@ -282,7 +284,8 @@ def _layout_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[
     `sizes` (dimension -> size, outermost first), for each (mode, layout kind) of `kinds`, interleaved on one set of
     ranks: fsdp-invariant against fsdp-plain (fully_shard's own reduce-scatter, and all-reduce over dp replicas,
     accumulation without sync until the last microbatch), pp-invariant against pp (torch's Schedule1F1B,
-    autograd's accumulation, scaled)."""
+    autograd's accumulation, scaled), ep-invariant against ep-plain (the all-to-all MoE; on pp x ep in torch's
+    stage)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from detrace.workload.layouts import INVARIANT, Layout
@@ -380,6 +383,12 @@ def main() -> None:
             lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
             figures.append(f"step time pp2xfsdp2 1F1B ({args.preset}, M={args.microbatches}) fsdp-invariant/torch "
                            f"stage on fully_shard: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            path = f"{tmp}/pp2xep2.json"
+            _spawn(_layout_timing, 4, args, {"pp": 2, "ep": 2}, (("invariant", "ep-invariant"),
+                                                                 ("plain", "ep-plain")), path)
+            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
+            figures.append(f"step time pp2xep2 1F1B ({args.preset}, M={args.microbatches}) ep-invariant/torch "
+                           f"stage with the all-to-all MoE: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)
