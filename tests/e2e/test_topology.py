@@ -575,17 +575,23 @@ def _check_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, *a
 @pytest.mark.slow
 def test_tp_invariant_layers_give_the_same_bits_on_dp_fsdp_and_pipeline_meshes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # one job, the composed meshes of tensor parallelism in turn against one process: 2x2 changes T and D at once
-    # (T = 2 alone, 1x2, is one run more for no other question); fsdp2xtp2 shards each rank's projection chunks;
-    # pp2xtp2 runs them in 2 stages under GPipe (1F1B: the pipeline test). Every parameter by global name after
-    # every step (fsdp2xtp2's shards: in its final params line). ep2xtp2 splits the experts over ep and runs the
-    # chunks over tp (its experts' shards: in its final params line too)
-    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "1x1,2x2,fsdp2xtp2,pp2xtp2,ep2xtp2", "--",
-                              *TRAIN, "--parallel", "invariant", "--schedule", "gpipe", "--steps", "2")
+    # one job, the composed meshes of tensor parallelism in turn: the 2x2 mesh (D x T) runs on, and stops after step
+    # 1; one process (1x1: T and D changed at once; T = 2 alone, 1x2, is one run more for no other question) and the
+    # other meshes resume from its checkpoint (each tp rank saved its chunks by global index, DCP reshards): fsdp2xtp2
+    # shards each rank's projection chunks; pp2xtp2 runs them in 2 stages under GPipe (1F1B: the pipeline test), each
+    # loading its layers; ep2xtp2 splits the experts over ep and runs the chunks over tp. Every parameter by global
+    # name after every step (the shards of fsdp2xtp2 and ep2xtp2: in their final params lines), each resumed run
+    # against the run that never stopped
+    code, report = _check_cli(capsys, tmp_path, "tp", "--layouts", "2x2,1x1,fsdp2xtp2,pp2xtp2,ep2xtp2",
+                              "--resume-at", "1", "--", *TRAIN, "--parallel", "invariant", "--schedule", "gpipe",
+                              "--steps", "2")
     assert code == 0, report
-    assert report["layouts"] == ["1x1", "2x2", "fsdp2xtp2", "pp2xtp2", "ep2xtp2"]
+    assert list(report["runs"]) == ["layout 2x2", "layout 2x2 stopped after step 1",  # type: ignore[call-overload]
+                                    *(f"layout {name} resumed after step 1"
+                                      for name in ("1x1", "fsdp2xtp2", "pp2xtp2", "ep2xtp2"))]
     finals = report["final_params"]  # a pipeline stage holds its own parameters: pp2xtp2 prints none
-    assert isinstance(finals, dict) and finals.pop("layout pp2xtp2") is None
+    assert isinstance(finals, dict) and finals.pop("layout pp2xtp2 resumed after step 1") is None
+    assert finals.pop("layout 2x2 stopped after step 1") != finals["layout 2x2"]
     assert len(set(finals.values())) == 1 and None not in finals.values()
     assert report["steps"] == 2 and report["tensors"] > 31  # the projections as chunks, by global name
 

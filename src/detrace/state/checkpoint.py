@@ -55,6 +55,7 @@ from detrace.state.storage import (
     read_metadata,
     write_json,
 )
+from detrace.state.tree import JSON
 
 LATEST_FILE = "latest"
 _VERSION = re.compile(r"step-(\d{8,})(?:\.(\d+))?")
@@ -88,13 +89,14 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     part (a pipeline stage's layers). `local` is this rank's RNG, data position and extra state.
     Collective: every rank of the process group must call it.
 
-    `elastic`: refuse (on every rank) unless every rank's own state and shared skeleton are the same, so that
-    `read(elastic=True)` may resume the checkpoint at another world size from rank 0's.
+    `elastic`: refuse (on every rank) unless every rank's own state is the same and the ranks' shared states are
+    parts of one global state (a name that several ranks hold, tensor or value, has the same bits on each), so that
+    `read(elastic=True)` may resume the checkpoint on any other mesh: each rank of it takes the names it holds.
     """
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
     rank = dist.rank_and_world()[0]
-    if elastic and dist.differs(_state_digest(shared, local)):
+    if elastic and dist.differs(_own_digest(local)):
         raise CheckpointError(_NOT_ELASTIC)
     dist.together(lambda: _prepare_root(root))
     # Rank 0 holds this save's lock from before its temporary directory exists until after the commit: another job
@@ -118,9 +120,12 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     # DCP writes a tensor that several ranks hold under one key once, from whichever rank it picks: only a tensor
     # proven the same on every rank may be. One that differs (a DDP model's buffers: each rank's forward updates
     # its own BatchNorm statistics) is saved by every rank as its own, and restored to the rank that saved it.
-    apart = dist.differing(_digests(shared_tensors)) if world > 1 else set()
+    digests = _digests(shared_tensors)
+    if elastic:  # the ranks' values (a learning rate, a step count) must be the same where they overlap too
+        digests.update(_value_digests(shared_skeleton))
+    apart = dist.differing(digests) if world > 1 else set()
     if elastic and apart:
-        raise CheckpointError(_NOT_ELASTIC)
+        raise CheckpointError(f"{_NOT_ELASTIC} (first: {_leaf_name(sorted(apart)[0])!r})")
     names = {key: own_key(rank, key) for key in apart}
     shared_skeleton = tree.rename(shared_skeleton, names)
     shared_tensors = {names.get(key, key): tensor for key, tensor in shared_tensors.items()}
@@ -188,8 +193,11 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
     not fit; it runs, like every other check, before anything is loaded, so a checkpoint that is refused
     leaves the training state untouched, and a refusal on any rank stops every rank.
 
-    `elastic`: every rank's own state and shared skeleton were the same when saved (`write(elastic=True)`
-    checked it); each rank loads rank 0's, and the checkpoint resumes at any world size.
+    `elastic`: every rank's own state was the same when saved and the ranks' shared states were parts of one global
+    state (`write(elastic=True)` checked it): each rank loads rank 0's own state and, of the global state, the names
+    its template holds (DCP reshards the tensors), and every saved name must be held by some rank. The checkpoint
+    resumes on any mesh whose ranks name the model's parameters by their global names (data, FSDP, tensor-parallel
+    chunks, pipeline stages, experts).
     """
     directory = resolve(path)
     rank, world = dist.rank_and_world()
@@ -200,21 +208,28 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
             "each rank's RNG and data position belong to one rank"
         )
     document = manifest.verify(directory, collective=True)
-    _, template_tensors = tree.split(shared, "")
+    template_skeleton, template_tensors = tree.split(shared, "")
 
     saved_rank = 0 if elastic else rank
 
-    def fits() -> tuple[Any, Any]:
+    def fits() -> tuple[Any, Any, dict[str, JSON]]:
         saved = _rank_document(directory, saved_rank, step=document.step)
+        if elastic:
+            check(directory, saved["shared"], saved["local"])
+            every = _global_leaves(directory, saved_world, step=document.step)
+            return _elastic_skeleton(directory, template_skeleton, every, rank=rank, world=world), saved["local"], \
+                every
         _check_same_tensors(directory, set(_template_names(saved["shared"], saved_rank).values()),
                             set(template_tensors), rank=rank, world=world)
         check(directory, saved["shared"], saved["local"])
-        return saved["shared"], saved["local"]
+        return saved["shared"], saved["local"], {}
 
     # A rank whose state does not fit must not leave the others waiting in DCP's collective load.
-    shared_skeleton, local_skeleton = dist.together(
+    shared_skeleton, local_skeleton, every = dist.together(
         fits, elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error"
     )
+    if elastic:
+        _check_held(directory, every, tree.leaves(template_skeleton))
     # The rank's own copies (see `write`) load into the template's tensors of the same names.
     shared_tensors = {key: template_tensors[name] for key, name in _template_names(shared_skeleton, saved_rank).items()}
 
@@ -278,9 +293,60 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-_NOT_ELASTIC = ("an elastic checkpoint needs the same own state (RNG, data position, extra) and the same model and "
-                "optimizer state on every rank, and the ranks' differ: seed every generator alike "
-                "(detrace.deterministic) and read the data in global samples")
+_NOT_ELASTIC = ("an elastic checkpoint needs the same own state (RNG, data position, extra) on every rank and the "
+                "same model and optimizer values wherever two ranks hold one name, and the ranks' differ: seed every "
+                "generator alike (detrace.deterministic), read the data in global samples, and keep the replicas "
+                "of a parameter equal")
+_VALUE = "="
+"""Marks the key of a non-tensor value (its path, `tree.leaves`) among the tensor keys that `dist.differing` takes."""
+
+
+def _value_digests(skeleton: Any) -> dict[str, int]:
+    """The fingerprint of each non-tensor value of a shared skeleton (a learning rate, a scheduler's step), by path."""
+    from detrace.digest import fingerprint
+
+    return {_VALUE + path: fingerprint(torch.frombuffer(bytearray(json.dumps(leaf).encode()), dtype=torch.uint8)).digest
+            for path, leaf in tree.leaves(skeleton).items() if not tree.tensor_keys(leaf)}
+
+
+def _leaf_name(key: str) -> str:
+    """A key of `_digests` or `_value_digests` as an error names it: the tensor's key, or the value's path."""
+    return ".".join(str(part) for part in json.loads(key[len(_VALUE):])) if key.startswith(_VALUE) else key
+
+
+def _global_leaves(directory: Path, world: int, *, step: int) -> dict[str, JSON]:
+    """Every leaf (tensor or value) of the shared state that the `world` ranks of an elastic checkpoint saved, by path
+    (`tree.leaves`): the global state, of which each rank held a part (where two held one, it was the same)."""
+    every: dict[str, JSON] = {}
+    for saved_rank in range(world):
+        for path, leaf in tree.leaves(_rank_document(directory, saved_rank, step=step)["shared"]).items():
+            every.setdefault(path, leaf)
+    return every
+
+
+def _elastic_skeleton(directory: Path, template: Any, every: dict[str, JSON], *, rank: int, world: int) -> Any:
+    """The skeleton of this rank's template with the saved leaves of the global state: every name it holds must have
+    been saved, by some rank of the mesh that saved it."""
+    whose = f" (rank {rank} of {world})" if world > 1 else ""
+
+    def missing(path: str, leaf: JSON) -> CheckpointError:
+        keys = tree.tensor_keys(leaf)
+        what = f"tensor {keys[0]!r}" if keys else f"value {_leaf_name(_VALUE + path)!r}"
+        return CheckpointError(f"this training state{whose} has {what} that {directory} does not hold")
+
+    return tree.graft(template, every, missing=missing)
+
+
+def _check_held(directory: Path, every: dict[str, JSON], mine: dict[str, JSON]) -> None:
+    """Every leaf of an elastic checkpoint's global state must be loaded by some rank (collective): a model that lost
+    a layer, or a mesh that holds a part nowhere, is refused rather than resumed without it."""
+    paths = sorted(every)
+    held = dist.held_anywhere([path in mine for path in paths])
+    lost = [path for path, flag in zip(paths, held, strict=True) if not flag]
+    if lost:
+        keys = tree.tensor_keys(every[lost[0]])
+        what = f"tensor {keys[0]!r}" if keys else f"value {_leaf_name(_VALUE + lost[0])!r}"
+        raise CheckpointError(f"{directory} holds {what} that no rank of this training state has")
 
 
 def own_key(rank: int, key: str) -> str:
@@ -305,13 +371,12 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     return {key: print_.digest for key, print_ in zip(whole, prints, strict=True)}
 
 
-def _state_digest(shared: dict[str, Any], local: dict[str, Any]) -> int:
-    """One fingerprint of the shared skeleton and of the own state (skeleton and tensors), for `dist.differs`."""
+def _own_digest(local: dict[str, Any]) -> int:
+    """One fingerprint of the own state (skeleton and tensors), for `dist.differs`."""
     from detrace.digest import fingerprint, fingerprint_many
 
-    shared_skeleton, _ = tree.split(shared, "")
     skeleton, tensors = tree.split(local, "")
-    text = json.dumps([shared_skeleton, skeleton], sort_keys=True).encode()
+    text = json.dumps(skeleton, sort_keys=True).encode()
     digests = [fingerprint(torch.frombuffer(bytearray(text), dtype=torch.uint8)).digest]
     digests += [fp.digest for fp in fingerprint_many([tensors[key] for key in sorted(tensors)])]
     return fingerprint(torch.tensor(digests, dtype=torch.uint64)).digest

@@ -67,6 +67,16 @@ def from_rank0(value: int) -> int:
     return int(tensor.item()) % (1 << 64)
 
 
+def held_anywhere(flags: list[bool]) -> list[bool]:
+    """For each item of a list that every rank holds alike, whether some rank's flag for it is true; `flags` itself
+    without a process group."""
+    if not active() or not flags:
+        return flags
+    value = torch.tensor(flags, dtype=torch.int32, device=_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in value.tolist()]
+
+
 def differing(digests: dict[str, int]) -> set[str]:
     """The keys of `digests` (name -> 64-bit digest of a value this rank holds) whose value some other rank holds
     with another digest; empty without a process group. Ranks may hold different keys (pipeline stages): a key

@@ -52,10 +52,13 @@ class TrainState:
         generators: explicit `torch.Generator`s the training draws from (beside the global ones).
         extra: a dict of further per-rank state: objects with `state_dict`/`load_state_dict`, tensors
             (restored in place), or JSON values (replaced in this dict on load).
-        elastic: every rank holds the same state, its own (RNG, data position, extra) included: data
-            parallelism whose ranks all read the global batch and draw alike (`InvariantDataParallel`, a
-            `ResumableSampler` with num_replicas=1). A checkpoint then resumes at any world size, every rank
-            loading rank 0's; saving checks that the ranks' states are the same.
+        elastic: every rank holds the same own state (RNG, data position, extra), and a part of one global model
+            and optimizer state, each value by the same name on every rank that holds it: data parallelism whose
+            ranks all read the global batch and draw alike (`InvariantDataParallel`, a `ResumableSampler` with
+            num_replicas=1), FSDP, tensor-parallel chunks named by global index, pipeline stages, experts. A
+            checkpoint then resumes on any mesh (any world size), every rank loading rank 0's own state and the
+            names it holds of the global state (DCP reshards the tensors; the optimizer's state is saved by
+            parameter name, torch's flattened form); saving checks that the ranks agree.
     """
 
     def __init__(
@@ -199,13 +202,22 @@ class TrainState:
             shared: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         else:
             with _unobserved_optimizer_steps(self.optimizer):
-                model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+                model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._options())
             shared = {"model": model_state, "optimizer": optimizer_state}
         if self.scheduler is not None:
             shared["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             shared["scaler"] = self.scaler.state_dict()
         return shared
+
+    def _options(self) -> Any:
+        """The state_dict helpers' options: an elastic state keeps the optimizer's state flattened, each value under
+        its parameter's name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`), so that a rank's state is a part of
+        the global one whatever parameters it holds; torch's nested form lists each param group's parameters, which
+        differ by rank on a tensor-parallel or pipeline mesh."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=self.elastic)
 
     def _local(self) -> dict[str, Any]:
         """This rank's own state."""
@@ -244,7 +256,7 @@ class TrainState:
             with _unobserved_optimizer_steps(self.optimizer):
                 set_state_dict(
                     self.model, self.optimizer,
-                    model_state_dict=model_state, optim_state_dict=shared["optimizer"],
+                    model_state_dict=model_state, optim_state_dict=shared["optimizer"], options=self._options(),
                 )
             if control == "skip-optimizer":
                 # As a fresh optimizer has it: no per-parameter state, built again at the next step. The param
@@ -290,10 +302,10 @@ class TrainState:
             return
         assert self.optimizer is not None  # _restore checked it
         with _unobserved_optimizer_steps(self.optimizer):
-            live = get_optimizer_state_dict(self.model, self.optimizer)
-            mixed = ({"state": live["state"], "param_groups": other["optimizer"]["param_groups"]} if part == "lr"
-                     else {"state": other["optimizer"]["state"], "param_groups": live["param_groups"]})
-            set_optimizer_state_dict(self.model, self.optimizer, mixed)
+            live = get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+            groups = (other["optimizer"], live) if part == "lr" else (live, other["optimizer"])
+            set_optimizer_state_dict(self.model, self.optimizer, _mixed(*groups, elastic=self.elastic),
+                                     options=self._options())
         if part == "lr" and self.scheduler is not None:
             self.scheduler.load_state_dict(other["scheduler"])
 
@@ -326,6 +338,15 @@ class TrainState:
                     current.copy_(value)
             else:
                 self.extra[name] = value
+
+
+def _mixed(groups: dict[str, Any], state: dict[str, Any], *, elastic: bool) -> dict[str, Any]:
+    """An optimizer state dict with the param groups (learning rates) of `groups` and the per-parameter state
+    (moments) of `state`; flattened (`TrainState._options`) when `elastic`."""
+    if not elastic:
+        return {"state": state["state"], "param_groups": groups["param_groups"]}
+    return {**{key: value for key, value in groups.items() if key.startswith("param_groups.")},
+            **{key: value for key, value in state.items() if key.startswith("state.")}}
 
 
 def _check_parts(model: Any, optimizer: Any, generators: Any, extra: Any) -> None:

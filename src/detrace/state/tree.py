@@ -9,7 +9,8 @@ JSON forms, and anything else is refused with the path of the offending value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -64,6 +65,46 @@ def rename(skeleton: JSON, names: Mapping[str, str]) -> JSON:
     if isinstance(skeleton, list):
         return [rename(value, names) for value in skeleton]
     return skeleton
+
+
+def leaves(skeleton: JSON) -> dict[str, JSON]:
+    """Every leaf of a skeleton (a tensor's `{"__tensor__": key}` or a JSON value) by its path: the JSON of the list
+    of keys and indices that lead to it, unambiguous whatever the keys hold (dots included)."""
+    found: dict[str, JSON] = {}
+
+    def walk(value: JSON, path: tuple[str | int, ...]) -> None:
+        if isinstance(value, dict) and set(value) != {_TENSOR} and value:
+            for key, item in value.items():
+                walk(item, (*path, key))
+        elif isinstance(value, list) and value:
+            for index, item in enumerate(value):
+                walk(item, (*path, index))
+        else:
+            found[json.dumps(path)] = value
+
+    walk(skeleton, ())
+    return found
+
+
+def graft(skeleton: JSON, saved: Mapping[str, JSON], *, missing: Callable[[str, JSON], Exception]) -> JSON:
+    """`skeleton` with each leaf replaced by the leaf of `saved` (`leaves`' paths) at its path: the values of a saved
+    state in the shape of a current one. `missing(path, leaf)` is raised for a leaf that `saved` lacks, or that is a
+    tensor in one and a value in the other."""
+    def walk(value: JSON, path: tuple[str | int, ...]) -> JSON:
+        if isinstance(value, dict) and set(value) != {_TENSOR} and value:
+            return {key: walk(item, (*path, key)) for key, item in value.items()}
+        if isinstance(value, list) and value:
+            return [walk(item, (*path, index)) for index, item in enumerate(value)]
+        key = json.dumps(path)
+        if key not in saved or _is_tensor(saved[key]) != _is_tensor(value):
+            raise missing(key, value)
+        return saved[key]
+
+    return walk(skeleton, ())
+
+
+def _is_tensor(leaf: JSON) -> bool:
+    return isinstance(leaf, dict) and set(leaf) == {_TENSOR}
 
 
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], within: tuple[int, ...]) -> JSON:

@@ -360,12 +360,11 @@ def train(cfg: TrainConfig) -> None:
             dataset = Poisoned(dataset, samples if cfg.spike == "data" else samples[:BOTH_POISONED],
                                token=POISON_TOKEN)
         loader = ResumableLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=True)
-        # Invariant layouts: every rank reads the global batch and draws alike, so a checkpoint resumes at any
-        # world size (the data position is in global samples: the sampler has one replica). Not under T > 1: the
-        # tp ranks hold other chunks, and a checkpoint is then resumed on the mesh it was written on.
+        # Invariant layouts: every rank reads the global batch and draws alike (the data position is in global
+        # samples: the sampler has one replica), and names each parameter by its global name (a tp chunk by its
+        # global index, a stage's layers as in the whole model), so a checkpoint resumes on any mesh.
         state = detrace.TrainState(model=pm.module, optimizer=optimizer, scheduler=scheduler, data=loader,
-                                   elastic=cfg.parallel in layouts.INVARIANT and cfg.tp == 1
-                                   and cfg.parallel not in ("pp-invariant", "pp-plain") and cfg.stages == 1)
+                                   elastic=cfg.parallel in layouts.INVARIANT)
         start = state.resume_if_requested()
         if layout.rank == 0:
             print(
