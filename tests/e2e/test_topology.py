@@ -168,6 +168,52 @@ def _elastic_checkpoints(rank: int, out: str) -> None:
     state.step = 5
     state.save(f"{out}/alike")
     Path(f"{out}/refused{rank}.txt").write_text(refused)
+    # each rank holds a part of one global model and optimizer, by global names (a pipeline stage's layers, a tp
+    # rank's chunks): layers r and r + 1, so that every layer is on two ranks, whose copies must agree
+    model, optimizer, scheduler = _parts({rank, (rank + 1) % 4}, steps=1)
+    parts = detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True)
+    parts.step = 1
+    refusals = []
+    kept = model["0"].weight.detach().clone() if rank == 3 else None
+    for fault in ("weight", "lr"):  # a replica that differs, then a learning rate
+        with torch.no_grad():
+            if rank == 3 and fault == "weight":
+                model["0"].weight[0, 0] += 1
+            if rank == 3 and fault == "lr":
+                model["0"].weight.copy_(kept)  # type: ignore[arg-type]
+                optimizer.param_groups[0]["lr"] *= 2
+        torch.manual_seed(7)
+        try:
+            parts.save(f"{out}/parts-apart")
+            refusals.append("")
+        except CheckpointError as err:
+            refusals.append(str(err))
+    optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0]
+    torch.manual_seed(7)
+    parts.save(f"{out}/parts")
+    Path(f"{out}/parts-refused{rank}.json").write_text(json.dumps(refusals))
+
+
+def _parts(layers: set[int], *, steps: int) -> tuple[nn.ModuleDict, torch.optim.Optimizer, object]:
+    """Layers `layers` of a model of linear layers (the others deleted, the names kept) with AdamW and a warmup,
+    after `steps` steps of gradients that each parameter computes from itself (alike on every rank that holds it)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({str(i): nn.Linear(3, 3) for i in range(max(layers) + 1)})
+    for i in set(range(max(layers) + 1)) - layers:
+        del model[str(i)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 4)
+    for _ in range(steps):
+        _parts_step(model, optimizer, scheduler)
+    return model, optimizer, scheduler
+
+
+def _parts_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
+    for p in model.parameters():
+        p.grad = p.detach() * 0.5 + 1
+    optimizer.step()
+    scheduler.step()  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
@@ -198,6 +244,29 @@ def test_world_sizes_1_2_4_give_the_same_bits_and_elastic_checkpoints_resume_at_
     assert torch.equal(model.weight, nn.Linear(3, 2).weight)
     with pytest.raises(CheckpointError, match="saved by 4 ranks and cannot resume 1"):
         detrace.TrainState(model=nn.Linear(3, 2)).load(tmp_path / "alike")
+    # each rank saved its part of one global state; one process resumes the whole (DCP takes each name from a rank
+    # that held it), and the whole model's next step is the one that model takes after a step of its own
+    for rank in range(4):  # every rank refuses (the ranks that hold layer 0 name it; the others would wait forever)
+        weight, lr = json.loads((tmp_path / f"parts-refused{rank}.json").read_text())
+        assert "same model and optimizer values wherever two ranks hold one name" in weight and lr
+        assert ("(first: 'model.0.weight')" if rank in (0, 3) else "(on other ranks)") in weight
+        assert re.search(r"\(first: 'optimizer\.param_groups\.[03]\.(weight|bias)\.lr'\)", lr) if rank != 1 else \
+            "(on other ranks)" in lr, lr
+    model, optimizer, scheduler = _parts(set(range(4)), steps=0)
+    assert detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True).load(
+        tmp_path / "parts") == 1
+    reference = _parts(set(range(4)), steps=1)
+    for trained in (reference, (model, optimizer, scheduler)):
+        _parts_step(*trained)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference[0].parameters(), strict=True))
+    assert scheduler.get_last_lr() == reference[2].get_last_lr()  # type: ignore[attr-defined]
+    # a model that lost a layer, or has one more, is refused
+    for layers, message in ((set(range(3)), "holds tensor 'model.3.bias' that no rank of this training state has"),
+                            (set(range(5)), "has tensor 'model.4.weight' that .* does not hold")):
+        model, optimizer, scheduler = _parts(layers, steps=0)
+        with pytest.raises(CheckpointError, match=message):
+            detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True).load(
+                tmp_path / "parts")
 
 
 def _train_lines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str, **env: str) -> list[str]:

@@ -124,8 +124,9 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     if elastic:  # the ranks' values (a learning rate, a step count) must be the same where they overlap too
         digests.update(_value_digests(shared_skeleton))
     apart = dist.differing(digests) if world > 1 else set()
-    if elastic and apart:
-        raise CheckpointError(f"{_NOT_ELASTIC} (first: {_leaf_name(sorted(apart)[0])!r})")
+    # every rank stops, those that hold none of the names that differ too
+    if elastic and dist.any_rank(bool(apart)):
+        raise CheckpointError(f"{_NOT_ELASTIC} ({f'first: {_leaf_name(min(apart))!r}' if apart else 'on other ranks'})")
     names = {key: own_key(rank, key) for key in apart}
     shared_skeleton = tree.rename(shared_skeleton, names)
     shared_tensors = {names.get(key, key): tensor for key, tensor in shared_tensors.items()}
@@ -332,9 +333,25 @@ def _elastic_skeleton(directory: Path, template: Any, every: dict[str, JSON], *,
     def missing(path: str, leaf: JSON) -> CheckpointError:
         keys = tree.tensor_keys(leaf)
         what = f"tensor {keys[0]!r}" if keys else f"value {_leaf_name(_VALUE + path)!r}"
-        return CheckpointError(f"this training state{whose} has {what} that {directory} does not hold")
+        instead = _in_place_of(keys[0], every) if keys else None
+        return CheckpointError(f"this training state{whose} has {what} that {directory} does not hold" + (
+            f" (it holds {instead!r} there: the model was split into other parameters, e.g. tensor-parallel chunks "
+            "against whole weights)" if instead else ""))
 
     return tree.graft(template, every, missing=missing)
+
+
+def _in_place_of(key: str, every: dict[str, JSON]) -> str | None:
+    """A saved tensor of the module that holds `key` (the nearest one up), which a model split otherwise holds in its
+    place (`wq.chunks.0` for `wq.weight`), or None."""
+    saved = sorted(name for leaf in every.values() for name in tree.tensor_keys(leaf))
+    parent = key
+    while "." in parent:
+        parent = parent.rsplit(".", 1)[0]
+        found = next((name for name in saved if name.startswith(parent + ".")), None)
+        if found is not None:
+            return found if parent.count(".") > 1 else None  # not as far up as the whole model's state
+    return None
 
 
 def _check_held(directory: Path, every: dict[str, JSON], mine: dict[str, JSON]) -> None:
