@@ -421,11 +421,11 @@ def test_environment_contract_stops_saves_and_resumes(tmp_path: Path, monkeypatc
         _state().load(tmp_path, control="skip-all")
 
 
-def _adam_state() -> TrainState:
+def _adam_state(*, elastic: bool = False, model: torch.nn.Module | None = None) -> TrainState:
     torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
+    model = model or torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    return TrainState(model=model, optimizer=optimizer, data=ResumableSampler(8),
+    return TrainState(model=model, optimizer=optimizer, data=ResumableSampler(8), elastic=elastic,
                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 + s))
 
 
@@ -439,12 +439,13 @@ def _parts(state: TrainState) -> dict[str, list[torch.Tensor]]:
             "moments": [m.clone() for m in moments], "lr": lr, "data": [torch.tensor(state.data.position)]}
 
 
+@pytest.mark.parametrize("elastic", [False, True])  # an elastic state keeps the optimizer's state by parameter name
 @pytest.mark.parametrize("part", ["lr", "moments", "weights"])
-def test_restore_part_takes_one_part_from_another_checkpoint(part: str, tmp_path: Path,
+def test_restore_part_takes_one_part_from_another_checkpoint(part: str, elastic: bool, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
     monkeypatch.setenv("DETRACE_CKPT_EVERY", "2")
-    state = _adam_state()
+    state = _adam_state(elastic=elastic)
     assert state.resume_if_requested() == 0
     saved = {}
     for step in (1, 2, 3, 4):
@@ -456,7 +457,7 @@ def test_restore_part_takes_one_part_from_another_checkpoint(part: str, tmp_path
     monkeypatch.delenv("DETRACE_CKPT_EVERY")
     monkeypatch.setenv("DETRACE_RESUME_FROM", str(tmp_path / "step-00000004"))
     monkeypatch.setenv("DETRACE_RESTORE_PART", f"{part}:{tmp_path / 'step-00000002'}")
-    resumed = _adam_state()
+    resumed = _adam_state(elastic=elastic)
     assert resumed.resume_if_requested() == 4 and resumed.step == 4
     got = _parts(resumed)
     for name, tensors in got.items():
@@ -464,6 +465,45 @@ def test_restore_part_takes_one_part_from_another_checkpoint(part: str, tmp_path
         assert all(torch.equal(a, b) for a, b in zip(tensors, want, strict=True)), name
     # Two checkpoints that differ in each part, so the comparison above tells them apart.
     assert all(not all(torch.equal(a, b) for a, b in zip(saved[2][name], saved[4][name], strict=True)) for name in got)
+
+
+class _Chunked(torch.nn.Module):
+    """A linear layer's weight as two chunks named by index, as a tensor-parallel layout names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Module()
+        self.lin.chunks = torch.nn.ParameterDict({str(j): torch.nn.Parameter(torch.ones(1, 2)) for j in range(2)})
+
+
+def test_an_elastic_load_refuses_what_it_cannot_resume_in_one_sentence(tmp_path: Path) -> None:
+    # a checkpoint of per-rank state (or torch's nested optimizer form) is not resumed as an elastic one
+    _adam_state().save(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match=r"was not saved as an elastic checkpoint .* resumes only on the mesh"):
+        _adam_state(elastic=True).load(tmp_path / "plain")
+    # a model split into other parameters (chunks against a whole weight) is named as such, both ways
+    _adam_state(elastic=True, model=_Chunked()).save(tmp_path / "chunks")
+    with pytest.raises(CheckpointError, match=r"has tensor 'model\.lin\.weight' that .* does not hold \(it holds "
+                                              r"'model\.lin\.chunks\.0' there: the model was split into other"):
+        _adam_state(elastic=True, model=_Whole()).load(tmp_path / "chunks")
+    _adam_state(elastic=True, model=_Whole()).save(tmp_path / "whole")
+    with pytest.raises(CheckpointError, match=r"'model\.lin\.chunks\.0' that .* \(it holds 'model\.lin\.weight'"):
+        _adam_state(elastic=True, model=_Chunked()).load(tmp_path / "whole")
+    # the elastic form round-trips in one process: the optimizer's state by parameter name
+    state = _adam_state(elastic=True)
+    _train_one_step(state.model, state.optimizer)
+    state.scheduler.step()
+    state.save(tmp_path / "round", step=1)
+    resumed = _adam_state(elastic=True)
+    assert resumed.load(tmp_path / "round") == 1
+    assert all(torch.equal(a, b) for a, b in zip(_parts(resumed)["moments"], _parts(state)["moments"], strict=True))
+    assert _parts(resumed)["lr"][1].item() == 1
+
+
+class _Whole(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2, bias=False)
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,8 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     # Every rank records its own skeleton of the shared state: under pipeline parallelism no two stages
     # have the same one, and a rank's record is what its resume is checked against.
     write_json(
-        tmp / manifest.rank_file(rank), {"rank": rank, "step": step, "shared": shared_skeleton, "local": local_skeleton}
+        tmp / manifest.rank_file(rank),
+        {"rank": rank, "step": step, "elastic": elastic, "shared": shared_skeleton, "local": local_skeleton},
     )
     write_json(tmp / _fingerprint_file(rank), manifest.chunk_records(planner.written_chunks(), storage.frames))
     dist.barrier()  # every rank's part is on disk before rank 0 commits
@@ -215,6 +216,9 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
 
     def fits() -> tuple[Any, Any, dict[str, JSON]]:
         saved = _rank_document(directory, saved_rank, step=document.step)
+        if elastic and saved.get("elastic") is not True:  # each rank's own state, or the optimizer's nested form
+            raise CheckpointError(f"{directory} was not saved as an elastic checkpoint (by a TrainState with "
+                                  "elastic=True): it resumes only on the mesh that wrote it, by a TrainState without")
         if elastic:
             check(directory, saved["shared"], saved["local"])
             every = _global_leaves(directory, saved_world, step=document.step)
@@ -342,15 +346,16 @@ def _elastic_skeleton(directory: Path, template: Any, every: dict[str, JSON], *,
 
 
 def _in_place_of(key: str, every: dict[str, JSON]) -> str | None:
-    """A saved tensor of the module that holds `key` (the nearest one up), which a model split otherwise holds in its
-    place (`wq.chunks.0` for `wq.weight`), or None."""
+    """A saved tensor of the module that holds the parameter `key`, or of the module above (a ParameterDict's), which
+    a model split otherwise holds in its place (`wq.chunks.0` for `wq.weight`, and back), or None."""
+    if not key.startswith("model."):  # the parameters themselves; their optimizer state follows them
+        return None
     saved = sorted(name for leaf in every.values() for name in tree.tensor_keys(leaf))
-    parent = key
-    while "." in parent:
-        parent = parent.rsplit(".", 1)[0]
-        found = next((name for name in saved if name.startswith(parent + ".")), None)
-        if found is not None:
-            return found if parent.count(".") > 1 else None  # not as far up as the whole model's state
+    for parent in key.split(".")[:-1], key.split(".")[:-2]:
+        if len(parent) > 1:  # not the whole model's state
+            found = next((name for name in saved if name.startswith(".".join(parent) + ".")), None)
+            if found is not None:
+                return found
     return None
 
 
