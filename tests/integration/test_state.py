@@ -489,6 +489,12 @@ def test_an_elastic_load_refuses_what_it_cannot_resume_in_one_sentence(tmp_path:
     _adam_state(elastic=True, model=_Whole()).save(tmp_path / "whole")
     with pytest.raises(CheckpointError, match=r"'model\.lin\.chunks\.0' that .* \(it holds 'model\.lin\.weight'"):
         _adam_state(elastic=True, model=_Chunked()).load(tmp_path / "whole")
+    # an optimizer whose state torch's flattened form cannot take (LBFGS keeps lists) is refused in one sentence
+    model = torch.nn.Linear(2, 2)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    lbfgs.step(lambda: _closure(model, lbfgs))
+    with pytest.raises(CheckpointError, match=r"LBFGS's state does not fit .* save it without elastic=True"):
+        TrainState(model=model, optimizer=lbfgs, elastic=True).save(tmp_path / "lbfgs", step=1)
     # the elastic form round-trips in one process: the optimizer's state by parameter name
     state = _adam_state(elastic=True)
     _train_one_step(state.model, state.optimizer)
@@ -498,6 +504,13 @@ def test_an_elastic_load_refuses_what_it_cannot_resume_in_one_sentence(tmp_path:
     assert resumed.load(tmp_path / "round") == 1
     assert all(torch.equal(a, b) for a, b in zip(_parts(resumed)["moments"], _parts(state)["moments"], strict=True))
     assert _parts(resumed)["lr"][1].item() == 1
+
+
+def _closure(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss = model(torch.ones(1, 2)).sum()
+    loss.backward()
+    return loss
 
 
 class _Whole(torch.nn.Module):

@@ -201,8 +201,14 @@ class TrainState:
         if self.optimizer is None:
             shared: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         else:
-            with _unobserved_optimizer_steps(self.optimizer):
-                model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._options())
+            try:
+                with _unobserved_optimizer_steps(self.optimizer):
+                    model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self._options())
+            except NotImplementedError as err:  # the flattened form takes tensors, numbers and dicts only
+                raise CheckpointError(
+                    f"an elastic TrainState keeps the optimizer's state by parameter name (torch's flattened form), "
+                    f"which {type(self.optimizer).__name__}'s state does not fit ({err}): save it without elastic=True"
+                ) from None
             shared = {"model": model_state, "optimizer": optimizer_state}
         if self.scheduler is not None:
             shared["scheduler"] = self.scheduler.state_dict()
