@@ -3,6 +3,8 @@ and loader (with real DataLoader workers), and TrainState's environment contract
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +46,6 @@ def _same(a: object, b: object) -> bool:
 @given(trees)
 @settings(max_examples=60, deadline=None)
 def test_codec_round_trips_any_state_tree_through_json(value: object) -> None:
-    import json
 
     skeleton, tensors = tree.split(value, "p")
     assert all(key == "p" or key.startswith("p.") for key in tensors)
@@ -481,6 +482,17 @@ def test_an_elastic_load_refuses_what_it_cannot_resume_in_one_sentence(tmp_path:
     _adam_state().save(tmp_path / "plain")
     with pytest.raises(CheckpointError, match=r"was not saved as an elastic checkpoint .* resumes only on the mesh"):
         _adam_state(elastic=True).load(tmp_path / "plain")
+    # an elastic checkpoint of an earlier detrace (its rank files did not say; its optimizer state is nested)
+    version = _adam_state(elastic=True).save(tmp_path / "earlier")
+    document = json.loads((version / "rank-0.json").read_text())
+    del document["elastic"]
+    (version / "rank-0.json").write_text(json.dumps(document))
+    manifest = json.loads((version / "manifest.json").read_text())
+    manifest["files"]["rank-0.json"] = hashlib.sha256((version / "rank-0.json").read_bytes()).hexdigest()
+    (version / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"saved by an earlier detrace, whose checkpoints hold the optimizer "
+                                              r"state by parameter index: it resumes only on the mesh that wrote it"):
+        _adam_state(elastic=True).load(version)
     # a model split into other parameters (chunks against a whole weight) is named as such, both ways
     _adam_state(elastic=True, model=_Chunked()).save(tmp_path / "chunks")
     with pytest.raises(CheckpointError, match=r"has tensor 'model\.lin\.weight' that .* does not hold \(it holds "

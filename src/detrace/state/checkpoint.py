@@ -216,7 +216,11 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
 
     def fits() -> tuple[Any, Any, dict[str, JSON]]:
         saved = _rank_document(directory, saved_rank, step=document.step)
-        if elastic and saved.get("elastic") is not True:  # each rank's own state, or the optimizer's nested form
+        if elastic and "elastic" not in saved:  # rank files before 2026-12-05 did not say; their optimizer is nested
+            raise CheckpointError(f"{directory} was saved by an earlier detrace, whose checkpoints hold the optimizer "
+                                  "state by parameter index: it resumes only on the mesh that wrote it, by a "
+                                  "TrainState with elastic=False")
+        if elastic and saved["elastic"] is not True:  # each rank's own state, or the optimizer's nested form
             raise CheckpointError(f"{directory} was not saved as an elastic checkpoint (by a TrainState with "
                                   "elastic=True): it resumes only on the mesh that wrote it, by a TrainState without")
         if elastic:
