@@ -49,6 +49,6 @@ static void sums(const unsigned char *words, Py_ssize_t width, const unsigned ch
 }
 
 static const detrace_layout layout = {.word_bytes = 8, .max_width = PY_SSIZE_T_MAX / 8, .colkeys_bytes = 0,
-                                      .colkeys_align = 1};
+                                      .colkeys_align = 1, .lanes32 = 0};
 
 DETRACE_MODULE(_fp1, sums, layout, FP1_AVX512, "detrace-fp1's CPU kernel, compiled at install (see _fp1.c).")

@@ -1,6 +1,6 @@
-/* What the CPU fingerprint kernels of every scheme share (_fp1.c, _fp2.c): the Python entry point `row_sums`
-   (argument parsing, the buffer checks, the loop run without the GIL, the buffers released on every path) and the
-   module boilerplate. Each kernel file defines only its loop, `sums`, and names its module with DETRACE_MODULE. */
+/* What the CPU fingerprint kernels of every scheme share (_fp1.c, _fp2.c): the Python entry points `row_sums` and
+   `total` (argument parsing, the buffer checks, the loop run without the GIL, the buffers released on every path)
+   and the module boilerplate. Each kernel file defines only its loop, `sums`, and names its module with DETRACE_MODULE. */
 
 #ifndef DETRACE_FPKERNEL_H
 #define DETRACE_FPKERNEL_H
@@ -37,13 +37,18 @@ typedef struct {
     Py_ssize_t max_width;     /* most words per row */
     Py_ssize_t colkeys_bytes; /* bytes of `colkeys` needed: 0 for word_bytes per column of the row width */
     Py_ssize_t colkeys_align; /* alignment of `colkeys` that the loop reads it with */
+    int lanes32;              /* how row sums add up: lane by lane mod 2**32 (fp2), else mod 2**64 (fp1) */
 } detrace_layout;
+
+/* The definition's rows: 4096 bytes, the last one zero-padded (detrace.digest.scheme). */
+#define DETRACE_ROW_BYTES 4096
 
 /* Bus errors. `detrace verify-checkpoint` hashes a checkpoint where it lies in the mapped file: if another process
    truncates the file meanwhile, reading a page past its new end raises SIGBUS, which would kill the process with
-   no sentence. Once `catch_bus_errors()` has installed the handler, a SIGBUS on a thread inside `row_sums`'s loop
-   jumps back to row_sums, which raises OSError(EFAULT) for detrace to say in one sentence; any other SIGBUS goes
-   to the handler there was before (faulthandler's, or the default: the process dies as it would have). */
+   no sentence. Once `catch_bus_errors()` has installed the handler, a SIGBUS on a thread inside the loop of
+   `row_sums` or `total` jumps back to it, which raises OSError(EFAULT) for detrace to say in one sentence; any
+   other SIGBUS goes to the handler there was before (faulthandler's, or the default: the process dies as it would
+   have). */
 #if DETRACE_BUS_GUARD
 static _Thread_local sigjmp_buf *detrace_bus_guard; /* set while this thread's loop reads the buffers */
 static struct sigaction detrace_bus_before;
@@ -141,6 +146,93 @@ static PyObject *detrace_row_sums(PyObject *args, detrace_sums sums, const detra
     Py_RETURN_NONE;
 }
 
+/* The scheme's sum of two partial sums (detrace.digest.scheme.add). */
+static uint64_t detrace_add(uint64_t a, uint64_t b, int lanes32) {
+    if (!lanes32) {
+        return a + b;
+    }
+    return ((a + b) & UINT64_C(0xFFFFFFFF)) | ((a >> 32) + (b >> 32)) << 32;
+}
+
+/* The scheme's sum of the row sums of rows start..stop of `data` (`len` bytes in rows of 4096, the last partial one
+   zero-padded) into *sum, with a bus error on this thread's reads (the tail's copy too) turned into a return of 0
+   (else 1), as detrace_guarded_sums. */
+static int detrace_guarded_total(detrace_sums sums, const detrace_layout *layout, const unsigned char *data,
+                                 Py_ssize_t len, const unsigned char *rowkeys, const unsigned char *colkeys,
+                                 Py_ssize_t start, Py_ssize_t stop, uint64_t *sum) {
+#if DETRACE_BUS_GUARD
+    sigjmp_buf guard;
+    if (sigsetjmp(guard, 0) != 0) {
+        return 0;
+    }
+    detrace_bus_guard = &guard;
+#endif
+    const Py_ssize_t width = DETRACE_ROW_BYTES / layout->word_bytes, whole = len / DETRACE_ROW_BYTES;
+    uint64_t out[256]; /* row sums of a block of rows, added up as the scheme adds them */
+    unsigned char tail[DETRACE_ROW_BYTES];
+    uint64_t total = 0;
+    for (Py_ssize_t block = start; block < stop; block += 256) {
+        const Py_ssize_t end = block + 256 < stop ? block + 256 : stop, full = end < whole ? end : whole;
+        if (block < full) { /* whole rows, hashed where they lie */
+            sums(data + block * DETRACE_ROW_BYTES, width, rowkeys + block * 8, colkeys, (unsigned char *)out, 0,
+                 full - block);
+        }
+        if (full < end) { /* the last row, partial: zero-padded */
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, data + full * DETRACE_ROW_BYTES, (size_t)(len - full * DETRACE_ROW_BYTES));
+            sums(tail, width, rowkeys + full * 8, colkeys, (unsigned char *)&out[full - block], 0, 1);
+        }
+        for (Py_ssize_t r = 0; r < end - block; r++) {
+            total = detrace_add(total, out[r], layout->lanes32);
+        }
+    }
+#if DETRACE_BUS_GUARD
+    detrace_bus_guard = NULL;
+#endif
+    *sum = total;
+    return 1;
+}
+
+/* total(data, rowkeys, colkeys, start, stop): the scheme's sum of the row sums of rows start..stop of the bytes
+   `data` cut into rows of 4096 (any length and alignment; the last partial row zero-padded, as the definition
+   pads it), row r keyed by rowkeys[r]. One call does what row_sums, a copy of the tail row and a sum in NumPy did
+   (a fingerprint of one tensor, a piece of a checkpoint), without the GIL; OSError(EFAULT) where a read raised
+   SIGBUS after catch_bus_errors(). */
+static PyObject *detrace_total(PyObject *args, detrace_sums sums, const detrace_layout *layout) {
+    Py_buffer data, rowkeys, colkeys;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "y*y*y*nn", &data, &rowkeys, &colkeys, &start, &stop)) {
+        return NULL;
+    }
+    const Py_ssize_t colkeys_bytes = layout->colkeys_bytes ? layout->colkeys_bytes : DETRACE_ROW_BYTES;
+    const Py_ssize_t whole = data.len / DETRACE_ROW_BYTES, rows = whole + (data.len % DETRACE_ROW_BYTES != 0);
+    const char *problem = NULL;
+    if (start < 0 || stop < start || stop > rows || rowkeys.len / 8 < stop || colkeys.len < colkeys_bytes ||
+        ((uintptr_t)colkeys.buf % (uintptr_t)layout->colkeys_align) != 0) {
+        problem = "total: start and stop must satisfy 0 <= start <= stop <= the rows of data, rowkeys hold stop keys, "
+                  "and colkeys must be whole and aligned";
+    }
+    uint64_t sum = 0;
+    int read = 1;
+    if (problem == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        read = detrace_guarded_total(sums, layout, data.buf, data.len, rowkeys.buf, colkeys.buf, start, stop, &sum);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&rowkeys);
+    PyBuffer_Release(&colkeys);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    if (!read) {
+        errno = EFAULT;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
 /* The AVX-512 clone a kernel has beside avx2 and default (DETRACE_MODULE's AVX512): none, `avx512f`, or
    `arch=x86-64-v4` (AVX-512 F, BW, CD, DQ and VL: fp1 needs DQ's 64-bit multiplies). */
 #define DETRACE_NO_AVX512 0
@@ -177,7 +269,8 @@ static const char *detrace_vector_path(int avx512) {
 #define DETRACE_COMPILER "an unknown compiler"
 #endif
 
-/* The module `detrace.NAME` with row_sums, running SUMS on buffers of layout LAYOUT, catch_bus_errors, and two
+/* The module `detrace.NAME` with row_sums and total, running SUMS on buffers of layout LAYOUT, catch_bus_errors,
+   and two
    strings for `detrace doctor`: VECTOR_PATH (the loop's clone on this CPU; AVX512: its AVX-512 clone, above) and
    COMPILER (what built it). */
 #define DETRACE_MODULE(NAME, SUMS, LAYOUT, AVX512, DOC)                                                            \
@@ -190,13 +283,21 @@ static const char *detrace_vector_path(int avx512) {
         (void)unused;                                                                                              \
         return detrace_catch_bus_errors();                                                                         \
     }                                                                                                              \
+    static PyObject *total(PyObject *self, PyObject *args) {                                                       \
+        (void)self;                                                                                                \
+        return detrace_total(args, SUMS, &(LAYOUT));                                                               \
+    }                                                                                                              \
     static PyMethodDef methods[] = {                                                                               \
         {"row_sums", row_sums, METH_VARARGS,                                                                       \
          "row_sums(words, width, rowkeys, colkeys, out, start, stop): the per-row sums of rows start..stop of "    \
          "words (C-contiguous rows of `width` words) into out (uint64), without the GIL; OSError(EFAULT) if "      \
          "reading words raised SIGBUS (a mapped file that shrank) after catch_bus_errors()."},                     \
+        {"total", total, METH_VARARGS,                                                                             \
+         "total(data, rowkeys, colkeys, start, stop): the sum of the row sums of rows start..stop of the bytes "   \
+         "data in rows of 4096, the last zero-padded, without the GIL; OSError(EFAULT) as row_sums."},             \
         {"catch_bus_errors", catch_bus_errors, METH_NOARGS,                                                        \
-         "catch_bus_errors(): from now on, a SIGBUS inside row_sums's loop makes it raise OSError(EFAULT)."},      \
+         "catch_bus_errors(): from now on, a SIGBUS inside row_sums's or total's loop makes it raise "             \
+         "OSError(EFAULT)."},                                                                                       \
         {NULL, NULL, 0, NULL},                                                                                     \
     };                                                                                                             \
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, #NAME, DOC, -1, methods, NULL, NULL, NULL, NULL};  \

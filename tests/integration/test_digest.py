@@ -207,14 +207,14 @@ def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
     monkeypatch.setattr(kernels._auto, "eager_words", kernels.AUTO_COMPILE_WORDS)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
-    loaded, calls = kernels.cpu_kernel.fn, []
+    loaded, calls = kernels.cpu_kernel.fn_total, []
     assert loaded is not None, kernels.cpu_kernel.failed  # built by the install
 
     def counting(*args):
-        calls.append(args[5:])  # the rows each call hashes
+        calls.append(args[3:])  # the rows each call hashes
         return loaded(*args)
 
-    monkeypatch.setattr(kernels.cpu_kernel, "fn", counting)
+    monkeypatch.setattr(kernels.cpu_kernel, "fn_total", counting)
     assert fingerprint(t) == reference_fingerprint(t)
     assert calls  # the native kernel did the work
 
@@ -264,6 +264,57 @@ def test_the_fp2_kernel_checks_its_buffers_as_fp1_does():
         row_sums(words, 4, rowkeys, np.frombuffer(b"\0" + colkeys.tobytes(), np.uint8)[1:], out, 0, 6)
     row_sums(words, 4, rowkeys, colkeys, out, 0, 6)
     assert np.array_equal(out, scheme.np_row_sums2(words.view(np.uint64), rowkeys))
+
+
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+def test_the_native_total_checks_its_buffers_and_pads_the_last_row(name):
+    """`total` (one C call: whole rows where they lie, the last row zero-padded) gives the definition's sum for any
+    length, alignment and row range, and refuses buffers that do not fit."""
+    full = kernels.SCHEME_NAMES[name]
+    spec, native = scheme.SPECS[full], kernels.cpu_kernel2 if name == "fp2" else kernels.cpu_kernel
+    total, colkeys = native.fn_total, kernels.device_tables(torch.device("cpu")).host_colkeys(full)
+    assert total is not None, native.failed
+    raw = np.random.default_rng(3).integers(0, 256, 9 * 4096 + 8, dtype=np.uint8)
+    for size in (1, 3, 4095, 4096, 4097, 2 * 4096 + 5, 9 * 4096 + 7):
+        for at in (0, 1, 2, 5):  # every alignment of the words
+            data = raw[at : at + size]
+            rows = -(-size // 4096)
+            keys = spec.rowkeys(np.arange(rows))
+            assert total(data, keys, colkeys, 0, rows) == scheme.np_bytes_sum(data, full), (size, at)
+            split = rows // 2  # two row ranges add up to the whole, as the threads' do
+            assert scheme.add(total(data, keys, colkeys, 0, split), total(data, keys, colkeys, split, rows),
+                              full) == scheme.np_bytes_sum(data, full)
+    keys = spec.rowkeys(np.arange(3))
+    with pytest.raises(ValueError, match="start <= stop"):
+        total(raw[: 2 * 4096 + 1], keys, colkeys, 0, 4)  # 3 rows of data
+    with pytest.raises(ValueError, match="start <= stop"):
+        total(raw[: 2 * 4096 + 1], keys[:2], colkeys, 0, 3)  # a row key short
+    with pytest.raises(ValueError, match="start <= stop"):
+        total(raw[: 4096], keys, colkeys[:-1], 0, 1)  # column keys cut short
+
+
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+def test_one_tensor_hashed_in_place_gives_the_reference_bits_at_any_address(name, monkeypatch):
+    """`fingerprint` of one CPU tensor of 256 KiB or more is one native `total` call on its bytes where they lie: every
+    dtype, sizes with a partial last row, storage offsets that leave its words unaligned."""
+    native = kernels.cpu_kernel2 if name == "fp2" else kernels.cpu_kernel
+    loaded, calls = native.fn_total, []
+    assert loaded is not None, native.failed
+
+    def counting(*args):
+        calls.append(args[3:])
+        return loaded(*args)
+
+    monkeypatch.setattr(native, "fn_total", counting)
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    for i, dtype in enumerate(ALL_DTYPES):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = (plan.BODY_MIN_BYTES + 4096 + 24) // itemsize + 1  # a partial last row
+        base = random_bits((count + 1,), dtype, seed=i)
+        for t in (base[:count], base[1:]):  # at the storage's start, and one element on: unaligned words
+            calls.clear()
+            assert fingerprint(t, scheme=name) == reference_fingerprint(t, scheme=name), (dtype, t.data_ptr() % 8)
+            assert calls == [(0, -(-count * itemsize // 4096))], "one native call over every row"
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from detrace.digest import fingerprint
-from detrace.digest.kernels import native_kernel, native_rows
+from detrace.digest.kernels import native_kernel, native_rows, native_total
 from detrace.digest.scheme import ROW_BYTES, SCHEME, SCHEME2
 from detrace.digest.stream import StreamedFingerprint, hashes_in_place
 
@@ -84,6 +84,9 @@ def test_a_mapped_file_that_shrank_under_the_kernel_is_an_error_not_a_bus_error(
     for threads in (1, 2, 1):
         with pytest.raises(OSError) as raised:
             native_rows(rows, keys, scheme, threads=threads)
+        assert raised.value.errno == errno.EFAULT
+        with pytest.raises(OSError) as raised:  # the one call per thread that hashes a tensor or a piece
+            native_total(rows.reshape(-1)[:-5], keys, scheme, threads=threads)  # the partial last row is copied
         assert raised.value.errno == errno.EFAULT
     assert int(native_rows(rows[:1], keys[:1], scheme, threads=1)[0]) == first
 

@@ -57,7 +57,6 @@ from detrace.digest.scheme import (
     TA_U32,
     TB_U32,
     Mix,
-    add,
     np_rowkeys2,
     np_total,
     signed,
@@ -179,6 +178,7 @@ class _DeviceTables:
         self._rowkeys = torch.empty(0, dtype=torch.int64, device=device)
         self._rowkeys2 = torch.empty(0, dtype=torch.int64, device=device)
         self._host_rowkeys: dict[str, np.ndarray] = {}  # CPU: NumPy views of the row keys, per scheme
+        self._host_colkeys: dict[str, np.ndarray] = {}
 
     def rowkeys(self, n: int, scheme: str = SCHEME) -> torch.Tensor:
         """Row keys of rows 0..n-1 of `scheme` on the device."""
@@ -192,6 +192,16 @@ class _DeviceTables:
             self._rowkeys = _torch_rowkeys(torch.arange(size, dtype=torch.int64, device=self.device))
         return self._rowkeys[:n]
 
+    def host_colkeys(self, scheme: str) -> np.ndarray:
+        """The column keys the native kernel of `scheme` reads, as NumPy, on a CPU device: fp1's 512 uint64, fp2's
+        TA then TB (2048 uint32)."""
+        host = self._host_colkeys.get(scheme)
+        if host is None:
+            fp2 = scheme == SCHEME2
+            host = self._host_colkeys[scheme] = (self.colkeys2_u32.numpy().view(np.uint32) if fp2
+                                                 else self.colkeys.numpy().view(np.uint64))
+        return host
+
     def host_rowkeys(self, n: int, scheme: str) -> np.ndarray:
         """Row keys of rows 0..n-1 of `scheme` as uint64 NumPy, on a CPU device: a view, a few microseconds less per
         call than a tensor's."""
@@ -201,6 +211,7 @@ class _DeviceTables:
         return host[:n]
 
 
+_CPU = torch.device("cpu")
 _tables: dict[torch.device, _DeviceTables] = {}
 _tables_lock = threading.Lock()
 
@@ -349,9 +360,9 @@ def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int
     """Per-row sums (uint64 [N]) by the native kernel of `scheme` of host rows [N, ...] (C-contiguous bytes of
     whole words: any dtype, any alignment) keyed by rowkeys (uint64 [N]), split over `threads` threads (torch's
     thread count when None)."""
-    tables = device_tables(torch.device("cpu"))
+    tables = device_tables(_CPU)
     if scheme == SCHEME2:
-        words, colkeys = rows.view(np.uint32), tables.colkeys2_u32.numpy().view(np.uint32)
+        words, colkeys = rows.view(np.uint32), tables.host_colkeys(scheme)
     else:
         words = rows.view(np.uint64)
         colkeys = tables.colkeys[: words.shape[1]].numpy().view(np.uint64)
@@ -362,17 +373,10 @@ def native_rows(rows: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int
 def native_total(data: np.ndarray, rowkeys: np.ndarray, scheme: str, threads: int | None = None) -> int:
     """The sum (`scheme.add`) of the native kernel's row sums of bytes `data` (1-D uint8, any alignment) cut into
     4096-byte rows keyed by rowkeys (uint64, one per row): the whole rows hashed where they lie, the last partial
-    row zero-padded as the definition pads it (`native_rows` for `threads`)."""
-    body = data.size // ROW_BYTES
-    total = 0
-    if body:
-        total = np_total(native_rows(data[: body * ROW_BYTES].reshape(body, ROW_BYTES), rowkeys[:body], scheme,
-                                     threads), scheme)
-    if body * ROW_BYTES < data.size:
-        tail = np.zeros((1, ROW_BYTES), dtype=np.uint8)
-        tail[0, : data.size - body * ROW_BYTES] = data[body * ROW_BYTES :]
-        total = add(total, int(native_rows(tail, rowkeys[body : body + 1], scheme, threads)[0]), scheme)
-    return total
+    row zero-padded as the definition pads it, in one C call per thread (`threads`: torch's thread count when
+    None)."""
+    return native_kernel(scheme).total(data, rowkeys, device_tables(_CPU).host_colkeys(scheme),
+                                       torch.get_num_threads() if threads is None else threads)
 
 
 def kernel(kind: str, words: torch.Tensor, rowkeys: torch.Tensor, backend: str, scheme: str = SCHEME) -> torch.Tensor:

@@ -8,8 +8,8 @@ eager kernel is several times slower than `torch.hash_tensor`. Each kernel is a 
 importing it takes microseconds. The rows are split over `torch.get_num_threads()` Python threads (the loop
 releases the GIL), so no threading layer of its own is started in the traced process.
 
-The extensions are optional (setup.py): where one was not built, its `usable` is False and `detrace.digest` hashes
-on the CPU with NumPy and eager kernels instead.
+The extensions are optional (setup.py): where one was not built (or was built from an older detrace), its `usable`
+is False and `detrace.digest` hashes on the CPU with NumPy and eager kernels instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from detrace.digest.scheme import ROW_BYTES, SCHEME, SCHEME2, add
+
 # Below this many words per thread, one more thread costs more than it saves.
 _MIN_WORDS_PER_THREAD = 1 << 16
 
@@ -28,15 +30,17 @@ _MIN_WORDS_PER_THREAD = 1 << 16
 class _Kernel:
     """The compiled kernel, when the extension was built, and the threads that share its rows."""
 
-    def __init__(self, module: str) -> None:
+    def __init__(self, module: str, scheme: str) -> None:
+        self.scheme = scheme
         self.fn: Callable[..., None] | None = None
+        self.fn_total: Callable[..., int] | None = None
         self._catch: Callable[[], None] | None = None
         self.failed: str | None = None
         self.build = ""
         """Where the kernel was built: its loop's vector path on this CPU and the compiler (for `detrace doctor`)."""
         try:
             loaded = importlib.import_module(module)
-            self.fn, self._catch = loaded.row_sums, loaded.catch_bus_errors
+            self.fn, self.fn_total, self._catch = loaded.row_sums, loaded.total, loaded.catch_bus_errors
             self.build = (f"{getattr(loaded, 'VECTOR_PATH', 'unknown')} path, built by "
                           f"{getattr(loaded, 'COMPILER', 'an unknown compiler')}")
         except (ImportError, AttributeError) as err:  # AttributeError: a build older than this source
@@ -84,5 +88,25 @@ class _Kernel:
         return out
 
 
-kernel = _Kernel("detrace._fp1")
-kernel2 = _Kernel("detrace._fp2")
+    def total(self, data: np.ndarray, rowkeys: np.ndarray, colkeys: np.ndarray, threads: int) -> int:
+        """The sum (`scheme.add`) of the row sums of bytes `data` (1-D uint8, any alignment) cut into rows of 4096,
+        the last zero-padded, keyed by rowkeys (uint64, one per row): one C call per thread, the rows hashed where
+        they lie."""
+        total = self.fn_total
+        if total is None:
+            raise RuntimeError(f"the CPU fingerprint kernel is unavailable: {self.failed}")
+        rows = -(-data.size // ROW_BYTES)
+        threads = max(1, min(threads, data.size // 8 // _MIN_WORDS_PER_THREAD, rows))
+        if threads == 1:
+            return total(data, rowkeys, colkeys, 0, rows)
+        bounds = [rows * i // threads for i in range(threads + 1)]
+        pool = self._executor(threads)
+        futures = [pool.submit(total, data, rowkeys, colkeys, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        result = total(data, rowkeys, colkeys, bounds[0], bounds[1])
+        for future in futures:
+            result = add(result, future.result(), self.scheme)
+        return result
+
+
+kernel = _Kernel("detrace._fp1", SCHEME)
+kernel2 = _Kernel("detrace._fp2", SCHEME2)
