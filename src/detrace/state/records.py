@@ -10,8 +10,8 @@ pickle) and the manifest keeps, per chunk, where they start in the record (`data
 record's other bytes (`frame`). The planner stores every chunk C-contiguous, so the tensor bytes are the chunk's
 elements in order. Verify then reads the records directly (`read_batches`): the frame against its SHA-256 (a change
 to `data.pkl`, the strides or the byte order is damage like any other) and the tensor bytes: where the native
-kernel runs, hashed where they lie in the mapped file (`mmap`, no copy, any alignment) 4 MiB at a time by threads,
-the last partial row of each tensor read (`preadv`); else mapped in place where they sit on an 8-byte boundary of
+kernel runs, hashed where they lie in the mapped file (`mmap`, no copy, any alignment) 4 MiB at a time by threads;
+else mapped in place where they sit on an 8-byte boundary of
 the file (the other kernels read 8-byte words), and read 4 MiB at a time into a few reused buffers and hashed piece
 by piece (detrace.digest.stream) by threads where not, while the caller hashes the mapped tensors of the batch
 before. DCP packs records end to end, so most tensor bytes are unaligned; fresh memory is not cheap either (a first
@@ -253,17 +253,12 @@ def _start(pool: ThreadPoolExecutor, files: dict[str, _File], batch: list[Wanted
 def _hash_piece(file: _File, at: int, piece: int, count: int, streamed: StreamedFingerprint,
                 buffers: SimpleQueue[np.ndarray] | None) -> None:
     if buffers is None:  # the native kernel reads the mapped file in place, at any alignment
-        rows = count - count % PIECE_ALIGN
         try:
-            streamed.add(file.bytes()[at + piece : at + piece + rows], piece)
+            streamed.add(file.bytes()[at + piece : at + piece + count], piece)
         except OSError as err:  # the kernel's read raised SIGBUS: the file shrank under the map since it was checked
             if err.errno != errno.EFAULT:
                 raise
             raise CheckpointError(f"{file.path} changed while it was being verified") from None
-        if rows < count:  # the tensor's last partial row: read, not mapped, as the kernel guards its reads alone
-            tail = np.empty(count - rows, dtype=np.uint8)
-            _pread(file, tail.data, at + piece + rows)
-            streamed.add(tail, piece + rows)
         return
     buffer = buffers.get()
     try:
