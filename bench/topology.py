@@ -139,20 +139,10 @@ def _timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvou
     steps = {m: _trainer(m, args.preset, args.microbatches) for m in ("invariant", "ddp")}
     for step in steps.values():  # warm-up
         step()
-    ratios = []
-    for k in range(args.steps):
-        order = ("invariant", "ddp") if k % 2 == 0 else ("ddp", "invariant")
-        took = {}
-        for method in order:
-            dist.barrier()
-            began = time.perf_counter()
-            steps[method]()
-            dist.barrier()
-            took[method] = time.perf_counter() - began
-        ratios.append(took["invariant"] / took["ddp"])
-    exchange = _exchange_sweep(world, args.steps)
+    ratios = _interleaved({"invariant": steps["invariant"], "plain": steps["ddp"]}, args.steps)
+    exchange = {} if args.step_only else _exchange_sweep(world, args.steps)
     if rank == 0:
-        Path(out).write_text(json.dumps({"ratios": ratios, "exchange": exchange}))
+        Path(out).write_text(json.dumps({**ratios, "exchange": exchange}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -242,19 +232,29 @@ def _tp_block(mode: str, args: argparse.Namespace):  # type: ignore[no-untyped-d
     return block
 
 
-def _interleaved(fns: dict[str, object], repeats: int) -> list[float]:
-    """invariant / plain time ratios, one per pair, the starting method alternating."""
-    ratios = []
+def _interleaved(fns: dict[str, object], repeats: int) -> dict[str, list[float]]:
+    """invariant / plain ratios, one per pair, the starting method alternating: of the step's wall time ("step")
+    and of its CPU time summed over the ranks ("cpu")."""
+    ratios: dict[str, list[float]] = {"step": [], "cpu": []}
     for k in range(repeats):
-        took = {}
+        took, cpu = {}, {}
         for method in (("invariant", "plain") if k % 2 == 0 else ("plain", "invariant")):
             dist.barrier()
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             fns[method]()  # type: ignore[operator]
+            cpu[method] = time.process_time() - cpu_began
             dist.barrier()
             took[method] = time.perf_counter() - began
-        ratios.append(took["invariant"] / took["plain"])
+        ratios["step"].append(took["invariant"] / took["plain"])
+        ratios["cpu"].append(_summed(cpu["invariant"]) / _summed(cpu["plain"]))
     return ratios
+
+
+def _summed(seconds: float) -> float:
+    """`seconds` summed over the ranks (an all-reduce)."""
+    total = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total)
 
 
 def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendezvous: str) -> None:
@@ -271,7 +271,7 @@ def _tp_timing(rank: int, world: int, args: argparse.Namespace, out: str, rendez
         steps[mode], blocks[mode] = _tp_step(layout, args.preset), _tp_block(mode, args)
     for fn in (*steps.values(), *blocks.values()):  # warm-up
         fn()
-    result = {"step": _interleaved(steps, args.steps), "block": _interleaved(blocks, args.steps)}
+    result = {**_interleaved(steps, args.steps), "block": _interleaved(blocks, args.steps)["step"]}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -313,7 +313,7 @@ def _layout_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[
         steps[mode] = step
     for fn in steps.values():  # warm-up
         fn()
-    result = {"step": _interleaved(steps, args.steps)}
+    result = _interleaved(steps, args.steps)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -330,6 +330,16 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+def _figures(label: str, data: dict[str, list[float]]) -> list[str]:
+    """The step-time figure of `label` ("W=4 invariant/ddp") and the CPU-time one (the ranks' sum: the work, which
+    the scheduling of more ranks than cores does not spread as it spreads the wall time)."""
+    lines = []
+    for what, name in (("step", "step time"), ("cpu", "CPU time over the ranks")):
+        lo, mid, hi = _quartiles(data[what])
+        lines.append(f"{name} {label}: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {len(data[what])} pairs)")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -342,6 +352,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--step-only", action="store_true", help="dp: the step times alone (no exchange sweep, no memory)")
     args = p.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")] if args.part in ("dp", "all") else []
     figures = []
@@ -350,52 +361,46 @@ def main() -> None:
             path = f"{tmp}/tp-{tp}.json"
             _spawn(_tp_timing, tp, args, path)
             data = json.loads(Path(path).read_text())
-            block = f"MLP block fwd+bwd T={tp} ({args.tokens}x{args.width}, chunk {args.chunk})"
-            for what, label in (("step", f"step time T={tp} ({args.preset})"), ("block", block)):
-                lo, mid, hi = _quartiles(data[what])
-                figures.append(f"{label} tp-invariant/plain: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
-                               f"{len(data[what])} pairs)")
+            figures += _figures(f"T={tp} ({args.preset}) tp-invariant/plain", data)
+            lo, mid, hi = _quartiles(data["block"])
+            figures.append(f"MLP block fwd+bwd T={tp} ({args.tokens}x{args.width}, chunk {args.chunk}) "
+                           f"tp-invariant/plain: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {len(data['block'])} pairs)")
         fsdp = (("invariant", "fsdp-invariant"), ("plain", "fsdp-plain"))
         meshes = [{"fsdp": int(w)} for w in args.worlds.split(",")] + [{"dp": 2, "fsdp": 2}]
         for sizes in meshes if args.part in ("fsdp", "all") else []:
             name, world = "x".join(f"{d}{n}" for d, n in sizes.items()), math.prod(sizes.values())
             path = f"{tmp}/{name}.json"
             _spawn(_layout_timing, world, args, sizes, fsdp, path)
-            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time {name} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard: "
-                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            figures += _figures(f"{name} ({args.preset}, M={args.microbatches}) fsdp-invariant/fully_shard",
+                                json.loads(Path(path).read_text()))
         for world in [int(w) for w in args.worlds.split(",")] if args.part in ("ep", "all") else []:
             path = f"{tmp}/ep-{world}.json"
             _spawn(_layout_timing, world, args, {"ep": world}, (("invariant", "ep-invariant"), ("plain", "ep-plain")),
                    path)
-            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time ep{world} ({args.preset}, M={args.microbatches}) ep-invariant/all-to-all MoE: "
-                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            figures += _figures(f"ep{world} ({args.preset}, M={args.microbatches}) ep-invariant/all-to-all MoE",
+                                json.loads(Path(path).read_text()))
         if args.part in ("pp", "all"):
             path = f"{tmp}/pp-2.json"
             _spawn(_layout_timing, 2, args, {"pp": 2}, (("invariant", "pp-invariant"), ("plain", "pp")), path)
-            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule: "
-                           f"{mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            figures += _figures(f"pp2 1F1B ({args.preset}, M={args.microbatches}) pp-invariant/torch schedule",
+                                json.loads(Path(path).read_text()))
             path = f"{tmp}/pp2xfsdp2.json"
             _spawn(_layout_timing, 4, args, {"pp": 2, "fsdp": 2}, (("invariant", "fsdp-invariant"),
                                                                    ("plain", "fsdp-plain")), path)
-            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time pp2xfsdp2 1F1B ({args.preset}, M={args.microbatches}) fsdp-invariant/torch "
-                           f"stage on fully_shard: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            figures += _figures(f"pp2xfsdp2 1F1B ({args.preset}, M={args.microbatches}) fsdp-invariant/torch stage "
+                                "on fully_shard", json.loads(Path(path).read_text()))
             path = f"{tmp}/pp2xep2.json"
             _spawn(_layout_timing, 4, args, {"pp": 2, "ep": 2}, (("invariant", "ep-invariant"),
                                                                  ("plain", "ep-plain")), path)
-            lo, mid, hi = _quartiles(json.loads(Path(path).read_text())["step"])
-            figures.append(f"step time pp2xep2 1F1B ({args.preset}, M={args.microbatches}) ep-invariant/torch "
-                           f"stage with the all-to-all MoE: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, {args.steps} pairs)")
+            figures += _figures(f"pp2xep2 1F1B ({args.preset}, M={args.microbatches}) ep-invariant/torch stage with "
+                                "the all-to-all MoE", json.loads(Path(path).read_text()))
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)
             data = json.loads(Path(path).read_text())
-            lo, mid, hi = _quartiles(data["ratios"])
-            figures.append(f"step time W={world} invariant/ddp: {mid:.2f}x (IQR {lo:.2f}-{hi:.2f}, "
-                           f"{len(data['ratios'])} pairs)")
+            figures += _figures(f"W={world} invariant/ddp", data)
+            if args.step_only:
+                continue
             for size, ratios in data["exchange"].items():
                 lo, mid, hi = _quartiles(ratios)
                 figures.append(f"exchange W={world} {int(size) >> 10} KiB doubling/gather: {mid:.2f}x "

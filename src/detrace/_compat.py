@@ -120,6 +120,7 @@ __all__ = [
     "torch_release",
     "tracing_tensors",
     "unhooked_step",
+    "wait_collective",
     "wrap_compiled_graphs",
     "wrap_output_code",
 ]
@@ -456,6 +457,18 @@ def all_to_all_single_autograd() -> Callable[..., Any]:
     from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
     return all_to_all
+
+
+def wait_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """torch.distributed._functional_collectives.wait_tensor: a functional collective's output, waited once, as a
+    plain tensor (the same memory; autograd passes its gradient through).
+
+    Why: the output is a lazily waited tensor subclass that its views keep, so every op on a view goes through its
+    Python dispatch; `clone()` would also unwrap it, at the cost of a copy. Replace with: its public home, if it
+    gets one."""
+    from torch.distributed._functional_collectives import wait_tensor
+
+    return wait_tensor(tensor)
 
 
 @_private("torch.distributed.pipelining.schedules.PipelineScheduleSingle._initialize_stage")

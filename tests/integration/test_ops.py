@@ -155,6 +155,32 @@ def test_grouped_mm_is_bit_identical_across_runs() -> None:
         assert all(torch.equal(p, q) for p, q in zip(runs[0], run, strict=True))
 
 
+def test_grouped_mm_over_sets_of_experts_is_each_set_alone() -> None:
+    """A weight [S, E, out, in] (an expand: S views of the same experts, no copy) runs S sets of groups in one call:
+    outputs, input gradients and each set's weight gradient have the bits of the set's own call."""
+    g = torch.Generator().manual_seed(1)
+    counts = [[7, 0, 12], [3, 9, 1]]
+    x = torch.randn(32, 16, generator=g)
+    w = torch.randn(3, 24, 16, generator=g)
+    back = torch.randn(32, 24, generator=g)
+    sets = w.expand(2, 3, 24, 16).requires_grad_()
+    xs = x.clone().requires_grad_()
+    out = grouped_mm(xs, sets, counts[0] + counts[1])
+    out.backward(back)
+    assert sets.grad.shape == (2, 3, 24, 16)  # type: ignore[union-attr]
+    lo = 0
+    for s, c in enumerate(counts):
+        hi = lo + sum(c)
+        xa, wa = x[lo:hi].clone().requires_grad_(), w.clone().requires_grad_()
+        alone = grouped_mm(xa, wa, c)
+        alone.backward(back[lo:hi])
+        assert torch.equal(out[lo:hi], alone) and torch.equal(xs.grad[lo:hi], xa.grad)  # type: ignore[index]
+        assert torch.equal(sets.grad[s], wa.grad)  # type: ignore[index]
+        lo = hi
+    with pytest.raises(UsageError, match="each of the 6 experts"):
+        grouped_mm(x, sets, [32])
+
+
 def test_grouped_mm_errors() -> None:
     x, w = torch.randn(5, 3), torch.randn(2, 4, 3)
     with pytest.raises(UsageError, match="counts"):

@@ -126,6 +126,18 @@ def test_grouped_gemm_autograd_through_triton() -> None:
     torch.testing.assert_close(w.grad[1], torch.ones(16, 8, device=DEVICE) @ x[12:].detach())
 
 
+def test_grouped_gemm_over_sets_of_experts_through_triton() -> None:
+    """A weight [S, E, out, in] (`expand`ed) goes through the kernels as S E groups; its gradient keeps the S sets."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 16, generator=g).to(DEVICE)
+    w = torch.randn(1, 16, 16, generator=g).to(DEVICE)
+    sets = w.expand(2, 1, 16, 16).requires_grad_()
+    out = grouped_mm(x, sets, [12, 8], backend="triton")
+    out.sum().backward()
+    assert torch.equal(out, grouped_mm(x, w.expand(2, 16, 16), [12, 8], backend="triton"))
+    torch.testing.assert_close(sets.grad[1, 0], torch.ones(16, 8, device=DEVICE) @ x[12:])  # type: ignore[index]
+
+
 def test_kernels_refuse_float64() -> None:
     with pytest.raises(TypeError, match="float32"):
         _triton.gather_rows(torch.zeros(2, 2, dtype=torch.float64), torch.tensor([0]), None)

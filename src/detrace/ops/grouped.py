@@ -1,7 +1,9 @@
 """Grouped GEMM over expert-sorted rows, with a deterministic forward, input gradient and weight gradient.
 
 `grouped_mm(x, weight, counts)`: x [R, in] holds counts[e] consecutive rows for expert e; weight [E, out, in]
-(the layout of `nn.Linear`, stacked); the result is [R, out], rows of expert e times weight[e].T.
+(the layout of `nn.Linear`, stacked); the result is [R, out], rows of expert e times weight[e].T. A weight
+[S, E, out, in] has S sets of the E experts (groups s E + e, set-major): expert parallelism's one view of the
+local experts per source rank, `expand`ed (no copy), whose weight gradient keeps each source's apart.
 
 - forward and input gradient (dgrad): each output row belongs to one expert's GEMM; no row has two writers.
 - weight gradient (wgrad): weight.grad[e] = grad[rows of e].T @ x[rows of e], a reduction over the expert's
@@ -14,6 +16,7 @@ Experts with no rows get a zero weight gradient and produce no rows.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -29,28 +32,34 @@ def _offsets(counts: list[int]) -> list[int]:
     return offsets
 
 
+def group_weight(weight: torch.Tensor, g: int) -> torch.Tensor:
+    """Group g's [out, in] matrix of a weight [E, out, in] or [S, E, out, in] (a view)."""
+    return weight[g] if weight.dim() == 3 else weight[divmod(g, weight.shape[1])]
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """out[rows of e] = x[rows of e] @ weight[e].T, one GEMM per expert."""
-    out = x.new_empty(x.shape[0], weight.shape[1])
+    out = x.new_empty(x.shape[0], weight.shape[-2])
     offsets = _offsets(counts)
     for e in range(len(counts)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
-            torch.mm(x[lo:hi], weight[e].t(), out=out[lo:hi])
+            torch.mm(x[lo:hi], group_weight(weight, e).t(), out=out[lo:hi])
     return out
 
 
 def _dgrad(grad: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    out = grad.new_empty(grad.shape[0], weight.shape[2])
+    out = grad.new_empty(grad.shape[0], weight.shape[-1])
     offsets = _offsets(counts)
     for e in range(len(counts)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
-            torch.mm(grad[lo:hi], weight[e], out=out[lo:hi])
+            torch.mm(grad[lo:hi], group_weight(weight, e), out=out[lo:hi])
     return out
 
 
 def _wgrad(grad: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[len(counts), out, in]: grad[rows of e].T @ x[rows of e], one GEMM per expert."""
     out = grad.new_empty(len(counts), grad.shape[1], x.shape[1])
     offsets = _offsets(counts)
     for e in range(len(counts)):
@@ -70,7 +79,8 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.triton:
             from detrace.ops import _triton
 
-            return _triton.grouped_mm(x, weight, counts)
+            # the kernel indexes a 3-D weight: sets of experts are copied into one (the PyTorch path takes views)
+            return _triton.grouped_mm(x, weight.flatten(0, -3), counts)
         return _forward(x, weight, counts)
 
     @staticmethod
@@ -82,7 +92,7 @@ class _GroupedMM(torch.autograd.Function):
             from detrace.ops import _triton
 
             if ctx.needs_input_grad[0]:
-                grad_x = _triton.grouped_mm(grad, weight.transpose(1, 2), ctx.counts)
+                grad_x = _triton.grouped_mm(grad, weight.flatten(0, -3).transpose(1, 2), ctx.counts)
             if ctx.needs_input_grad[1]:
                 grad_w = _triton.grouped_wgrad(grad, x, ctx.counts)
         else:
@@ -90,17 +100,19 @@ class _GroupedMM(torch.autograd.Function):
                 grad_x = _dgrad(grad, weight, ctx.counts)
             if ctx.needs_input_grad[1]:
                 grad_w = _wgrad(grad, x, ctx.counts)
-        return grad_x, grad_w, None, None
+        return grad_x, None if grad_w is None else grad_w.view(weight.shape), None, None
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, *,
                backend: Backend = "auto") -> torch.Tensor:
-    """x [R, in] (counts[e] rows per expert, in expert order) times weight[e].T ([E, out, in]) -> [R, out]."""
+    """x [R, in] (counts[e] rows per expert, in expert order) times weight[e].T ([E, out, in], or [S, E, out, in]:
+    S sets of experts, groups set-major) -> [R, out]."""
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[2]:
-        raise UsageError(f"grouped_mm needs x [R, in] and weight [E, out, in], not {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
-        raise UsageError(f"counts {counts} must give a non-negative row count for each of the {weight.shape[0]} "
+    if weight.dim() not in (3, 4) or x.dim() != 2 or x.shape[1] != weight.shape[-1]:
+        raise UsageError(f"grouped_mm needs x [R, in] and weight [E, out, in] or [S, E, out, in], not "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    groups = math.prod(weight.shape[:-2])
+    if len(counts) != groups or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise UsageError(f"counts {counts} must give a non-negative row count for each of the {groups} "
                          f"experts, {x.shape[0]} rows in all")
     return _GroupedMM.apply(x, weight, counts, backend)

@@ -172,8 +172,11 @@ def _flatten(buckets: list[_Bucket], tensors: Sequence[torch.Tensor | None]) -> 
 
 
 def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, rank: int, world: int,
-              how: str) -> list[torch.Tensor]:
-    """Complete the tree above the W blocks: every rank ends with the root, the same bits on each."""
+              how: str, donate: bool = False) -> list[torch.Tensor]:
+    """Complete the tree above the W blocks: every rank ends with the root, the same bits on each.
+
+    `donate`: `flats` are the caller's to give up, and recursive doubling adds into them in place (else its first
+    round writes new buffers)."""
     if world == 1:
         return flats
     nbytes = sum(f.numel() * f.element_size() for f in flats)
@@ -183,11 +186,11 @@ def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, ran
             out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
             _all_gather(out, flat, group)
             gathered.append(out.view(world, -1).unbind(0))
-        return _tree_sum([[g[r].clone() for g in gathered] for r in range(world)])
+        return _tree_sum([[g[r] for g in gathered] for r in range(world)])  # the rows are ours: summed in place
+    received = [torch.empty_like(f) for f in flats]  # one receive buffer per bucket, for every round
     for k in range(world.bit_length() - 1):  # round k: blocks r and r xor 2^k, each 2^k ranks' subtree
         partner = rank ^ (1 << k)
         peer = partner if group is None else dist.get_global_rank(group, partner)
-        received = [torch.empty_like(f) for f in flats]
         for flat, other in zip(flats, received, strict=True):
             # The lower rank sends first, the higher receives first: matched order, no grouping needed (NCCL).
             if rank < partner:
@@ -198,7 +201,9 @@ def _exchange(flats: list[torch.Tensor], *, group: dist.ProcessGroup | None, ran
                 assert work is not None  # a member of the group always gets its Work
                 work.wait()
         lower, upper = (flats, received) if rank < partner else (received, flats)
-        flats = [a + b for a, b in zip(lower, upper, strict=True)]  # lower block + upper block
+        # lower block + upper block, in that order on both sides (a NaN's payload follows the operands' order)
+        flats = [torch.add(a, b, out=mine) if donate or k else a + b
+                 for a, b, mine in zip(lower, upper, flats, strict=True)]
     return flats
 
 
@@ -278,7 +283,7 @@ def invariant_backward(model: nn.Module | Sequence[nn.Parameter], loss_of: LossO
             buckets = _buckets([p if p.grad is None else p.grad for p in summed] + extras)
         acc.push(_flatten(buckets, entries))
     assert buckets is not None
-    flats = _exchange(acc.result(), group=group, rank=rank, world=world, how=exchange)
+    flats = _exchange(acc.result(), group=group, rank=rank, world=world, how=exchange, donate=True)
     results: list[torch.Tensor] = [torch.empty(0)] * (len(summed) + len(extras))
     for b, flat in zip(buckets, flats, strict=True):
         for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):

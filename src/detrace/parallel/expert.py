@@ -12,9 +12,11 @@ autograd adds up the expert weight gradients over sources and microbatches: the 
 order of the additions, change with E. `FixedOrderExperts` keeps the bits of one process (E = 1):
 
 - the rank that holds an expert runs it on each source rank's rows apart: the same GEMMs on the same rows as one
-  process running that microbatch (`detrace.ops.grouped_mm`: one GEMM per expert and microbatch);
-- each source computes with its own views of the expert weights (`detach`: no copy), so the weight gradient of each
-  (source, microbatch) is a leaf of its own, never added into another one by autograd;
+  process running that microbatch (`detrace.ops.grouped_mm`: one GEMM per expert and microbatch), all sources in
+  one call over the (source, local expert) groups;
+- each source computes with its own view of the expert weights (one `expand` of each over the sources: no copy),
+  so the weight gradient of each (source, microbatch) is a slice of its own, never added into another one by
+  autograd;
 - the leaves are summed in the fixed balanced tree over the global microbatch indices of `detrace.parallel.data`: a
   source's block is a node of the tree (`ExpertGradientTree`), the holder adds its ep group's blocks in the tree's
   order, and where the experts have replicas over another data dimension (dp) the replicas complete the tree with
@@ -47,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from detrace._compat import all_to_all_single_autograd
+from detrace._compat import all_to_all_single_autograd, wait_collective
 from detrace.errors import UsageError
 from detrace.parallel.data import _Accumulator, _exchange, _tree_sum
 
@@ -58,50 +60,53 @@ Experts = Callable[..., torch.Tensor]
 (`detrace.workload.model.Experts`)."""
 
 
-def run_apart(experts: Experts, chunks: Sequence[torch.Tensor], counts: Sequence[list[int]],
-              weights: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """Run the local experts on each source's rows apart, each with its own views of `weights`: (the outputs, one
-    per source; the views, one list per source, whose `.grad` after the backward is that source's weight
-    gradient)."""
-    outs, views = [], []
-    for rows, per_expert in zip(chunks, counts, strict=True):
-        mine = [w.detach().requires_grad_(True) for w in weights]
-        outs.append(experts(rows, per_expert, weights=tuple(mine)))
-        views.append(mine)
-    return outs, views
+def run_apart(experts: Experts, rows: torch.Tensor, counts: Sequence[list[int]],
+              weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run the local experts on each source's rows apart, each source with its own view of `weights`.
+
+    rows [R, D]: source by source, each source's sorted by local expert (counts[s][e] rows of source s for local
+    expert e). Returns (the outputs [R, D] in `rows`' order; the views, one [S, L, ...] `expand` of each weight,
+    whose `.grad` after the backward holds source s's weight gradient at [s])."""
+    views = [w.detach().expand(len(counts), *w.shape).requires_grad_(True) for w in weights]
+    return experts(rows, [c for per_expert in counts for c in per_expert], weights=tuple(views)), views
 
 
 class ExpertGradientTree:
     """The fixed tree over one step's expert weight gradients: one leaf per (source, microbatch), where source s
     computes the block of microbatches [s n, (s + 1) n) of its group. `push` takes one microbatch's leaves of every
-    source; `result` is the sum over the E n microbatches in the tree of `detrace.parallel.data`."""
+    source, stacked: one [S, ...] tensor per weight, source s's leaf at [s]; `result` is the sum over the S n
+    microbatches in the tree of `detrace.parallel.data`."""
 
     def __init__(self, sources: int, microbatches: int) -> None:
         if sources < 1 or microbatches < 1:
             raise UsageError(f"an expert gradient tree needs sources and microbatches, not {sources} and "
                              f"{microbatches}")
-        self.microbatches = microbatches
-        self.trees = [_Accumulator(microbatches) for _ in range(sources)]
+        self.sources, self.microbatches = sources, microbatches
+        # every source's block has the same tree: one stacked partial sum per level serves them all (an addition
+        # is elementwise, so stacking changes no bit)
+        self.tree = _Accumulator(microbatches)
 
     @property
     def seen(self) -> int:
         """Microbatches pushed so far this step."""
-        return self.trees[0].seen
+        return self.tree.seen
 
-    def push(self, leaves: Sequence[Sequence[torch.Tensor]]) -> None:
-        if len(leaves) != len(self.trees):
-            raise UsageError(f"{len(leaves)} sources' gradients for a tree over {len(self.trees)} sources")
+    def push(self, leaves: Sequence[torch.Tensor]) -> None:
+        if any(leaf.shape[0] != self.sources for leaf in leaves):
+            raise UsageError(f"gradients of {[leaf.shape[0] for leaf in leaves]} sources for a tree over "
+                             f"{self.sources} sources")
         if self.seen == self.microbatches:
             raise UsageError(f"the experts took part in more than the {self.microbatches} microbatches of a step")
-        for tree, leaf in zip(self.trees, leaves, strict=True):
-            tree.push(list(leaf))
+        self.tree.push(list(leaves))
 
     def result(self) -> list[torch.Tensor]:
         if self.seen != self.microbatches:
             raise UsageError(f"the experts took part in {self.seen} of the {self.microbatches} microbatches of a "
                              "step: every MoE layer must take part in every microbatch's forward and backward")
-        # the blocks are the tree's nodes: their sums, added in the tree's order over the sources, are its top
-        return _tree_sum([tree.result() for tree in self.trees])
+        # the blocks are the tree's nodes: their sums, added in the tree's order over the sources, are its top (a
+        # copy of the root: it would otherwise keep the S blocks' buffer alive as the gradient)
+        blocks = self.tree.result()
+        return [root.clone() for root in _tree_sum([[b[s] for b in blocks] for s in range(self.sources)])]
 
 
 class FixedOrderExperts:
@@ -129,24 +134,24 @@ class FixedOrderExperts:
         # backwards (a pipeline's GPipe runs them all first, 1F1B interleaves them): a microbatch's leaves go into
         # the tree once its backward and those of every earlier one have run, in forward order whatever the
         # schedule.
-        self._held: list[tuple[list[list[torch.Tensor]], list[int]]] = []
+        self._held: list[tuple[list[torch.Tensor], list[int]]] = []
 
     def begin(self) -> None:
         """Start a step: the next `microbatches` forwards and backwards are its leaves."""
         self.tree, self._held = ExpertGradientTree(self.ep, self.microbatches), []
 
-    def _hold(self, views: list[list[torch.Tensor]]) -> None:
-        """Keep one microbatch's views (one list per source) until its backward has set their gradients."""
-        waiting = [sum(len(per_source) for per_source in views)]
+    def _hold(self, views: list[torch.Tensor]) -> None:
+        """Keep one microbatch's views (one [S, ...] expand of each weight) until its backward has set their
+        gradients."""
+        waiting = [len(views)]
 
         def arrived(view: torch.Tensor) -> None:
             waiting[0] -= 1
             if waiting[0] == 0:
                 self._flush(whole=False)
 
-        for per_source in views:
-            for view in per_source:
-                view.register_post_accumulate_grad_hook(arrived)
+        for view in views:
+            view.register_post_accumulate_grad_hook(arrived)
         self._held.append((views, waiting))
 
     def _flush(self, *, whole: bool) -> None:
@@ -154,8 +159,7 @@ class FixedOrderExperts:
         (`whole`: every held one; a view whose backward gave it no gradient is a zero leaf)."""
         while self._held and self.tree is not None and (whole or self._held[0][1][0] == 0):
             views, _ = self._held.pop(0)
-            self.tree.push([[torch.zeros_like(v) if v.grad is None else v.grad for v in per_source]
-                            for per_source in views])
+            self.tree.push([torch.zeros_like(v) if v.grad is None else v.grad for v in views])
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         """routed [R, D] sorted by global expert, counts [E L] rows per global expert -> the experts' outputs [R, D],
@@ -169,12 +173,11 @@ class FixedOrderExperts:
         recv = per_source.sum(1).tolist()
         received = all_to_all(routed, recv, send, self.group)  # source by source, each sorted by local expert
         # The functional all-to-all returns a lazily waited tensor subclass that its views keep: every op of the
-        # experts on a view would go through its Python dispatch (1.5-2x the step on CPU). A copy waits once.
-        received = received.clone()
-        outs, views = run_apart(experts, received.split(recv), per_source.tolist(), self.weights())
+        # experts on a view would go through its Python dispatch (1.5-2x the step on CPU). Wait once, no copy.
+        out, views = run_apart(experts, wait_collective(received), per_source.tolist(), self.weights())
         if self.tree is not None and torch.is_grad_enabled():
             self._hold(views)
-        return all_to_all(torch.cat(outs), send, recv, self.group)
+        return all_to_all(out, send, recv, self.group)
 
     def finish(self) -> list[torch.Tensor]:
         """End the step: the expert weight gradients summed over the global batch's microbatches, in the order and
@@ -186,6 +189,6 @@ class FixedOrderExperts:
         sums = tree.result()
         if self.replicas is not None and dist.get_world_size(self.replicas) > 1:
             flats = _exchange([s.reshape(-1) for s in sums], group=self.replicas, rank=dist.get_rank(self.replicas),
-                              world=dist.get_world_size(self.replicas), how="auto")
+                              world=dist.get_world_size(self.replicas), how="auto", donate=True)
             sums = [flat.view_as(s) for flat, s in zip(flats, sums, strict=True)]
         return sums

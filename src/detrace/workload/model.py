@@ -310,8 +310,9 @@ class Experts(nn.Module):
                 weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [sum(counts), D] sorted by expert, counts[e] rows for local expert e -> [sum(counts), D].
 
-        `weights`: (w1, w3, w2) to compute with instead of the local parameters (the same shapes): the invariant
-        expert parallelism's views of them, one per source rank, whose gradients stay apart."""
+        `weights`: (w1, w3, w2) to compute with instead of the local parameters: the same shapes, or [S, n_local,
+        out, in] with counts over S * n_local groups (set-major), the invariant expert parallelism's views of them,
+        one set per source rank, whose gradients stay apart."""
         if weights is None:
             weights = local_tensor(self.w1), local_tensor(self.w3), local_tensor(self.w2)  # [n_local, out, in]
         w1, w3, w2 = weights
@@ -324,10 +325,12 @@ class Experts(nn.Module):
             if self.quant != "none":
                 h = _FakeQuantize.apply(h, self.quant)
             return grouped_mm(h, w2, counts)
+        from detrace.ops.grouped import group_weight
+
         outs = []
         for e, xe in enumerate(x.split(counts)):  # a fixed loop over experts: no cross-expert reduction
-            h = F.silu(qmatmul(xe, w1[e], self.quant)) * qmatmul(xe, w3[e], self.quant)
-            outs.append(qmatmul(h, w2[e], self.quant))
+            h = F.silu(qmatmul(xe, group_weight(w1, e), self.quant)) * qmatmul(xe, group_weight(w3, e), self.quant)
+            outs.append(qmatmul(h, group_weight(w2, e), self.quant))
         return torch.cat(outs)
 
 
