@@ -44,10 +44,22 @@ GEMM per expert over every rank's tokens, autograd's accumulation), the rest of 
 dp x ep blocks), the reference model's whole step over the global batch of M microbatches, at each ep size of
 --worlds, interleaved the same way.
 
-The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08)`.
+Every timed pair also gives the ratio of the CPU time summed over the ranks (`time.process_time` of the step on
+each rank, all-reduced): the work, which the scheduling of more ranks than cores (4 on the project's 2) spreads far
+less than the wall time. `--step-only` (dp) times the steps alone, without the exchange sweep and the memory runs.
+
+The last lines are the figures, one per line: `step time W=2 invariant/ddp: 1.03x (IQR 0.98-1.08, 8 pairs)`, then
+`CPU time over the ranks W=2 invariant/ddp: ...`.
+
+What changed, 2026-12-05 (docs/topology.md has the figures before and after): recursive doubling receives into one
+buffer for every round and adds in place (it allocated two buffers a round), the all-gather sums its rows in place
+(it cloned them); the invariant experts run every source's rows in one grouped call with an `expand`ed view of the
+weights per source (one call per source before), their gradient trees stacked into one, and the all-to-all's output
+is waited without a copy (it was cloned). The bits are those of before. The CPU-time figures and `--step-only` are
+new.
 
     python bench/topology.py [--part dp|tp|fsdp|pp|ep|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
-        [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64]
+        [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64] [--step-only]
 """
 
 from __future__ import annotations

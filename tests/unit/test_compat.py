@@ -384,6 +384,21 @@ def test_all_to_all_single_autograd() -> None:
     assert list(inspect.signature(all_to_all).parameters)[1:4] == ["output_split_sizes", "input_split_sizes", "group"]
 
 
+def test_wait_collective_gives_a_plain_tensor_whose_views_are_plain_and_keeps_the_gradient(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        x = torch.arange(6.0).view(3, 2).requires_grad_()
+        sent = _compat.all_to_all_single_autograd()(x, [3], [3], dist.group.WORLD)
+        assert type(sent) is not torch.Tensor  # the lazily waited subclass
+        waited = _compat.wait_collective(sent)
+        assert type(waited) is torch.Tensor and torch.equal(waited, x.detach())
+        assert type(waited[1:]) is torch.Tensor  # a view of the subclass would be the subclass again
+        (waited * torch.tensor([[1.0, 2.0]])).sum().backward()
+        assert torch.equal(x.grad, torch.tensor([[1.0, 2.0]]).expand(3, 2))  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_initialize_pipeline_stage(tmp_path: Path) -> None:
     """A schedule's stage set up ahead of its first step: the step then finds it set up, and runs."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe

@@ -126,16 +126,25 @@ def test_grouped_gemm_autograd_through_triton() -> None:
     torch.testing.assert_close(w.grad[1], torch.ones(16, 8, device=DEVICE) @ x[12:].detach())
 
 
-def test_grouped_gemm_over_sets_of_experts_through_triton() -> None:
-    """A weight [S, E, out, in] (`expand`ed) goes through the kernels as S E groups; its gradient keeps the S sets."""
+def test_grouped_gemm_over_sets_of_experts_through_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight [S, E, out, in] (`expand`ed) runs each set as its own call would: the same outputs, input gradients
+    and weight gradients (whose partial slots depend on the call's rows and experts)."""
+    monkeypatch.setattr(_triton, "TOKENS_PER_SPLIT", 8)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(20, 16, generator=g).to(DEVICE)
-    w = torch.randn(1, 16, 16, generator=g).to(DEVICE)
-    sets = w.expand(2, 1, 16, 16).requires_grad_()
-    out = grouped_mm(x, sets, [12, 8], backend="triton")
-    out.sum().backward()
-    assert torch.equal(out, grouped_mm(x, w.expand(2, 16, 16), [12, 8], backend="triton"))
-    torch.testing.assert_close(sets.grad[1, 0], torch.ones(16, 8, device=DEVICE) @ x[12:])  # type: ignore[index]
+    counts = [[30, 2], [0, 9]]
+    x = torch.randn(41, 16, generator=g).to(DEVICE)
+    w = torch.randn(2, 24, 16, generator=g).to(DEVICE)
+    back = torch.randn(41, 24, generator=g).to(DEVICE)
+    sets = w.expand(2, 2, 24, 16).requires_grad_()
+    xs = x.clone().requires_grad_()
+    out = grouped_mm(xs, sets, counts[0] + counts[1], backend="triton")
+    out.backward(back)
+    for s, (lo, hi) in enumerate(((0, 32), (32, 41))):
+        xa, wa = x[lo:hi].clone().requires_grad_(), w.clone().requires_grad_()
+        alone = grouped_mm(xa, wa, counts[s], backend="triton")
+        alone.backward(back[lo:hi])
+        assert torch.equal(out[lo:hi], alone) and torch.equal(xs.grad[lo:hi], xa.grad)  # type: ignore[index]
+        assert torch.equal(sets.grad[s], wa.grad)  # type: ignore[index]
 
 
 def test_kernels_refuse_float64() -> None:

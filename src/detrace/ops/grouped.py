@@ -3,7 +3,8 @@
 `grouped_mm(x, weight, counts)`: x [R, in] holds counts[e] consecutive rows for expert e; weight [E, out, in]
 (the layout of `nn.Linear`, stacked); the result is [R, out], rows of expert e times weight[e].T. A weight
 [S, E, out, in] has S sets of the E experts (groups s E + e, set-major): expert parallelism's one view of the
-local experts per source rank, `expand`ed (no copy), whose weight gradient keeps each source's apart.
+local experts per source rank, `expand`ed (no copy), whose weight gradient keeps each source's apart. The PyTorch
+path runs all the groups in one call; the Triton path one call per set (the bits of each set alone).
 
 - forward and input gradient (dgrad): each output row belongs to one expert's GEMM; no row has two writers.
 - weight gradient (wgrad): weight.grad[e] = grad[rows of e].T @ x[rows of e], a reduction over the expert's
@@ -71,6 +72,20 @@ def _wgrad(grad: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tens
     return out
 
 
+def _by_set(fn: Any, rows: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> list[Any]:
+    """`fn(rows of set s, other's rows of set s, weight[s], counts of set s)` for each set s of a weight [S, E, ...]:
+    the Triton kernels index a 3-D weight, and each set's own call keeps the bits of that set alone (its weight
+    gradient's partial slots depend on the call's rows and experts) without copying the sets into one weight."""
+    per = weight.shape[1]
+    results, lo = [], 0
+    for s in range(weight.shape[0]):
+        mine = counts[s * per:(s + 1) * per]
+        hi = lo + sum(mine)
+        results.append(fn(rows[lo:hi], other[lo:hi], weight[s], mine))
+        lo = hi
+    return results
+
+
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int], backend: Backend) -> torch.Tensor:
@@ -79,8 +94,9 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.triton:
             from detrace.ops import _triton
 
-            # the kernel indexes a 3-D weight: sets of experts are copied into one (the PyTorch path takes views)
-            return _triton.grouped_mm(x, weight.flatten(0, -3), counts)
+            if weight.dim() == 4:
+                return torch.cat(_by_set(lambda r, _, w, c: _triton.grouped_mm(r, w, c), x, x, weight, counts))
+            return _triton.grouped_mm(x, weight, counts)
         return _forward(x, weight, counts)
 
     @staticmethod
@@ -91,10 +107,18 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.triton:
             from detrace.ops import _triton
 
-            if ctx.needs_input_grad[0]:
-                grad_x = _triton.grouped_mm(grad, weight.flatten(0, -3).transpose(1, 2), ctx.counts)
-            if ctx.needs_input_grad[1]:
-                grad_w = _triton.grouped_wgrad(grad, x, ctx.counts)
+            if weight.dim() == 4:
+                if ctx.needs_input_grad[0]:
+                    grad_x = torch.cat(_by_set(lambda g, _, w, c: _triton.grouped_mm(g, w.transpose(1, 2), c),
+                                               grad, grad, weight, ctx.counts))
+                if ctx.needs_input_grad[1]:
+                    grad_w = torch.stack(_by_set(lambda g, r, _, c: _triton.grouped_wgrad(g, r, c), grad, x, weight,
+                                                 ctx.counts))
+            else:
+                if ctx.needs_input_grad[0]:
+                    grad_x = _triton.grouped_mm(grad, weight.transpose(1, 2), ctx.counts)
+                if ctx.needs_input_grad[1]:
+                    grad_w = _triton.grouped_wgrad(grad, x, ctx.counts)
         else:
             if ctx.needs_input_grad[0]:
                 grad_x = _dgrad(grad, weight, ctx.counts)
