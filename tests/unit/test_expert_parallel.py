@@ -216,6 +216,16 @@ def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest
                            coords={"pp": 0, "ep": 0})
     with pytest.raises(UsageError, match="--recompute does not go with the ep layouts"):
         _InvariantPipeline(HybridLM(replace(base, recompute=True, dispatch="fixed")), 4, pp_ep)
+    # nor NVFP4 (its per-tensor scale is over one call of the experts; an ep rank calls its own only): refused before
+    # any group is used; mxfp8's block scales are not refused
+    ep2 = layouts.Layout(kind="ep-invariant", rank=0, world=2, device=torch.device("cpu"), sizes={"ep": 2},
+                         coords={"ep": 0})
+    with pytest.raises(UsageError, match="--quant nvfp4 does not keep one process's bits under expert parallelism"):
+        ParallelModel(replace(base, quant="nvfp4", dispatch="fixed"), ep2, seed=0, batch_size=8, seq_len=32,
+                      microbatches=4)
+    with pytest.raises(AssertionError):  # past the refusal: ep2 without a mesh cannot be sharded
+        ParallelModel(replace(base, quant="mxfp8", dispatch="fixed"), ep2, seed=0, batch_size=8, seq_len=32,
+                      microbatches=4)
     with pytest.raises(UsageError, match="replicas of a sharded model go with"):
         TrainConfig(parallel="dp-invariant", microbatches=4, dispatch="fixed", replicas=2)
     # tensor parallelism composes with ep-invariant's experts, not with the fsdp x ep mesh (its sharded parameters

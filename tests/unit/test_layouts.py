@@ -63,7 +63,13 @@ def test_the_trainer_runs_a_named_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert resolve_layout("invariant", None, None) == ("fsdp-invariant", 1, 1, 1)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_layout("invariant", "fsdp1", None) == ("fsdp-invariant", 1, 1, 1)
-    assert resolve_layout("invariant", "pp1xep1", None) == ("dp-invariant", 1, 1, 1)  # sizes 1: one process, unsplit
+    # one stage is no pipeline: named beside other dimensions, pp1 changes nothing
+    assert resolve_layout("invariant", "pp1xep1", None) == resolve_layout("invariant", "ep1", None)
+    assert resolve_layout("invariant", "pp1", None) == ("dp-invariant", 1, 1, 1)  # sizes 1: one process, unsplit
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("ep2", "tp2", "fsdp2", "dp2"):
+        assert resolve_layout("invariant", f"pp1x{name}", None) == resolve_layout("invariant", name, None)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_layout("invariant", "1x1", None) == ("tp-invariant", 1, 1, 1)  # a named tp: the chunked layers
     for world, args, match in [(1, ("invariant", "fsdp2", None), "takes 2 processes, not 1"),
                                (4, ("plain", "ep2xtp2", None), "not one the reference trainer runs"),

@@ -473,6 +473,13 @@ class ParallelModel:
         self._ep: _ExpertParallel | None = None
         if kind in INVARIANT and (microbatches is None or batch_size % microbatches):
             raise UsageError(f"--parallel {kind} needs --microbatches M dividing the batch size {batch_size}")
+        if layout.size("ep") > 1 and cfg.quant == "nvfp4" and kind != "ep-plain":
+            # NVFP4's per-tensor scale is the amax over one call of the experts, and an ep rank's call holds only
+            # its own experts' rows: other scales, other bits than one process
+            raise UsageError("--quant nvfp4 does not keep one process's bits under expert parallelism: its "
+                             "per-tensor scale is taken over every row of one call of the experts, and an ep rank "
+                             "calls only its own experts (use --quant mxfp8, whose scales are per 32-value block, "
+                             "or none)")
         if layout.size("ep") > 1:
             _shard_experts(self.raw, layout)
         if kind == "ddp":

@@ -233,6 +233,8 @@ def resolve_layout(parallel: str, layout: str | None, tp: int | None) -> tuple[s
     if named.world != world:
         raise UsageError(f"layout {named} takes {named.world} processes, not {world}: launch it with torchrun "
                          f"--nproc-per-node {named.world}")
+    if len(named.sizes) > 1 and named.size("pp") == 1:  # one stage is no pipeline: pp1xep2 runs as ep2 does
+        named = Layout(name=named.name, sizes=tuple(pair for pair in named.sizes if pair[0] != "pp"))
     t = named.size("tp")
     if "ep" in dict(named.sizes) and set(dict(named.sizes)) <= {"dp", "ep"}:  # ep1 too: its own final param lines
         return f"ep-{parallel}", 1, 1, named.size("dp")
