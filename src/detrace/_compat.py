@@ -258,7 +258,10 @@ def quiet_dispatch_modes() -> AbstractContextManager[Any]:
     stack's length first keeps the common case (no mode) free. Replace with: none public. On a torch without it,
     nothing is taken off (an active dispatch mode then sees our ops)."""
     disable = getattr(_python_dispatch, "_disable_current_modes", None)
-    return disable() if disable is not None and torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+    return disable() if disable is not None and torch._C._len_torch_dispatch_stack() else _NO_MODES
+
+
+_NO_MODES = contextlib.nullcontext()  # reusable: one object, not one per fingerprint
 
 
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
@@ -266,9 +269,10 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
 
     Why: a clear refusal instead of a fingerprint of one batch element. Replace with: torch.func's own check, if
     exported. False on a torch without it."""
-    with contextlib.suppress(AttributeError, RuntimeError):
+    try:  # not contextlib.suppress: this runs on every fingerprint, and its object costs a third of a microsecond
         return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
-    return False
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @_private("torch._C.DisableTorchFunctionSubclass")

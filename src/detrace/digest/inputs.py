@@ -94,7 +94,7 @@ def plain(t: Any) -> torch.Tensor:
     return t
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
     """uint8 view of a contiguous tensor (the last dimension grows by the element size)."""
     try:
         return t.view(torch.uint8)
@@ -104,7 +104,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements in C order as a 1-D uint8 tensor on its device (a view when possible)."""
-    return _bytes_of(t.contiguous().reshape(-1))
+    return bytes_of(t.contiguous().reshape(-1))
 
 
 def as_rows(data: torch.Tensor, nrows: int) -> torch.Tensor | None:
@@ -155,7 +155,7 @@ def chunk_groups(t: torch.Tensor, dim: int, sizes: list[int]) -> Iterator[tuple[
         while i + m < len(sizes) and sizes[i + m] == size:
             m += 1
         part = t.narrow(dim, start, m * size).reshape(outer, m, size, inner).transpose(0, 1)
-        yield _bytes_of(part.reshape(m, outer * size * inner).contiguous()), size, m
+        yield bytes_of(part.reshape(m, outer * size * inner).contiguous()), size, m
         start += m * size
         i += m
 

@@ -306,7 +306,10 @@ def selected_scheme() -> str:
 
 def selected_backend() -> str:
     """The backend that DETRACE_FINGERPRINT_BACKEND names (`auto` when unset), or UsageError."""
-    value = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
+    value = os.environ.get(ENV_BACKEND)
+    if value is None:  # the common case, read on every fingerprint
+        return "auto"
+    value = value.strip().lower() or "auto"
     if value not in BACKENDS:
         raise UsageError(f"{ENV_BACKEND}={value!r} is not one of {', '.join(BACKENDS)}")
     return value

@@ -89,15 +89,16 @@ class _Kernel:
 
 
     def total(self, data: np.ndarray, rowkeys: np.ndarray, colkeys: np.ndarray, threads: int) -> int:
-        """The sum (`scheme.add`) of the row sums of bytes `data` (1-D uint8, any alignment) cut into rows of 4096,
-        the last zero-padded, keyed by rowkeys (uint64, one per row): one C call per thread, the rows hashed where
+        """The sum (`scheme.add`) of the row sums of bytes `data` (C-contiguous uint8, any alignment) cut into rows of
+        4096, the last zero-padded, keyed by rowkeys (uint64, one per row): one C call per thread, the rows hashed where
         they lie."""
         total = self.fn_total
         if total is None:
             raise RuntimeError(f"the CPU fingerprint kernel is unavailable: {self.failed}")
         rows = -(-data.size // ROW_BYTES)
-        threads = max(1, min(threads, data.size // 8 // _MIN_WORDS_PER_THREAD, rows))
-        if threads == 1:
+        if threads > 1:
+            threads = min(threads, data.size // 8 // _MIN_WORDS_PER_THREAD, rows)
+        if threads <= 1:
             return total(data, rowkeys, colkeys, 0, rows)
         bounds = [rows * i // threads for i in range(threads + 1)]
         pool = self._executor(threads)
