@@ -207,14 +207,14 @@ def test_auto_on_the_cpu_never_pauses_for_torch_compile(monkeypatch):
     monkeypatch.setattr(kernels._auto, "eager_words", kernels.AUTO_COMPILE_WORDS)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     t = random_bits((2**20,), torch.float32, seed=5)  # 4 MiB: the body kernel
-    loaded, calls = kernels.cpu_kernel.fn_total, []
+    loaded, calls = kernels.cpu_kernel.fn_total_at, []
     assert loaded is not None, kernels.cpu_kernel.failed  # built by the install
 
     def counting(*args):
-        calls.append(args[3:])  # the rows each call hashes
+        calls.append(args[4:])  # the rows each call hashes
         return loaded(*args)
 
-    monkeypatch.setattr(kernels.cpu_kernel, "fn_total", counting)
+    monkeypatch.setattr(kernels.cpu_kernel, "fn_total_at", counting)
     assert fingerprint(t) == reference_fingerprint(t)
     assert calls  # the native kernel did the work
 
@@ -284,6 +284,9 @@ def test_the_native_total_checks_its_buffers_and_pads_the_last_row(name):
             split = rows // 2  # two row ranges add up to the whole, as the threads' do
             assert scheme.add(total(data, keys, colkeys, 0, split), total(data, keys, colkeys, split, rows),
                               full) == scheme.np_bytes_sum(data, full)
+            # total_at: the same bytes by address (the one-tensor path's entry)
+            at_address = native.fn_total_at(data.ctypes.data, data.size, keys, colkeys, 0, rows)
+            assert at_address == scheme.np_bytes_sum(data, full)
     keys = spec.rowkeys(np.arange(3))
     with pytest.raises(ValueError, match="start <= stop"):
         total(raw[: 2 * 4096 + 1], keys, colkeys, 0, 4)  # 3 rows of data
@@ -291,6 +294,12 @@ def test_the_native_total_checks_its_buffers_and_pads_the_last_row(name):
         total(raw[: 2 * 4096 + 1], keys[:2], colkeys, 0, 3)  # a row key short
     with pytest.raises(ValueError, match="start <= stop"):
         total(raw[: 4096], keys, colkeys[:-1], 0, 1)  # column keys cut short
+    with pytest.raises(ValueError, match="start <= stop"):
+        native.fn_total_at(raw.ctypes.data, 2 * 4096 + 1, keys, colkeys, 0, 4)  # 3 rows of data
+    with pytest.raises(ValueError, match="address not null"):
+        native.fn_total_at(0, 4096, keys, colkeys, 0, 1)
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        native.fn_total_at(raw.ctypes.data, -1, keys, colkeys, 0, 0)
 
 
 @pytest.mark.parametrize("name", ["fp1", "fp2"])
@@ -298,14 +307,14 @@ def test_one_tensor_hashed_in_place_gives_the_reference_bits_at_any_address(name
     """`fingerprint` of one CPU tensor of 256 KiB or more is one native `total` call on its bytes where they lie: every
     dtype, sizes with a partial last row, storage offsets that leave its words unaligned."""
     native = kernels.cpu_kernel2 if name == "fp2" else kernels.cpu_kernel
-    loaded, calls = native.fn_total, []
+    loaded, calls = native.fn_total_at, []
     assert loaded is not None, native.failed
 
     def counting(*args):
-        calls.append(args[3:])
+        calls.append(args[4:])
         return loaded(*args)
 
-    monkeypatch.setattr(native, "fn_total", counting)
+    monkeypatch.setattr(native, "fn_total_at", counting)
     monkeypatch.setenv(dg.ENV_BACKEND, "auto")
     for i, dtype in enumerate(ALL_DTYPES):
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -315,6 +324,28 @@ def test_one_tensor_hashed_in_place_gives_the_reference_bits_at_any_address(name
             calls.clear()
             assert fingerprint(t, scheme=name) == reference_fingerprint(t, scheme=name), (dtype, t.data_ptr() % 8)
             assert calls == [(0, -(-count * itemsize // 4096))], "one native call over every row"
+
+
+@pytest.mark.parametrize("name", ["fp1", "fp2"])
+def test_one_tensor_layouts_cached_per_dtype_shape_and_scheme_give_the_reference_bits(name, monkeypatch):
+    """The one-tensor path caches what depends only on (dtype, shape, scheme): tensors that share one of them but
+    not their bytes' meaning (another dtype of the same size, the other scheme, a transposed, conjugated or negated
+    view, a tensor that needs grad) each give the reference's bits, and the cache stays bounded."""
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    monkeypatch.setattr(plan, "_one_layouts", {})
+    monkeypatch.setattr(plan, "_ONE_LAYOUTS_MAX", 4)
+    other = "fp1" if name == "fp2" else "fp2"
+    square = random_bits((512, 512), torch.float16, seed=1)  # 512 KiB
+    complex_ = random_bits((256, 256), torch.complex64, seed=2)
+    cases = [square, square.view(torch.bfloat16), square.t(), square.t().contiguous(), square.view(torch.int16) + 1,
+             complex_, complex_.conj(), complex_.conj().imag, complex_.conj().resolve_conj(),
+             random_bits((64, 2048), torch.float32, seed=3).requires_grad_()]
+    assert cases[6].is_conj() and cases[7].is_neg()
+    for t in cases * 2:  # the second time from the cache
+        assert fingerprint(t, scheme=name) == reference_fingerprint(t, scheme=name), (t.dtype, t.stride())
+        assert fingerprint(t, scheme=other) == reference_fingerprint(t, scheme=other)
+        assert len(plan._one_layouts) <= 4
+    assert fingerprint(square, scheme=name).digest != fingerprint(square.view(torch.bfloat16), scheme=name).digest
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):

@@ -34,6 +34,7 @@ class _Kernel:
         self.scheme = scheme
         self.fn: Callable[..., None] | None = None
         self.fn_total: Callable[..., int] | None = None
+        self.fn_total_at: Callable[..., int] | None = None
         self._catch: Callable[[], None] | None = None
         self.failed: str | None = None
         self.build = ""
@@ -41,6 +42,7 @@ class _Kernel:
         try:
             loaded = importlib.import_module(module)
             self.fn, self.fn_total, self._catch = loaded.row_sums, loaded.total, loaded.catch_bus_errors
+            self.fn_total_at = loaded.total_at
             self.build = (f"{getattr(loaded, 'VECTOR_PATH', 'unknown')} path, built by "
                           f"{getattr(loaded, 'COMPILER', 'an unknown compiler')}")
         except (ImportError, AttributeError) as err:  # AttributeError: a build older than this source
@@ -90,20 +92,34 @@ class _Kernel:
 
     def total(self, data: np.ndarray, rowkeys: np.ndarray, colkeys: np.ndarray, threads: int) -> int:
         """The sum (`scheme.add`) of the row sums of bytes `data` (C-contiguous uint8, any alignment) cut into rows of
-        4096, the last zero-padded, keyed by rowkeys (uint64, one per row): one C call per thread, the rows hashed where
-        they lie."""
+        4096, the last zero-padded, keyed by rowkeys (uint64, one per row): one C call per thread, the rows hashed
+        where they lie."""
         total = self.fn_total
         if total is None:
             raise RuntimeError(f"the CPU fingerprint kernel is unavailable: {self.failed}")
-        rows = -(-data.size // ROW_BYTES)
+        return self._split(total, (data,), data.size, rowkeys, colkeys, threads)
+
+    def total_at(self, address: int, nbytes: int, rowkeys: np.ndarray, colkeys: np.ndarray, threads: int) -> int:
+        """`total` of the `nbytes` bytes at `address` (a contiguous CPU tensor's data_ptr(): the caller holds the
+        tensor until this returns), with no uint8 view or NumPy array made per call."""
+        total_at = self.fn_total_at
+        if total_at is None:
+            raise RuntimeError(f"the CPU fingerprint kernel is unavailable: {self.failed}")
+        return self._split(total_at, (address, nbytes), nbytes, rowkeys, colkeys, threads)
+
+    def _split(self, fn: Callable[..., int], data: tuple[object, ...], nbytes: int, rowkeys: np.ndarray,
+               colkeys: np.ndarray, threads: int) -> int:
+        """fn(*data, rowkeys, colkeys, start, stop) over the rows of `nbytes` bytes, split over up to `threads`
+        threads, summed."""
+        rows = -(-nbytes // ROW_BYTES)
         if threads > 1:
-            threads = min(threads, data.size // 8 // _MIN_WORDS_PER_THREAD, rows)
+            threads = min(threads, nbytes // 8 // _MIN_WORDS_PER_THREAD, rows)
         if threads <= 1:
-            return total(data, rowkeys, colkeys, 0, rows)
+            return fn(*data, rowkeys, colkeys, 0, rows)
         bounds = [rows * i // threads for i in range(threads + 1)]
         pool = self._executor(threads)
-        futures = [pool.submit(total, data, rowkeys, colkeys, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        result = total(data, rowkeys, colkeys, bounds[0], bounds[1])
+        futures = [pool.submit(fn, *data, rowkeys, colkeys, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        result = fn(*data, rowkeys, colkeys, bounds[0], bounds[1])
         for future in futures:
             result = add(result, future.result(), self.scheme)
         return result

@@ -196,6 +196,8 @@ class _DevicePlan:
 class _OneLayout(NamedTuple):
     """What `one_native` needs of a tensor's dtype and shape, the same for every tensor of them (cached)."""
 
+    nbytes: int
+    """The size of its logical bytes."""
     rowkeys: np.ndarray
     """The row keys of its rows (a view of the device table's)."""
     colkeys: np.ndarray
@@ -213,12 +215,12 @@ _one_layouts: dict[tuple[torch.dtype, torch.Size, str], _OneLayout | None] = {}
 
 
 def _one_layout(t: torch.Tensor, scheme: str) -> _OneLayout | None:
-    nbytes = t.numel() * t.element_size()
-    if nbytes < BODY_MIN_BYTES:
+    if t.numel() * t.element_size() < BODY_MIN_BYTES:
         return None
+    nbytes = bytes_of(t.contiguous()).numel()  # as `logical_bytes` counts them, or its FingerprintError
     dtype, shape = dtype_name(t.dtype), tuple(t.shape)
     tables = device_tables(t.device)
-    return _OneLayout(tables.host_rowkeys(-(-nbytes // ROW_BYTES), scheme), tables.host_colkeys(scheme),
+    return _OneLayout(nbytes, tables.host_rowkeys(-(-nbytes // ROW_BYTES), scheme), tables.host_colkeys(scheme),
                       header(dtype, shape, scheme), Fingerprint(0, dtype, shape, t.numel(), scheme=scheme))
 
 
@@ -227,7 +229,7 @@ def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
     planner applies (anything else: chunks are the caller's to rule out).
 
     The same sums as the planner's body path and its packed tail row, without a batch's bookkeeping (device plans,
-    owners, the read-back), in one C call (`_Kernel.total`: the rows where they lie, at any alignment, and the
+    owners, the read-back), in one C call (`_Kernel.total_at`: the rows where they lie, at any alignment, and the
     zero-padded tail row): on one core a 1 MiB call took ~150 us through the planner and ~86 us through per-row
     sums, a copy of the tail and a NumPy total; the kernel ~45 us of it. What depends only on the dtype and shape
     (row keys, header, the record) is cached: each 1 MiB pass evicts the interpreter's data from the L2, so every
@@ -247,9 +249,9 @@ def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
         layout = _one_layouts[key] = _one_layout(t, scheme)
     if layout is None:
         return None
-    # N-D bytes: the C call reads any C-contiguous buffer, so no reshape to 1-D
-    data = bytes_of(t.contiguous()).numpy()
-    total = native_kernel(scheme).total(data, layout.rowkeys, layout.colkeys, torch.get_num_threads())
+    t = t.contiguous()  # held until the C call returns: it reads the bytes at t.data_ptr()
+    total = native_kernel(scheme).total_at(t.data_ptr(), layout.nbytes, layout.rowkeys, layout.colkeys,
+                                           torch.get_num_threads())
     return layout.record.with_digest(add(total, layout.header, scheme))
 
 
