@@ -44,6 +44,12 @@ Then fp1's C kernel gained an AVX-512 DQ clone (native 64-bit multiplies: 35 GiB
 AVX2 clone's 13.5), which cut the fingerprints' share of the step: on 2026-12-05 at load average 0.3-1.9, `small`
 (8 rounds) module 1.060x [1.034, 1.086], op 1.910x [1.824, 2.000]; `tiny` module 1.801x [1.715, 1.892], op 9.65x
 [8.21, 11.35]: both goals met on `small` at the upper ends, the op rung's only just.
+Then both schemes' C kernels came to hash a tensor's rows and tail in one call, fp2's loop got faster and the
+one-tensor `fingerprint` path's Python was halved (docs/fingerprint.md). On 2026-12-05 at 05:09-05:19 UTC, load
+average 6.4 -> 3.5 while other tests ran (0.4 for `tiny`), `small` (8 rounds) module 1.092x [1.047, 1.139], op
+1.832x [1.789, 1.876]; `tiny` module 1.755x [1.671, 1.843], op 9.35x [7.90, 11.06]: the op rung's goal met at the
+upper end, the module rung's by the mean only (the one run made; the busier machine's shared bus and caches may
+account for part of it, which `--clock cpu` does not remove).
 
     python bench/overhead.py [--preset small] [--rounds 20] [--warmup 2] [--threads 1] [--seed 0] [--clock wall]
 """
