@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import numpy as np
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 import detrace
 from detrace import digest as dg
 from detrace.digest import Fingerprint, fingerprint, fingerprint_many, kernels, plan, reference_fingerprint, scheme
+from detrace.digest import native as native_module
 from detrace.errors import FingerprintError, UsageError
 
 ALL_DTYPES = [
@@ -346,6 +348,22 @@ def test_one_tensor_layouts_cached_per_dtype_shape_and_scheme_give_the_reference
         assert fingerprint(t, scheme=other) == reference_fingerprint(t, scheme=other)
         assert len(plan._one_layouts) <= 4
     assert fingerprint(square, scheme=name).digest != fingerprint(square.view(torch.bfloat16), scheme=name).digest
+
+
+def test_a_native_module_built_from_an_older_source_is_not_used(monkeypatch):
+    """A stale build (the entry points of an older `_fpkernel.h`: no `total_at`) leaves the kernel unusable as a
+    whole, so digests fall back to NumPy/eager with the same bits instead of failing on the missing entry point."""
+    stale = types.ModuleType("detrace._fp_stale")
+    from detrace import _fp2
+
+    stale.row_sums, stale.total, stale.catch_bus_errors = _fp2.row_sums, _fp2.total, _fp2.catch_bus_errors
+    monkeypatch.setitem(sys.modules, "detrace._fp_stale", stale)
+    old = native_module._Kernel("detrace._fp_stale", scheme.SCHEME2)
+    assert not old.usable and old.fn_total is None and "total_at" in (old.failed or "")
+    monkeypatch.setattr(kernels, "cpu_kernel2", old)
+    monkeypatch.setenv(dg.ENV_BACKEND, "auto")
+    t = random_bits((plan.BODY_MIN_BYTES,), torch.float32, seed=4)
+    assert fingerprint(t, scheme="fp2") == reference_fingerprint(t, scheme="fp2")
 
 
 def test_unknown_backend_is_a_usage_error(monkeypatch):

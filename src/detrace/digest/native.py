@@ -41,8 +41,9 @@ class _Kernel:
         """Where the kernel was built: its loop's vector path on this CPU and the compiler (for `detrace doctor`)."""
         try:
             loaded = importlib.import_module(module)
-            self.fn, self.fn_total, self._catch = loaded.row_sums, loaded.total, loaded.catch_bus_errors
-            self.fn_total_at = loaded.total_at
+            # all or none: a build older than this source lacks some, and then none may be used
+            self.fn, self.fn_total, self.fn_total_at, self._catch = (loaded.row_sums, loaded.total, loaded.total_at,
+                                                                     loaded.catch_bus_errors)
             self.build = (f"{getattr(loaded, 'VECTOR_PATH', 'unknown')} path, built by "
                           f"{getattr(loaded, 'COMPILER', 'an unknown compiler')}")
         except (ImportError, AttributeError) as err:  # AttributeError: a build older than this source
