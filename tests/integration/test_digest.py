@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -348,6 +349,9 @@ def test_one_tensor_layouts_cached_per_dtype_shape_and_scheme_give_the_reference
         assert fingerprint(t, scheme=other) == reference_fingerprint(t, scheme=other)
         assert len(plan._one_layouts) <= 4
     assert fingerprint(square, scheme=name).digest != fingerprint(square.view(torch.bfloat16), scheme=name).digest
+    record = fingerprint(square, scheme=name)  # with_digest: the record as dataclasses.replace makes it
+    assert scheme.with_digest(record, 5) == dataclasses.replace(record, digest=5) != record
+    assert hash(scheme.with_digest(record, 5)) == hash(dataclasses.replace(record, digest=5))
 
 
 def test_a_native_module_built_from_an_older_source_is_not_used(monkeypatch):

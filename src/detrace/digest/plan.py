@@ -39,6 +39,7 @@ from detrace.digest.scheme import (
     header,
     np_accumulate,
     np_add,
+    with_digest,
 )
 
 # Tensors from this size on are hashed in place (no copy) by the one-pass body kernel.
@@ -205,7 +206,7 @@ class _OneLayout(NamedTuple):
     header: int
     """`scheme.header` of its dtype and shape."""
     record: Fingerprint
-    """Its Fingerprint but the digest (digest 0): the result is this record `with_digest`."""
+    """Its Fingerprint but the digest (digest 0): the result is `with_digest(record, ...)`."""
 
 
 # Layouts of (dtype, shape, scheme) seen by `one_native` (None: below BODY_MIN_BYTES); emptied when this full, so that
@@ -254,7 +255,7 @@ def one_native(obj: Any, backend: str, scheme: str) -> Fingerprint | None:
     t = t.contiguous()  # held until the C call returns: it reads the bytes at t.data_ptr()
     total = native_kernel(scheme).total_at(t.data_ptr(), layout.nbytes, layout.rowkeys, layout.colkeys,
                                            torch.get_num_threads())
-    return layout.record.with_digest(add(total, layout.header, scheme))
+    return with_digest(layout.record, add(total, layout.header, scheme))
 
 
 @dataclass
