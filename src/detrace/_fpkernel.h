@@ -45,36 +45,42 @@ typedef struct {
 
 /* Bus errors. `detrace verify-checkpoint` hashes a checkpoint where it lies in the mapped file: if another process
    truncates the file meanwhile, reading a page past its new end raises SIGBUS, which would kill the process with
-   no sentence. Once `catch_bus_errors()` has installed the handler, a SIGBUS on a thread inside the loop of
-   `row_sums` or `total` jumps back to it, which raises OSError(EFAULT) for detrace to say in one sentence; any
-   other SIGBUS goes to the handler there was before (faulthandler's, or the default: the process dies as it would
-   have). */
+   no sentence. While `catch_bus_errors(True)` is in force (until the matching `catch_bus_errors(False)`), a SIGBUS
+   on a thread inside the loop of `row_sums` or `total` jumps back to it, which raises OSError(EFAULT) for detrace to
+   say in one sentence. Any other SIGBUS puts back the handler there was before, which then takes it (the
+   default: the process dies as it would have). The handler is installed for the verify only, not for the life of
+   the process: frameworks reset every signal's handler (Lightning restores what `signal.getsignal` gave it, the
+   default for a handler installed in C), and a handler of each module left in place would chain into the
+   other's. */
 #if DETRACE_BUS_GUARD
 static _Thread_local sigjmp_buf *detrace_bus_guard; /* set while this thread's loop reads the buffers */
 static struct sigaction detrace_bus_before;
-static int detrace_bus_installed;
+static int detrace_bus_depth; /* catch_bus_errors(True) calls not yet ended, under the GIL */
 
 static void detrace_on_bus(int sig, siginfo_t *info, void *context) {
+    (void)context;
     sigjmp_buf *guard = detrace_bus_guard;
     if (guard != NULL) {
         detrace_bus_guard = NULL;
         siglongjmp(*guard, 1);
     }
-    if (detrace_bus_before.sa_flags & SA_SIGINFO) {
-        detrace_bus_before.sa_sigaction(sig, info, context);
-    } else if (detrace_bus_before.sa_handler != SIG_DFL && detrace_bus_before.sa_handler != SIG_IGN) {
-        detrace_bus_before.sa_handler(sig);
-    } else { /* the default: restored, the faulting access runs again and the signal ends the process */
-        sigaction(sig, &detrace_bus_before, NULL);
+    /* not a read of ours: the handler there was, from now on; a faulting access runs again and meets it */
+    sigaction(sig, &detrace_bus_before, NULL);
+    if (info == NULL || info->si_code <= 0) { /* sent (kill, raise), not a fault: it will not come again */
+        raise(sig);
     }
 }
 #endif
 
-/* catch_bus_errors(): install the SIGBUS handler (once per process; every later SIGBUS outside a loop goes on to
-   the one there was). */
-static PyObject *detrace_catch_bus_errors(void) {
+/* catch_bus_errors(on): with True, install the SIGBUS handler (nested calls count); with False, end the matching
+   call, putting back the handler there was when the outermost one ends. */
+static PyObject *detrace_catch_bus_errors(PyObject *on) {
+    const int want = PyObject_IsTrue(on);
+    if (want < 0) {
+        return NULL;
+    }
 #if DETRACE_BUS_GUARD
-    if (!detrace_bus_installed) {
+    if (want && detrace_bus_depth++ == 0) {
         struct sigaction action;
         memset(&action, 0, sizeof action);
         action.sa_sigaction = detrace_on_bus;
@@ -82,9 +88,15 @@ static PyObject *detrace_catch_bus_errors(void) {
         action.sa_flags = SA_SIGINFO | SA_NODEFER;
         sigemptyset(&action.sa_mask);
         if (sigaction(SIGBUS, &action, &detrace_bus_before) != 0) {
+            detrace_bus_depth = 0;
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        detrace_bus_installed = 1;
+    } else if (!want && detrace_bus_depth > 0 && --detrace_bus_depth == 0) {
+        struct sigaction now;
+        /* put back only over our own: another handler installed meanwhile stays */
+        if (sigaction(SIGBUS, NULL, &now) == 0 && (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == detrace_on_bus) {
+            sigaction(SIGBUS, &detrace_bus_before, NULL);
+        }
     }
 #endif
     Py_RETURN_NONE;
@@ -197,7 +209,7 @@ static int detrace_guarded_total(detrace_sums sums, const detrace_layout *layout
    `data` cut into rows of 4096 (any length and alignment; the last partial row zero-padded, as the definition
    pads it), row r keyed by rowkeys[r]. One call does what row_sums, a copy of the tail row and a sum in NumPy did
    (a fingerprint of one tensor, a piece of a checkpoint), without the GIL; OSError(EFAULT) where a read raised
-   SIGBUS after catch_bus_errors(). */
+   SIGBUS under catch_bus_errors(True). */
 static PyObject *detrace_total_of(detrace_sums sums, const detrace_layout *layout, const unsigned char *data,
                                   Py_ssize_t len, const Py_buffer *rowkeys, const Py_buffer *colkeys,
                                   Py_ssize_t start, Py_ssize_t stop) {
@@ -302,10 +314,9 @@ static const char *detrace_vector_path(int avx512) {
         (void)self;                                                                                                \
         return detrace_row_sums(args, SUMS, &(LAYOUT));                                                            \
     }                                                                                                              \
-    static PyObject *catch_bus_errors(PyObject *self, PyObject *unused) {                                          \
+    static PyObject *catch_bus_errors(PyObject *self, PyObject *on) {                                              \
         (void)self;                                                                                                \
-        (void)unused;                                                                                              \
-        return detrace_catch_bus_errors();                                                                         \
+        return detrace_catch_bus_errors(on);                                                                       \
     }                                                                                                              \
     static PyObject *total(PyObject *self, PyObject *args) {                                                       \
         (void)self;                                                                                                \
@@ -319,16 +330,16 @@ static const char *detrace_vector_path(int avx512) {
         {"row_sums", row_sums, METH_VARARGS,                                                                       \
          "row_sums(words, width, rowkeys, colkeys, out, start, stop): the per-row sums of rows start..stop of "    \
          "words (C-contiguous rows of `width` words) into out (uint64), without the GIL; OSError(EFAULT) if "      \
-         "reading words raised SIGBUS (a mapped file that shrank) after catch_bus_errors()."},                     \
+         "reading words raised SIGBUS (a mapped file that shrank) under catch_bus_errors(True)."},                  \
         {"total", total, METH_VARARGS,                                                                             \
          "total(data, rowkeys, colkeys, start, stop): the sum of the row sums of rows start..stop of the bytes "   \
          "data in rows of 4096, the last zero-padded, without the GIL; OSError(EFAULT) as row_sums."},             \
         {"total_at", total_at, METH_VARARGS,                                                                       \
          "total_at(address, nbytes, rowkeys, colkeys, start, stop): total of the nbytes bytes at address, which "   \
          "the caller keeps alive and readable for the call."},                                                     \
-        {"catch_bus_errors", catch_bus_errors, METH_NOARGS,                                                        \
-         "catch_bus_errors(): from now on, a SIGBUS inside row_sums's or total's loop makes it raise "             \
-         "OSError(EFAULT)."},                                                                                       \
+        {"catch_bus_errors", catch_bus_errors, METH_O,                                                             \
+         "catch_bus_errors(on): from catch_bus_errors(True) to the matching catch_bus_errors(False), a SIGBUS "    \
+         "inside row_sums's or total's loop makes it raise OSError(EFAULT)."},                                                                                       \
         {NULL, NULL, 0, NULL},                                                                                     \
     };                                                                                                             \
     static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, #NAME, DOC, -1, methods, NULL, NULL, NULL, NULL};  \

@@ -14,14 +14,18 @@ is False and `detrace.digest` hashes on the CPU with NumPy and eager kernels ins
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import numpy as np
 
 from detrace.digest.scheme import ROW_BYTES, SCHEME, SCHEME2, add
+
+_T = TypeVar("_T")
 
 # Below this many words per thread, one more thread costs more than it saves.
 _MIN_WORDS_PER_THREAD = 1 << 16
@@ -35,7 +39,7 @@ class _Kernel:
         self.fn: Callable[..., None] | None = None
         self.fn_total: Callable[..., int] | None = None
         self.fn_total_at: Callable[..., int] | None = None
-        self._catch: Callable[[], None] | None = None
+        self._catch: Callable[[bool], None] | None = None
         self.failed: str | None = None
         self.build = ""
         """Where the kernel was built: its loop's vector path on this CPU and the compiler (for `detrace doctor`)."""
@@ -55,12 +59,21 @@ class _Kernel:
         """Whether the kernel is there (else the caller's other kernels apply)."""
         return self.fn is not None
 
-    def catch_bus_errors(self) -> None:
-        """From now on, a SIGBUS while the kernel reads its words (a mapped file that another process truncated)
-        makes that `row_sums` call raise OSError(EFAULT), rather than end the process with no sentence. Every other
-        SIGBUS goes on to the handler there was (the C module's comment says how)."""
-        if self._catch is not None:
-            self._catch()
+    @contextlib.contextmanager
+    def bus_errors_caught(self) -> Iterator[None]:
+        """Within the block, a SIGBUS while the kernel reads its words (a mapped file that another process
+        truncated) makes that call raise OSError(EFAULT), rather than end the process with no sentence. Every other
+        SIGBUS goes on to the handler there was, which is back in place after the block (the C module's comment
+        says why it is not left installed)."""
+        catch = self._catch
+        if catch is None:
+            yield
+            return
+        catch(True)
+        try:
+            yield
+        finally:
+            catch(False)
 
     def _executor(self, threads: int) -> ThreadPoolExecutor:
         # A pool made before a fork has no threads in the child: one pool per process.
@@ -81,13 +94,7 @@ class _Kernel:
         if threads == 1:
             fn(words, width, rowkeys, colkeys, out, 0, rows)
             return out
-        bounds = [rows * i // threads for i in range(threads + 1)]
-        pool = self._executor(threads)
-        futures = [pool.submit(fn, words, width, rowkeys, colkeys, out, bounds[i], bounds[i + 1])
-                   for i in range(1, threads)]
-        fn(words, width, rowkeys, colkeys, out, bounds[0], bounds[1])
-        for future in futures:
-            future.result()
+        self._on_threads(lambda start, stop: fn(words, width, rowkeys, colkeys, out, start, stop), rows, threads)
         return out
 
 
@@ -117,13 +124,23 @@ class _Kernel:
             threads = min(threads, nbytes // 8 // _MIN_WORDS_PER_THREAD, rows)
         if threads <= 1:
             return fn(*data, rowkeys, colkeys, 0, rows)
+        result = 0
+        for part in self._on_threads(lambda start, stop: fn(*data, rowkeys, colkeys, start, stop), rows, threads):
+            result = add(result, part, self.scheme)
+        return result
+
+    def _on_threads(self, call: Callable[[int, int], _T], rows: int, threads: int) -> list[_T]:
+        """call(start, stop) for `threads` blocks of `rows` rows, the first on this thread, the others on the pool:
+        their results in order. Every call has ended when this returns or raises, so that none still reads the
+        caller's memory after the caller lets it go, nor after a block of `bus_errors_caught` ends."""
         bounds = [rows * i // threads for i in range(threads + 1)]
         pool = self._executor(threads)
-        futures = [pool.submit(fn, *data, rowkeys, colkeys, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        result = fn(*data, rowkeys, colkeys, bounds[0], bounds[1])
-        for future in futures:
-            result = add(result, future.result(), self.scheme)
-        return result
+        futures = [pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        try:
+            first = call(bounds[0], bounds[1])
+        finally:
+            wait(futures)
+        return [first, *(future.result() for future in futures)]
 
 
 kernel = _Kernel("detrace._fp1", SCHEME)

@@ -16,12 +16,13 @@ the file (the other kernels read 8-byte words), and read 4 MiB at a time into a 
 by piece (detrace.digest.stream) by threads where not, while the caller hashes the mapped tensors of the batch
 before. DCP packs records end to end, so most tensor bytes are unaligned; fresh memory is not cheap either (a first
 touch costs a page fault per 4 KiB), so no tensor is ever copied whole. A file truncated by another process while
-it is read through the map raises SIGBUS in the native kernel, which it turns into an error (`catch_bus_errors`):
-one sentence, not the end of the process.
+it is read through the map raises SIGBUS in the native kernel, which it turns into an error while verify reads
+(`bus_errors_caught`): one sentence, not the end of the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -200,13 +201,13 @@ def read_batches(directory: Path, wanted: Sequence[Wanted], *, batch_bytes: int,
             size += item.frame.data_bytes
         workers = max(1, workers)
         buffers: SimpleQueue[np.ndarray] | None = None
-        if hashes_in_place(scheme):  # every record read through the map: a file truncated meanwhile is one sentence
-            native_kernel(scheme).catch_bus_errors()
-        else:
+        # every record read through the map: a file truncated meanwhile is one sentence, while the pool reads
+        caught = native_kernel(scheme).bus_errors_caught() if hashes_in_place(scheme) else contextlib.nullcontext()
+        if not hashes_in_place(scheme):
             buffers = SimpleQueue()
             for _ in range(workers):
                 buffers.put(np.empty(_PIECE, dtype=np.uint8))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detrace-verify") as pool:
+        with caught, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="detrace-verify") as pool:
             pending = _start(pool, files, batches[0], buffers, scheme)
             for index in range(len(batches)):
                 started, futures = pending
