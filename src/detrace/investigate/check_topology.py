@@ -14,7 +14,7 @@ compared through the `final params` line, which it and the reference must print;
 against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
 replica) must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it.
 Every run must equal the first layout's. A `final params HEX` line in CMD's output is compared too, in each run that
-prints one, when the reference does (a pipeline stage's trainer may print none).
+prints one, when the reference does (a CMD need not print one).
 
 With `resume_at=K` (`--resume-at K`), the first world size's continuous run is the reference; CMD then runs at
 that world size stopped after step K (the resume contract: DETRACE_CKPT_DIR, DETRACE_STOP_AT), and is resumed

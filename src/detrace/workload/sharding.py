@@ -691,30 +691,33 @@ class ParallelModel:
             _, sums = self.invariant.backward(loss_of)
         self._invariant_sums = sums
 
-    def fingerprint(self) -> tuple[str, dict[str, str]] | None:
+    def fingerprint(self) -> tuple[str, dict[str, str]]:
         """The `final params` line's fingerprint of every parameter of the whole model in name order (the
         fingerprint of the vector of their fingerprints): the same at every W, and under tp at every T; and on the
         fsdp layouts each parameter's fingerprint by name (the `final param` lines: each rank holds shards, which
         the tracer records, so these name the parameter that differs). A pipeline's stages each give their own
-        parameters' entries; None for a pipeline under tp (not built). Collective: every rank calls it."""
+        parameters' entries (under tp, a chunk's from the tp rank that holds it, a replica's from tp rank 0).
+        Collective: every rank calls it."""
         from detrace.digest import fingerprint
 
-        if self._pipeline is not None and self._tp_group is not None:
-            return None
         named = list(self.raw.named_parameters())
         whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
         if self._pipeline is not None:  # the whole model's vector as `by_global_name`'s (by sorted name), each entry
-            # from the stage that holds it (x + 0 is x)
+            # from the one rank of the stage's tp group that gives it, summed over tp, then over pp (x + 0 is x)
             index = {n: i for i, n in enumerate(sorted(self._pipeline.names))}
-            mine = torch.zeros(len(index), dtype=torch.int64, device=self.layout.device)
+            replicas_here = self._tp_group is None or dist.get_rank(self._tp_group) == 0
+            vector = torch.zeros(len(index), dtype=torch.int64, device=self.layout.device)
             for name, digest in digests.items():
-                mine[index[name]] = digest
-            every = [torch.empty_like(mine) for _ in range(self.layout.size("pp"))]
-            dist.all_gather(every, mine, group=self.layout.group("pp"))
-            vector = every[0].clone()
-            for other in every[1:]:
-                vector += other
+                if name in self._pipeline.chunked or replicas_here:
+                    vector[index[name]] = digest
+            for dim in ("tp", "pp"):
+                if self.layout.size(dim) > 1:
+                    every = [torch.empty_like(vector) for _ in range(self.layout.size(dim))]
+                    dist.all_gather(every, vector, group=self.layout.group(dim))
+                    vector = every[0].clone()
+                    for other in every[1:]:
+                        vector += other
             digests = dict(zip(index, vector.unbind(), strict=True))
         each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
             if self.layout.kind.startswith(("fsdp-", "ep-")) and self._tp_group is None else {}

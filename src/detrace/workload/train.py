@@ -401,9 +401,8 @@ def train(cfg: TrainConfig) -> None:
                 )
             if state.end_of_step(step):
                 break
-        finals = pm.fingerprint() if cfg.parallel in layouts.INVARIANT else None  # collective: every rank
-        if finals is not None:
-            final, each = finals
+        if cfg.parallel in layouts.INVARIANT:
+            final, each = pm.fingerprint()  # collective: every rank
             if layout.rank == 0:
                 for name, digest in sorted(each.items()):
                     print(f"final param {name} {digest}")
