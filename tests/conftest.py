@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import gc
 import os
 import shutil
 import sys
@@ -21,6 +22,12 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 from _ranks import free_port as _free_port
 from _scenarios import STEADY, traced_runs
 from _tools import CHROMIUM, missing_browser
+
+# A forked child (a DataLoader worker) must not inherit garbage that holds a gloo process group: a test that ran one in
+# this process and left a group to the collector (a DeviceMesh, a module, a cycle) would have the child collect it,
+# and ~ProcessGroupGloo waits there for ever on its worker threads, which a fork does not copy (seen at torch 2.10 and
+# 2.13: the worker hung in test_streams). Collected in the parent before each fork, where those threads still run.
+os.register_at_fork(before=gc.collect)
 
 if not torch.cuda.is_available():
     # Triton picks its interpreter when `triton.jit` decorates a function, its own library's included: set before
