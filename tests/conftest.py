@@ -26,8 +26,19 @@ from _tools import CHROMIUM, missing_browser
 # A forked child (a DataLoader worker) must not inherit garbage that holds a gloo process group: a test that ran one in
 # this process and left a group to the collector (a DeviceMesh, a module, a cycle) would have the child collect it,
 # and ~ProcessGroupGloo waits there for ever on its worker threads, which a fork does not copy (seen at torch 2.10 and
-# 2.13: the worker hung in test_streams). Collected in the parent before each fork, where those threads still run.
-os.register_at_fork(before=gc.collect)
+# 2.13: the worker hung in test_streams). Collected in the parent before a test's first fork (the garbage of the tests
+# before it), where those threads still run; once a test, since a full collection costs 0.2 s in a worker that has
+# imported transformers and Lightning, and a DataLoader forks each worker of each epoch.
+_FORK = {"collected": False}
+
+
+def _collect_before_the_first_fork() -> None:
+    if not _FORK["collected"]:
+        gc.collect()
+        _FORK["collected"] = True
+
+
+os.register_at_fork(before=_collect_before_the_first_fork)
 
 if not torch.cuda.is_available():
     # Triton picks its interpreter when `triton.jit` decorates a function, its own library's included: set before
@@ -101,6 +112,7 @@ def _machine(room: Path, *, exclusive: bool) -> Iterator[None]:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    _FORK["collected"] = False  # before its fixtures, which may fork too (a module's, set up for its first test)
     if _MACHINE not in os.environ:  # one process: nothing to share
         yield
         return
