@@ -227,15 +227,22 @@ def by_global_name(model: nn.Module, values: dict[str, torch.Tensor], *, dtype: 
     over the tensor-parallel `group`."""
     names, chunked = global_parameter_names(model)
     index = {name: i for i, name in enumerate(names)}
-    rank, size = _world(group)
+    rank = _world(group)[0]
     device = next(iter(values.values())).device if values else None
     vector = torch.zeros(len(names), dtype=dtype, device=device)
     for name, value in values.items():
         if name in chunked or rank == 0:
             vector[index[name]] = value
+    return sum_of_parts(vector, group)
+
+
+def sum_of_parts(vector: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `vector` of `group` added in rank order, where each entry is nonzero on one rank at most (the
+    others add zero, which changes no bit): the whole vector, the same bits on every rank. Collective."""
+    size = _world(group)[1]
     if size == 1:
         return vector
-    every = torch.empty(size * len(names), dtype=dtype, device=device)
+    every = torch.empty(size * vector.numel(), dtype=vector.dtype, device=vector.device)
     _all_gather(every, vector, group)
     rows = every.view(size, -1)
     total = rows[0].clone()

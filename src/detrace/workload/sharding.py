@@ -63,7 +63,13 @@ from detrace.errors import UsageError
 from detrace.parallel.data import InvariantDataParallel, LossOf, _digests, invariant_backward, owned_microbatches
 from detrace.parallel.expert import FixedOrderExperts
 from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
-from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name, global_parameter_names
+from detrace.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    by_global_name,
+    global_parameter_names,
+    sum_of_parts,
+)
 from detrace.workload.layouts import INVARIANT, Layout
 from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
 
@@ -713,11 +719,7 @@ class ParallelModel:
                     vector[index[name]] = digest
             for dim in ("tp", "pp"):
                 if self.layout.size(dim) > 1:
-                    every = [torch.empty_like(vector) for _ in range(self.layout.size(dim))]
-                    dist.all_gather(every, vector, group=self.layout.group(dim))
-                    vector = every[0].clone()
-                    for other in every[1:]:
-                        vector += other
+                    vector = sum_of_parts(vector, self.layout.group(dim))
             digests = dict(zip(index, vector.unbind(), strict=True))
         each = {n: f"{int(d) & (1 << 64) - 1:016x}" for n, d in digests.items()} \
             if self.layout.kind.startswith(("fsdp-", "ep-")) and self._tp_group is None else {}
