@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from detrace.errors import UsageError
@@ -279,7 +279,10 @@ class MLP(nn.Module):
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (what this rank holds and computes with); any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    # Looked up, not imported: DTensor's module costs half a second to import (a third of a rank's start-up besides
+    # torch's), and no tensor is a DTensor before a layout that makes them has imported it
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
