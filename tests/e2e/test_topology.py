@@ -192,6 +192,24 @@ def _elastic_checkpoints(rank: int, out: str) -> None:
     torch.manual_seed(7)
     parts.save(f"{out}/parts")
     Path(f"{out}/parts-refused{rank}.json").write_text(json.dumps(refusals))
+    # the 4 ranks resume their parts, each rank the layers it holds; rank 0 alone reads the ranks' documents (which
+    # names the global state holds) and hands the others their union: each of them reads only its own state's
+    import detrace.state.checkpoint as checkpoint
+
+    read, document = [], checkpoint._rank_document
+
+    def counted(directory: Path, saved_rank: int, *, step: int) -> dict[str, object]:
+        read.append(saved_rank)
+        return document(directory, saved_rank, step=step)
+
+    checkpoint._rank_document = counted  # type: ignore[assignment]
+    model, optimizer, scheduler = _parts({rank, (rank + 1) % 4}, steps=0)
+    step = detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True).load(
+        f"{out}/parts")
+    checkpoint._rank_document = document
+    reference = _parts({rank, (rank + 1) % 4}, steps=1)[0]
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    Path(f"{out}/loaded{rank}.json").write_text(json.dumps({"step": step, "read": read, "same": same}))
 
 
 def _parts(layers: set[int], *, steps: int) -> tuple[nn.ModuleDict, torch.optim.Optimizer, object]:
@@ -252,6 +270,9 @@ def test_world_sizes_1_2_4_give_the_same_bits_and_elastic_checkpoints_resume_at_
         assert ("(first: 'model.0.weight')" if rank in (0, 3) else "(on other ranks)") in weight
         assert re.search(r"\(first: 'optimizer\.param_groups\.[03]\.(weight|bias)\.lr'\)", lr) if rank != 1 else \
             "(on other ranks)" in lr, lr
+    for rank in range(4):  # resumed by the 4 ranks: the documents of every rank were read once, by rank 0
+        loaded = json.loads((tmp_path / f"loaded{rank}.json").read_text())
+        assert loaded == {"step": 1, "read": [0, 0, 1, 2, 3] if rank == 0 else [0], "same": True}, (rank, loaded)
     model, optimizer, scheduler = _parts(set(range(4)), steps=0)
     assert detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True).load(
         tmp_path / "parts") == 1

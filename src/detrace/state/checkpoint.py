@@ -225,9 +225,10 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
                                   "elastic=True): it resumes only on the mesh that wrote it, by a TrainState without")
         if elastic:
             check(directory, saved["shared"], saved["local"])
-            every = _global_leaves(directory, saved_world, step=document.step)
-            return _elastic_skeleton(directory, template_skeleton, every, rank=rank, world=world), saved["local"], \
-                every
+            # Rank 0 alone reads the saved ranks' documents, and hands their union to the others below: N reads of
+            # the shared file system, not N for every rank (a million at a thousand ranks)
+            every = _global_leaves(directory, saved_world, step=document.step) if rank == 0 else {}
+            return saved["shared"], saved["local"], every
         _check_same_tensors(directory, set(_template_names(saved["shared"], saved_rank).values()),
                             set(template_tensors), rank=rank, world=world)
         check(directory, saved["shared"], saved["local"])
@@ -238,6 +239,10 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
         fits, elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error"
     )
     if elastic:
+        every = dist.json_from_rank0(every)  # every rank got here: rank 0's reads succeeded
+        shared_skeleton = dist.together(
+            lambda: _elastic_skeleton(directory, template_skeleton, every, rank=rank, world=world),
+            elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error")
         _check_held(directory, every, tree.leaves(template_skeleton))
     # The rank's own copies (see `write`) load into the template's tensors of the same names.
     shared_tensors = {key: template_tensors[name] for key, name in _template_names(shared_skeleton, saved_rank).items()}

@@ -67,6 +67,22 @@ def from_rank0(value: int) -> int:
     return int(tensor.item()) % (1 << 64)
 
 
+def json_from_rank0(value: T) -> T:
+    """Rank 0's `value` (what `json.dumps` takes, as `json.loads` gives it back), on every rank; `value` itself
+    without a process group. One broadcast of its length and one of its bytes (JSON, no pickle); the other ranks'
+    `value` is not read."""
+    if not active():
+        return value
+    device = _device()
+    mine = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = (torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device) if mine
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(data, src=0)
+    return value if mine else json.loads(data.cpu().numpy().tobytes())
+
+
 def held_anywhere(flags: list[bool]) -> list[bool]:
     """For each item of a list that every rank holds alike, whether some rank's flag for it is true; `flags` itself
     without a process group."""
