@@ -227,7 +227,7 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
             check(directory, saved["shared"], saved["local"])
             # Rank 0 alone reads the saved ranks' documents, and hands their union to the others below: N reads of
             # the shared file system, not N for every rank (a million at a thousand ranks)
-            every = _global_leaves(directory, saved_world, step=document.step) if rank == 0 else {}
+            every = _global_leaves(directory, saved_world, saved, step=document.step) if rank == 0 else {}
             return saved["shared"], saved["local"], every
         _check_same_tensors(directory, set(_template_names(saved["shared"], saved_rank).values()),
                             set(template_tensors), rank=rank, world=world)
@@ -235,14 +235,12 @@ def read(path: Path, *, shared: dict[str, Any], check: Callable[[Path, Any, Any]
         return saved["shared"], saved["local"], {}
 
     # A rank whose state does not fit must not leave the others waiting in DCP's collective load.
-    shared_skeleton, local_skeleton, every = dist.together(
-        fits, elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error"
-    )
+    elsewhere = f"{directory} does not fit the training state of another rank; see that rank's error"
+    shared_skeleton, local_skeleton, every = dist.together(fits, elsewhere=elsewhere)
     if elastic:
         every = dist.json_from_rank0(every)  # every rank got here: rank 0's reads succeeded
         shared_skeleton = dist.together(
-            lambda: _elastic_skeleton(directory, template_skeleton, every, rank=rank, world=world),
-            elsewhere=f"{directory} does not fit the training state of another rank; see that rank's error")
+            lambda: _elastic_skeleton(directory, template_skeleton, every, rank=rank, world=world), elsewhere=elsewhere)
         _check_held(directory, every, tree.leaves(template_skeleton))
     # The rank's own copies (see `write`) load into the template's tensors of the same names.
     shared_tensors = {key: template_tensors[name] for key, name in _template_names(shared_skeleton, saved_rank).items()}
@@ -328,12 +326,14 @@ def _leaf_name(key: str) -> str:
     return ".".join(str(part) for part in json.loads(key[len(_VALUE):])) if key.startswith(_VALUE) else key
 
 
-def _global_leaves(directory: Path, world: int, *, step: int) -> dict[str, JSON]:
+def _global_leaves(directory: Path, world: int, first: dict[str, Any], *, step: int) -> dict[str, JSON]:
     """Every leaf (tensor or value) of the shared state that the `world` ranks of an elastic checkpoint saved, by path
-    (`tree.leaves`): the global state, of which each rank held a part (where two held one, it was the same)."""
+    (`tree.leaves`): the global state, of which each rank held a part (where two held one, it was the same). `first`
+    is rank 0's document, already read."""
     every: dict[str, JSON] = {}
     for saved_rank in range(world):
-        for path, leaf in tree.leaves(_rank_document(directory, saved_rank, step=step)["shared"]).items():
+        saved = first if saved_rank == 0 else _rank_document(directory, saved_rank, step=step)
+        for path, leaf in tree.leaves(saved["shared"]).items():
             every.setdefault(path, leaf)
     return every
 

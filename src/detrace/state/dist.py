@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -67,20 +67,30 @@ def from_rank0(value: int) -> int:
     return int(tensor.item()) % (1 << 64)
 
 
+def _json_bytes(value: object) -> torch.Tensor:
+    """`value` as JSON bytes (no pickle), a uint8 tensor where this process group's collectives take it."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(_device())
+
+
+def _from_json_bytes(data: torch.Tensor) -> Any:
+    """What `_json_bytes` made `data` of."""
+    return json.loads(data.cpu().numpy().tobytes())
+
+
 def json_from_rank0(value: T) -> T:
     """Rank 0's `value` (what `json.dumps` takes, as `json.loads` gives it back), on every rank; `value` itself
-    without a process group. One broadcast of its length and one of its bytes (JSON, no pickle); the other ranks'
-    `value` is not read."""
+    without a process group. One broadcast of its length and one of its bytes; the other ranks' `value` is not
+    read."""
     if not active():
         return value
-    device = _device()
-    mine = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    rank0 = dist.get_rank() == 0
+    data = _json_bytes(value) if rank0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=_device())
     dist.broadcast(size, src=0)
-    data = (torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device) if mine
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=_device())
     dist.broadcast(data, src=0)
-    return value if mine else json.loads(data.cpu().numpy().tobytes())
+    return value if rank0 else _from_json_bytes(data)
 
 
 def held_anywhere(flags: list[bool]) -> list[bool]:
@@ -99,8 +109,8 @@ def differing(digests: dict[str, int]) -> set[str]:
     only one rank holds differs from nothing."""
     if not active():
         return set()
-    # One all-gather of every rank's digests as JSON bytes (no pickle), padded to the longest.
-    mine = torch.frombuffer(bytearray(json.dumps(digests).encode()), dtype=torch.uint8).to(_device())
+    # One all-gather of every rank's digests as JSON bytes, padded to the longest.
+    mine = _json_bytes(digests)
     sizes = [torch.zeros(1, dtype=torch.int64, device=_device()) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=_device()))
     longest = max(int(size.item()) for size in sizes)
@@ -108,8 +118,7 @@ def differing(digests: dict[str, int]) -> set[str]:
     padded[: mine.numel()] = mine
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
-    theirs = [json.loads(bytes(row[: int(size.item())].cpu().tolist()))
-              for row, size in zip(gathered, sizes, strict=True)]
+    theirs = [_from_json_bytes(row[: int(size.item())]) for row, size in zip(gathered, sizes, strict=True)]
     return {key for key, digest in digests.items() if any(other.get(key, digest) != digest for other in theirs)}
 
 
