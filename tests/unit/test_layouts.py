@@ -3,6 +3,7 @@ fixed-order reduce-scatter (detrace.parallel.fsdp) with the ranks simulated in o
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any
 
@@ -237,3 +238,42 @@ def test_the_chunked_layers_grad_norm_at_t1_is_summed_as_at_every_t(monkeypatch:
     by_name = by_global_name(pm.raw, squares, dtype=torch.float32).sum()
     assert in_module_order.item() != by_name.item()  # the two orders give other bits here: the check below can fail
     assert pm.metrics()["grad_norm"].item() == by_name.sqrt().item()
+
+
+def test_fully_shard_at_one_process_sums_every_microbatch_in_the_tree(tmp_path: Any) -> None:
+    """At one shard fully_shard copies each microbatch's gradient into the shard and never calls the reduce-scatter:
+    the recipe must still leave the tree over all M microbatches, not the last microbatch's gradient."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from detrace.parallel import invariant_backward, shard_invariantly
+
+    M = 4
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, y = torch.randn(M, 3, 8), torch.randn(M, 3, 1)
+
+    def loss_of(model: torch.nn.Module, i: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(x[i]), y[i]) / M
+
+    leaves = []
+    for i in range(M):
+        plain.zero_grad(set_to_none=True)
+        loss_of(plain, i).backward()
+        leaves.append([p.grad.clone() for p in plain.parameters()])  # type: ignore[union-attr]
+    expected = _tree_sum(leaves)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        sharded = copy.deepcopy(plain)
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(sharded[0], mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        comms = shard_invariantly(sharded, microbatches=M)
+        for _ in range(2):  # a second step starts from a fresh tree
+            invariant_backward(sharded, lambda i: loss_of(sharded, i), microbatches=M, sharded=True)
+            check_complete(comms)
+            grads = [p.grad.to_local() for p in sharded.parameters()]  # type: ignore[union-attr]
+            assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    finally:
+        dist.destroy_process_group()

@@ -14,7 +14,8 @@ Every addition is the same two operands at every W (an element of the shard is t
 gradient), so shard r holds the bits of the same rows of the gradient that one process computes with M
 microbatches of accumulation, or DDP-invariant at any W. The trainer clears the sharded gradients before each
 microbatch (`invariant_backward(..., sharded=True)`), so fully_shard assigns the last one's output instead of
-adding to the zeros the earlier ones output.
+adding to the zeros the earlier ones output. At one shard fully_shard never calls the reduce-scatter (it copies
+the gradient into the shard): its all-reduce hook, called after every reduction, runs the same tree there.
 
 Data-parallel replicas of the sharded model (HSDP, a dpDxfsdpF layout): replica d's F ranks own the contiguous
 microbatches [d M/D, (d + 1) M/D), one node of the tree, which their reduce-scatter sums; the D replicas' shards
@@ -78,6 +79,8 @@ class FixedOrderReduceScatter:
         self.microbatches, self.exchange, self.replicas = microbatches, exchange, replicas
         self.received: list[torch.Tensor] = []
         """This step's contributions so far: [W, shard] per microbatch, row s from rank s."""
+        self.called = False
+        """Whether fully_shard called the reduce-scatter since its last all-reduce hook (`after_reduce`)."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
                  ) -> torch.Tensor:
@@ -87,16 +90,31 @@ class FixedOrderReduceScatter:
                  op: object = None, async_op: bool = False) -> dist.Work | None:
         # `op` is fully_shard's SUM (its gradient divide factor is 1: the loss is scaled by the global batch).
         world = group.size()
-        self.received.append(self.exchange(input_tensor, group).view(world, -1))
+        self.called = True
+        self._contribute(self.exchange(input_tensor, group).view(world, -1), output_tensor, world)
+        return None
+
+    def after_reduce(self, output: torch.Tensor) -> None:
+        """fully_shard's all-reduce hook, called with the shard after every reduction. At one shard fully_shard
+        never calls the reduce-scatter (it copies the gradient into the shard, which the trainer clears before each
+        microbatch): this microbatch's gradient is then the one contribution, and the tree runs here."""
+        if self.called:  # the reduce-scatter ran: the shard is already this step's tree or zeros
+            self.called = False
+            return
+        self._contribute(output.clone().view(1, -1), output, 1)
+
+    def _contribute(self, received: torch.Tensor, output: torch.Tensor, world: int) -> None:
+        """Keep one microbatch's contributions [W, shard]; at the rank's last microbatch write the tree's sum
+        into `output`, before it zeros."""
+        self.received.append(received)
         if len(self.received) == self.microbatches:
             shard = self.reduce(world)
             if self.replicas is not None:  # the tree above the replicas' nodes, in its fixed order
                 shard = _exchange([shard], group=self.replicas, rank=dist.get_rank(self.replicas),
                                   world=dist.get_world_size(self.replicas), how="auto")[0]
-            output_tensor.copy_(shard)
+            output.copy_(shard)
         else:
-            output_tensor.zero_()
-        return None
+            output.zero_()
 
     def reduce(self, world: int) -> torch.Tensor:
         """The tree over the M = W n contributions to this shard: global microbatch s n + k is rank s's k-th."""
@@ -134,5 +152,6 @@ def shard_invariantly(model: nn.Module, *, microbatches: int, exchange: AllToAll
         # mypy, ignored below: the parameter is typed as the interface's base class, private to torch; fully_shard
         # only calls allocate and __call__, which FixedOrderReduceScatter has
         module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
+        module.set_all_reduce_hook(comm.after_reduce)  # at one shard the reduce-scatter is never called
         module.set_gradient_divide_factor(1.0)
     return comms
