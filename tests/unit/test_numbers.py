@@ -14,6 +14,7 @@ from detrace.defects.faults import FaultSpec
 from detrace.defects.guard import parse_env
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import parse_stop_points
+from detrace.parallel.layout import Layout
 from detrace.record.config import TraceConfig
 from detrace.record.steps import step_offset
 from detrace.state.contract import stop_requested
@@ -54,3 +55,29 @@ def test_superscripts_on_the_command_line_are_one_sentence(argv: list[str], tmp_
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_number_longer_than_python_converts_is_none() -> None:
+    # int() raises ValueError past sys.get_int_max_str_digits() (4300): a traceback wherever it was let through
+    assert parse_count("1" * 10_000) is None
+    assert parse_count("0" * 10_000 + "7") == 7  # leading zeros are not digits of the value
+
+
+@pytest.mark.parametrize(("layouts", "words"), [
+    ("fsdp" + "1" * 10_000 + ",fsdp1", "has one of 10000 digits"),
+    ("1" * 10_000 + "x1,1x1", "has one of 10000 digits"),
+    ("fsdp01,fsdp1", "'fsdp01' and 'fsdp1' are the same layout"),
+    ("2x2,dp2xtp2", "'2x2' and 'dp2xtp2' are the same layout"),
+    ("tp2xfsdp2,fsdp2xtp2", "'tp2xfsdp2' and 'fsdp2xtp2' are the same layout"),
+])
+def test_check_topology_layouts_are_refused_in_one_sentence(layouts: str, words: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["check-topology", "--layouts", layouts, "--", "python", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1 and len(err) < 300
+
+
+def test_a_layout_written_with_leading_zeros_is_named_without_them() -> None:
+    assert Layout.parse("fsdp02xtp01").name == "fsdp2xtp1" and Layout.parse("02x2").name == "2x2"

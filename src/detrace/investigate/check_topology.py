@@ -40,7 +40,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from detrace._numbers import parse_count
-from detrace.errors import CommandFailed, TraceError, UsageError
+from detrace.errors import CommandFailed, IncomparableError, TraceError, UsageError
 from detrace.launch.launcher import LaunchResult, run_traced
 from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.parallel.tensor import TP_ENV
@@ -233,9 +233,16 @@ def parse_worlds(text: str, *, force: bool = False) -> tuple[int, ...]:
 def parse_layouts(text: str, *, force: bool = False) -> tuple[Mesh, ...]:
     """`fsdp1,fsdp2,fsdp4` or `1x1,1x2,2x2` (see `detrace.parallel.layout`) -> the meshes: two or more distinct
     ones, none of more than `max_world()` processes unless `force`."""
-    meshes = tuple(Mesh.of(Layout.parse(part)) for part in text.split(","))
-    if len(meshes) < 2 or len(set(meshes)) != len(meshes):
+    parts = [part.strip() for part in text.split(",")]
+    layouts = tuple(Layout.parse(part) for part in parts)
+    if len(layouts) < 2:
         raise UsageError(f"--layouts needs two or more distinct layouts, not {text!r}")
+    first: dict[tuple[tuple[str, int], ...], int] = {}
+    for index, layout in enumerate(layouts):  # one layout under two names (fsdp01 and fsdp1, 2x2 and dp2xtp2)
+        if (other := first.setdefault(layout.sizes, index)) != index:
+            raise UsageError(f"--layouts names one layout twice: {parts[other]!r} and {parts[index]!r} are the same "
+                             f"layout")
+    meshes = tuple(Mesh.of(layout) for layout in layouts)
     check_processes(max(m.world for m in meshes), option=f"--layouts {text}", force=force)
     return meshes
 
@@ -255,17 +262,25 @@ def _bits(value: float) -> str:
     return "0x" + struct.pack(">d", value).hex()
 
 
-def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str) -> tuple[dict[Key, str], Mismatch | None]:
-    """One run's records keyed by global identity (values as exact hex), and the first disagreement between
-    its ranks."""
+Shapes = dict[str, "tuple[int, ...] | None"]
+"""A run's parameters: qualified name -> shape (None where ranks hold shards of it under its name)."""
+
+
+def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
+             ) -> tuple[dict[Key, str], Mismatch | None, Shapes]:
+    """One run's records keyed by global identity (values as exact hex), the first disagreement between its ranks,
+    and its parameters (the names its ranks hold together)."""
     info = open_run(run)
     if len(info.ranks) != mesh.world:
         raise TraceError(f"{run} holds traces of ranks {list(info.ranks)}, not of all {mesh.world} ranks")
     merged: dict[Key, str] = {}
     owner: dict[Key, int] = {}
+    shapes: Shapes = {}
     for rank in info.ranks:
         table = read_rank(run, rank).table
         params = table.filter(pc.and_(pc.equal(table["phase"], "optimizer"), pc.equal(table["role"], "param")))
+        for row in params.select(["name", "shape"]).to_pylist():
+            shapes.setdefault(row["name"], None if mesh.shards else tuple(row["shape"]))
         metrics = table.filter(pc.equal(table["role"], "metric"))
         keyed: dict[Key, str] = {}
         losses: dict[int, list[float]] = {}
@@ -287,8 +302,26 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str) -> tuple[dic
             elif merged[key] != bits:  # replicas (or one block's tp ranks) must agree
                 return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(),
                                         world=mesh.world, run=label,
-                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}")
-    return merged, None
+                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}"), shapes
+    return merged, None, shapes
+
+
+def _same_model(reference: Run, ref: Shapes, run: Run, other: Shapes) -> None:
+    """Refuse two runs whose parameters are not the same set (names, and shapes where neither run shards them):
+    their bits would differ because the models do, not the layouts."""
+    def shape(shapes: Shapes, name: str) -> str:
+        if name not in shapes:
+            return "missing"
+        held = shapes[name]
+        return "sharded" if held is None else f"[{', '.join(map(str, held))}]"
+
+    for name in sorted(set(ref) | set(other)):
+        a, b = ref.get(name, ()), other.get(name, ())
+        if name not in ref or name not in other or (a is not None and b is not None and a != b):
+            raise IncomparableError(
+                f"{run.label} trains another model than {reference.label}, which cannot show whether the layout "
+                f"changes the bits: parameter {name} is {shape(ref, name)} in {reference.label} and "
+                f"{shape(other, name)} in {run.label}")
 
 
 def _order(key: Key) -> tuple[int, int, int | str]:
@@ -409,8 +442,11 @@ def compare(runs: tuple[Run, ...]
     grad_norm = not any(r.mesh.local_norms for r in runs)
     records: dict[str, dict[Key, str]] = {}
     inner: dict[str, Mismatch | None] = {}
+    shapes: dict[str, Shapes] = {}
     for run in runs:
-        records[run.label], inner[run.label] = _records(run.path, run.mesh, grad_norm=grad_norm, label=run.label)
+        records[run.label], inner[run.label], shapes[run.label] = _records(run.path, run.mesh, grad_norm=grad_norm,
+                                                                           label=run.label)
+        _same_model(runs[0], shapes[runs[0].label], run, shapes[run.label])
     # a sharded run's parameters are not compared per step; with a sharded reference, no run's are
     unsharded = not runs[0].mesh.shards
     records = {run.label: {key: bits for key, bits in records[run.label].items()

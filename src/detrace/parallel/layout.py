@@ -17,6 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from detrace._numbers import parse_count
 from detrace.errors import UsageError
 
 __all__ = ["DATA_DIMS", "DIMS", "LAYOUT_ENV", "Layout"]
@@ -42,7 +43,7 @@ class Layout:
     """A parallel layout: the size of each named mesh dimension. `Layout.parse("fsdp2xtp2")`."""
 
     name: str
-    """The name it was written as (how verdicts and run directories name it)."""
+    """The name it was written as, its sizes without leading zeros (how verdicts and run directories name it)."""
     sizes: tuple[tuple[str, int], ...]
     """(dimension, size) for each dimension named, outermost first (the order of `DIMS`)."""
 
@@ -69,16 +70,19 @@ class Layout:
         name = text.strip()
         old = _OLD.fullmatch(name)
         if old is not None:
-            return cls(name=name, sizes=(("dp", int(old[1])), ("tp", int(old[2]))))
+            dp, tp = _size(old[1], name), _size(old[2], name)
+            # The name is rebuilt from the sizes, so that 02x2 and 2x2 are one layout (one run, one directory).
+            return cls(name=f"{dp}x{tp}", sizes=(("dp", dp), ("tp", tp)))
         parts = [_PART.fullmatch(part) for part in name.split("x")]
         if not name or any(part is None for part in parts):
             raise UsageError(f"a layout is named dimensions joined by x, such as fsdp2xtp2, pp2xdp2, ep2 or 2x2 "
                              f"(dimensions {', '.join(DIMS)}), not {text!r}")
-        named = [(part[1], int(part[2])) for part in parts if part is not None]
+        named = [(part[1], _size(part[2], name)) for part in parts if part is not None]
         dims = [dim for dim, _ in named]
         if len(set(dims)) != len(dims):
             raise UsageError(f"layout {text!r} names a dimension twice")
-        return cls(name=name, sizes=tuple(sorted(named, key=lambda pair: DIMS.index(pair[0]))))
+        return cls(name="x".join(f"{dim}{size}" for dim, size in named),
+                   sizes=tuple(sorted(named, key=lambda pair: DIMS.index(pair[0]))))
 
     def size(self, dim: str) -> int:
         """The size of `dim`: 1 when the layout does not name it."""
@@ -109,3 +113,13 @@ class Layout:
 
     def __str__(self) -> str:
         return self.name
+
+
+def _size(digits: str, name: str) -> int:
+    """A size in a layout's name (ASCII digits, by the name's pattern): too many digits to be a number is one
+    sentence, not int()'s ValueError."""
+    size = parse_count(digits)
+    if size is None:
+        raise UsageError(f"a layout's sizes are numbers of processes, and layout {name[:24]}... has one of "
+                         f"{len(digits)} digits")
+    return size
