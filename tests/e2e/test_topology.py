@@ -21,7 +21,7 @@ from _synthetic import TrainingStep, write_training_rank
 from torch import nn
 
 from detrace.cli import main as cli
-from detrace.errors import CommandFailed, UsageError
+from detrace.errors import CommandFailed, IncomparableError, UsageError
 from detrace.investigate.check_topology import (
     Mesh,
     TopologyResult,
@@ -379,6 +379,31 @@ def test_runs_that_cannot_be_compared(tmp_path: Path) -> None:
         compare_runs({2: tmp_path / "run"})
 
 
+def test_runs_of_other_models_are_refused_naming_the_first_parameter_that_differs(tmp_path: Path) -> None:
+    """Two models (a chunked layer against a whole one, another width) differ by construction, not by layout:
+    check-topology refuses them in one sentence instead of calling the layouts divergent."""
+    import detrace
+    from detrace.investigate.check_topology import Run, compare
+
+    def run(name: str, model: nn.Module) -> Run:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detrace.trace(tmp_path / name, rung="semantic"):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        return Run(label=f"layout {name}", mesh=Mesh(dp=1), path=tmp_path / name)
+
+    torch.manual_seed(0)
+    whole = run("whole", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    torch.manual_seed(0)
+    assert compare((whole, run("same", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))))[1] == [(None, None)]
+    wider = r"^layout wider trains another model than layout whole, .*: parameter 0.bias is \[4\] in layout whole "
+    with pytest.raises(IncomparableError, match=wider + r"and \[8\] in layout wider$"):
+        compare((whole, run("wider", nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))))
+    with pytest.raises(IncomparableError, match=r"parameter 2.bias is missing in layout whole and \[1\] in layout "
+                                                r"deeper$"):
+        compare((whole, run("deeper", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(1, 1)))))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # check-topology's comparison and verdicts, in process: a launch that writes synthetic traces
 
@@ -400,6 +425,8 @@ class _Fake:
     """Injected fault: the run in this directory exits 1."""
     lines: dict[str, str] = field(default_factory=dict)
     """More output of the run in that directory, before its final params line."""
+    whole: tuple[str, ...] = ()
+    """The runs in these directories train another model: `a` one whole parameter, not chunks."""
 
     def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
         assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
@@ -425,7 +452,7 @@ class _Fake:
                 losses = tuple(s + i / 8 + (1e-9 if i == 0 and faulty(s, "loss") else 0)
                                for i in range(d * per, (d + 1) * per))
                 params = {f"a.chunks.{j}": 100 * s + j + faulty(s, f"a.chunks.{j}")
-                          for j in range(t * 2 // tp, (t + 1) * 2 // tp)}
+                          for j in range(t * 2 // tp, (t + 1) * 2 // tp)} if run.name not in self.whole else {"a": 1}
                 params["b"] = 100 * s + 7 + faulty(s, "b") + (t == 1 and faulty(s, "replica b"))
                 steps.append(TrainingStep(step=s, losses=losses, params=params,
                                           grad_norm=float(t * 10 + s + faulty(s, "grad_norm"))))
@@ -501,6 +528,16 @@ def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None
     assert first is not None and (first.kind, first.run) == ("final params", "layout fsdp2")
     with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
         _topology(tmp_path, _Fake(final={"layout-1x1": "none"}), layouts=mixed)  # the reference's is needed
+
+
+def test_layouts_of_other_models_are_refused(tmp_path: Path) -> None:
+    # the reference trainer's fsdp layouts train whole weights, its tp layouts chunks: another model, one sentence
+    with pytest.raises(IncomparableError, match=r"^layout fsdp1 trains another model than layout 1x1, .*: parameter "
+                                                r"a is missing in layout 1x1 and \[4\] in layout fsdp1$"):
+        _topology(tmp_path, _Fake(whole=("layout-fsdp1",)), layouts="1x1,fsdp1")
+    # a sharded run's parameters are compared by name (each rank records its shard's shape)
+    with pytest.raises(IncomparableError, match=r"parameter a is missing in layout 1x1 and sharded in layout fsdp2$"):
+        _topology(tmp_path, _Fake(whole=("layout-fsdp2",)), layouts="1x1,fsdp2")
 
 
 def test_grad_norm_compared_only_without_tensor_parallelism(tmp_path: Path) -> None:

@@ -13,8 +13,10 @@ parameter under one name (FSDP, expert parallelism) the tracer records each shar
 compared through the `final params` line, which it and the reference must print; the other runs' still step by step
 against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
 replica) must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it.
-Every run must equal the first layout's. A `final params HEX` line in CMD's output is compared too, in each run that
-prints one, when the reference does (a CMD need not print one).
+Every run must equal the first layout's; runs whose parameters are not the same set (names, and shapes where no
+rank holds a shard) train other models, and are refused (exit 2) naming the first parameter. A `final params HEX`
+line in CMD's output is compared too, in each run that prints one, when the reference does (a CMD need not print
+one).
 
 With `resume_at=K` (`--resume-at K`), the first world size's continuous run is the reference; CMD then runs at
 that world size stopped after step K (the resume contract: DETRACE_CKPT_DIR, DETRACE_STOP_AT), and is resumed
