@@ -124,3 +124,47 @@ def test_batches_a_wrapper_reshapes_are_not_recorded(tmp_path: Path) -> None:
     plain = DataLoader(dataset, batch_size=BATCH, shuffle=True)
     keys = seed_samples(plain, seed=0, framework="test", record=True)
     assert keys is not None and keys.batching == (BATCH, False)
+
+
+def plain(out: Path, *, steps: int, env: dict[str, str] | None = None, evaluate: bool = False) -> list[list[int]]:
+    """A plain loop over detrace's ResumableLoader (shuffled, 2 workers that prefetch), traced at the semantic rung,
+    one batch a step; `evaluate`: an evaluation loader of its own runs a whole epoch after step 0. Returns the
+    indices of the samples each step trained on, read from the batches themselves."""
+    from detrace.state import ResumableLoader, ResumableSampler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = ResumableLoader(Indexed(), sampler=ResumableSampler(20, seed=3), batch_size=BATCH, num_workers=2)
+    evaluation = ResumableLoader(Indexed(), sampler=ResumableSampler(20, shuffle=False), batch_size=4)
+    trained: list[list[int]] = []
+    with mock.patch.dict(os.environ, env or {}), detrace.trace(out, rung="semantic"):
+        for batch in itertools.islice(loader, steps):
+            trained.append([int(x) for x in batch.flatten()])
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if evaluate and len(trained) == 1:
+                with torch.no_grad():
+                    model.eval()
+                    for held_out in evaluation:
+                        model(held_out)
+                    model.train()
+    return trained
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_a_plain_loop_over_a_resumable_loader_records_its_samples(tmp_path: Path, evaluate: bool) -> None:
+    trained = plain(tmp_path / "a", steps=4, evaluate=evaluate)
+    assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(4)] == trained
+    assert len(set(flat(trained))) == 4 * BATCH
+
+
+def test_a_resumable_loader_drops_the_samples_it_is_told_to(tmp_path: Path) -> None:
+    reference = plain(tmp_path / "a", steps=5)  # (one step more: the two dropped samples' places are filled)
+    dropped = reference[1][:2]
+    trained = plain(tmp_path / "b", steps=4, env={"DETRACE_DROP_SAMPLES": ",".join(map(str, dropped))})
+    assert trained[0] == reference[0]
+    order = [i for i in flat(reference) if i not in dropped]
+    assert flat(trained) == order[: len(flat(trained))] and not set(dropped) & set(flat(trained))
+    assert list(batch_samples(tmp_path / "b", 0, 1)) == trained[1]

@@ -40,12 +40,8 @@ from detrace.state.contract import (
     drop_samples_requested,
     skip_steps_requested,
 )
-from detrace.state.loader import SeededCollate, sample_seed, seeded_rngs
+from detrace.state.loader import PENDING_BATCHES, SeededCollate, sample_seed, seeded_rngs
 from detrace.state.train_state import is_stateful
-
-PENDING_BATCHES = 1024
-"""The most batches of sample indices kept for the tracer: far more than any loader prefetches (a loop that takes
-them otherwise than through a traced forward keeps the newest only)."""
 
 
 class SampleKeys(Sampler[tuple[int, int]]):

@@ -13,6 +13,7 @@ process, with any `num_workers`: a resumed epoch gets exactly the augmentations 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from detrace import _events
 from detrace.errors import CheckpointError, UsageError
+from detrace.state.contract import drop_samples_requested
+
+PENDING_BATCHES = 1024
+"""The most batches of sample indices kept for the tracer: far more than a loop holds before its forward (a loop
+that takes batches otherwise than through a traced forward keeps the newest only)."""
 
 
 class ResumableSampler(Sampler[int]):
@@ -243,10 +250,15 @@ class ResumableLoader:
         sampler = self.sampler
         self._roll_over()
         epoch, start = sampler.epoch, sampler.position
-        keys = [(index, sample_seed(sampler.seed, epoch, index)) for index in sampler.indices(epoch)[start:]]
-        batches = [keys[at : at + self.batch_size] for at in range(0, len(keys), self.batch_size)]
-        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
-            batches.pop()
+        dropped = drop_samples_requested()
+        # Each key with the sampler's position just past it: a dropped sample (the contract's DETRACE_DROP_SAMPLES)
+        # is never loaded, but the position moves past it as past the samples trained on.
+        placed = [(after, (index, sample_seed(sampler.seed, epoch, index)))
+                  for after, index in enumerate(sampler.indices(epoch)[start:], start + 1) if index not in dropped]
+        chunks = [placed[at : at + self.batch_size] for at in range(0, len(placed), self.batch_size)]
+        if self.drop_last and chunks and len(chunks[-1]) < self.batch_size:
+            chunks.pop()
+        batches = [[key for _, key in chunk] for chunk in chunks]
         dataset = SeededDataset(self.dataset)
         loader = DataLoader(
             dataset,
@@ -259,15 +271,24 @@ class ResumableLoader:
             generator=torch.Generator().manual_seed(sampler.seed),
             **self.dataloader_kwargs,
         )
-        position = start
-        for batch_keys, batch in zip(batches, loader, strict=True):
-            position += len(batch_keys)
-            # Consumed as soon as it is handed over: a checkpoint after this step must not replay it.
-            sampler.position = position
-            if self.pending_skip:
-                self.pending_skip -= 1
-                continue
-            yield batch
+        handed: collections.deque[list[int]] = collections.deque(maxlen=PENDING_BATCHES)
+        # The tracer's batch rung takes one batch's sample indices per training forward (`detrace ablate` names a
+        # spike's sample from them); a loader iterated inside this one (an evaluation's) hands the source back.
+        before, _events.sample_source[:] = list(_events.sample_source), [lambda: handed.popleft() if handed else None]
+        mine = _events.sample_source[0]
+        try:
+            for chunk, batch_keys, batch in zip(chunks, batches, loader, strict=True):
+                # Consumed as soon as it is handed over: a checkpoint after this step must not replay it.
+                sampler.position = chunk[-1][0]
+                if self.pending_skip:
+                    self.pending_skip -= 1
+                    continue
+                handed.append([index for index, _ in batch_keys])
+                yield batch
+            sampler.position = len(sampler)  # past the epoch's last batch (and its dropped or cut-off samples)
+        finally:
+            if _events.sample_source == [mine]:
+                _events.sample_source[:] = before
         self._roll_over()
 
     def __len__(self) -> int:
