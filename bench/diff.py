@@ -75,7 +75,7 @@ def main() -> int:
         sample = range(min(run.ranks, 64))
         files = open_run(a).files
         started = time.perf_counter()
-        aligned = sum(align_rank((rank, files[rank], files[rank], 0, None)).records for rank in sample)
+        aligned = sum(align_rank((rank, files[rank], files[rank], 0, None, None)).records for rank in sample)
         print(f"identical traces, one core: {aligned / (time.perf_counter() - started):,.0f} records/s "
               f"({len(sample)} ranks of run A against themselves, in this process)")
 

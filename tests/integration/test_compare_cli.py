@@ -133,3 +133,15 @@ def test_an_incomparable_candidate_exits_2(tmp_path: Path, capsys: pytest.Captur
         assert captured.out == "" and captured.err.count("\n") == 1
         assert f"{tmp_path / 'c'} cannot be compared with {tmp_path / 'a'}" in captured.err
         assert "world size 1" in captured.err
+
+
+def test_a_candidate_that_stops_early_is_refused_not_identical(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    losses = {0: 2.0, 1: 1.5, 2: 1.2, 3: 1.0, 4: 0.9, 5: 0.8}
+    write_metric_run(tmp_path / "a", losses)
+    write_metric_run(tmp_path / "b", losses)
+    write_metric_run(tmp_path / "short", {step: losses[step] for step in range(4)})  # the same bits, 2 steps fewer
+    code = main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "short")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "do not cover the same steps: B stopped after global step 3 and A ran on to step 5" in err

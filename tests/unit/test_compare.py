@@ -357,3 +357,45 @@ def test_any_edit_is_found_and_never_crashes(tmp_path_factory: pytest.TempPathFa
     else:
         assert rank0.first is not None
         assert rank0.first.seq == min((flips - drops) | drops)
+
+
+def test_a_run_that_stops_early_is_not_identical_and_says_where_it_stopped(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a, RUN)
+    for rank in range(RUN.ranks):  # B closed its trace after step 2: it stopped, it did not die
+        write_table(b, rank, rank_table(RUN, rank).filter(rank_table(RUN, rank)["step"].to_numpy() <= 2),
+                    world_size=2)
+    for x, y, ended in ((a, b, "B"), (b, a, "A")):
+        result = diff(x, y)
+        assert result.verdict == "diverged" and result.exit_code == 1
+        first = result.first
+        assert first is not None and first.kind == "missing" and first.step == 3
+        assert first.detail["ran_on_to"] == 3 and first.detail["ended"] == ended.lower()
+        other = "A" if ended == "B" else "B"
+        assert first.stop is not None and first.stop.startswith(
+            f"{ended} stopped after global step 2 and {other} ran on to step 3")
+
+
+def test_a_run_that_starts_later_is_compared_from_there(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a, RUN)
+    for rank in range(RUN.ranks):  # B resumed after step 2 and ran to the same last step
+        table = rank_table(RUN, rank)
+        write_table(b, rank, table.filter(table["step"].to_numpy() >= 2), world_size=2)
+    result = diff(a, b)
+    assert result.verdict == "identical" and result.first is None
+
+
+def test_a_resumed_run_that_trained_no_step_is_not_identical(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_table(a, 0, rank_table(RUN, 0), world_size=1)
+    # B resumed after step 2 and trained nothing: only its checkpoint load was recorded, at step 2
+    load = rank_table(RUN, 0).slice(0, 1).to_pylist()[0]
+    load.update(step=2, phase="checkpoint", name="torch.load")
+    write_rows(b, 0, [load], world_size=1)
+    result = diff(a, b)
+    assert result.verdict == "diverged"
+    first = result.first
+    assert first is not None and first.kind == "missing" and first.detail["ended"] == "b"
+    assert first.stop is not None and first.stop.startswith(
+        "B trained no step (it began at global step 2 and stopped there) and A ran on to step 3")

@@ -121,9 +121,12 @@ class RankAligner:
     """Aligns one rank of run A with the same rank of run B."""
 
     def __init__(self, rank: int, a: RankFile | None, b: RankFile | None, *,
-                 steps: tuple[int, int | None] = (0, None)) -> None:
-        """`a`, `b`: the rank in each opened run (`RunInfo.files`), None where that run has no trace of it."""
+                 steps: tuple[int, int | None] = (0, None), stopped: tuple[str, int, int, int] | None = None) -> None:
+        """`a`, `b`: the rank in each opened run (`RunInfo.files`), None where that run has no trace of it.
+        `stopped`: ("A" or "B", its last step, the other's last step, its first step) when that run closed its trace
+        before the other's last step (`engine.stopped_early`): its stop is a divergence when nothing differs before."""
         self.rank = rank
+        self.stopped = stopped
         self.a_file = a
         self.a = RankCursor(a, end=steps[1])
         self.b = RankCursor(b, end=steps[1])
@@ -310,8 +313,16 @@ class RankAligner:
             row = _row(self._last, self._last.num_rows - 1)
             detail = {"ended": "b" if self.a.complete else "a", "last_common_step": row["step"],
                       "records_left": 0, "closed": False}
+        elif self.stopped is not None:
+            # The common steps matched, and one run stopped (closed its trace) before the other's last step.
+            last, first = self.stopped[1], self.stopped[3]
+            row = _end_row(self._last, step=max(last, first - 1) + 1)
+            detail = {"ended": self.stopped[0].lower(), "last_common_step": max(last, first - 1), "records_left": 0,
+                      "closed": True}
         else:
             return
+        if self.stopped is not None and detail["closed"] and detail["ended"] == self.stopped[0].lower():
+            detail.update(ran_on_to=self.stopped[2], first_step=self.stopped[3])
         if self._other is None:
             self._other = (_divergence(self.rank, row, kind="missing", origin=False, detail=detail),
                            self.a.position)
@@ -367,6 +378,15 @@ class RankAligner:
         return {"inputs": inputs, "outputs": outputs}
 
 
+def _end_row(last: pa.RecordBatch | None, *, step: int) -> dict[str, Any]:
+    """The row a run's early stop is reported at: the first step only the other run has, after the last record
+    aligned (none when nothing was: a run that trained no step)."""
+    row = _row(last, last.num_rows - 1) if last is not None else {"seq": 0, "collectives": 0}
+    return {"step": step, "seq": row["seq"], "rung": "metrics", "phase": "other", "name": "(the run's end)",
+            "module": None, "role": "output", "occurrence": 0, "index": 0, "event": row["seq"],
+            "collectives": row["collectives"]}
+
+
 def _is_bucket(batch: pa.RecordBatch, i: int) -> bool:
     """Whether record `i` is a DDP bucket reduction (its extra names the bucket)."""
     if i >= batch.num_rows:
@@ -400,8 +420,9 @@ def _params(buckets: list[tuple[tuple[int, tuple[str, ...]], int]], i: int) -> s
     return "[" + ", ".join(names[:4]) + (f", ... {len(names)} in all" if len(names) > 4 else "") + "]"
 
 
-def align_rank(task: tuple[int, RankFile | None, RankFile | None, int, int | None]) -> RankOutcome:
+def align_rank(task: tuple[int, RankFile | None, RankFile | None, int, int | None,
+                           tuple[str, int, int, int] | None]) -> RankOutcome:
     """Pool entry point: (rank, its file in run A, in run B (None: no trace there), first and last global step
-    compared) -> outcome."""
-    rank, a, b, start, end = task
-    return RankAligner(rank, a, b, steps=(start, end)).run()
+    compared, the run that stopped early (see RankAligner)) -> outcome."""
+    rank, a, b, start, end, stopped = task
+    return RankAligner(rank, a, b, steps=(start, end), stopped=stopped).run()

@@ -71,6 +71,20 @@ class Divergence:
                 "origin": self.origin}
 
     @property
+    def stop(self) -> str | None:
+        """"B stopped after global step 4 and A ran on to step 6: ..." when this divergence is a run that closed its
+        trace before the other's last step (detail "ran_on_to"); None for any other."""
+        if self.kind != "missing" or "ran_on_to" not in self.detail:
+            return None
+        name = self.detail["ended"].upper()
+        theirs = "A" if name == "B" else "B"
+        last, first = self.detail["last_common_step"], self.detail["first_step"]
+        stop = (f"{name} trained no step (it began at global step {first} and stopped there)" if last < first
+                else f"{name} stopped after global step {last}")
+        return (f"{stop} and {theirs} ran on to step {self.detail['ran_on_to']}: the runs do not cover the same "
+                "steps, so they are not the same run")
+
+    @property
     def scope(self) -> str | None:
         """The module as a reader names it (`scope_label`); None when no module was in scope."""
         return None if self.module is None else scope_label(self.module)

@@ -5,8 +5,13 @@ Steps are global (optimizer steps since the training began, across restarts): a 
 steps K and up, and is compared with the steps K and up of a run that never stopped. Each rank's footer says which
 steps it ran (`steps`: the first step run, the first and last step holding records, the source of the numbering);
 a trace without one (a rank that was killed) is read for them. Records before the later of the two first steps
-are skipped; records after the earlier of the two last steps are left out when the shorter run closed its trace
-(it stopped there); when it did not (it died), the rest is a "missing" divergence as before.
+are skipped; records after the earlier of the two last steps are not aligned when the shorter run closed its trace
+(it stopped there), and when it did not (it died), the rest is a "missing" divergence as before.
+
+Every step is accounted for: a run that starts later (resumed) is compared from where it starts, but one that ends
+earlier, or trains no step at all, is never "identical" to one that ran on. When the overlap is equal, the shorter
+run's stop is the divergence (kind "missing", detail "ran_on_to": the other run's last step), in one sentence
+naming which run stopped where (`Divergence.stop`).
 """
 
 from __future__ import annotations
@@ -85,12 +90,27 @@ def common_steps(a: StepSpan, b: StepSpan) -> tuple[int, int, int | None] | None
     stops: the last shared step when the shorter run closed its trace there, else None (its end is a divergence:
     a run that died before the other's first step is compared from there and is missing)."""
     first, last = max(a.first, b.first), min(a.last, b.last)
-    shorter = a if a.last < b.last else b
+    shorter, longer = (a, b) if a.last < b.last else (b, a)
     if last < first:
+        if shorter.closed and shorter.last < shorter.first <= longer.last:
+            # It trained no step from its own first on (a resumed epoch loop that overshoots): nothing is aligned,
+            # and that it stopped before the other's steps is the divergence.
+            return shorter.first, shorter.first, shorter.first - 1
         # A rank that died before the other's first step is missing there; two that closed share nothing.
         return None if shorter.closed else (first, first, None)
     end = last if a.last != b.last and shorter.closed else None
     return first, last, end
+
+
+def stopped_early(a: StepSpan, b: StepSpan) -> tuple[str, int, int] | None:
+    """("A" or "B", its last step, the other's last step) when one rank closed its trace (it stopped, it did not
+    die) before the other's last step; None when both ran to the same step or the shorter one died (the diff's
+    "missing" divergence says that)."""
+    if a.last == b.last:
+        return None
+    name, shorter, longer = ("A", a, b) if a.last < b.last else ("B", b, a)
+    return (name, shorter.last, longer.last) if shorter.closed else None
+
 
 
 def describe_steps(first: int, last: int, a: StepSpan, b: StepSpan) -> str | None:
@@ -200,6 +220,8 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
             raise UsageError(f"rank {rank} has no trace in {a} or {b} (ranks traced: {_ranks(ranks)})")
         ranks = [rank]
     spans: dict[int, tuple[int, int, int | None]] = {}
+    stops: dict[int, tuple[str, int, int, int]] = {}
+    """Rank -> (the run that stopped early, its last step, the other's last step, its first step)."""
     described = None
     unclosed: dict[str, dict[int, int]] = {"A": {}, "B": {}}
     for r in ranks:
@@ -216,8 +238,11 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
                 f"{_steps(span_b)}."))
         spans[r] = common
         described = described or describe_steps(common[0], common[1], span_a, span_b)
+        early = stopped_early(span_a, span_b)
+        if early is not None:
+            stops[r] = (*early, (span_a if early[0] == "A" else span_b).first)
     start = min((s[0] for s in spans.values()), default=0)
-    tasks = [(r, run_a.files.get(r), run_b.files.get(r), *(spans[r][::2] if r in spans else (0, None)))
+    tasks = [(r, run_a.files.get(r), run_b.files.get(r), *(spans[r][::2] if r in spans else (0, None)), stops.get(r))
              for r in ranks]
     if workers is not None and workers < 1:
         raise UsageError(f"workers must be at least 1, not {workers}")

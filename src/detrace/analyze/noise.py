@@ -17,7 +17,8 @@ Two baselines give one sample of the spread per step, so a single step beyond it
 steps is much harder for noise alone to reach. The trace says where the change first shows: the first
 divergence of CANDIDATE from BASE_A, against the first divergence between the baselines.
 
-A run that cannot be compared with BASE_A record by record (other world size, rung or windows) is refused
+A run that cannot be compared with BASE_A record by record (other world size, rung or windows), or that does not
+cover the same steps (it stopped earlier or ran on: every step is accounted for), is refused
 (`IncomparableError`): metrics of such runs say nothing about the change.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detrace.analyze import Divergence, diff
+from detrace.analyze import DiffResult, Divergence, diff
 from detrace.analyze.metrics import metric_rank, metric_series
 from detrace.errors import IncomparableError, TraceError, UsageError
 from detrace.tracefile import open_run
@@ -109,6 +110,11 @@ def compare_metric(name: str, a: dict[int, float], b: dict[int, float], c: dict[
                             first_beyond=beyond[0]["step"] if beyond else None)
 
 
+def _stop(result: DiffResult) -> str | None:
+    """The sentence of a run that stopped before the other's last step, on any rank (`Divergence.stop`)."""
+    return next((r.first.stop for r in result.ranks if r.first is not None and r.first.stop), None)
+
+
 def noise_test(base_a: str | Path, base_b: str | Path, candidate: str | Path, *, factor: float = DEFAULT_FACTOR,
                rank: int | None = None) -> NoiseResult:
     """Set `candidate` against the variation between `base_a` and `base_b` (two runs of the unchanged program),
@@ -133,6 +139,11 @@ def noise_test(base_a: str | Path, base_b: str | Path, candidate: str | Path, *,
         # metrics of runs that cannot be compared record by record mean nothing
         if result.verdict == "incomparable":
             raise IncomparableError(f"{other} cannot be compared with {base_a}: {result.reason}")
+        stop = _stop(result)
+        if stop is not None:
+            # Metrics over the common steps alone would call a run that stopped early "identical".
+            raise IncomparableError(f"{other} and {base_a} (A) do not cover the same steps: {stop}; compare runs "
+                                    "that train the same steps")
     metrics = [compare_metric(n, series[0][n], series[1][n], series[2][n], factor) for n in names]
     verdicts = {m.verdict for m in metrics}
     verdict: NoiseVerdict = "real" if "real" in verdicts else "noise" if "noise" in verdicts else "identical"

@@ -24,6 +24,8 @@ _STYLE = {"identical": "bold green", "diverged": "bold red", "incomparable": "bo
 
 
 def _where(d: Divergence) -> str:
+    if d.stop is not None:
+        return f"rank {d.rank}, step {d.step}: run {d.detail['ended'].upper()} has no step {d.step}"
     if d.phase == "data":
         return f"rank {d.rank}, step {d.step}, the input batch ({d.role}[{d.index}], call #{d.occurrence})"
     module = f" in {d.scope}" if d.scope else ""
@@ -74,6 +76,9 @@ def _explain(d: Divergence) -> list[str]:
         else:
             lines.append(f"the sequence of calls changed (A: {detail['a']}; B: {detail['b']}); "
                          f"resynchronised at step {detail['resynchronised_at_step']}")
+    elif d.stop is not None:
+        lines.append(f"{detail['records_left']} records only in the other run after the common steps, not compared"
+                     if detail["records_left"] else "every record of the common steps is equal")
     else:
         run = detail["ended"].upper()
         state = "closed its trace" if detail["closed"] else "did not close its trace"
@@ -100,7 +105,9 @@ def diff_lines(result: DiffResult) -> list[str]:
     if result.verdict == "identical":
         return [f"identical: {result.compared.ranks} ranks, {result.compared.records:,} records, every bit equal",
                 *note]
-    lines = [f"diverged: {len(diverged)} of {result.compared.ranks} ranks differ "
+    stop = result.first.stop if result.first is not None else None
+    lines = [f"diverged: {stop}" if stop else
+             f"diverged: {len(diverged)} of {result.compared.ranks} ranks differ "
              f"({result.compared.records:,} records compared)", *note]
     if result.first is not None:
         lines.append(f"first divergence: {_where(result.first)} [{result.first.kind}]")
