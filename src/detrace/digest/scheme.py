@@ -59,7 +59,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from detrace._schemes import SCHEME, SCHEME2  # re-exported: the names, defined apart from torch
+from detrace.tracefile.schemes import SCHEME, SCHEME2  # re-exported: the names, defined apart from torch
 
 ROW_WORDS = 512  # 64-bit words per row
 ROW_BYTES = ROW_WORDS * 8  # 4096

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from detrace import __version__
-from detrace._schemes import SCHEME, SCHEMES
 from detrace.digest.scheme import Fingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
 from detrace.state.records import Frame, Wanted, read_batches
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
 from detrace.tracefile.integrity import file_sha256
+from detrace.tracefile.schemes import SCHEME, SCHEMES
 
 MANIFEST_FILE = "manifest.json"
 # The version of the whole checkpoint layout, not only of this file. 2: every rank's file holds the skeleton

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detrace._schemes import SCHEME, SCHEMES
 from detrace.errors import TraceError, UsageError
 from detrace.tracefile.layout import require_regular
 from detrace.tracefile.schema import RUNGS, SCHEMA_VERSION, format_refusal
+from detrace.tracefile.schemes import SCHEME, SCHEMES
 from detrace.tracefile.selection import parse_window
 
 _MISSING = object()
