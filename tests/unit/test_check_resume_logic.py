@@ -126,7 +126,8 @@ def test_a_stop_point_past_the_last_step_is_refused_after_one_run(tmp_path: Path
     with pytest.raises(UsageError, match=r"no step from 3 on .* stopping after 3 steps leaves no step to resume"):
         check_resume(["train"], at=[3], out=tmp_path / "past", launch=launcher)
     assert launcher.arms == ["continuous"]
-    with pytest.raises(UsageError, match=r"its last step at 3 .* stopping after 5 steps"):
+    with pytest.raises(UsageError, match=r"the continuous run has 4 steps \(steps count from 0: its last is step 3\), "
+                                         r"so stopping after 5 steps leaves no step to resume; give --at below 4$"):
         check_resume(["train"], at=[1, 5], out=tmp_path / "late", launch=Scripted())
 
 

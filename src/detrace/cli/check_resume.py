@@ -10,9 +10,12 @@ position, the optimizer state, the model), one of which must diverge, or the che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from detrace.analyze import DiffResult
 from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import PartCompared, ResumeResult, StopPoint, check_resume, parse_stop_points
-from detrace.investigate.native_resume import NativeContract
+from detrace.investigate.native_resume import NativeContract, recover
 from detrace.report.meaning import apart_notes, forgotten, locate_command, locate_next, warned
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
@@ -123,6 +126,41 @@ def _differs(compared: PartCompared) -> str:
     return f"{text} on {', '.join(compared.where)}"
 
 
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP (a closed terminal or ssh session) while a native check runs: raised like SIGINT's
+    KeyboardInterrupt, so that the check puts CMD's checkpoints back before it ends (a BaseException: nothing on the
+    way catches it as an error)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Interrupted in the main thread for the block (while CMD runs, the launcher passes
+    SIGTERM on to CMD instead, and the arm ends with it). A second signal while the check puts files back is not
+    raised: it would stop the putting back halfway."""
+    raised: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):  # (after SIGHUP the terminal may be gone: the files still go back)
+        print(f"detrace check-resume: {line}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     options, cmd = split_command(argv)
     parser = ArgumentParser("check-resume", "Verify that stopping after step K and resuming changes no bit, with "
@@ -130,7 +168,7 @@ def main(argv: list[str]) -> int:
                             "Exit codes: 0 exact, 1 resume-changed-the-run, 2 error, 3 nondeterministic (the run "
                             "differs from itself; the resume is not judged), 4 inconclusive (no negative control "
                             "diverged).", usage="detrace check-resume --at K[,K...] [options] -- CMD...")
-    parser.add_argument("--at", required=True, metavar="K[,K...]",
+    parser.add_argument("--at", metavar="K[,K...]",
                         help="stop after this many optimizer steps, then resume; several stop points: 2,5")
     parser.add_argument("--out", type=Path, help="directory for the runs (default: detrace-runs/resume-<time>)")
     parser.add_argument("--timeout", type=seconds, help="seconds each run may take before it is killed")
@@ -146,16 +184,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true",
                         help="with --native: move a checkpoint that was there before the check aside for the check "
                              "(put back after it) instead of refusing")
+    parser.add_argument("--recover", type=Path, metavar="OUT",
+                        help="put back the checkpoints that a --native check writing into OUT had moved aside when "
+                             "it was killed (its journal in OUT says what moved where); the next --native check in "
+                             "the same working directory does it by itself")
     parser.add_argument("--json", action="store_true", help=f"print one JSON object (schema {SCHEMA}) on stdout")
     args = parser.parse_args(options)
+    if args.recover is not None:
+        if cmd or args.at is not None:
+            raise UsageError("--recover OUT goes alone: it runs no check, it puts back what a killed one moved")
+        recover(args.recover, _say)
+        return 0
+    if args.at is None:
+        raise UsageError("--at is required: the step(s) to stop after, e.g. --at 2 or --at 2,4")
     if not args.native and (args.resume_args is not None or args.force):
         raise UsageError("--resume-args and --force go with --native (CMD's own checkpoints)")
     out = args.out or default_out("resume")
-    contract = NativeContract(cmd, out=out, resume_args=shlex.split(args.resume_args or ""),
-                              force=args.force) if args.native else None
-    result = check_resume(cmd, at=parse_stop_points(args.at), out=out, timeout=args.timeout,
-                          every_control=args.every_control, contract=contract,
-                          progress=lambda line: print(f"detrace check-resume: {line}", file=sys.stderr))
+    at = parse_stop_points(args.at)
+    contract = NativeContract(cmd, out=out, resume_args=shlex.split(args.resume_args or ""), force=args.force,
+                              at=at, progress=_say) if args.native else None
+    try:
+        with _interruptible() if args.native else contextlib.nullcontext():
+            result = check_resume(cmd, at=at, out=out, timeout=args.timeout, every_control=args.every_control,
+                                  contract=contract, progress=_say)
+    except Interrupted as stop:
+        name = signal.Signals(stop.signum).name
+        _say(f"interrupted by {name}; CMD's checkpoints are back where they were (see {out})")
+        return 128 + stop.signum
     if args.json:
         print(json.dumps(to_json(result, cmd)))
     else:

@@ -377,9 +377,11 @@ def _check(cmd: list[str], at: list[int], out: Path, arm: Arm, contract: Contrac
     last = _last_step(continuous)
     if last is None or last < at[-1]:
         # Checked after the first run, not after both: a stop point at or past the end leaves nothing to resume.
-        ran = f"no step from {at[0]} on" if last is None else f"its last step at {last}"
-        raise UsageError(f"the continuous run ended with {ran} (steps count from 0), so stopping after "
-                         f"{at[-1]} steps leaves no step to resume; give --at below the run's step count")
+        if last is None:
+            raise UsageError(f"the continuous run ended with no step from {at[0]} on (steps count from 0), so "
+                             f"stopping after {at[-1]} steps leaves no step to resume")
+        raise UsageError(f"the continuous run has {last + 1} steps (steps count from 0: its last is step {last}), "
+                         f"so stopping after {at[-1]} steps leaves no step to resume; give --at below {last + 1}")
     arm("again", again, label="continuous run, again")
     repeat = _comparable(diff(continuous, again), "the two continuous runs")
     result = ResumeResult(at=at, continuous=continuous, again=again, repeat_diff=repeat)
