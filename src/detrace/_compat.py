@@ -96,6 +96,7 @@ __all__ = [
     "default_group",
     "disable_dispatch",
     "disable_torch_function_subclass",
+    "dtensor_local_box",
     "dtensor_rng_states",
     "dynamo_imported",
     "dynamo_skips",
@@ -305,6 +306,26 @@ def unhooked_step(optimizer_cls: type) -> Callable[..., Any] | None:
     return getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
 
 
+def wrap_optimizer_state_init(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None] | None:
+    """Make torch.distributed.checkpoint.state_dict's `_init_optim_state(optimizer)` run as `wrap(original)`, once
+    the program imported that module; returns the undo, or None when it is not imported (or has no such function).
+
+    Why: its state-dict helpers (`get_state_dict`, `set_state_dict`, `get_optimizer_state_dict`...) initialise a
+    fresh optimizer's state by calling `optimizer.step()` with zero gradients and a zero learning rate, which fires
+    the global optimizer step hooks: the tracer must run it as checkpoint work, not count it as a training step.
+    The helpers call it by its module-level name. Replace with: a public marker of that step (none)."""
+    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    original = getattr(module, "_init_optim_state", None)
+    if module is None or not callable(original):
+        return None
+    module._init_optim_state = functools.wraps(original)(wrap(original))
+
+    def undo() -> None:
+        module._init_optim_state = original
+
+    return undo
+
+
 def pin_ddp_bucket_order(ddp: Any) -> None:
     """Make a DDP module rebuild its gradient buckets in parameter order at its next forward with grad enabled,
     instead of in the order its first backward made the gradients ready; a no-op once it has rebuilt them, or
@@ -316,6 +337,19 @@ def pin_ddp_bucket_order(ddp: Any) -> None:
     first backward gives every process one layout from its first step on; DDP's own Join hook does the same.
     Replace with: a public DDP option to fix the bucket layout (none)."""
     ddp.reducer._push_all_rebuilt_params()
+
+
+@_private("torch.distributed.tensor._utils.compute_local_shape_and_global_offset")
+def dtensor_local_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset in the global tensor) of this rank's shard of a DTensor whose placements are all Shard or
+    Replicate: the box of the global tensor that `to_local()` holds.
+
+    Why: `detrace.fingerprint` of a DTensor adds each rank's rows at their global positions, without gathering.
+    Replace with: a public DTensor API for the local shard's offset (none)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
 
 
 def dtensor_rng_states() -> dict[str, torch.Tensor] | None:

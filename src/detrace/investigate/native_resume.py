@@ -137,6 +137,9 @@ class NativeContract(Contract):
         """The run of the arm under way (its log says what a failed arm saved)."""
         self.rng: dict[Path, dict[str, list[list[object]]]] = {}
         """Per stop point, where the stopped run's saves put RNG states, per file (for the skip-rng control)."""
+        self.saved: dict[Path, dict[str, int]] = {}
+        """Per stop point, the steps the stopped run had completed at each of its saves, per file or folder: the
+        resumed arms number their steps on from the one they load."""
         self.saves: list[CheckpointIO] = []
         """The continuous run's saves (what --at can name)."""
         self.discarded = 0
@@ -195,6 +198,8 @@ class NativeContract(Contract):
         log = read_checkpoint_log(run)
         self.rng[point] = {str(self._absolute(path)): [[kind, list(key_path)] for kind, key_path in io.rng]
                            for io in log if io.op == "save" and io.rng for path in io.paths}
+        self.saved[point] = {str(self._absolute(path)): io.completed for io in log if io.op == "save"
+                             for path in io.paths}
         if any(io.op == "save" and io.completed == k for io in log):
             return
         self._saved_at(k, self.saves)
@@ -212,9 +217,11 @@ class NativeContract(Contract):
                              f"{', '.join(map(str, steps))}; give --at one of them")
 
     def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
-        from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_RNG  # see __init__
+        from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_RNG, ENV_NATIVE_SAVED  # see __init__
 
-        env = {ENV_NATIVE_CONTROL: control} if control is not None else {}
+        env = {ENV_NATIVE_SAVED: json.dumps(self.saved.get(point, {}))}
+        if control is not None:
+            env[ENV_NATIVE_CONTROL] = control
         if control == "skip-rng":
             env[ENV_NATIVE_RNG] = json.dumps(self.rng.get(point, {}))
         k = str(self.stops.get(point, ""))

@@ -4,9 +4,15 @@ made in it (their occurrences).
 The step clock counts global steps: optimizer steps since the training began, across restarts. It starts at
 DETRACE_STEP_OFFSET (0 when unset) and is set by the first source that applies, in this order of precedence:
 `detrace.TrainState` on resume ("train_state"), an explicit `detrace.step(n)` / `set_step(n)` ("explicit", or
-"env" for the offset), a framework integration ("hf", "lightning", ...), and detection with no edit: an optimizer
-restored from a checkpoint carries its step count ("optimizer"). A source of lower precedence never overrides
-one of higher precedence. The footer records the first and last global step and the source (`StepClock.steps`).
+"env" for the offset), a framework integration ("hf", "lightning", ...) or a checkpoint load whose save the stopped
+run of `check-resume --native` logged with its completed steps ("checkpoint"), and detection with no edit: an
+optimizer restored from a checkpoint carries its step count ("optimizer"; SGD keeps none, and a checkpoint may
+leave the optimizer out, so this is the last resort). A source of lower precedence never overrides one of higher
+precedence. The footer records the first and last global step and the source (`StepClock.steps`).
+
+Only training steps move the clock: an optimizer step run inside a checkpoint save or load, or by torch's
+initialisation of a fresh optimizer's state (`torch.distributed.checkpoint.state_dict` steps it with zero
+gradients and a zero learning rate), is not one (`checkpoint_depth`).
 
 A step's trailing work belongs to that step: what runs after the optimizer step (a loss logged after
 `optimizer.step()`, a framework's logging gathers, a checkpoint saved there) is recorded in the step that just
@@ -29,7 +35,7 @@ from detrace.record.records import Call
 STEP_OFFSET_ENV = "DETRACE_STEP_OFFSET"
 """The global step at which the step clock of a traced process starts (e.g. a run resumed after step K: K)."""
 
-_PRECEDENCE = {"train_state": 0, "explicit": 1, "env": 1, "optimizer": 3, "process": 4}
+_PRECEDENCE = {"train_state": 0, "explicit": 1, "env": 1, "checkpoint": 2, "optimizer": 3, "process": 4}
 """Step sources by precedence (lower wins); any other name is a framework integration, between the two groups."""
 INTEGRATION_PRECEDENCE = 2
 
@@ -126,6 +132,15 @@ class StepClock:
             if self._first_step is not None or step <= 0 or not self.detecting:
                 return False
             return self.set_step(step, "optimizer")
+
+    def loaded(self, step: int) -> bool:
+        """The program loaded a checkpoint saved after `step` completed steps. Believed only before this process's
+        first step ended (a later load is the program's own business: an evaluation, a rollback). Returns whether
+        the clock took the value."""
+        with self.lock:
+            if self._first_step is not None:
+                return False
+            return self.set_step(step, "checkpoint")
 
     @property
     def stepped(self) -> bool:

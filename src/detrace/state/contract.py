@@ -77,6 +77,10 @@ ENV_NATIVE_CONTROL = "DETRACE_NATIVE_CONTROL"
 ENV_NATIVE_RNG = "DETRACE_NATIVE_RNG"
 """For skip-rng: JSON {absolute file path: [[kind, key path], ...]}, where the save that wrote each file put RNG
 states (from the stopped run's checkpoint log)."""
+ENV_NATIVE_SAVED = "DETRACE_NATIVE_SAVED"
+"""For a resumed arm: JSON {absolute path: completed steps}, the files and folders the stopped run saved and the
+optimizer steps it had completed at each save (from its checkpoint log): a process that loads one of them counts
+its steps on from there, whatever its optimizer keeps (SGD keeps no step count, a checkpoint may leave it out)."""
 NATIVE_CONTROLS = ("skip-rng", "skip-optimizer")
 """The controls the tracer applies at a load, in the order check-resume --native tries them."""
 

@@ -4,10 +4,15 @@
 `load` (what HF `Trainer`, Lightning, torchtitan and hand-written loops call) run as checkpoint I/O (phase
 "checkpoint", compared apart from the training), and each call is logged as it returns, with the optimizer steps
 completed and the files it named (detrace.tracefile.checkpoints). safetensors is wrapped at once (transformers
-binds its functions when it is imported); torch.distributed.checkpoint, whose import costs a second, only once the
-program imported it (looked for as each optimizer step begins, and at install).
+binds its functions when it is imported); torch.distributed.checkpoint, whose import costs a second, once the
+program imports it (and at install, and as each optimizer step begins, for a program that imported it first).
 
-Two variables of `detrace check-resume --native` act here:
+A process that loads a checkpoint saved by the stopped run of `detrace check-resume --native` (DETRACE_NATIVE_SAVED:
+each file or folder it saved, with its completed steps) counts its steps on from there (detrace.record.steps: the
+source "checkpoint"). torch.distributed.checkpoint.state_dict's initialisation of a fresh optimizer's state (an
+optimizer step with zero gradients and a zero learning rate) runs as checkpoint I/O: it is not a training step.
+
+Two more variables of `detrace check-resume --native` act here:
 - DETRACE_NATIVE_STOP_AT=K: the process ends (as a preemption would, its trace complete) when the optimizer step
   after K completed steps begins: after the program's save at step K returned, before anything more is trained.
 - DETRACE_NATIVE_CONTROL=skip-optimizer | skip-rng: a negative control applied to what a load gives the program
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import types
 from collections.abc import Callable
@@ -36,15 +42,17 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from detrace import _events
+from detrace import _compat, _events
 from detrace._exit import leave
 from detrace.errors import UsageError
 from detrace.record.opaque import Opaque, skip_frames
-from detrace.record.patch import replace
+from detrace.record.patch import after_import, replace
+from detrace.record.rungs.checkpoint_files import Files, bytes_of, position
 from detrace.record.rungs.clock import restored_step
 from detrace.record.session import Tracer
 from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
 from detrace.state.contract import ENV_NATIVE_RNG as RNG_VAR
+from detrace.state.contract import ENV_NATIVE_SAVED as SAVED_VAR
 from detrace.state.contract import ENV_NATIVE_STOP_AT as STOP_VAR
 from detrace.state.contract import NATIVE_CONTROLS
 from detrace.tracefile.layout import checkpoint_log_path
@@ -82,21 +90,47 @@ def _control() -> str | None:
     return control
 
 
+def _saved_steps() -> dict[str, int]:
+    text = os.environ.get(SAVED_VAR)
+    if not text:
+        return {}
+    try:
+        given = json.loads(text)
+        return {str(path): int(completed) for path, completed in given.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise UsageError(f"{SAVED_VAR} is not the saves of check-resume --native ({err})") from err
+
+
 class _Log:
     """This process's checkpoint log, one JSON line per save or load, written as each returns."""
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
+        self.saved = _saved_steps()
+        """The stopped run's saves, by absolute path, with the steps completed at each (DETRACE_NATIVE_SAVED)."""
         self.depth = 0
         """Checkpoint calls running now, in any thread (only the outermost is logged: DCP's writer threads save
         its items with torch.save)."""
+        self.files = Files(self.write, str(tracer.config.out))
+        """Where the saves end up: renamed, or written from memory into a file."""
 
     def add(self, op: str, api: str, paths: list[str], control: str | None = None,
-            rng: list[tuple[str, KeyPath]] | None = None) -> None:
-        if not self.tracer.enabled and self.tracer.rank is not None:
-            return  # a rank outside the window, or a closed trace
+            rng: list[tuple[str, KeyPath]] | None = None, memory: int | None = None) -> None:
+        if op == "load":
+            # A file in a folder the stopped run saved (a DCP checkpoint) counts as that folder.
+            steps = [self.saved[key] for path in paths for folder in (path, os.path.dirname(path))
+                     if (key := os.path.abspath(folder)) in self.saved]
+            if steps:
+                self.tracer.clock.loaded(steps[0])
+        self.files.named(op, paths)
         line = {"op": op, "api": api, "completed": completed_steps(self.tracer), "paths": paths,
                 "pid": os.getpid(), "control": control, "rng": rng or []}
+        self.write(line if memory is None else {**line, "memory": memory})
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Append one line to the log (of a save or load, or of where a save's file went)."""
+        if not self.tracer.enabled and self.tracer.rank is not None:
+            return  # a rank outside the window, or a closed trace
         try:
             self.tracer.config.out.mkdir(parents=True, exist_ok=True)  # a process that recorded nothing yet
             with open(checkpoint_log_path(self.tracer.config.out, os.getpid()), "a") as stream:
@@ -116,23 +150,52 @@ def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Ca
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if log.depth:  # inside another checkpoint call: that one is logged
             return function(*args, **kwargs)
+        where = target(*args, **kwargs)
+        paths = _named(where)
+        # A buffer: where a save starts writing into it, what a load reads from it (the call moves its position).
+        start = position(where) if op == "save" and not paths else None
+        read = bytes_of(where) if op == "load" and not paths else None
         log.depth += 1
         try:
             with _events.checkpoint_io():
                 result = function(*args, **kwargs)
         finally:
             log.depth -= 1
-        paths = _named(target(*args, **kwargs))
+        memory = log.files.into_memory(where, start) if start is not None else None
+        if read is not None:  # a file of the stopped run's, read into memory first, counts as that file
+            paths = log.files.known_file(*read)
         control = None
         if transform is not None and in_place:
             _, control = transform(args[0] if args else kwargs.get("state_dict"), paths)
         elif transform is not None:
             result, control = transform(result, paths)
         rng = saved(args[0] if args else kwargs.get("obj")) if saved is not None else None
-        log.add(op, api, paths, control, rng)
+        log.add(op, api, paths, control, rng, memory)
         return result
 
     wrapped.__wrapped__ = function  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _follow(log: _Log, api: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function(source, destination, ...)`, a rename: a saved file or folder it moves is logged where it went
+    (`shutil.move` returns where that is: into a folder it names, under the source's name)."""
+
+    def wrapped(source: Any, destination: Any, *args: Any, **kwargs: Any) -> Any:
+        result = function(source, destination, *args, **kwargs)
+        if not args and not any(kwargs.get(fd) is not None for fd in ("src_dir_fd", "dst_dir_fd")):
+            log.files.renamed(api, source, result if api == "shutil.move" and result is not None else destination)
+        return result
+
+    wrapped.__wrapped__ = function  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _as_checkpoint_io(function: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _events.checkpoint_io():
+            return function(*args, **kwargs)
+
     return wrapped
 
 
@@ -267,6 +330,8 @@ def _rng_paths() -> dict[str, list[tuple[str, KeyPath]]]:
         raise UsageError(f"{RNG_VAR} is not the RNG states of check-resume --native ({err})") from err
 
 
+DCP_MODULES = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict")
+"""Wrapped as the program imports them (see `install`)."""
 LIGHTNING_IO = ("lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io")
 """Lightning's checkpoint writers: `_atomic_save(checkpoint, filepath)` saves into a buffer with torch.save and
 writes it through fsspec, so the file it names is logged there."""
@@ -279,6 +344,7 @@ def install(tracer: Tracer) -> list[Undo]:
     stop_at = _stop_at()
     states = _RngStates()
     controls = _Controls(tracer, _control(), states)
+    log.files.known += [*log.saved, *controls.rng]  # the stopped run's files: a load from memory may be one
     cuda = torch.cuda
     undo: list[Undo] = [
         replace(torch, "save", _wrap(log, "save", "torch.save", torch.save, _argument(1, "f"), saved=states.found)),
@@ -288,7 +354,11 @@ def install(tracer: Tracer) -> list[Undo]:
             (cuda, "get_rng_state", "cuda"), (cuda.random, "get_rng_state", "cuda"),
             (cuda, "get_rng_state_all", "cuda-all"), (cuda.random, "get_rng_state_all", "cuda-all"),
             (random, "getstate", "python"))),
+        # Renames, followed from a saved file to where it is now (Path.replace and .rename, shutil.move call them).
+        *(replace(module, name, _follow(log, f"{module.__name__}.{name}", getattr(module, name)))
+          for module, name in ((os, "replace"), (os, "rename"), (shutil, "move"))),
     ]
+    tracer.add_closing(lambda: log.files.land(final=True))  # a last save into memory, written to a file after it
     try:
         import safetensors.torch as safetensors
     except ImportError:
@@ -313,6 +383,8 @@ def install(tracer: Tracer) -> list[Undo]:
         numpy = sys.modules.get("numpy")
         if "numpy" not in late and numpy is not None and hasattr(numpy, "random"):
             late["numpy"] = [replace(numpy.random, "get_state", states.wrap("numpy", numpy.random.get_state))]
+        if "init" not in late and (undo_init := _compat.wrap_optimizer_state_init(_as_checkpoint_io)) is not None:
+            late["init"] = [undo_init]
         for name in LIGHTNING_IO:
             module = sys.modules.get(name)
             if name not in late and module is not None and hasattr(module, "_atomic_save"):
@@ -322,6 +394,9 @@ def install(tracer: Tracer) -> list[Undo]:
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         wrap_late()
+        if tracer.clock.checkpoint_depth:
+            return  # not a training step (see the module's docstring)
+        log.files.land()  # the step's saves into memory are in their files by now
         if stop_at is not None and tracer.clock.step >= stop_at:
             leave(0)  # the exit handlers close the trace
 
@@ -331,4 +406,7 @@ def install(tracer: Tracer) -> list[Undo]:
                 step()
 
     wrap_late()
-    return [*undo, register_optimizer_step_pre_hook(Opaque(pre)).remove, unwrap_late]
+    # Wrapped as soon as the program imports them: a resumed process loads before its first optimizer step, and
+    # torch's DCP state-dict helpers step a fresh optimizer (not a training step) before that.
+    watch = after_import(DCP_MODULES, wrap_late)
+    return [*undo, watch, register_optimizer_step_pre_hook(Opaque(pre)).remove, unwrap_late]

@@ -36,6 +36,8 @@ def install_pre(tracer: Tracer) -> Callable[[], None]:
     """Registered before every rung's hooks: the optimizer phase starts."""
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        if tracer.clock.checkpoint_depth:
+            return None  # an optimizer step inside checkpoint I/O is not a training step (detrace.record.steps)
         if tracer.clock.source == "process" and not tracer.clock.stepped:
             tracer.restored(restored_step(optimizer), in_step=True)
         ran = _closure_first(tracer, args, kwargs)
@@ -98,6 +100,7 @@ def install_post(tracer: Tracer) -> Callable[[], None]:
     """Registered after every rung's hooks: the step ends once they have recorded."""
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        tracer.optimizer_ends()
+        if not tracer.clock.checkpoint_depth:
+            tracer.optimizer_ends()
 
     return register_optimizer_step_post_hook(Opaque(post)).remove

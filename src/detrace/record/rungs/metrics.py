@@ -93,7 +93,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         return original_scale(parameters, max_norm, total_norm, *args, **kwargs)
 
     def grad_norm(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not tracer.on["metrics"] or clipped == [tracer.clock.step]:
+        if not tracer.on["metrics"] or clipped == [tracer.clock.step] or tracer.clock.checkpoint_depth:
             return
         grads = [local_data(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:

@@ -128,6 +128,8 @@ def install(tracer: Tracer) -> list[Undo]:
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         step = tracer.clock.step
+        if tracer.clock.checkpoint_depth:
+            return  # not a training step: torch initialising a fresh optimizer's state (detrace.record.steps)
         if step not in steps or (not tracer.enabled and tracer.rank is not None):
             return  # (a rank outside the window, or a closed trace)
         seen = done.setdefault(step, [])
