@@ -56,6 +56,10 @@ def restoring() -> Iterator[None]:
             listener(False)
 
 
+recording = False
+"""True while a tracer records in this process (detrace.record sets it as its tracer starts and clears it as it
+stops): a sampler keeps its batches' sample indices for `sample_source` only then."""
+
 sample_source: list[Callable[[], list[int] | None]] = []
 """At most one: returns the dataset indices of the samples of the next batch the training loop takes (None when it
 does not know them). Detrace's data handling of a framework's loader registers it (detrace.integrations._seeding);

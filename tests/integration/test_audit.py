@@ -34,7 +34,6 @@ from detrace import record as tracing
 from detrace._compat import pop_mode, push_mode
 from detrace.cli import audit as audit_cli
 from detrace.errors import CommandFailed, TraceError, UsageError
-from detrace.integrations._seeding import SampleKeys
 from detrace.investigate.audit import judge, probe
 from detrace.investigate.audit.catalog import BY_OP, ENTRIES, OpEntry
 from detrace.investigate.audit.kernels import scan
@@ -43,6 +42,7 @@ from detrace.investigate.audit.report import Launch, audit_command, prediction, 
 from detrace.investigate.audit.seeding import SeedWatch
 from detrace.launch.launcher import LaunchResult
 from detrace.recipe import Finding
+from detrace.state.sample_keys import SampleKeys
 
 DATA = Path(__file__).parents[1] / "support" / "data" / "inductor"
 INDEX_PUT = BY_OP["index_put_"]

@@ -433,12 +433,14 @@ def test_the_tracer_refuses_a_bad_variable_at_its_start_not_at_its_first_flush(
 def test_a_garbage_audit_variable_is_one_sentence_naming_it_and_the_trace_is_closed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import detrace.record
+    from detrace.investigate.audit import probe
     from detrace.record.config import ENV_VAR, TraceConfig
 
     monkeypatch.setenv(ENV_VAR, TraceConfig(out=tmp_path / "t", launched=True).to_env())
     monkeypatch.setenv("DETRACE_AUDIT", "garbage")
     try:
-        assert detrace.record.arm_from_env()  # an "invalid literal for int()" traceback before, the trace left open
+        assert detrace.record.arm_from_env()
+        probe.arm_from_env()  # as the start-up hook arms it next; an "invalid literal for int()" traceback once
         err = capsys.readouterr().err
         assert err == (f"detrace: DETRACE_AUDIT must be a positive number of steps, not 'garbage'; the audit is off "
                        f"in process {os.getpid()}\n")

@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._seeding import SampleKeys, resumable_stream, seed_samples, skip_for_controls
+from detrace.integrations._seeding import resumable_stream, seed_samples, skip_for_controls
 from detrace.ops import hf_experts as experts
 from detrace.state import TrainState, rng
 from detrace.state.contract import (
@@ -45,6 +45,7 @@ from detrace.state.contract import (
     resume_source,
     stop_requested,
 )
+from detrace.state.sample_keys import SampleKeys
 
 if importlib.util.find_spec("transformers.integrations.moe") is not None:
     experts.register()

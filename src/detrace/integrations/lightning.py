@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detrace import record as tracing
 from detrace.errors import CheckpointError, UsageError
-from detrace.integrations._seeding import SampleKeys, seed_samples, skip_for_controls
+from detrace.integrations._seeding import seed_samples, skip_for_controls
 from detrace.state import TrainState, rng
 from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
@@ -63,6 +63,7 @@ from detrace.state.contract import (
     resume_source,
     stop_requested,
 )
+from detrace.state.sample_keys import SampleKeys
 
 
 class DetraceCallback(pl.Callback):

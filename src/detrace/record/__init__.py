@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from detrace import _events
-from detrace._numbers import parse_count
 from detrace.errors import UsageError
 from detrace.record.config import RECORDING_VAR, TraceConfig
 
@@ -61,13 +60,13 @@ def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     _undo[:] = install(tracer)
     # A sampler registers itself as its iteration starts under this tracer: one of a finished trace has no say.
     _events.sample_source.clear()
-    _tracer = tracer
+    _tracer, _events.recording = tracer, True
     return tracer
 
 
 def _stop() -> None:
     global _tracer
-    tracer, _tracer = _tracer, None
+    tracer, _tracer, _events.recording = _tracer, None, False
     if tracer is None:
         return
     _events.sample_source.clear()
@@ -107,19 +106,17 @@ def arm_from_env() -> bool:
         # The agent's workers are the job's ranks, whoever started the agent.
         os.environ.pop(RECORDING_VAR, None)
         return False
-    tracer = _start(config, check_out_dir=False)
+    _start(config, check_out_dir=False)
     atexit.register(_stop)  # first: whatever follows, the trace is closed at exit
-    # detrace.investigate.audit.records.ENV_AUDIT: `detrace audit` arms its probe
-    text = os.environ.get("DETRACE_AUDIT")
-    steps = parse_count(text) if text else None
-    if text and not steps:  # the rule for detrace's variables: one sentence, the feature off, the program on
-        print(f"detrace: DETRACE_AUDIT must be a positive number of steps, not {text[:40]!r}; the audit is off in "
-              f"process {os.getpid()}", file=sys.stderr)
-    elif steps:
-        from detrace.investigate.audit.probe import install
-
-        _undo.extend(install(tracer, steps))  # type: ignore[arg-type]  # _start returns the Tracer
     return True
+
+
+def on_stop(undo: Callable[[], None]) -> None:
+    """Call `undo` when the active tracer stops, after it has closed its trace: what is armed beside the tracer (the
+    start-up hook arms `detrace audit`'s probe after it) is taken down with it, the last armed first."""
+    if _tracer is None:
+        raise UsageError("on_stop needs an active tracer")
+    _undo.append(undo)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from detrace.integrations._seeding import SampleKeys
 from detrace.investigate.audit.catalog import OpEntry
 from detrace.investigate.audit.records import Certainty, Fixer, Hazard
 from detrace.recipe import Finding
+from detrace.state.sample_keys import SampleKeys
 
 
 def repeated(indices: Any, how: str, dim: int = 0, spatial: int = 0) -> tuple[int, int]:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from detrace import record as tracing
 from detrace._compat import (
     TorchDispatchMode,
     current_dispatch_mode,
@@ -40,10 +41,11 @@ from detrace._compat import (
     push_mode,
     wrap_output_code,
 )
+from detrace._numbers import parse_count
 from detrace.investigate.audit import judge
 from detrace.investigate.audit.catalog import BY_OP
 from detrace.investigate.audit.kernels import KernelScan, scan
-from detrace.investigate.audit.records import AUDIT_DIR, SCHEMA, Fixer, Hazard, rank_file
+from detrace.investigate.audit.records import AUDIT_DIR, ENV_AUDIT, SCHEMA, Fixer, Hazard, rank_file
 from detrace.investigate.audit.seeding import SeedWatch
 from detrace.record.patch import replace as patch
 from detrace.record.rungs.module import owner
@@ -380,6 +382,23 @@ def _ddp_type() -> type:
 def _live(kind: type) -> list[Any]:
     """Every live object of a type (one scan of the garbage collector's objects), in creation order."""
     return [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]
+
+
+def arm_from_env() -> None:
+    """Arm the probe where `detrace audit` asks for it (ENV_AUDIT: how many steps to audit), beside the tracer that
+    `detrace run`'s start-up hook has just started in this process (the hook calls this next), and take it down
+    with that tracer. A malformed value is one sentence on stderr, the audit off and the program on: the rule for
+    every detrace variable read in the training process."""
+    text, tracer = os.environ.get(ENV_AUDIT), tracing.active()
+    if not text or not isinstance(tracer, Tracer):
+        return
+    steps = parse_count(text)
+    if not steps:
+        print(f"detrace: {ENV_AUDIT} must be a positive number of steps, not {text[:40]!r}; the audit is off in "
+              f"process {os.getpid()}", file=sys.stderr)
+        return
+    for undo in install(tracer, steps):
+        tracing.on_stop(undo)
 
 
 def install(tracer: Tracer, steps: int) -> list[Undo]:

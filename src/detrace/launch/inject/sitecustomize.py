@@ -16,7 +16,8 @@ def _arm():
     try:
         from detrace.record import arm_from_env
 
-        arm_from_env()
+        if not arm_from_env():
+            return
     except Exception as err:  # the program must run on; say why it is not traced, here and to the launcher
         reason = str(err) or type(err).__name__
         print(f"detrace: the tracer was not started in process {os.getpid()}: {reason}", file=sys.stderr)
@@ -26,6 +27,17 @@ def _arm():
             note_untraced(reason)
         except Exception:  # the line above said it already; the launcher then finds no note
             pass
+        return
+    # `detrace audit` arms its probe beside the tracer (detrace.investigate.audit.records.ENV_AUDIT). Armed here, not
+    # by the tracer: the recording wing does not import the investigation wing.
+    if os.environ.get("DETRACE_AUDIT"):
+        try:
+            from detrace.investigate.audit.probe import arm_from_env as arm_audit
+
+            arm_audit()
+        except Exception as err:  # the program runs on, traced, without the audit
+            reason = str(err) or type(err).__name__
+            print(f"detrace: the audit was not armed in process {os.getpid()}: {reason}", file=sys.stderr)
 
 
 class _ArmingLoader(importlib.abc.Loader):
