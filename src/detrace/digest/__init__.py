@@ -9,6 +9,7 @@ This module holds the public entry points; the package is one module per concern
   ``DETRACE_FINGERPRINT_BACKEND``).
 - `native`: the loaders of the C kernels for the CPU (`detrace._fp1`, `detrace._fp2`); `_triton`: fp2 on GPUs.
 - `plan`: batches: packing pieces into row buffers, partial sums per device, one read-back per device.
+- `sharded`: a DTensor's fingerprint, its global tensor's, from the shards without gathering them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from detrace.digest.kernels import ENV_BACKEND as ENV_BACKEND  # re-exported: th
 from detrace.digest.kernels import ENV_SCHEME as ENV_SCHEME
 from detrace.digest.plan import Planner, StagedFingerprints, collect, one_native
 from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, combine, header, np_bytes_sum
+from detrace.digest.sharded import global_fingerprints, is_dtensor
 from detrace.errors import UsageError
 
 __all__ = [
@@ -87,8 +89,22 @@ def stage(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0,
 
 def fingerprint_many(tensors: Sequence[Any], *, chunks: int | None = None, dim: int = 0,
                      scheme: str | None = None) -> list[Fingerprint]:
-    """Fingerprints of many tensors, computed on their devices and read back in one transfer per device."""
-    return stage(tensors, chunks=chunks, dim=dim, scheme=scheme).result()
+    """Fingerprints of many tensors, computed on their devices and read back in one transfer per device. A DTensor's
+    is its global tensor's (see `fingerprint`): collective, with one all-reduce per mesh for all of them."""
+    sharded = [i for i, t in enumerate(tensors) if is_dtensor(t)]
+    if not sharded:
+        return stage(tensors, chunks=chunks, dim=dim, scheme=scheme).result()
+    if chunks is not None:
+        raise UsageError("chunk digests of a DTensor are not computed: fingerprint its local shard "
+                         "(DTensor.to_local()) with chunks, or the DTensor without")
+    name = scheme_named(scheme)
+    out: list[Fingerprint | None] = [None] * len(tensors)
+    for i, fp in zip(sharded, global_fingerprints([tensors[i] for i in sharded], name), strict=True):
+        out[i] = fp
+    rest = [i for i in range(len(tensors)) if out[i] is None]
+    for i, fp in zip(rest, stage([tensors[i] for i in rest], scheme=name).result(), strict=True):
+        out[i] = fp
+    return [fp for fp in out if fp is not None]
 
 
 def fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0, scheme: str | None = None) -> Fingerprint:
@@ -99,8 +115,13 @@ def fingerprint(tensor: Any, *, chunks: int | None = None, dim: int = 0, scheme:
     chunk: the digest that `fingerprint` gives for that slice on its own. A tensor or object implementing
     `__detrace_components__()` is fingerprinted as its components. `scheme` (``"fp1"`` or ``"fp2"``) overrides
     ``DETRACE_FINGERPRINT_SCHEME`` (fp1 when unset); digests of different schemes are never comparable.
+
+    A DTensor's fingerprint is its global tensor's (that of `full_tensor()`, bit for bit), computed from the shards
+    without gathering them (`detrace.digest.sharded`): a collective, which every rank of its mesh must call.
     """
     check_chunks(chunks, dim)
+    if chunks is None and is_dtensor(tensor):
+        return global_fingerprints([tensor], scheme_named(scheme))[0]
     if chunks is None:
         name = scheme_named(scheme)
         # Only dispatch modes to quiet: the in-place path builds no autograd graph (plain() detaches), and no_grad's
