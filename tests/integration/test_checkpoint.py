@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -648,3 +649,77 @@ def test_a_manifest_without_record_frames_is_verified_with_torchs_reader(tmp_pat
     flip_one_bit(version, state.model[2].weight)  # type: ignore[index]
     with pytest.raises(CheckpointCorrupted, match=r"tensor 'model\.2\.weight' does not match its fingerprint"):
         verify_checkpoint(version)
+
+
+def _unblock_readers(fifo: Path, stop: threading.Event) -> None:
+    """Open `fifo` for writing as soon as a reader waits on it (and close it: the reader then reads nothing), so
+    that a verify that opened it fails an assertion instead of waiting for a writer for ever."""
+    while not stop.wait(0.05):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # ENXIO: no reader yet
+            continue
+        return
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "rank-0.json", "dcp_metadata.json"])
+@pytest.mark.parametrize("framed", [True, False])
+def test_a_checkpoint_file_that_is_a_fifo_is_refused_before_it_is_read(
+        tmp_path: Path, name: str, framed: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """#49.9: a FIFO in place of a shard file made verify wait for a writer for ever (killed at 60 s)."""
+    version = make_state().save(tmp_path)
+    if not framed:  # a checkpoint saved before the records were located: read with torch's reader
+        path = version / "manifest.json"
+        document = json.loads(path.read_text())
+        for entries in document["tensors"].values():
+            for entry in entries:
+                del entry["data_at"], entry["frame"]
+        path.write_text(json.dumps(document))
+    fifo = version / name
+    fifo.unlink()
+    os.mkfifo(fifo)
+    stop = threading.Event()
+    guard = threading.Thread(target=_unblock_readers, args=(fifo, stop), daemon=True)
+    guard.start()
+    try:
+        assert detrace(["verify-checkpoint", str(tmp_path)]) == 1
+    finally:
+        stop.set()
+        guard.join()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{fifo} is not a regular file (a FIFO)" in err, err
+
+
+def test_a_missing_shard_file_and_a_missing_rank_file_are_both_damage(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """#49.11: a missing shard exited 2 (no answer), a missing rank file 1 (damage): both are a checkpoint that is
+    not what its manifest says, exit 1."""
+    for name in ("__0_0.distcp", "rank-0.json"):
+        version = make_state().save(tmp_path / name)
+        (version / name).unlink()
+        assert detrace(["verify-checkpoint", str(version)]) == 1
+        assert capsys.readouterr().err.endswith(f"{version / name} is missing\n")
+
+
+def test_a_file_truncated_after_verify_began_is_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """#49.11: a shard truncated by another process after verify began, before verify opened it, was reported as
+    "is truncated" (exit 1, damage the checkpoint may not have had): verify could not tell, so it is "changed
+    while it was being verified", exit 2, as docs/resume.md says. Truncated before verify began, it is damage."""
+    from detrace.state import manifest
+
+    version = make_state().save(tmp_path)
+    (shard,) = version.glob("*.distcp")
+    checked = manifest._check_files
+
+    def check_then_truncate(directory: Path, found: manifest.Manifest) -> list[str]:
+        problems = checked(directory, found)
+        os.truncate(shard, shard.stat().st_size - 100)
+        return problems
+
+    monkeypatch.setattr(manifest, "_check_files", check_then_truncate)
+    assert detrace(["verify-checkpoint", str(version)]) == 2
+    assert capsys.readouterr().err.endswith(f"{shard} changed while it was being verified\n")
+    monkeypatch.setattr(manifest, "_check_files", checked)  # now short before verify begins: damage
+    assert detrace(["verify-checkpoint", str(version)]) == 1
+    assert f"{shard} is truncated" in capsys.readouterr().err

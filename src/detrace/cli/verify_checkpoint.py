@@ -1,8 +1,9 @@
 """`detrace verify-checkpoint PATH`: check a checkpoint against its fingerprint manifest.
 
 PATH is a checkpoint root (DETRACE_CKPT_DIR, whose `latest` names the current version) or one version
-directory. Exit 0 when every stored tensor and file matches, 1 on a mismatch (naming the tensor or file),
-2 when there is no readable checkpoint at PATH.
+directory. Exit 0 when every stored tensor and file matches, 1 when the checkpoint is not what its manifest says
+(a tensor or file that differs, is missing, short, or not a regular file, named), 2 when there is no verdict: no
+readable checkpoint at PATH, a file the system will not read, or a checkpoint that changed while it was verified.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ corrupted checkpoint is never trained on silently.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +24,7 @@ from detrace import __version__
 from detrace.digest.scheme import Fingerprint
 from detrace.errors import CheckpointCorrupted, CheckpointError
 from detrace.state import dist
-from detrace.state.records import Frame, Wanted, read_batches
+from detrace.state.records import Frame, Wanted, open_regular, read_batches
 from detrace.state.storage import StoredChunk, load_chunk, read_json, stored_chunks
 from detrace.tracefile.integrity import file_sha256
 from detrace.tracefile.schemes import SCHEME, SCHEMES
@@ -197,6 +198,7 @@ def verify(directory: Path, *, collective: bool) -> Manifest:
     rank, world = dist.rank_and_world() if collective else (0, 1)
     problems: list[str] = []
     error: CheckpointError | None = None
+    before = _listing(directory)
     try:
         manifest = read(directory)
         problems += _check_files(directory, manifest)
@@ -209,6 +211,10 @@ def verify(directory: Path, *, collective: bool) -> Manifest:
         problems.append(str(err))
     except CheckpointError as err:
         error = err
+    if error is None and (changed := _changed(before, _listing(directory))) is not None:
+        # A file truncated or rewritten meanwhile (a job saving over it) reads as damage that the checkpoint may
+        # not have had: no verdict either way (exit 2), not "corrupted" (exit 1).
+        error = CheckpointError(f"{directory / changed} changed while it was being verified")
     failed = error is not None or bool(problems)
     if dist.any_rank(failed) if collective else failed:
         if error is not None:
@@ -218,6 +224,33 @@ def verify(directory: Path, *, collective: bool) -> Manifest:
             raise CheckpointCorrupted(f"{directory}: {problems[0]}{more}")
         raise CheckpointCorrupted(f"{directory}: another rank found damage; see its error")
     return manifest
+
+
+Listing = dict[str, "tuple[int, int, int, int] | None"]
+"""A version directory's entries: name -> (inode, mode, size, modification time in ns) of what it names (a link
+followed), None where that cannot be read."""
+
+
+def _listing(directory: Path) -> Listing:
+    listing: Listing = {}
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat()
+                except OSError:
+                    listing[entry.name] = None
+                else:
+                    listing[entry.name] = (st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns)
+    except OSError:  # no directory there: `read` says so
+        pass
+    return listing
+
+
+def _changed(before: Listing, after: Listing) -> str | None:
+    """The first entry (by name) that appeared, went or changed between two listings, or None."""
+    return next((name for name in sorted(before.keys() | after.keys())
+                 if (name in before, before.get(name)) != (name in after, after.get(name))), None)
 
 
 def rank_file(rank: int) -> str:
@@ -232,9 +265,15 @@ def _check_files(directory: Path, manifest: Manifest) -> list[str]:
                 for rank in range(manifest.world_size) if rank_file(rank) not in manifest.files]
     for name, digest in manifest.files.items():
         path = directory / name
-        if Path(name).name != name or not path.is_file():
+        if Path(name).name != name:
             problems.append(f"file {name} is missing")
-        elif file_sha256(path) != digest:
+            continue
+        try:  # refused before it is read: a FIFO in its place would block the read for ever
+            os.close(open_regular(path))
+        except CheckpointCorrupted as err:
+            problems.append(str(err))
+            continue
+        if file_sha256(path) != digest:
             problems.append(f"file {name} does not match its checksum in the manifest")
     return problems
 

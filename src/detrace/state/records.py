@@ -28,6 +28,7 @@ import hashlib
 import io
 import mmap
 import os
+import stat
 import struct
 import warnings
 import zipfile
@@ -141,6 +142,31 @@ def frame_of(stream: BinaryIO, start: int, length: int) -> Frame | None:
                  sha256=_frame_sha256(stream.fileno(), start, length, data_at, data_bytes))
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the checkpoint file `path`. It must be a regular file (a link to one included):
+    opening a FIFO for reading waits for a writer for ever, and a device reads without end. The file is opened
+    without blocking and checked on the descriptor, not on the name (which could be replaced in between), then made
+    blocking. Missing or not a regular file is damage (CheckpointCorrupted: the checkpoint is not what was saved);
+    another error of the system (permissions, I/O) is a CheckpointError (no answer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointCorrupted(f"{path} is missing") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+        raise CheckpointCorrupted(f"{path} is not a regular file ({kind})")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _frame_sha256(fd: int, start: int, length: int, data_at: int, data_bytes: int) -> str:
     head = os.pread(fd, data_at, start)
     tail = os.pread(fd, length - data_at - data_bytes, start + data_at + data_bytes)
@@ -152,10 +178,7 @@ class _File:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except OSError as err:
-            raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+        self.fd = open_regular(path)
         self.size = os.fstat(self.fd).st_size
         self._map: mmap.mmap | None = None
         self._bytes: np.ndarray | None = None

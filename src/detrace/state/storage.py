@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from detrace.errors import CheckpointCorrupted, CheckpointError
-from detrace.state.records import Frame, frame_of
+from detrace.state.records import Frame, frame_of, open_regular
 
 METADATA_FILE = "dcp_metadata.json"
 _SCHEMA = "detrace.dcp-metadata/1"
@@ -182,7 +182,7 @@ def load_chunk(directory: Path, chunk: StoredChunk) -> torch.Tensor:
     if Path(chunk.file).name != chunk.file:
         raise CheckpointError(f"{directory / METADATA_FILE} points outside the checkpoint ({chunk.file!r})")
     try:
-        with path.open("rb") as stream:
+        with os.fdopen(open_regular(path), "rb") as stream:
             stream.seek(chunk.start)
             record = stream.read(chunk.length)
     except OSError as err:
@@ -211,11 +211,11 @@ def write_json(path: Path, document: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """Read a JSON file of a checkpoint; a missing or malformed one is a CheckpointError."""
+    """Read a JSON file of a checkpoint; a missing or malformed one is a CheckpointError (missing, or not a
+    regular file: CheckpointCorrupted, see `open_regular`)."""
     try:
-        return json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
+        with os.fdopen(open_regular(path), "rb") as stream:
+            return json.loads(stream.read())
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
