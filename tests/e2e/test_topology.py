@@ -427,6 +427,8 @@ class _Fake:
     """More output of the run in that directory, before its final params line."""
     whole: tuple[str, ...] = ()
     """The runs in these directories train another model: `a` one whole parameter, not chunks."""
+    average: bool = False
+    """Each rank scales each microbatch's loss by 1/n for its n microbatches (torch's averaging convention)."""
 
     def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
         assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
@@ -449,7 +451,8 @@ class _Fake:
             d, t = divmod(rank, tp)
             steps = []
             for s in range(first, last):
-                losses = tuple(s + i / 8 + (1e-9 if i == 0 and faulty(s, "loss") else 0)
+                scale = per if self.average else 1
+                losses = tuple((s + i / 8 + (1e-9 if i == 0 and faulty(s, "loss") else 0)) / scale
                                for i in range(d * per, (d + 1) * per))
                 params = {f"a.chunks.{j}": 100 * s + j + faulty(s, f"a.chunks.{j}")
                           for j in range(t * 2 // tp, (t + 1) * 2 // tp)} if run.name not in self.whole else {"a": 1}
@@ -528,6 +531,19 @@ def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None
     assert first is not None and (first.kind, first.run) == ("final params", "layout fsdp2")
     with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
         _topology(tmp_path, _Fake(final={"layout-1x1": "none"}), layouts=mixed)  # the reference's is needed
+
+
+def test_losses_scaled_by_each_ranks_microbatch_count_are_compared_before_the_scaling(tmp_path: Path) -> None:
+    # 1x1 scales each loss by 1/4, 2x2 by 1/2 (torch's averaging over a rank's microbatches): the recorded backward
+    # roots differ by a factor of 2 by construction, the losses before the scaling do not
+    assert _topology(tmp_path, _Fake(average=True), layouts="1x1,1x2,2x2,2x1").identical
+    assert _topology(tmp_path, _Fake(average=True), worlds="1,2,4").identical
+    # a real difference in a loss is still found, at its step and microbatch, under either convention
+    for average in (True, False):
+        first = _topology(tmp_path, _Fake(average=average, fault=("layout-2x2", 1, "loss")), layouts="1x1,2x2").first
+        assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 1), average
+    first = _topology(tmp_path, _Fake(average=True, fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2").first
+    assert first is not None and (first.kind, first.name, first.step) == ("loss", "0", 0)
 
 
 def test_layouts_of_other_models_are_refused(tmp_path: Path) -> None:

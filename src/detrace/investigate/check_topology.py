@@ -7,8 +7,10 @@ its name in DETRACE_LAYOUT and its T in DETRACE_TP in CMD's environment). Record
 not by rank: a parameter by (global step, qualified name); a loss by (global step, global microbatch index), where
 the k-th loss of a step on data-parallel coordinate d is microbatch d * n + k when every rank computes n (the
 contiguous blocks of `detrace.parallel.data`; d the rank's coordinate over the data dimensions,
-`Layout.data_block`); the gradient norm by global step, compared only when no layout splits the gradients (T > 1,
-FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own part). Where ranks hold shards of one
+`Layout.data_block`; a loop that scales each loss by 1/n for its rank's n microbatches, as torch's averaging does, is
+compared on the losses before that scaling, see `_losses`); the gradient norm by global step, compared only when no
+layout splits the gradients (T > 1, FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own
+part). Where ranks hold shards of one
 parameter under one name (FSDP, expert parallelism) the tracer records each shard: that run's parameters are then
 compared through the `final params` line, which it and the reference must print; the other runs' still step by step
 against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
@@ -295,6 +297,8 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
         for step, values in losses.items():  # data-parallel rank d computes the block [d n, (d + 1) n)
             for k, loss in enumerate(values):
                 keyed[(step, "loss", str(block * len(values) + k))] = _bits(loss)
+                # the loss before a loop scaled it by 1/n (torch's averaging over the rank's n microbatches)
+                keyed[(step, "scaled", str(block * len(values) + k))] = _bits(loss * len(values))
         for row in [] if mesh.shards else params.select(["step", "name", "digest"]).to_pylist():
             digest = row["digest"]
             keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
@@ -329,6 +333,32 @@ def _same_model(reference: Run, ref: Shapes, run: Run, other: Shapes) -> None:
 def _order(key: Key) -> tuple[int, int, int | str]:
     step, kind, name = key
     return step, ("loss", "grad_norm", "param").index(kind), int(name) if kind == "loss" else name
+
+
+def _losses(ref: dict[Key, str], other: dict[Key, str]) -> tuple[dict[Key, str], dict[Key, str]]:
+    """Both runs' records with the losses as compared: the recorded backward roots, or, when a loop scales each
+    microbatch's loss by 1/n for its rank's n microbatches (torch's averaging, torchtitan's gradient accumulation),
+    the roots times n: the loss before scaling, the same by construction at every layout.
+
+    The roots are the unscaled losses' when they agree; the scaled convention is taken when, at the first step whose
+    roots differ, every loss agrees times n (exactly: n is a power of two). A real difference differs both ways."""
+    def losses(records: dict[Key, str], kind: str) -> dict[Key, str]:
+        return {(step, "loss", name): bits for (step, k, name), bits in records.items() if k == kind}
+
+    raw_ref, raw_other = losses(ref, "loss"), losses(other, "loss")
+    differ = sorted(key[0] for key in set(raw_ref) | set(raw_other) if raw_ref.get(key) != raw_other.get(key))
+    use = "loss"
+    if differ:
+        scaled_ref, scaled_other = losses(ref, "scaled"), losses(other, "scaled")
+        at = {key for key in set(scaled_ref) | set(scaled_other) if key[0] == differ[0]}
+        if all(scaled_ref.get(key) == scaled_other.get(key) for key in at):
+            use = "scaled"
+
+    def compared(records: dict[Key, str]) -> dict[Key, str]:
+        kept = {key: bits for key, bits in records.items() if key[1] not in ("loss", "scaled")}
+        return {**kept, **losses(records, use)}
+
+    return compared(ref), compared(other)
 
 
 def _differences(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Iterator[Mismatch]:
@@ -464,12 +494,12 @@ def compare(runs: tuple[Run, ...]
                     and (key[1] != "param" or not run.mesh.shards)}
         first, first_param = inner[run.label], None
         if first is None:
-            differences = _differences(expected, records[run.label], run)
+            differences = _differences(*_losses(expected, records[run.label]), run)
             first = next(differences, None)
             if first is not None and first.kind != "param":
                 first_param = next((m for m in differences if m.kind == "param"), None)
         compared.append((first, first_param))
-    steps = {step for step, _, _ in reference}
+    steps = {step for step, kind, _ in reference if kind != "scaled"}
     met = any(not run.mesh.shards for run in runs[1:])  # a run whose parameters met the reference's
     tensors = {name for _, kind, name in reference if kind == "param" and met}
     return inner[runs[0].label], compared, len(steps), len(tensors)
