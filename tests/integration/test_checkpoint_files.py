@@ -130,3 +130,20 @@ def test_a_load_from_memory_of_the_stopped_runs_file_gets_the_control(tmp_path: 
     assert torch.equal(loaded["rng"], torch.get_rng_state()) and not torch.equal(loaded["rng"], saved["rng"])
     [loading] = read_checkpoint_log(tmp_path / "control")
     assert (loading.paths, loading.control) == ((str(tmp_path / "ckpt.pt"),), "skip-rng")
+
+
+def test_check_resume_native_refuses_a_stop_point_saved_into_memory_and_found_in_no_file(tmp_path: Path) -> None:
+    from detrace.errors import UsageError
+    from detrace.investigate.native_resume import NativeContract
+    from detrace.tracefile.checkpoints import CheckpointIO
+
+    contract = NativeContract(["train"], out=tmp_path / "out", root=tmp_path, at=[2])
+
+    def saves(*paths: tuple[str, ...]) -> list[CheckpointIO]:
+        return [CheckpointIO(op="save", api="torch.save", completed=2 * (n + 1), paths=p, pid=1, in_memory=True)
+                for n, p in enumerate(paths)]
+
+    contract._saved_at(2, saves(("ckpt/last.pt",), ()))  # landed in a file: the check goes on
+    with pytest.raises(UsageError, match=r"^CMD saved its checkpoint after step 2 into memory \(torch.save into a "
+                                         r"buffer\) and its bytes are in no file under the working directory"):
+        contract._saved_at(2, saves((), ("ckpt/last.pt",)))

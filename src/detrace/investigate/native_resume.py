@@ -215,6 +215,11 @@ class NativeContract(Contract):
         if k not in steps:
             raise UsageError(f"CMD saved no checkpoint after step {k}: its continuous run saved after steps "
                              f"{', '.join(map(str, steps))}; give --at one of them")
+        if all(io.in_memory and not io.paths for io in saves if io.completed == k):
+            raise UsageError(f"CMD saved its checkpoint after step {k} into memory (torch.save into a buffer) and "
+                             "its bytes are in no file under the working directory (uploaded, or written elsewhere), "
+                             "so the check cannot keep its arms' checkpoints apart; have CMD write them to a file in "
+                             "the working directory for the check")
 
     def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
         from detrace.state.contract import ENV_NATIVE_CONTROL, ENV_NATIVE_RNG, ENV_NATIVE_SAVED  # see __init__
