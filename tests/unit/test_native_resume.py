@@ -6,8 +6,10 @@ The real tracer and a real script: tests/e2e/test_native_resume.py."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -40,9 +42,9 @@ class OwnCheckpoints:
     `seen` keeps, per arm, the checkpoints it found when it started."""
 
     def __init__(self, faults: Mapping[str, Fault] | None = None, *, resumes: bool = True, flag: str | None = None,
-                 saves: bool = True) -> None:
+                 saves: bool = True, folder: str = "checkpoints") -> None:
         self.faults = dict(faults or {})
-        self.resumes, self.flag, self.saves = resumes, flag, saves
+        self.resumes, self.flag, self.saves, self.folder = resumes, flag, saves, folder
         self.seen: dict[str, list[str]] = {}
         self.commands: dict[str, list[str]] = {}
         self.envs: dict[str, dict[str, str]] = {}
@@ -50,7 +52,7 @@ class OwnCheckpoints:
     def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **_: object
                  ) -> LaunchResult:
         env = dict(env or {})
-        folder = Path("checkpoints")
+        folder = Path(self.folder)
         found = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])) if folder.is_dir() else []
         self.seen[out.name] = [p.name for p in found]
         self.commands[out.name] = list(cmd)
@@ -67,7 +69,7 @@ class OwnCheckpoints:
                 folder.mkdir(exist_ok=True)
                 (folder / f"step-{step}.pt").write_text(f"{out.name} {step}")
                 log.append({"op": "save", "api": "torch.save", "completed": step,
-                            "paths": [f"checkpoints/step-{step}.pt"], "pid": 1, "control": None,
+                            "paths": [f"{self.folder}/step-{step}.pt"], "pid": 1, "control": None,
                             "rng": [["torch", ["rng", "cpu"]]]})
         out.mkdir(parents=True, exist_ok=True)
         write_run(out, RUN, self.faults.get(out.name))
@@ -78,10 +80,10 @@ class OwnCheckpoints:
 
 
 def _check(tmp_path: Path, launcher: OwnCheckpoints, *, resume_args: tuple[str, ...] = (), force: bool = False,
-           at: int = 2) -> object:
+           at: int = 2, cmd: tuple[str, ...] = ("train",)) -> object:
     out = tmp_path / "out"
-    contract = NativeContract(["train"], out=out, resume_args=resume_args, force=force, root=Path.cwd())
-    return check_resume(["train"], at=[at], out=out, launch=launcher, contract=contract)
+    contract = NativeContract(list(cmd), out=out, resume_args=resume_args, force=force, root=Path.cwd(), at=[at])
+    return check_resume(list(cmd), at=[at], out=out, launch=launcher, contract=contract)
 
 
 @pytest.fixture
@@ -218,3 +220,227 @@ def test_what_the_resume_forgot(first: Divergence, words: str | None) -> None:
     assert said == words if words is None else said is not None and said.startswith(words)
     if first.phase == "optimizer" and words is not None:
         assert said is not None and "does your checkpoint save the scheduler" in said
+
+
+# -- the user's files: every entry's bytes, name and place before and after the check ------------------------------
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every entry under `root` (the check's own detrace-runs/ aside): a folder, a link and its target, or a file
+    and the sha256 of its bytes."""
+    found: dict[str, str] = {}
+    for top, folders, files in os.walk(root):
+        folders[:] = [f for f in folders if f != "detrace-runs"]
+        for name in folders + files:
+            path = Path(top) / name
+            relative = str(path.relative_to(root))
+            if path.is_symlink():
+                found[relative] = f"link to {os.readlink(path)}"
+            elif path.is_dir():
+                found[relative] = "folder"
+            else:
+                found[relative] = f"file {hashlib.sha256(path.read_bytes()).hexdigest()}"
+    return found
+
+
+def _users_checkpoints(work: Path, folder: str = "checkpoints", *, when: float | None = None) -> None:
+    """A checkpoint of the user's own (CMD resumes from it), and beside it what a checkpoint folder holds besides
+    files: an empty folder, folders holding only folders, a link to a file and a link to a folder."""
+    ckpt = work / folder
+    ckpt.mkdir(parents=True)
+    (ckpt / "step-4.pt").write_text("the user's own")
+    (ckpt / "empty").mkdir()
+    (ckpt / "nested" / "deeper").mkdir(parents=True)
+    (ckpt / "latest").symlink_to("step-4.pt")
+    (ckpt / "previous").symlink_to("nested")
+    (work / "notes.txt").write_text("the user's notes")
+    stamp = time.time() - 3600 if when is None else when
+    os.utime(ckpt / "step-4.pt", (stamp, stamp))
+
+
+class Interrupts(OwnCheckpoints):
+    """CMD interrupted by `sig`, sent to this process while the arm `arm` runs, after it wrote a partial file in
+    place of the user's checkpoint."""
+
+    def __init__(self, sig: int, arm: str, **kwargs: object) -> None:
+        super().__init__({"control-rng": FAULT}, **kwargs)  # type: ignore[arg-type]
+        self.sig, self.arm = sig, arm
+
+    def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+        if out.name == self.arm:
+            Path(self.folder).mkdir(exist_ok=True)
+            Path(self.folder, "step-4.pt").write_text("partial")
+            os.kill(os.getpid(), self.sig)
+        return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+
+def _native(launcher: OwnCheckpoints, monkeypatch: pytest.MonkeyPatch, *options: str) -> int:
+    monkeypatch.setattr(check_resume_cli, "check_resume", lambda *a, **k: check_resume(*a, **k, launch=launcher))
+    return main(["check-resume", "--native", *options, "--", sys.executable, "train.py"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+@pytest.mark.parametrize("arm", ["continuous-again", "resumed"])  # (the user's folder moved aside by then)
+def test_a_signal_puts_every_file_back_and_exits_as_for_the_signal(
+        sig: signal.Signals, arm: str, tmp_path: Path, work: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    _users_checkpoints(work)
+    before = _tree(work)
+    out = tmp_path / "out"
+    assert _native(Interrupts(sig, arm), monkeypatch, "--force", "--at", "2", "--out", str(out)) == 128 + sig
+    assert _tree(work) == before  # the user's checkpoint, its folders and links, byte for byte and in place
+    assert not (out / "before-check").exists() or not any((out / "before-check").iterdir())
+    assert json.loads((out / "native-journal.json").read_text())["finished"]
+    assert not (work / "detrace-runs").exists()  # the lock let go
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handlers are the program's again
+    if sig != signal.SIGINT:
+        assert f"interrupted by {sig.name}; CMD's checkpoints are back where they were" in capsys.readouterr().err
+
+
+class Killed(BaseException):
+    """SIGKILL, as far as the check can tell: it stops where it is, and nothing of it runs after."""
+
+
+@pytest.mark.parametrize("how", ["recover", "next-check"])
+def test_a_killed_check_is_put_back_from_its_journal(how: str, tmp_path: Path, work: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _users_checkpoints(work)
+    before = _tree(work)
+
+    class Kills(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            if out.name == "resumed":
+                Path("checkpoints", "step-4.pt").write_text("partial")
+                raise Killed
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    def dies(self: NativeContract) -> None:  # the process is gone: only the kernel lets go of its lock
+        assert self._lock is not None
+        os.close(self._lock)
+
+    with monkeypatch.context() as killed:
+        killed.setattr(NativeContract, "finish", dies)
+        with pytest.raises(Killed):
+            _native(Kills(), killed, "--force", "--at", "2", "--out", str(tmp_path / "killed"))
+    assert (work / "checkpoints" / "step-4.pt").read_text() == "partial"  # the user's is in OUT
+    journal = json.loads((tmp_path / "killed" / "native-journal.json").read_text())
+    assert not journal["finished"] and journal["moved"] == [
+        [str(work / "checkpoints"), str(tmp_path / "killed" / "before-check" / "checkpoints")]]
+    if how == "recover":
+        assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0
+        assert _tree(work) == before
+        assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0  # once is enough
+        assert "nothing to recover: the check-resume --native in" in capsys.readouterr().err
+    else:  # the next check finds the journal through the lock file the killed one left, and puts back first
+        assert _native(OwnCheckpoints({"control-rng": FAULT}), monkeypatch, "--force", "--at", "2", "--out",
+                       str(tmp_path / "next")) == 0
+        assert "put back what the check-resume --native in" in capsys.readouterr().err
+        assert _tree(work) == before
+    assert (tmp_path / "killed" / "saved-by-cmd" / "unfinished-arm" / "checkpoints" / "step-4.pt").read_text() == (
+        "partial")
+
+
+def test_recover_refuses_a_folder_without_a_journal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-resume", "--recover", str(tmp_path)]) == 2
+    assert "holds no readable journal of check-resume --native" in capsys.readouterr().err
+
+
+def test_force_moves_the_checkpoint_folder_not_the_project_folder(tmp_path: Path, work: Path) -> None:
+    (work / "proj").mkdir()
+    (work / "proj" / "train.py").write_text("# the script")
+    _users_checkpoints(work, "proj/ck")
+    before = _tree(work)
+
+    class Script(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            assert Path("proj/train.py").is_file(), f"the script is gone in the {out.name} run"
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    launcher = Script({"control-rng": FAULT}, folder="proj/ck")
+    result = _check(tmp_path, launcher, force=True, cmd=("python", "proj/train.py", "--ckpt-dir", "proj/ck"))
+    assert result.verdict == "exact"  # type: ignore[attr-defined]
+    assert launcher.seen["continuous"] == []
+    assert _tree(work) == before
+
+
+def test_a_checkpoint_folder_linked_outside_the_working_directory(tmp_path: Path, work: Path) -> None:
+    (tmp_path / "disk").mkdir()
+    (work / "ck").symlink_to(tmp_path / "disk")
+    launcher = OwnCheckpoints({"control-rng": FAULT}, folder="ck")
+    assert _check(tmp_path, launcher).verdict == "exact"  # type: ignore[attr-defined]
+    # each arm started from a clean slate: the second continuous run did not resume from the first one's files
+    assert launcher.seen["continuous-again"] == [] and launcher.seen["resumed"] == ["step-2.pt"]
+    assert (work / "ck").is_symlink()
+    assert {p.name: p.read_text() for p in (tmp_path / "disk").iterdir()} == {
+        f"step-{k}.pt": f"continuous {k}" for k in (2, 4, 6)}
+
+
+def test_checkpoints_in_the_working_directory_move_alone(tmp_path: Path, work: Path) -> None:
+    (work / "notes.txt").write_text("notes:")
+
+    class Edits(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            with open("notes.txt", "a") as notes:  # the user edits their notes while the check runs
+                notes.write(f" {out.name}")
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    assert _check(tmp_path, Edits({"control-rng": FAULT}, folder=".")).verdict == "exact"  # type: ignore[attr-defined]
+    assert (work / "notes.txt").read_text() == (
+        "notes: continuous continuous-again stopped resumed control-rng")  # every edit, never moved
+    assert not list((tmp_path / "out").rglob("notes.txt"))
+    assert sorted(p.name for p in work.glob("step-*.pt")) == ["step-2.pt", "step-4.pt", "step-6.pt"]
+
+
+def test_a_checkpoint_from_the_future_is_still_the_users(tmp_path: Path, work: Path) -> None:
+    _users_checkpoints(work, when=time.time() + 3600)  # its clock ahead of this one (a copy, another machine)
+    before = _tree(work)
+    with pytest.raises(UsageError, match=r"^CMD's continuous run loaded checkpoints/step-4.pt, a checkpoint that "
+                                         r"was there before the check"):
+        _check(tmp_path, OwnCheckpoints())
+    assert _tree(work) == before
+    assert not list((tmp_path / "out").rglob("step-4.pt"))
+
+
+def test_out_in_the_scripts_checkpoint_folder_is_refused(tmp_path: Path, work: Path) -> None:
+    launcher = OwnCheckpoints()
+    contract = NativeContract(["train", "--ckpt-dir=checkpoints"], out=work / "checkpoints", root=work, at=[2])
+    with pytest.raises(UsageError, match=r"^--out .*checkpoints is also named by CMD \(--ckpt-dir=checkpoints\): "):
+        check_resume(["train"], at=[2], out=work / "checkpoints", launch=launcher, contract=contract)
+    assert launcher.seen == {}  # refused before any run
+    contract = NativeContract(["train"], out=work / "checkpoints", root=work, at=[2])
+    with pytest.raises(UsageError, match=r"^--out .*checkpoints is where CMD keeps its checkpoints "
+                                         r"\(checkpoints/step-2.pt\): .* give --out a folder of its own$"):
+        check_resume(["train"], at=[2], out=work / "checkpoints", launch=launcher, contract=contract)
+    assert list(launcher.seen) == ["continuous"]
+    assert (work / "checkpoints" / "continuous" / "run.json").is_file()  # the check's own run, not moved
+
+
+def test_two_checks_at_once_in_one_folder(tmp_path: Path, work: Path) -> None:
+    refusals: list[str] = []
+
+    class Second(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            if out.name == "continuous" and not refusals:
+                with pytest.raises(UsageError) as second:
+                    _check(tmp_path / "second", OwnCheckpoints())
+                refusals.append(str(second.value))
+            return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+
+    assert _check(tmp_path, Second({"control-rng": FAULT})).verdict == "exact"  # type: ignore[attr-defined]
+    assert refusals == [f"another detrace check-resume --native (pid {os.getpid()}, --out {tmp_path / 'out'}) is "
+                        f"moving checkpoints in {work}; wait for it to end: two checks at once would take each "
+                        "other's files for their own"]
+
+
+def test_at_a_step_without_a_save_is_refused_after_the_first_run_and_resume_args_take_k(tmp_path: Path,
+                                                                                       work: Path) -> None:
+    launcher = OwnCheckpoints()
+    with pytest.raises(UsageError, match=r"saved no checkpoint after step 3: its continuous run saved after steps "
+                                         r"2, 4, 6; give --at one of them"):
+        _check(tmp_path, launcher, at=3)
+    assert list(launcher.seen) == ["continuous"]
+    launcher = OwnCheckpoints({"control-rng": FAULT}, flag="--resume_from_checkpoint")
+    result = _check(tmp_path / "k", launcher, at=4, resume_args=("--resume_from_checkpoint", "out/checkpoint-{K}"))
+    assert result.verdict == "exact"  # type: ignore[attr-defined]
+    assert launcher.commands["resumed"] == ["train", "--resume_from_checkpoint", "out/checkpoint-4"]
