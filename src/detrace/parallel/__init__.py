@@ -13,6 +13,7 @@ from detrace.parallel.expert import FixedOrderExperts
 from detrace.parallel.fsdp import FixedOrderReduceScatter, shard_invariantly
 from detrace.parallel.layout import Layout
 from detrace.parallel.pipeline import SeededForwards, TreeGradients
+from detrace.parallel.shard import fully_shard
 from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SeededForwards",
     "TreeGradients",
     "by_global_name",
+    "fully_shard",
     "invariant_backward",
     "owned_microbatches",
     "parameters_fingerprint",

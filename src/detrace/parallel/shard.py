@@ -1,0 +1,204 @@
+"""`fully_shard` as a drop-in: torch's signature and semantics, gradients whose bits do not depend on the number of
+shards.
+
+    from detrace.parallel import fully_shard              # instead of torch.distributed.fsdp's
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for step in range(steps):                             # torchtitan's gradient accumulation:
+        for x, y in my_microbatches(step):                #   this rank's n = M / W microbatches of the global batch
+            (loss_fn(model(x), y) / n).backward()         #   one backward each, the loss scaled by 1 / n
+        optimizer.step()
+        optimizer.zero_grad()
+
+torch's `fully_shard` reduce-scatters each microbatch's gradient (an average over the W ranks, added in an order
+that depends on W and on the collective's algorithm) and adds the microbatches' shards in the order they ran. Here
+the module's reduce-scatter only moves data (an all-to-all gives rank r every rank's contribution to shard r) and
+its all-reduce hook sums the contributions in one fixed tree: rank s's k-th microbatch of a step is global
+microbatch s n + k, and the tree over the M = W n global microbatches is the balanced binary tree, built as they
+arrive (a binary counter per source rank, whose nodes are the tree's when n is a power of two), then completed over
+the W source ranks and divided by W as torch's average. With W and n powers of two, every addition has the same two
+operands at every W: the loss scaled by 1 / n scales a microbatch's gradient by an exact power of two, and so does
+the division by W, so the shard holds the bits of the same rows at every W, one process included (where torch
+never calls the reduce-scatter: the hook takes the copied gradient as the one contribution).
+
+A step is the backwards between two optimizer steps (a global optimizer hook closes it: it refuses a step whose
+modules did not each receive the same power-of-two number of microbatches, then starts the next tree).
+
+What it cannot keep, refused in one sentence: a mesh of more than one dimension (HSDP, `dp_mesh_dims`), a list of
+modules, per-parameter meshes, `set_requires_gradient_sync(False)` (the gradients would be added in running order
+before any reduction), and a custom reduce-scatter or all-reduce hook of the user's (they are this module's).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from detrace.errors import UsageError
+from detrace.parallel.data import _tree_sum
+
+__all__ = ["fully_shard"]
+
+
+class _TreeReduceScatter:
+    """One FSDP module's reduce-scatter and all-reduce hook: the contributions to this rank's shard kept per source
+    rank in a binary counter over its microbatches, summed over the source ranks at each power-of-two count."""
+
+    def __init__(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
+        self.module = weakref.ref(module)
+        self.ignored = ignored
+        self.divide_factor: float | None = None
+        """The user's `set_gradient_divide_factor`, applied to each contribution as torch does at one shard."""
+        self.stacks: list[list[tuple[int, torch.Tensor]]] = []
+        """Per source rank: (leaves, partial sum) for each open node of its counter, oldest first."""
+        self.count = 0
+        """Microbatches received this step."""
+        self.pending: torch.Tensor | None = None
+        """The all-to-all's output [W, shard] of the current microbatch, until the hook sums it."""
+        self.average = False
+        """Whether torch asked for the average over the W ranks (its op without a divide factor)."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+                 ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object = None, async_op: bool = False) -> dist.Work | None:
+        world = group.size()
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        received = received.view(world, -1)
+        if self.divide_factor is not None:  # as at one shard, where torch divides the copied gradient
+            received = received / self.divide_factor
+        self.average = self.divide_factor is None and op == dist.ReduceOp.AVG
+        self.pending = received
+        return None
+
+    def after_reduce(self, output: torch.Tensor) -> None:
+        """fully_shard's all-reduce hook, called with the shard after every microbatch's reduction (at one shard,
+        the copied gradient): push the contributions, write the tree's sum so far, and have fully_shard assign the
+        shard to the gradients instead of adding it to them."""
+        received, self.pending = self.pending, None
+        if received is None:  # one shard: torch copied the gradient (divided by the user's factor, if any)
+            received = output.detach().clone().view(1, -1)
+        world = received.shape[0]
+        if not self.stacks:
+            self.stacks = [[] for _ in range(world)]
+        elif self.stacks[0][0][1].numel() != received.shape[1]:
+            raise UsageError("detrace.parallel.fully_shard: a parameter got no gradient in one of a step's "
+                             "microbatches; every parameter of a sharded module must take part in every backward")
+        for stack, row in zip(self.stacks, received, strict=True):
+            stack.append((1, row))  # a view of a buffer of our own: the counter adds into it in place
+            while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+                size, right = stack.pop()
+                stack[-1][1].add_(right)  # left + right: the same two operands at every world size
+                stack[-1] = (2 * size, stack[-1][1])
+        self.count += 1
+        if self.count & (self.count - 1) == 0:  # a power of two: each source's counter is one node of the tree
+            nodes = [[stack[0][1].clone()] for stack in self.stacks]
+            total = _tree_sum(nodes)[0]
+            if self.average:
+                total = total / world  # exact for a power-of-two W, as the 1 / n of the loss
+            output.copy_(total)
+        for param in self.params():
+            param.grad = None  # fully_shard then assigns the shard instead of adding it to the previous sum
+
+    def params(self) -> list[nn.Parameter]:
+        """The parameters this module's fully_shard manages: its subtree's, less nested FSDP modules' and the
+        ignored ones."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.module()
+        if module is None:
+            return []
+        found: list[nn.Parameter] = []
+
+        def walk(m: nn.Module) -> None:
+            found.extend(p for p in m.parameters(recurse=False) if p not in self.ignored)
+            for child in m.children():
+                if not isinstance(child, FSDPModule):
+                    walk(child)
+
+        walk(module)
+        return found
+
+
+_COMMS: weakref.WeakSet[_TreeReduceScatter] = weakref.WeakSet()
+_HOOKED = False
+
+
+def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A global optimizer pre-hook: the optimizer's sharded modules' trees are complete (or refused), and the next
+    backward starts a new step."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    comms = [c for c in _COMMS if c.count and any(id(p) in owned for p in c.params())]
+    counts = {c.count for c in comms}
+    for comm in comms:
+        comm.count, comm.stacks = 0, []
+    if any(count & (count - 1) for count in counts):
+        raise UsageError(f"detrace.parallel.fully_shard: a module received {max(counts)} microbatches in a step; "
+                         "each rank must run a power-of-two number of microbatches per optimizer step")
+    if len(counts) > 1:
+        raise UsageError(f"detrace.parallel.fully_shard: the sharded modules received {sorted(counts)} "
+                         "microbatches in one step; every module must take part in every microbatch's backward")
+
+
+def _refuse(what: str) -> Any:
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise UsageError(f"detrace.parallel.fully_shard does not support {what}")
+    return refused
+
+
+def fully_shard(module: nn.Module, *, mesh: Any = None, **options: Any) -> nn.Module:
+    """torch.distributed.fsdp.fully_shard(module, mesh=..., **options), whose gradients are the same bits at every
+    number of shards (see the module's docstring for the loop's contract and what is refused)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    global _HOOKED
+    if not isinstance(module, nn.Module):
+        raise UsageError("detrace.parallel.fully_shard takes one module, not a list: call it once per module")
+    if mesh is not None and mesh.ndim != 1:
+        raise UsageError("detrace.parallel.fully_shard takes a 1-D mesh (HSDP's replicate dimension is not "
+                         f"supported), not a {mesh.ndim}-D one")
+    if options.get("dp_mesh_dims") is not None:
+        raise UsageError("detrace.parallel.fully_shard does not support dp_mesh_dims: pass a 1-D mesh")
+    sharded = torch_fully_shard(module, mesh=mesh, **options)
+    comm = _TreeReduceScatter(sharded, set(options.get("ignored_params") or ()))
+    try:
+        sharded.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]  # torch types it as its private base
+        sharded.set_all_reduce_hook(comm.after_reduce)
+    except ValueError as error:  # several parameter groups (per-parameter meshes from shard_placement_fn)
+        raise UsageError("detrace.parallel.fully_shard does not support parameters on several meshes "
+                         "(shard_placement_fn returning meshes)") from error
+    torch_set_factor = sharded.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(factor: float) -> None:
+        comm.divide_factor = factor
+        torch_set_factor(factor)
+
+    torch_set_sync = sharded.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        if not requires_gradient_sync:
+            raise UsageError("detrace.parallel.fully_shard does not support set_requires_gradient_sync(False): it "
+                             "reduces each microbatch's gradient, which it sums in a fixed tree")
+        torch_set_sync(requires_gradient_sync, recurse=recurse)
+
+    # Instance attributes shadow the class's methods, for this module only (nn.Module keeps plain values there).
+    object.__setattr__(sharded, "set_gradient_divide_factor", set_gradient_divide_factor)
+    object.__setattr__(sharded, "set_requires_gradient_sync", set_requires_gradient_sync)
+    object.__setattr__(sharded, "set_custom_reduce_scatter", _refuse("a custom reduce-scatter (it has its own)"))
+    object.__setattr__(sharded, "set_all_reduce_hook", _refuse("an all-reduce hook (it has its own)"))
+    _COMMS.add(comm)
+    if not _HOOKED:
+        register_optimizer_step_pre_hook(_close_steps)
+        _HOOKED = True
+    return sharded

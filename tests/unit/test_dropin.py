@@ -1,0 +1,165 @@
+"""detrace.parallel's drop-in replacements for torch's parallel APIs: `fully_shard` with torch's signature, whose
+gradients are the fixed tree over global microbatches at every number of shards (in process at one shard; the
+ranks spawned at 2 and 4), and what it refuses."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import spawn_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+from detrace.errors import UsageError
+from detrace.parallel.data import _tree_sum
+
+M = 8
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(M, 3, 8, generator=g), torch.randn(M, 3, 1, generator=g)
+
+
+def _shard(model: torch.nn.Sequential, fully_shard: Callable[..., Any], world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _train(model: torch.nn.Module, rank: int, world: int, steps: int) -> list[torch.Tensor]:
+    """torchtitan's gradient accumulation: rank r runs global microbatches [r n, (r + 1) n), each loss scaled by
+    1 / n, one backward each; returns the whole parameters after the last step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = M // world
+    for step in range(steps):
+        x, y = _batch(step)
+        for i in range(rank * n, (rank + 1) * n):
+            (torch.nn.functional.mse_loss(model(x[i]), y[i]) / n).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in model.parameters()]
+
+
+def _digest(params: list[torch.Tensor]) -> str:
+    return hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_at_one_process_leaves_the_tree_over_the_microbatches(one_rank: None) -> None:
+    """At one shard torch copies each microbatch's gradient and adds the copies in running order; the drop-in leaves
+    the balanced tree over the M microbatches (what every other number of shards gives), at every step."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from detrace.parallel import fully_shard
+
+    plain = _model()
+    ours, theirs = copy.deepcopy(plain), copy.deepcopy(plain)
+    _shard(ours, fully_shard, 1)
+    _shard(theirs, torch_fully_shard, 1)
+    for step in range(2):
+        x, y = _batch(step)
+        leaves = []
+        for i in range(M):
+            plain.zero_grad(set_to_none=True)
+            (torch.nn.functional.mse_loss(plain(x[i]), y[i]) / M).backward()
+            leaves.append([p.grad.clone() for p in plain.parameters()])  # type: ignore[union-attr]
+        expected = _tree_sum(leaves)
+        for model in (ours, theirs):
+            for i in range(M):
+                (torch.nn.functional.mse_loss(model(x[i]), y[i]) / M).backward()
+        got = [p.grad.to_local() for p in ours.parameters()]  # type: ignore[union-attr]
+        running = [p.grad.to_local() for p in theirs.parameters()]  # type: ignore[union-attr]
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        assert not all(torch.equal(g, e) for g, e in zip(running, expected, strict=True))  # the check can fail
+        for param, grad in zip(plain.parameters(), expected, strict=True):
+            param.grad = grad
+        for model in (ours, theirs, plain):  # the next step starts a new tree
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            model.zero_grad(set_to_none=True)
+
+
+def test_fully_shard_refuses_what_it_cannot_keep_in_one_sentence(one_rank: None) -> None:
+    from detrace.parallel import fully_shard
+
+    model = _model()
+    with pytest.raises(UsageError, match="one module, not a list"):
+        fully_shard([model[0], model[2]])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="1-D mesh"):
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "fsdp")))
+    _shard(model, fully_shard, 1)
+    with pytest.raises(UsageError, match=r"set_requires_gradient_sync\(False\)"):
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    with pytest.raises(UsageError, match="custom reduce-scatter"):
+        model.set_custom_reduce_scatter(object())  # type: ignore[operator]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(0)
+    for i in range(3):
+        torch.nn.functional.mse_loss(model(x[i]), y[i]).backward()
+    with pytest.raises(UsageError, match="received 3 microbatches in a step; each rank must run a power-of-two"):
+        optimizer.step()
+    for i in range(2):  # the refused step's tree is dropped: the next step is complete
+        torch.nn.functional.mse_loss(model(x[i]), y[i]).backward()
+    optimizer.step()
+
+
+def _ranks(rank: int, world: int, out: str, api: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if api == "detrace":
+            from detrace.parallel import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        model = _model()
+        _shard(model, fully_shard, world)
+        params = _train(model, rank, world, steps=2)
+        if rank == 0:
+            (Path(out) / f"{api}{world}").write_text(_digest(params))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fully_shard_gives_one_process_bits_at_two_and_four_shards(tmp_path: Path, one_rank: None) -> None:
+    """The same loop, the same bits at 1, 2 and 4 shards with detrace's import; torch's own differs (the control)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from detrace.parallel import fully_shard
+
+    model = _model()
+    _shard(model, fully_shard, 1)
+    reference = _digest(_train(model, 0, 1, steps=2))
+    for world in (2, 4):
+        for api in ("detrace", "torch"):
+            spawn_ranks(_ranks, (world, str(tmp_path), api), nprocs=world, timeout=240)
+    theirs = _model()
+    _shard(theirs, torch_fully_shard, 1)
+    assert _digest(_train(theirs, 0, 1, steps=2)) != reference
+    for world in (2, 4):
+        assert (tmp_path / f"detrace{world}").read_text() == reference, world
+        assert (tmp_path / f"torch{world}").read_text() != reference, world
