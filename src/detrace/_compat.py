@@ -425,6 +425,26 @@ def dynamo_skips(code: CodeType) -> None:
     skip_code(code)
 
 
+def without_data(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds no data to record: a meta tensor, a FakeTensor or FunctionalTensor (a graph being
+    traced), a functorch (vmap/grad) wrapper, or any tensor while a FakeTensorMode is active (the tracer's own ops
+    on it would be faked too).
+
+    Why: programs run models on such tensors on purpose (litgpt counts FLOPs with a forward and backward on meta
+    tensors; torch.compile traces with fake ones), and reading their storage raises. Replace with: a public
+    "has storage" query (none). A torch without these names: only the meta check."""
+    if tensor.is_meta or is_functorch_wrapped(tensor):
+        return True
+    try:
+        from torch._subclasses import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        key = torch._C._TorchDispatchModeKey.FAKE
+        return isinstance(tensor, (FakeTensor, FunctionalTensor)) or torch._C._get_dispatch_mode(key) is not None
+    except (ImportError, AttributeError):
+        return False
+
+
 @_private("torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor")
 def tracing_tensors(values: tuple[Any, ...]) -> bool:
     """Whether any of `values` is a tensor of a graph being traced (a FakeTensor or a FunctionalTensor: no data).

@@ -67,8 +67,6 @@ class Tracer:
         """Open a call (`StepClock.begin`), bound here: the rungs call it for every call they record."""
         self._local = threading.local()
         self.snapshots = SnapshotMemo(max_numel=config.max_numel, own=self.own, lock=self._lock)
-        self.snapshot = self.snapshots.snapshot
-        """Fingerprints of tensors as they are now (`SnapshotMemo.snapshot`), bound here like `begin`."""
         self.forget = self.snapshots.forget
         """Reuse no snapshot taken so far (`SnapshotMemo.forget`)."""
         self._recorded: list[int] = []
@@ -87,6 +85,10 @@ class Tracer:
         """Per rung: whether it records in the current step on this rank."""
         self.warnings: list[str] = []
         """The integrations' warnings to the user (`detrace.record.warned`), written to the footer."""
+        self.unmade = 0
+        """Records that could not be made (`could_not`): said in the footer's warnings, and so in the verdicts."""
+        self._unmade_why = ""
+        """The first reason a record could not be made."""
         self.groups: dict[str, int] = {}
         """Process groups seen ("0,1") -> calls made in each; written to the footer as the parallel layout."""
         self._seq = 0
@@ -97,6 +99,7 @@ class Tracer:
         """Buffered records at which the next flush is tried (further on while the rank is still unknown)."""
         self._writer: RankWriter | None = None
         self._listeners: list[Callable[[], None]] = []
+        self._closing: list[Callable[[], None]] = []
         self._closed = False
         self.nested = os.environ.get(RECORDING_VAR, str(os.getpid())) != str(os.getpid())
         """Started by a process that was recording: not a rank unless it joins a process group."""
@@ -123,6 +126,17 @@ class Tracer:
             for listener in self._listeners:
                 listener()
 
+    def add_closing(self, recorder: Callable[[], None]) -> None:
+        """Call `recorder()` as the trace closes, before its last records are written: it records the state the
+        run ends with (phase "final", `final_step`)."""
+        self._closing.append(recorder)
+
+    @property
+    def final_step(self) -> int:
+        """The step the final state is recorded in: the last step that holds records (the clock's, when none does),
+        so that recording it never adds a step to the run."""
+        return self._recorded[1] if self._recorded else self.clock.step
+
     def _clock_moved(self) -> None:
         # A new step: its windows apply, and a snapshot taken in the last one is not reused.
         self.snapshots.forget()
@@ -142,6 +156,26 @@ class Tracer:
                         record[1].step = step
                 if self._recorded and self._recorded[-1] == before:
                     self._recorded = [step, step] if self._recorded[0] == before else [self._recorded[0], step]
+
+    def snapshot(self, tensors: Sequence[Any], *, fresh: bool = False, now: bool = False) -> list[Snapshot | None]:
+        """Fingerprints of tensors as they are now (`SnapshotMemo.snapshot`); None for each when they cannot be
+        taken (`could_not`: the program goes on)."""
+        try:
+            return self.snapshots.snapshot(tensors, fresh=fresh, now=now)
+        except Exception as err:
+            self.could_not(len(tensors), err)
+            return [None] * len(tensors)
+
+    def could_not(self, records: int, err: BaseException) -> None:
+        """`records` records could not be made (`err` says why): an error of the tracer's, never the program's, so
+        it is noted (once on stderr, and in the footer's warnings) and the program goes on."""
+        with self._lock:
+            if not self.unmade:
+                first = str(err).splitlines()[0] if str(err) else ""
+                self._unmade_why = f"{type(err).__name__}: {first}" if first else type(err).__name__
+                print(f"detrace: a record could not be made in process {os.getpid()} ({self._unmade_why}); the "
+                      "program goes on, and its trace says so", file=sys.stderr)
+            self.unmade += max(records, 1)
 
     def evaluation_begins(self) -> None:
         """A forward of the trained model outside the training (`detrace.record.rungs.batch.evaluates`): what runs
@@ -306,13 +340,18 @@ class Tracer:
                 return
             if not self._discover_rank(step_ended=step_ended) or not self.enabled:
                 return
-            self.snapshots.resolve()
             records, self._records = self._records, []
             self._flush_at = FLUSH_RECORDS
             try:
-                writer = self._writer or self._open()
-                with self.own():
-                    batch = to_batch(records)
+                writer = self._writer or self._open()  # first: a trace whose every batch is lost still says why
+                try:
+                    self.snapshots.resolve()
+                    with self.own():
+                        batch = to_batch(records)
+                except Exception as err:  # the batch is lost, the trace and the program go on
+                    self.snapshots.drop()
+                    self.could_not(len(records), err)
+                    return
                 writer.add_batch(batch)
             except (DetraceError, OSError) as err:
                 self._failed(err)
@@ -358,6 +397,12 @@ class Tracer:
         with self._lock:
             if self._closed:
                 return
+            for recorder in self._closing if self.enabled else ():
+                try:
+                    recorder()
+                except Exception as err:  # the final state is a record like any other: never the program's failure
+                    print(f"detrace: the final state of {self.who} was not recorded: {type(err).__name__}: {err}",
+                          file=sys.stderr)
             self.flush(step_ended=True)
             self._closed = True
             writer = self._writer
@@ -365,8 +410,10 @@ class Tracer:
                 footer = {"groups": sorted(self.groups), "step": self.clock.step, "pid": os.getpid(),
                           "world_size": self.world_size, "collectives": self.collectives,
                           "steps": self.clock.steps(self._recorded)}
-                if self.warnings:
-                    footer["warnings"] = list(self.warnings)
+                warnings = [*self.warnings, *([f"{self.unmade} record{'s' * (self.unmade > 1)} could not be made: "
+                                               f"{self._unmade_why}"] if self.unmade else [])]
+                if warnings:
+                    footer["warnings"] = warnings
                 try:
                     writer.close(footer)
                     if self.rank == 0 and not self.config.launched:

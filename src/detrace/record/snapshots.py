@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from detrace._compat import disable_dispatch
+from detrace._compat import disable_dispatch, without_data
 from detrace.digest.inputs import dtype_name
 from detrace.record.records import Snapshot, has_components, local_data
 
@@ -89,9 +89,10 @@ class SnapshotMemo:
 
     def snapshot(self, tensors: Sequence[Any], *, fresh: bool = False, now: bool = False
                  ) -> list[Snapshot | None]:
-        """Take the fingerprints of tensors (and component objects) as they are now; None and other values give
-        None. Tensors above --max-numel get no digest. Small plain tensors are copied and hashed later in a
-        batch (digests filled in by `resolve`); `now` hashes everything at once, for callers that compare digests.
+        """Take the fingerprints of tensors (and component objects) as they are now; None, tensors without data
+        (`_compat.without_data`) and other values give None. Tensors above --max-numel get no digest. Small plain
+        tensors are copied and hashed later in a batch (digests filled in by `resolve`); `now` hashes everything at
+        once, for callers that compare digests.
 
         `fresh`: never reuse an earlier snapshot (for tensors written behind the version counter's back, such
         as a collective's output or a DDP bucket)."""
@@ -113,6 +114,8 @@ class SnapshotMemo:
                     continue
                 value = packed
             tensor = local_data(value)
+            if without_data(tensor):
+                continue  # a meta or fake tensor (a FLOP count, a graph being traced): nothing to record (None)
             version = _version(tensor)
             if version is not None and not fresh:
                 entry = seen.get(id(tensor))

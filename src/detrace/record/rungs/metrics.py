@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from detrace._compat import without_data
 from detrace.record.opaque import Opaque
 from detrace.record.patch import replace
 from detrace.record.records import local_data
@@ -35,6 +36,8 @@ def record(tracer: Tracer, name: str, value: float | int | torch.Tensor) -> None
     if not (tracer.enabled and tracer.on["metrics"]):
         return
     if isinstance(value, torch.Tensor):
+        if without_data(value):
+            return  # a loss of a model run on meta or fake tensors (a FLOP count): no value to record
         if value.numel() != 1:
             raise ValueError(f"detrace.metric({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
         with tracer.own(), torch.no_grad():

@@ -1,0 +1,92 @@
+"""The tracer never breaks the program it traces: tensors without data (meta tensors, a FakeTensorMode) are not
+recorded, and a record that cannot be made is a note in the trace (the footer's warnings, which the verdicts
+repeat), never an exception in the program. In this process; the meta-tensor program through `detrace check` is in
+tests/e2e/test_run.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import detrace
+import detrace.digest
+from detrace.tracefile import read_rank
+from detrace.tracefile.layout import footer_path
+from detrace.tracefile.schema import RUNGS
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _train(steps: int) -> list[float]:
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _warnings(run: Path) -> list[str]:
+    """The footer's warnings (`detrace.record.warned`, and the records that could not be made)."""
+    return json.loads(footer_path(run, 0).read_text()).get("warnings", [])
+
+
+def _flop_count_on_meta() -> None:
+    """What litgpt's pretrain does before training: a forward and backward of the model on meta tensors."""
+    with torch.device("meta"):
+        model = _model()
+        model(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("rung", [r for r in RUNGS if r != "kernel"])
+def test_a_model_run_on_meta_tensors_is_not_recorded(tmp_path: Path, rung: str) -> None:
+    untraced = _train(3)
+    with detrace.trace(tmp_path / "run", rung=rung):
+        _flop_count_on_meta()
+        traced = _train(3)
+    assert traced == untraced
+    rank = read_rank(tmp_path / "run", 0)
+    assert sorted(set(rank.table.column("step").to_pylist())) == [0, 1, 2]
+    assert rank.table.column("name").to_pylist().count("loss") == 3  # the meta loss is not one
+    assert not _warnings(tmp_path / "run")
+
+
+def test_a_fake_tensor_mode_is_not_recorded(tmp_path: Path) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with detrace.trace(tmp_path / "run", rung="op"):
+        model = _model()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model(torch.randn(4, 8)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8)).sum().backward()
+    rank = read_rank(tmp_path / "run", 0)
+    assert not _warnings(tmp_path / "run") and rank.table.num_rows > 0
+
+
+def test_a_record_that_cannot_be_made_is_a_note_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    untraced = _train(3)
+
+    def broken(values: list[object]) -> list[object]:
+        raise RuntimeError("injected fault in the fingerprint")
+
+    monkeypatch.setattr(detrace.digest, "fingerprint_many", broken)
+    with detrace.trace(tmp_path / "run", rung="semantic"):
+        traced = _train(3)
+    assert traced == untraced
+    [note] = _warnings(tmp_path / "run")
+    assert note.endswith("records could not be made: RuntimeError: injected fault in the fingerprint"), note
+    assert int(note.split()[0]) > 0
+    assert "a record could not be made in process" in capsys.readouterr().err
