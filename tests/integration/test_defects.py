@@ -356,6 +356,31 @@ def test_recheck_needs_no_proof_when_the_step_is_reproduced(tmp_path: Path) -> N
     assert result.verdict == "persistent" and result.resume_exact is None
 
 
+def test_recheck_refuses_a_checkpoint_whose_parameters_are_not_the_runs(tmp_path: Path) -> None:
+    """#49.10: a checkpoint saved outside a traced run names no command; another run's was re-executed and judged an
+    inexact resume of this one. The run's trace holds its parameters after the step before the checkpoint: one that
+    differs there is not this run's checkpoint, refused before any run."""
+    from detrace.digest import fingerprint
+    from detrace.state import checkpoint
+
+    weight = torch.arange(4.0)
+    run = tmp_path / "run"
+    write_training_rank(run, 0, [TrainingStep(step=s, params={"w": fingerprint(weight + s).digest})
+                                 for s in range(3)], world_size=1)
+    write_json_atomic(run_header_path(run), {"command": ["python", "train.py"], "world_size": 1})
+    checkpoint.write(tmp_path / "own", step=2, shared={"model": {"w": weight + 1}}, local={})  # after steps 0-1
+    checkpoint.write(tmp_path / "foreign", step=2, shared={"model": {"w": weight + 9}}, local={})
+    launched: list[str] = []
+    ours, theirs = f"{fingerprint(weight + 1).digest:x}", f"{fingerprint(weight + 9).digest:x}"
+    with pytest.raises(UsageError, match=rf"checkpoint {tmp_path / 'foreign'} is not this run's: its parameter w "
+                                         rf"\({theirs}\) differs from the run's \({ours}, recorded in .* after step "
+                                         rf"1\); give a checkpoint of this run$"):
+        recheck(run, step=2, out=tmp_path / "out", checkpoint=tmp_path / "foreign",
+                launch=_fake_launcher({}, launched))
+    assert launched == []
+    recheck(run, step=2, out=tmp_path / "out-own", checkpoint=tmp_path / "own", launch=_fake_launcher({}, launched))
+    assert launched[:2] == ["same", "other"]  # its own checkpoint is re-executed
+
 def _sgd_steps(steps: int) -> None:
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

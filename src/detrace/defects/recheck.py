@@ -34,6 +34,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -44,6 +45,9 @@ from detrace.launch.launcher import Launcher, run_traced
 from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import prepare_out
 from detrace.verdicts import RecheckVerdict
+
+if TYPE_CHECKING:
+    from detrace.state.manifest import Manifest
 
 Results = dict[int, dict[tuple[str, str, int, int], int | None]]
 """rank -> (parameter name, role, index, occurrence) -> digest, for one step's optimizer records."""
@@ -133,7 +137,8 @@ Progress = Callable[[str], None]
 
 def _checkpoint_step(path: Path, run_dir: Path, *, command: Sequence[str], world: int) -> int:
     """The step of the checkpoint at `path`, refused unless it is the run's own: saved by the same command (as its
-    manifest names it, when a traced run saved it) at the same world size."""
+    manifest names it, when a traced run saved it) at the same world size, holding the parameters the run recorded
+    after the step before it."""
     from detrace.state import checkpoint, manifest
 
     saved = manifest.read(checkpoint.resolve(path))
@@ -143,7 +148,35 @@ def _checkpoint_step(path: Path, run_dir: Path, *, command: Sequence[str], world
     if saved.world_size != world:
         raise UsageError(f"checkpoint {path} is not this run's: it was saved by {saved.world_size} ranks, and "
                          f"{run_dir} ran {world}; give a checkpoint of this run")
+    if (differs := _other_parameter(saved, run_dir)) is not None:
+        # Saved outside a traced run, its manifest names no command: without this, another run's checkpoint was
+        # re-executed and judged an inexact resume of this one.
+        name, theirs, ours = differs
+        raise UsageError(f"checkpoint {path} is not this run's: its parameter {name} ({theirs}) differs from the "
+                         f"run's ({ours}, recorded in {run_dir} after step {saved.step - 1}); give a checkpoint of "
+                         f"this run")
     return saved.step
+
+
+def _other_parameter(saved: Manifest, run_dir: Path) -> tuple[str, str, str] | None:
+    """The first parameter of the checkpoint whose digest differs from rank 0's record of it after the step before
+    the checkpoint, as (name, the checkpoint's digest, the run's), or None. Only what both hold whole, in one
+    fingerprint scheme, is compared: a checkpoint of step 0, a run that did not record that step at the semantic
+    rung, a sharded parameter or another scheme leave nothing to compare (and the checkpoint is taken as given)."""
+    info = open_run(run_dir)
+    if saved.step == 0 or saved.fingerprint != info.header.fingerprint or 0 not in info.ranks:
+        return None
+    table = read_rank(run_dir, 0).table
+    mask = pc.and_(pc.and_(pc.equal(table["step"], saved.step - 1), pc.equal(table["phase"], "optimizer")),
+                   pc.equal(table["role"], "param"))
+    for row in table.filter(mask).select(["name", "digest", "dtype", "shape"]).to_pylist():
+        chunks = saved.tensors.get(f"model.{row['name']}", [])
+        if len(chunks) != 1 or row["digest"] is None:
+            continue
+        (chunk,) = chunks
+        if (chunk["dtype"], chunk["shape"]) == (row["dtype"], row["shape"]) and chunk["digest"] != f"{row['digest']:x}":
+            return row["name"], chunk["digest"], f"{row['digest']:x}"
+    return None
 
 
 def recheck(run: str | Path, *, step: int, out: Path, checkpoint: Path | None = None, timeout: float | None = None,
