@@ -17,10 +17,17 @@ Both schedules run the forwards, and the backwards, of one stage in microbatch o
 arrives in order; `TreeGradients` checks the count). What it gives up: autograd adds each microbatch's gradient
 into `.grad` in place; here each is kept until its subtree completes (about log2 M gradient buffers per parameter).
 
-    grads, seeds = TreeGradients(stage_module.parameters(), M), SeededForwards(stage_module)
-    seeds.begin(step_seed()); grads.begin()
-    schedule.step(...)                                   # ScheduleGPipe or Schedule1F1B, scale_grads=False
-    grads.finish()                                       # each .grad: the tree over the M microbatches
+    from detrace.parallel import SeededForwards, TreeGradients
+    from detrace.parallel.data import step_seed
+
+    grads = TreeGradients(stage_module.parameters(), M)
+    seeds = SeededForwards(stage_module, device=torch.device("cpu"))   # the stage's device
+    for x, y in loader:                                  # each step:
+        seeds.begin(step_seed())                         # one draw, the same on every rank and stage
+        grads.begin()
+        schedule.step(...)                               # ScheduleGPipe or Schedule1F1B, scale_grads=False
+        grads.finish()                                   # each .grad: the tree over the M microbatches
+        optimizer.step()
 """
 
 from __future__ import annotations

@@ -180,6 +180,9 @@ class _ChunkedLinear(nn.Module):
 class ColumnParallelLinear(_ChunkedLinear):
     """y[..., block] = x W[block]^T: this rank's output features, each chunk computed as at T = 1.
 
+    No bias: it takes the weight alone (a module's bias is not read). Keep the layer bias-free (as Llama's
+    projections), or add a bias after the row-parallel layer that follows, where the output is whole on every rank.
+
     Args:
         weight: the whole [out, in] weight, the same on every rank (this rank keeps its chunks of rows).
         chunk: output features per chunk, fixed by the model; out / chunk must divide by T.
@@ -198,6 +201,10 @@ class ColumnParallelLinear(_ChunkedLinear):
 
 class RowParallelLinear(_ChunkedLinear):
     """y = sum over chunks j of x_j W_j^T, x holding this rank's inner features: the whole y on every rank.
+
+    No bias: add one after it as a plain parameter, `layer(x) + bias`: y is whole on every rank, so the bias is a
+    replica like any unsharded parameter (the same bits at every T). Adding it inside the sum would add it once
+    per rank.
 
     Args as `ColumnParallelLinear`; `chunk` counts inner features (in / chunk must divide by T).
     """

@@ -1,0 +1,42 @@
+"""The user scripts of docs/topology.md (examples/topology/), each checked by the real `detrace check-topology`
+(torchrun jobs): the same bits at every layout they name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from detrace.cli import main as cli
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "topology"
+
+
+def _check(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> tuple[int, dict[str, object]]:
+    code = cli(["check-topology", "--json", "--out", str(tmp_path / "out"), "--timeout", "300", *args])
+    captured = capsys.readouterr()
+    assert captured.out.strip(), captured.err
+    return code, json.loads(captured.out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_data_parallel_script_gives_the_same_bits_at_worlds_1_and_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check(capsys, tmp_path, "--worlds", "1,2", "--", sys.executable, str(EXAMPLES / "dp.py"))
+    assert code == 0, report
+    assert report["steps"] == 3 and report["tensors"] == 4  # every parameter after every step, by name
+
+
+@pytest.mark.slow
+def test_the_fsdp_script_gives_the_same_bits_at_one_and_two_shards(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # fsdp1 runs fully_shard at one process, where it never calls the reduce-scatter: the recipe's tree must still
+    # sum every microbatch (it kept the last one's gradient only), so fsdp1 and fsdp2 differed at the final params
+    code, report = _check(capsys, tmp_path, "--layouts", "fsdp1,fsdp2", "--", sys.executable,
+                          str(EXAMPLES / "fsdp.py"))
+    assert code == 0, report
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and len(set(finals.values())) == 1 and None not in finals.values()
+    assert report["steps"] == 3
