@@ -553,6 +553,27 @@ def test_restore_part_refuses_what_it_cannot_apply(value: str, message: str, tmp
         bare.load(tmp_path / "bare")
 
 
+def test_restore_part_in_a_run_that_does_not_resume_is_refused(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """#49.12: only the resume's load applies DETRACE_RESTORE_PART; a run that does not resume ignored it silently."""
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.setenv("DETRACE_RESTORE_PART", f"weights:{tmp_path}")
+    with pytest.raises(UsageError, match=r"^DETRACE_RESTORE_PART=weights:.* takes a part of the state from a "
+                                         r"checkpoint when the run resumes, and this run does not \(DETRACE_RESUME "
+                                         r"is not 1 and DETRACE_RESUME_FROM is not set\)$"):
+        _state().resume_if_requested()
+
+
+@pytest.mark.parametrize("name", ["DETRACE_CKPT_EVERY", "DETRACE_STOP_AT"])
+def test_a_save_variable_set_but_empty_is_refused(name: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """#49.12: DETRACE_CKPT_EVERY='' was taken as unset: the saves it asked for were never made, without a word."""
+    monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path))
+    monkeypatch.setenv(name, "")
+    with pytest.raises(UsageError, match=rf"^{name} must be a step number of at least 1, not '' \(set but empty: "
+                                         r"give a step or unset it\)$"):
+        _state().resume_if_requested()
+
 def test_restore_part_refuses_a_sharded_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               free_port: Callable[[], int]) -> None:
     import torch.distributed as dist

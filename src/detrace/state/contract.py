@@ -161,13 +161,16 @@ def _complete(state: Path) -> bool:
 
 
 def _step_variable(name: str) -> int | None:
-    """A step count of at least 1 from the environment variable `name`, or None when it is unset or empty."""
+    """A step count of at least 1 from the environment variable `name`, or None when it is unset."""
     text = os.environ.get(name)
-    if not text:
+    if text is None:
         return None
     step = parse_count(text)
     if step is None or step < 1:
-        raise UsageError(f"{name} must be a step number of at least 1, not {text!r}")
+        # Set but empty (`DETRACE_CKPT_EVERY=` in a script) is refused too: taken as unset, the saves it asked for
+        # were silently never made.
+        empty = " (set but empty: give a step or unset it)" if not text.strip() else ""
+        raise UsageError(f"{name} must be a step number of at least 1, not {text!r}{empty}")
     return step
 
 
