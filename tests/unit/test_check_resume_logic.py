@@ -432,3 +432,74 @@ def test_an_exact_resume_shows_every_part_equal_and_the_data_position_comes_from
     said = forgotten(None, [c.part for c in compared if c.equal is False])
     assert said is not None and said.startswith("the data order or position is not the continuous run's")
     assert compare_parts(runs / "continuous", runs / "continuous-again", runs / "nothing", 2, diverged) == ()  # type: ignore[arg-type]
+
+
+def test_a_resume_whose_every_part_is_equal_names_the_state_kept_outside(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # An EMA copy kept beside the model: the model, the optimizer, the RNG states and the batch all restored, the
+    # backward still differs at the first resumed step.
+    launcher = WithState({"resumed": RESUME_BUG, "resumed-again": RESUME_BUG}, {})
+    assert main(_cli(tmp_path, monkeypatch, launcher, "--at", "2")) == 1
+    out = capsys.readouterr().out
+    [forgot] = [line for line in out.splitlines() if line.startswith("what the resume forgot")]
+    assert forgot.startswith("what the resume forgot: the parts detrace compares (the model's parameters, the "
+                             "optimizer, the RNG states, the data position) do not explain it: the script keeps "
+                             "state outside the model and the optimizer")
+    assert "RNG state (a dropout mask" not in forgot
+    # the first divergence is at the stop point: what came before it was never compared
+    assert "  steps before 2 were not compared: the resumed run starts there" in out.splitlines()
+
+
+def test_two_continuous_runs_that_part_at_the_first_recorded_step_may_part_earlier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_cli(tmp_path, monkeypatch, Scripted({"again": Fault(rank=0, step=2, op=0)}), "--at", "2")) == 3
+    assert ("  steps before 2 were not compared: the check's runs record from step 2, where the first resumed run "
+            "starts, so the two runs may part earlier") in capsys.readouterr().out.splitlines()
+    assert main(_cli(tmp_path / "later", monkeypatch, Scripted({"again": Fault(rank=0, step=3, op=0)}),
+                     "--at", "2")) == 3
+    assert "were not compared" not in capsys.readouterr().out  # steps 2 on were compared, and agreed up to 3
+
+
+def _point(at: int, verdict: str, first: Divergence | None, **equal: bool) -> object:
+    from detrace.analyze import DiffResult
+    from detrace.investigate.check_resume import PartCompared, StopPoint
+
+    restored = tuple(PartCompared(part=part.replace("_", " "), equal=value) for part, value in equal.items())
+    diff = DiffResult(verdict="identical" if first is None else "diverged", first=first)
+    return StopPoint(at=at, verdict=verdict, stopped=Path("s"), resumed=Path("r"),  # type: ignore[arg-type]
+                     resume_diff=diff, restored=restored)
+
+
+def test_an_rng_difference_that_an_exact_stop_point_shows_harmless_is_not_named() -> None:
+    from detrace.investigate.check_resume import ResumeResult
+
+    forward = Divergence(rank=0, step=4, seq=0, rung="semantic", phase="forward", kind="numeric", name="mm",
+                         module=None, role="output", origin=True)
+    parts = {"parameters": True, "optimizer_state": True, "data_position": True}
+    exact = _point(2, "exact", None, **parts, **{"torch RNG state": False})
+    changed = _point(4, "resume-changed-the-run", forward, **parts, **{"torch RNG state": False})
+    result = ResumeResult(at=[2, 4], continuous=Path("c"), again=Path("a"), repeat_diff=exact.resume_diff,  # type: ignore[attr-defined]
+                          points=[exact, changed])  # type: ignore[list-item]
+    assert result.harmless == {"torch RNG state"}
+    said = check_resume_cli._forgot(result, changed)  # type: ignore[arg-type]
+    assert said is not None and said.startswith("the parts detrace compares") and "does your checkpoint save and " \
+        "restore the RNG" not in said
+    alone = ResumeResult(at=[4], continuous=Path("c"), again=Path("a"), repeat_diff=exact.resume_diff,  # type: ignore[attr-defined]
+                         points=[changed])  # type: ignore[list-item]
+    said = check_resume_cli._forgot(alone, changed)  # type: ignore[arg-type]
+    assert said is not None and said.startswith("the RNG state is not the continuous run's")  # nothing says harmless
+
+
+@pytest.mark.parametrize(("first", "equal", "words"), [
+    ("forward", ["parameters", "torch RNG state"], "the parts detrace compares"),
+    ("backward", [], "the RNG state (a dropout mask, an augmentation), or the model"),  # nothing compared
+    ("optimizer", ["optimizer state", "param groups"], "the parts detrace compares"),
+    ("data", ["data position"], "the same samples arrived, but their random augmentation"),
+    ("data", ["parameters"], "the data order or position is not the continuous run's"),
+])
+def test_what_is_left_when_the_compared_parts_are_equal(first: str, equal: list[str], words: str) -> None:
+    divergence = Divergence(rank=0, step=2, seq=0, rung="semantic", phase=first, kind="numeric",  # type: ignore[arg-type]
+                            name="x", module=None, role="output", origin=True)
+    said = forgotten(divergence, (), equal)
+    assert said is not None and said.startswith(words)

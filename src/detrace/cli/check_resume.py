@@ -54,10 +54,25 @@ def to_json(result: ResumeResult, cmd: list[str]) -> dict[str, Any]:
     changed = next((p for p in result.points if p.verdict == "resume-changed-the-run"), None)
     return {"schema": SCHEMA, "verdict": result.verdict, "exit_code": result.exit_code, "at": result.at,
             "first": deciding.first.to_json() if deciding.first is not None else None,
-            "forgot": forgotten(changed.resume_diff.first, changed.differing) if changed is not None else None,
+            "forgot": _forgot(result, changed) if changed is not None else None,
             "suggest": locate_command(cmd) if result.verdict == "nondeterministic" else None,
             "runs": {"continuous": str(result.continuous), "continuous_again": str(result.again)},
             "repeat": result.repeat_diff.to_json(), "points": [_point(p) for p in result.points]}
+
+
+def _forgot(result: ResumeResult, point: StopPoint) -> str | None:
+    """What the resume after `point` forgot, in the user's words; an RNG part that differs as it does at a stop
+    point that resumed exactly is not named."""
+    harmless = [part for part in point.differing if part in result.harmless]
+    return forgotten(point.resume_diff.first, [part for part in point.differing if part not in harmless],
+                     equal=[*point.equal, *harmless])
+
+
+def _not_compared(result: DiffResult | None, start: int, why: str) -> None:
+    """Under a first divergence at `start`, the first step compared: the runs may part earlier."""
+    first = result.first if result is not None else None
+    if first is not None and first.step <= start:
+        print(f"  steps before {start} were not compared: {why}")
 
 
 def _summary(result: ResumeResult, cmd: list[str]) -> None:
@@ -67,18 +82,22 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         if result.repeat_diff.verdict != "identical":
             print("nondeterministic: two continuous runs of the same command differ, so no resume can be judged:")
             render_diff(result.repeat_diff)
+            _not_compared(result.repeat_diff, result.at[0], f"the check's runs record from step {result.at[0]}, "
+                          "where the first resumed run starts, so the two runs may part earlier")
         else:
             point = next(p for p in result.points if p.verdict == "nondeterministic")
             print(f"nondeterministic: the run resumed after step {point.at} differs from the continuous run, and "
                   "a second resumed run differs from the first, so the difference is not the resume's:")
             render_diff(point.again_diff)  # type: ignore[arg-type]
+            _not_compared(point.again_diff, point.at, "the resumed runs start there")
         print(locate_next(cmd))
     elif verdict == "resume-changed-the-run":
         point = next(p for p in result.points if p.verdict == verdict)
         print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
               "and a second resume differs in the same way):")
         render_diff(point.resume_diff)
-        forgot = forgotten(point.resume_diff.first, point.differing)
+        _not_compared(point.resume_diff, point.at, "the resumed run starts there")
+        forgot = _forgot(result, point)
         if forgot is not None:
             print(f"what the resume forgot: {forgot}")
         for line in warned(point.stopped, point.resumed):

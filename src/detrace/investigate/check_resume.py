@@ -1,6 +1,7 @@
 """`detrace check-resume`: exact resume verified on a user's command, a proof with four arms (a continuous run,
 the same again, stopped after step K and resumed in a fresh process, and negative controls, one of which must
-diverge). It drives the launcher and the diff; it never reads a trace itself.
+diverge). It drives the launcher and the diff; of the traces it reads only the state and the input batch at
+each stop point.
 
 Each negative control resumes with one part of the state left out (the RNG states, the data position, the
 optimizer state, the model). A loop that draws no random number after the stop (no dropout, a seeded sampler) is
@@ -12,10 +13,13 @@ check-resume speaks to CMD through the environment contract that `detrace.TrainS
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pyarrow.compute as pc
 
 from detrace._numbers import parse_count
 from detrace.analyze import DiffResult, diff
@@ -23,9 +27,9 @@ from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.integrations.advice import advice, framework_of
 from detrace.investigate.check import Progress, run_checked
 from detrace.launch.launcher import Launcher, run_traced
-from detrace.tracefile import open_run
+from detrace.tracefile import open_run, read_rank
 from detrace.tracefile.layout import prepare_out
-from detrace.tracefile.state_parts import ENV_STATE_AT, PARTS, RECORDED, StateParts, read_state_parts
+from detrace.tracefile.state_parts import ENV_STATE_AT, PARTS, RECORDED, RNG_PARTS, StateParts, read_state_parts
 from detrace.verdicts import RESUME, ResumeVerdict
 
 CONTROL_PARTS = {
@@ -129,9 +133,52 @@ def compare_parts(continuous: Path, again: Path, resumed: Path, k: int,
             continuous=_shown(base.get(first), part) if first else None,
             resumed=_shown(mine.get(first), part) if first else None))
     data = tuple(f"rank {r.rank}" for r in resume_diff.ranks
-                 if r.first is not None and r.first.step == k and r.first.phase == "data")
+                 if r.first is not None and r.first.step == k and r.first.phase == "data"
+                 and not _same_samples(continuous, resumed, r.rank, k))
     compared.append(PartCompared(part=PARTS[-1], equal=not data, where=data))
     return tuple(compared)
+
+
+Batch = tuple[list[int] | None, list[tuple[str, tuple[int, ...], int | None]]]
+"""A step's input batches on one rank: the dataset indices a sampler recorded (None when none did), and each tensor
+of them (dtype, shape, digest), in order."""
+
+
+def _batch(run: Path, rank: int, k: int) -> Batch | None:
+    """The input batches of step `k` on `rank` (the batch rung's "batch" and "samples" calls), or None when the
+    trace cannot be read."""
+    try:
+        table = read_rank(run, rank).table
+    except TraceError:
+        return None
+    rows = table.filter(pc.and_(pc.equal(table["step"], k), pc.equal(table["phase"], "data"))).select(
+        ["name", "role", "dtype", "shape", "digest", "extra"]).to_pylist()
+    samples = [index for row in rows if row["name"] == "samples" and row["extra"]
+               for index in json.loads(row["extra"]).get("samples", [])]
+    tensors = [(row["dtype"], tuple(row["shape"]), row["digest"]) for row in rows
+               if row["name"] == "batch" and row["role"] == "input"]
+    return (samples or None), tensors
+
+
+def _same_samples(continuous: Path, resumed: Path, rank: int, k: int) -> bool:
+    """Whether step `k`'s batch on `rank` holds the same samples in both runs, only their random augmentation
+    differing: the same dataset indices, when a sampler recorded them; else every tensor of the batch that names
+    its samples (integer: labels, token ids) equal, and only floating-point ones (what an augmentation draws)
+    differing."""
+    mine, theirs = _batch(continuous, rank, k), _batch(resumed, rank, k)
+    if mine is None or theirs is None:
+        return False
+    if mine[0] is not None and theirs[0] is not None:
+        return mine[0] == theirs[0]
+    a, b = mine[1], theirs[1]
+    if len(a) != len(b) or any(x[:2] != y[:2] for x, y in zip(a, b, strict=True)):
+        return False  # other shapes: other samples
+    naming = [x == y for x, y in zip(a, b, strict=True) if not x[0].startswith(_FLOATING)]
+    return bool(naming) and all(naming) and a != b
+
+
+_FLOATING = ("float", "bfloat", "complex")
+"""The dtypes (by name) of the tensors an augmentation changes; the others (integers, booleans) name the samples."""
 
 
 def _shown(parts: StateParts | None, part: str) -> str | None:
@@ -194,6 +241,11 @@ class StopPoint:
         return [c.part for c in self.restored if c.equal is False]
 
     @property
+    def equal(self) -> list[str]:
+        """The parts of the restored state equal to the continuous run's."""
+        return [c.part for c in self.restored if c.equal]
+
+    @property
     def deciding_control(self) -> ControlRun | None:
         """The control that proves the check would notice a wrong resume (the first that diverged), else the last
         one run (none diverged), else None (no control ran)."""
@@ -239,6 +291,13 @@ class ResumeResult:
     @property
     def exit_code(self) -> int:
         return RESUME[self.verdict]
+
+    @property
+    def harmless(self) -> set[str]:
+        """The RNG parts that differ at a stop point that resumed exactly: a generator the rest of the run never
+        draws from, whose difference explains no other stop point's either."""
+        return {part for point in self.points if point.verdict == "exact" for part in point.differing
+                if part in RNG_PARTS}
 
     @property
     def deciding(self) -> DiffResult:

@@ -74,20 +74,35 @@ FORGOT_PART = {
 PARTS) that differs from the continuous run's."""
 
 
-def forgotten(first: Divergence | None, differing: Sequence[str] = ()) -> str | None:
+OUTSIDE = ("the parts detrace compares (the model's parameters, the optimizer, the RNG states, the data position) "
+           "do not explain it: the script keeps state outside the model and the optimizer that its checkpoint does "
+           "not restore (an EMA copy of the weights, a buffer held in a Python object, a step counter); does your "
+           "checkpoint save it?")
+"""What a resume forgot when every part compared was restored exactly and the run still changed."""
+AUGMENTED = ("the same samples arrived, but their random augmentation is not the continuous run's: it draws from "
+             "an RNG the resume does not restore (the data loader workers' seeds, or the RNG it shares with the "
+             "training loop); does your checkpoint save the RNG states, or does your data loader seed each sample?")
+"""What a resume forgot when step K's batch holds the continuous run's samples, augmented otherwise."""
+
+
+def forgotten(first: Divergence | None, differing: Sequence[str] = (), equal: Sequence[str] = ()) -> str | None:
     """What a resume that changed the run did not restore, in the words of a user's checkpoint: from the parts of
     the restored state that differ from the continuous run's (`differing`, the surest), else from the first
-    divergence between the continuous and the resumed run; None when neither says anything about it."""
+    divergence between the continuous and the resumed run; None when neither says anything about it. `equal`: the
+    parts compared equal (or whose difference is known to be harmless): a part in it is never named, and when no
+    part differs, what is left is named (state kept outside the model and the optimizer, an augmentation)."""
     if differing:
         return " ".join(dict.fromkeys(FORGOT_PART[part] for part in differing))  # each sentence once
     if first is None or first.kind != "numeric":
         return None
+    if first.phase == "data":
+        return AUGMENTED if "data position" in equal else FORGOT_PART["data position"]
+    if equal and (first.phase in ("forward", "backward") or (first.phase == "optimizer" and first.origin)):
+        return OUTSIDE  # (no part differs: nothing the comparison covers explains it)
     if first.phase == "optimizer" and first.origin:
         return ("the learning rate or optimizer state is not the one the continuous run had: an optimizer step "
                 "made other parameters from the same gradients; does your checkpoint save the scheduler (and the "
                 "optimizer's state)?")
-    if first.phase == "data":
-        return FORGOT_PART["data position"]
     if first.phase in ("forward", "backward"):
         return ("the RNG state (a dropout mask, an augmentation), or the model, is not the continuous run's: the "
                 "same batch gave another result; does your checkpoint save and restore the RNG states (torch's, "
