@@ -151,14 +151,14 @@ class Files:
         if not isinstance(old, str) or not isinstance(new, str):
             return
         old = os.path.abspath(old)
-        moved = {absolute: new + absolute[len(old):] for absolute in self.saved
+        moved = {absolute: new + absolute[len(old):] for absolute in tuple(self.saved)  # (another thread may save)
                  if absolute == old or absolute.startswith(old + os.sep)}
         if not moved:
             return
         self.write({"op": "rename", "api": api, "from": [self.saved[absolute] for absolute in moved],
                     "paths": list(moved.values()), "pid": os.getpid()})
         for absolute, path in moved.items():
-            del self.saved[absolute]
+            self.saved.pop(absolute, None)
             self.named("save", [path])
 
     def land(self, *, final: bool = False) -> None:

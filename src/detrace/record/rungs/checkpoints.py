@@ -184,7 +184,10 @@ def _follow(log: _Log, api: str, function: Callable[..., Any]) -> Callable[..., 
     def wrapped(source: Any, destination: Any, *args: Any, **kwargs: Any) -> Any:
         result = function(source, destination, *args, **kwargs)
         if not args and not any(kwargs.get(fd) is not None for fd in ("src_dir_fd", "dst_dir_fd")):
-            log.files.renamed(api, source, result if api == "shutil.move" and result is not None else destination)
+            try:
+                log.files.renamed(api, source, result if api == "shutil.move" and result is not None else destination)
+            except Exception as err:  # the program's rename is done: the log's account of it must not undo that
+                print(f"detrace: a rename by {api} was not followed in the checkpoint log ({err})", file=sys.stderr)
         return result
 
     wrapped.__wrapped__ = function  # type: ignore[attr-defined]
