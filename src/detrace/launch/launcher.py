@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
+from detrace.launch.failure import TracerFailed, tracer_failure
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
 from detrace.tracefile.layout import (
     aux_trace_paths,
@@ -367,6 +368,9 @@ def run_traced(cmd: Sequence[str], out: str | Path, *, rung: str = "metrics",
         if header.get("untraced") and not (untraced_ok or header.get("traced_ranks") or header.get("aux")):
             raise nothing_recorded(out)
         output_tail = b"".join(tail)[-TAIL_BYTES:].decode("utf-8", errors="replace")
+        failed = tracer_failure(output_tail) if proc.returncode else None
+        if failed is not None:  # every command says so, instead of blaming CMD
+            raise TracerFailed(f"{failed} (the trace up to there is in {out})")
         return LaunchResult(returncode=proc.returncode, out=out, command=command, elapsed=elapsed,
                             output_tail=output_tail, cut_short=cut_short, interrupted=bool(terms))
 
