@@ -19,6 +19,7 @@ from detrace.defects.guard import Guard, Mismatch, _digests, parse_env, vote
 from detrace.defects.recheck import judge, recheck, step_results
 from detrace.errors import UsageError
 from detrace.launch.launcher import LaunchResult
+from detrace.state import TrainState
 from detrace.tracefile.layout import run_header_path
 from detrace.tracefile.writer import write_json_atomic
 from detrace.verdicts import RECHECK
@@ -119,6 +120,17 @@ def test_a_malformed_fault_is_one_sentence_and_the_program_runs_on(monkeypatch: 
     assert err.count("\n") == 1 and "bit 999 is outside every element" in err and "the injected fault is off" in err
     _train(nn.Linear(4, 3), 2)
 
+
+def test_a_malformed_fault_is_said_once_however_often_it_is_armed(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """#49.12: under `detrace run`, the tracer's start and the script's TrainState both arm: the sentence was printed
+    twice."""
+    monkeypatch.setenv("DETRACE_FAULT", "bitflip:step=once,rank=0,tensor=w,bit=1")
+    arm_from_env()
+    TrainState(model=nn.Linear(2, 2))  # arms again, as in a traced script
+    arm_from_env()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step must be a non-negative integer, not 'once'" in err
 
 def test_repeat_fault_follows_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = FaultSpec(step=0, rank=1, tensor="weight", bit=22, repeat=True)

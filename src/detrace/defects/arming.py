@@ -22,12 +22,19 @@ _FEATURES = (("DETRACE_GUARD", "detrace.defects.guard", "the replica guard"),
              ("DETRACE_FAULT", "detrace.defects.faults", "the injected fault"))
 
 
+_refused: set[tuple[str, str]] = set()
+"""(variable, value) pairs already refused in this process: the sentence is said once, though every arming point
+(the tracer's start, each TrainState) tries again (it was printed twice under `detrace run`)."""
+
+
 def arm_from_env() -> None:
     """Install the guard and the fault the environment asks for (each once per process; nothing when unset)."""
     for variable, module, feature in _FEATURES:
-        if not os.environ.get(variable):
+        value = os.environ.get(variable)
+        if not value or (variable, value) in _refused:
             continue
         try:
             importlib.import_module(module).arm_from_env()
         except DetraceError as err:
+            _refused.add((variable, value))
             print(f"detrace: {err}; {feature} is off in process {os.getpid()}", file=sys.stderr)
