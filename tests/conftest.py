@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _ranks import free_port as _free_port
 from _scenarios import STEADY, traced_runs
+from _tiers import is_quick
 from _tools import CHROMIUM, missing_browser
 
 # A forked child (a DataLoader worker) must not inherit garbage that holds a gloo process group: a test that ran one in
@@ -54,8 +55,13 @@ _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning
 # by a step or more (the first divergence that docs quote moves). Such a test runs alone on the machine: it holds the
 # machine lock exclusively, every other test holds it shared. They run first, together, so that no worker waits long;
 # then the rest, the slowest tier first, so that the last tests to run are short ones.
+# Each test of the quick tier (tests/support/_tiers.py) is marked `quick` here, before `-m` selects: first.
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_quick(item.nodeid, (mark.name for mark in item.iter_markers())):
+            item.add_marker(pytest.mark.quick)
     tiers = ("e2e", "integration", "unit")
     items.sort(key=lambda item: (item.get_closest_marker("race") is None,
                                  next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))

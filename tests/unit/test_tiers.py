@@ -1,0 +1,70 @@
+"""The test tiers (tests/support/_tiers.py): the README's quick command runs the unit and integration tiers and one
+real test per command and framework integration; CI runs it and then the rest, so the whole suite once."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from _tiers import CHOSEN, COMMANDS, INTEGRATIONS, is_quick
+
+from detrace.cli import COMMANDS as CLI_COMMANDS
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_every_command_and_framework_integration_has_its_quick_test() -> None:
+    assert sorted(COMMANDS) == sorted(CLI_COMMANDS)
+    # the framework integrations are the modules the package's docstring lists as `detrace.integrations.NAME.`
+    import detrace.integrations
+
+    listed = re.findall(r"`detrace\.integrations\.(\w+)\.", detrace.integrations.__doc__ or "")
+    assert sorted(INTEGRATIONS) == sorted(set(listed)) == ["accelerate", "hf", "lightning"]
+
+
+@pytest.mark.parametrize("nodeid", sorted(CHOSEN))
+def test_each_chosen_test_exists_and_is_no_racing_test(nodeid: str) -> None:
+    # A renamed or deleted test would silently leave its command out of the quick tier; a racing one would hold the
+    # machine alone in the middle of it.
+    path, _, name = nodeid.partition("::")
+    tree = ast.parse((ROOT / path).read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert name in functions, f"{nodeid} is no test function"
+    marks = [ast.unparse(decorator) for decorator in functions[name].decorator_list]
+    module_marks = [ast.unparse(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)]
+    assert not any("race" in mark for mark in [*marks, *module_marks]), nodeid
+
+
+@pytest.mark.parametrize(("nodeid", "markers", "quick"), [
+    ("tests/unit/test_x.py::test_a", [], True),
+    ("tests/integration/test_x.py::test_a[1-2]", ["parametrize"], True),
+    ("tests/integration/test_x.py::test_a", ["slow"], False),
+    ("tests/integration/test_x.py::test_a", ["race"], False),
+    ("tests/e2e/test_x.py::test_a", [], False),  # the e2e tier is real processes: only the chosen ones
+    ("tests/e2e/test_run.py::test_a_program_that_imports_detrace_before_torch_is_traced", ["slow"], True),
+    ("tests/integration/test_ablate_trainer.py::test_each_planted_spike_is_found_reproduced_and_told_apart[data]",
+     ["parametrize"], True),
+])
+def test_the_quick_tier(nodeid: str, markers: list[str], quick: bool) -> None:
+    assert is_quick(nodeid, markers) is quick
+
+
+def _readme_test_commands() -> list[str]:
+    section = (ROOT / "README.md").read_text().split("\n## Test\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_gives_the_quick_command_and_the_full_suite() -> None:
+    assert _readme_test_commands() == ["python -m pytest -q -m quick", "python -m pytest -q"]
+
+
+def test_ci_runs_the_readmes_quick_command_and_then_the_rest_of_the_suite() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [line.strip() for line in ci.splitlines() if re.match(r"\s*python -m pytest ", line)]
+    quick, rest = _readme_test_commands()[0], 'python -m pytest -q -m "not quick"'
+    assert [run.startswith(quick + " ") or run == quick for run in runs] == [True, False], runs
+    assert runs[1].startswith(rest + " ") or runs[1] == rest, runs
