@@ -338,6 +338,11 @@ class RankAligner:
             self.outcome.first = _divergence(self.rank, ra, kind="numeric", origin=origin,
                                              detail={**differences(ra, rb), **self._call(ra)})
             self.outcome.link = None
+        final = self.outcome.apart.final if self.outcome.apart is not None else None
+        if self.outcome.first is None and final is not None and self.stopped is None:
+            # Every step matched and both runs ended at the same one: the state changed after the last step.
+            self.outcome.first = _divergence(self.rank, final[0], kind="numeric", origin=True,
+                                             detail=differences(*final))
         return self.outcome
 
     def _training_first(self) -> None:

@@ -8,7 +8,8 @@ alignment, so they never shift it, and matched by identity instead: the records 
 for bit, and what only one run holds is counted. What only one run holds is never a divergence, and neither is a
 differing checkpoint or bookkeeping record: the training's own records (data, loss, gradients, parameters, buffers,
 optimizer state) decide that. An evaluation that both runs ran and that differs is one (`Apart.evaluation`): an
-evaluation that is itself nondeterministic must be found. The result says what was compared apart, in a note.
+evaluation that is itself nondeterministic must be found. So is a record of the final state that differs
+(`Apart.final`): the model changed after the last step. The result says what was compared apart, in a note.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import pyarrow.compute as pc
 
 from detrace.analyze.classify import CONTENT, IDENTITY, INPUT_ROLES, OUTPUT_ROLES, label
 
-APART_PHASES = ("checkpoint", "bookkeeping", "evaluation")
-"""Phases compared apart, by identity."""
+APART_PHASES = ("checkpoint", "bookkeeping", "evaluation", "final")
+"""Phases compared apart, by identity. "final": the state a run ends with, recorded as its trace closes (after its
+last step, docs/tracing.md); it is compared only when both runs ended at the same step (a run that stopped early is
+a divergence of its own), and a difference there is a divergence after the last step (`Apart.final`)."""
 _WHAT = {"checkpoint": "checkpoint I/O", "bookkeeping": "framework bookkeeping collectives",
-         "evaluation": "evaluations"}
+         "evaluation": "evaluations", "final": "the final state"}
 MAX_APART = 200_000
 """Records per side kept for the comparison; beyond it the rest is counted only."""
 _APART_SET = pa.array(APART_PHASES)
@@ -68,6 +71,9 @@ class Apart:
     evaluation: tuple[dict[str, Any], dict[str, Any], bool] | None = None
     """(row of A, row of B, origin) of the first evaluation record that differs, in A's execution order: the
     divergence it is. `origin`: an output of a call whose inputs all matched."""
+    final: tuple[dict[str, Any], dict[str, Any]] | None = None
+    """(row of A, row of B) of the first record of the final state (phase "final") whose bits differ: the state
+    changed after the last step."""
 
     def of(self, phase: str) -> Count:
         return self.phases.setdefault(phase, Count())
@@ -111,6 +117,8 @@ def compare(a: list[pa.RecordBatch], b: list[pa.RecordBatch], *, start: int) -> 
                 count.first_differ = f"step {row['step']} {label(row)}"
             if row["phase"] == "evaluation":
                 differing.append((row, other))
+            elif row["phase"] == "final" and found.final is None:
+                found.final = (row, other)
     found.evaluation = _evaluation(differing)
     return found
 
@@ -134,10 +142,11 @@ def note(found: dict[int, Apart]) -> str | None:
     for one in found.values():
         for phase, count in one.phases.items():
             total.setdefault(phase, Count()).add(count)
-    if not total:
+    if not total.keys() - {"final"}:
         return None
     parts = []
-    for phase in (p for p in APART_PHASES if p in total):
+    # The final state is not noted: both runs end with one, and where it differs, that is the divergence itself.
+    for phase in (p for p in APART_PHASES if p in total and p != "final"):
         count = total[phase]
         text = f"{_WHAT[phase]}: {count.in_a} records in A, {count.in_b} in B, {count.both} in both"
         if count.differ:

@@ -26,6 +26,8 @@ _STYLE = {"identical": "bold green", "diverged": "bold red", "incomparable": "bo
 def _where(d: Divergence) -> str:
     if d.stop is not None:
         return f"rank {d.rank}, step {d.step}: run {d.detail['ended'].upper()} has no step {d.step}"
+    if d.phase == "final":
+        return f"rank {d.rank}, after the last step ({d.step}), the final state: {d.name} ({d.role})"
     if d.phase == "data":
         return f"rank {d.rank}, step {d.step}, the input batch ({d.role}[{d.index}], call #{d.occurrence})"
     module = f" in {d.scope}" if d.scope else ""
@@ -45,6 +47,11 @@ def _explain(d: Divergence) -> list[str]:
         lines.append("the input batch differs: the data entering the model's forward is not the same in both runs; "
                      "no traced call computed it (look at the data order, the augmentation's randomness, the "
                      "loader's position)")
+        if "digest" in detail:
+            lines.append(f"digest {detail['digest'][0]} vs {detail['digest'][1]}")
+    elif d.kind == "numeric" and d.phase == "final":
+        lines.append("every step matched, and the state the run ended with differs: it changed after the last "
+                     "optimizer step (an unseeded draw, an average or a quantisation after the training?)")
         if "digest" in detail:
             lines.append(f"digest {detail['digest'][0]} vs {detail['digest'][1]}")
     elif d.kind == "numeric":

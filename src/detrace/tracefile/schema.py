@@ -19,11 +19,13 @@ _FORMAT = "detrace.trace/"
 # Ordered: each rung includes the ones before it.
 RUNGS = ("metrics", "semantic", "module", "op")
 PHASES = ("forward", "backward", "optimizer", "collective", "p2p", "recompute", "data", "checkpoint", "bookkeeping",
-          "evaluation", "other")
+          "evaluation", "final", "other")
 """`checkpoint`: anything recorded while a checkpoint is saved or loaded; `bookkeeping`: a collective a training
 framework makes for itself (HF Trainer's logging gathers, Lightning's `self.log(sync_dist=True)`); `evaluation`:
-what an evaluation of the trained model runs between two steps (detrace.record.rungs.batch). The diff compares the
-three apart from the training, by identity (detrace.analyze.apart)."""
+what an evaluation of the trained model runs between two steps (detrace.record.rungs.batch); `final`: the state a
+run ends with, recorded as its trace closes (one record per parameter of each trained model, by qualified name, role
+"param", then the model's digest, role "model"; docs/tracing.md). The diff compares the four apart from the training,
+by identity (detrace.analyze.apart)."""
 ROLES = (
     "input",  # argument of a module/op/collective call
     "output",  # result of a call
@@ -35,6 +37,7 @@ ROLES = (
     "state",  # optimizer: a state tensor coming out (exp_avg, ...)
     "buffer",  # optimizer: a module buffer (running statistics, counters, EMA copies) as the step ends
     "metric",  # an exact scalar (loss, grad norm, detrace.metric)
+    "model",  # final state: one digest of a whole model's parameters (the fingerprint of their digests, in order)
     "component",  # one component (data, scales) of a quantized tensor
 )
 
@@ -45,7 +48,7 @@ FIELDS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ("rung", pa.string(), False, "metrics | semantic | module | op"),
     ("phase", pa.string(), False,
      "forward | backward | optimizer | collective | p2p | recompute | data | checkpoint | bookkeeping | evaluation "
-     "| other"),
+     "| final | other"),
     ("module", pa.string(), True, "innermost nn.Module qualified name in scope, if any"),
     ("name", pa.string(), False, "op name (aten.mm.default), module name, collective (all_reduce) or metric"),
     ("occurrence", pa.int32(), False, "how many calls with this (phase, module, name) came before in this step"),

@@ -3,10 +3,16 @@
 every buffer of the models the optimizer trains (role buffer, named by its qualified name). Buffers are model state
 that no optimizer writes (BatchNorm statistics, counters, EMA copies, an MoE router's load statistics): recorded
 with the parameters, a buffer that differs between two runs is a divergence like a parameter that does.
+
+As the trace closes, the final state (phase "final", in the last step that holds records): each parameter of every
+model an optimizer trained that is still alive, by qualified name (role "param"), then the model's digest (role
+"model": the fingerprint of its parameters' digests in that order). It catches what changes the model after the
+last optimizer step (an unseeded draw, an average, a quantisation).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import weakref
 from collections.abc import Callable
@@ -15,10 +21,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from detrace.record.names import buffers, owners, parameter_names
+from detrace.record.names import buffers, named_modules, owners, parameter_names
 from detrace.record.opaque import Opaque
 from detrace.record.records import Call
 from detrace.record.session import Tracer
+from detrace.tracefile.schema import rung_includes
 
 Undo = Callable[[], None]
 
@@ -35,12 +42,15 @@ class _StepRecorder:
         """The root modules that hold each optimizer's parameters, found at its first step."""
         self.pending: dict[int, tuple[list[torch.Tensor], list[Call]]] = {}
         """Optimizer id -> its parameters and their calls, from the pre-hook to the post-hook of a step."""
+        self.stepped = False
+        """Whether any optimizer stepped while the semantic rung recorded."""
 
     def pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         tracer = self.tracer
         if not tracer.on["semantic"]:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.stepped = True
         if optimizer not in self.names:
             self.names[optimizer] = parameter_names()
             self.models[optimizer] = [weakref.ref(model) for model in owners({id(p) for p in params})]
@@ -73,8 +83,59 @@ class _StepRecorder:
                 self.tracer.emit(self.tracer.begin("semantic", "optimizer", name), "buffer", [next(snaps)])
 
 
+    def final(self) -> None:
+        """Record the final state of the models the optimizers trained (see the module's docstring)."""
+        tracer = self.tracer
+        if not rung_includes(tracer.config.rung, "semantic"):
+            return
+        models: dict[int, torch.nn.Module] = {}
+        for refs in list(self.models.values()):
+            for ref in refs:
+                if (model := ref()) is not None:
+                    models.setdefault(id(model), model)
+        if not self.stepped:
+            # No optimizer stepped (a resumed run that trained nothing): the models of the optimizers alive now, so
+            # that the run still ends with its state recorded, in the step it began at. (Once one stepped, only
+            # its models count: a model freed before the end, in a function that returned, is not recorded.)
+            gc.collect()  # an optimizer that only a reference cycle keeps is no longer the program's
+            for optimizer in [obj for obj in gc.get_objects() if issubclass(type(obj), torch.optim.Optimizer)]:
+                params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                for model in owners(params):
+                    models.setdefault(id(model), model)
+        step = tracer.final_step
+        for model in models.values():
+            named = _parameters(model)
+            if not named:
+                continue
+            snaps = tracer.snapshot([p for _, p in named], fresh=True, now=True)
+            for (name, _), snap in zip(named, snaps, strict=True):
+                call = tracer.begin("semantic", "final", name)
+                call.step = step
+                tracer.emit(call, "param", [snap])
+            digests = [snap.digest for snap in snaps if snap is not None and snap.digest is not None]
+            if len(digests) != len(named):
+                continue  # a parameter without a digest (above --max-numel): no digest of the whole model
+            # The digests as int64 bits (two's complement of each uint64): their fingerprint is the model's.
+            whole = torch.tensor([d - (1 << 64) if d >= 1 << 63 else d for d in digests], dtype=torch.int64)
+            call = tracer.begin("semantic", "final", type(model).__name__)
+            call.step = step
+            call.extra = json.dumps({"params": len(named)})
+            tracer.emit(call, "model", tracer.snapshot([whole], fresh=True, now=True))
+
+
+def _parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(qualified name, parameter) of a model, named as the bare model names it, each once, in the model's order."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for prefix, module in named_modules(model):
+        for name, param in module.named_parameters(recurse=False):
+            found.setdefault(id(param), (f"{prefix}.{name}" if prefix else name, param))
+    return list(found.values())
+
+
 def install(tracer: Tracer) -> list[Undo]:
-    """Register the global optimizer step hooks that record grads, parameters and states."""
+    """Register the global optimizer step hooks that record grads, parameters and states, and the recording of the
+    final state as the trace closes."""
     recorder = _StepRecorder(tracer)
+    tracer.add_closing(recorder.final)
     return [register_optimizer_step_pre_hook(Opaque(recorder.pre)).remove,
             register_optimizer_step_post_hook(Opaque(recorder.post)).remove]

@@ -1,0 +1,116 @@
+"""The final state: as its trace closes, the tracer records each parameter of the models the optimizers trained (by
+qualified name) and one digest per model, in phase "final"; the diff compares it after the last step, and a run
+that stops early, or trains nothing, is never the same run as one that ran on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import detrace
+from detrace.cli import main
+from detrace.record import set_step
+from detrace.tracefile import read_rank
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.inner(x)))
+
+
+def _fresh() -> tuple[Model, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Model()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for i in steps:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _run(out: Path, steps: range = range(4), *, after: float = 0.0) -> None:
+    with detrace.trace(out, rung="semantic"):
+        model, optimizer = _fresh()
+        _train(model, optimizer, steps)
+        if after:
+            with torch.no_grad():
+                model.inner.weight.add_(after)  # what a final averaging or quantisation done wrong does
+
+
+def _final(run: Path) -> list[dict]:
+    table = read_rank(run, 0).table
+    return [row for row in table.to_pylist() if row["phase"] == "final"]
+
+
+def test_the_final_state_is_one_record_per_parameter_then_the_models_digest(tmp_path: Path) -> None:
+    _run(tmp_path / "a")
+    final = _final(tmp_path / "a")
+    assert [(r["name"], r["role"]) for r in final] == [
+        ("inner.weight", "param"), ("inner.bias", "param"), ("head.weight", "param"), ("head.bias", "param"),
+        ("Model", "model")]
+    assert {r["step"] for r in final} == {3}  # the last step: recording it adds no step to the run
+    assert read_rank(tmp_path / "a", 0).footer.steps.recorded == (0, 3)  # type: ignore[union-attr]
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(4))
+    assert final[0]["digest"] == detrace.fingerprint(model.inner.weight.detach()).digest
+
+
+def test_a_change_after_the_last_step_is_a_divergence_after_it(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _run(a)
+    _run(b)
+    _run(c, after=1e-3)
+    assert detrace.diff(a, b).verdict == "identical"
+    result = detrace.diff(a, c)
+    assert result.verdict == "diverged"
+    first = result.first
+    assert first is not None and (first.phase, first.name, first.step, first.origin) == ("final", "inner.weight", 3,
+                                                                                         True)
+    assert main(["diff", str(a), str(c)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: rank 0, after the last step (3), the final state: inner.weight (param)" in out
+    assert "it changed after the last optimizer step" in out
+
+
+def test_a_run_that_ends_early_is_not_identical(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a, range(6))
+    _run(b, range(4))
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("diverged: B stopped after global step 3 and A ran on to step 5: the runs do not cover "
+                          "the same steps")
+
+
+def test_a_resumed_run_that_trains_nothing_records_its_state_and_is_not_identical(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a, range(6))
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(3))
+    saved = model.state_dict(), optimizer.state_dict()
+    with detrace.trace(b, rung="semantic"):
+        set_step(3, source="explicit")  # SGD keeps no step count to read it from
+        model, optimizer = _fresh()
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])  # and the epoch loop overshoots: no step
+    # (a subset: another test's optimizer still alive in this process is found too, as a program's own would be)
+    assert {"inner.weight", "inner.bias", "head.weight", "head.bias", "Model"} <= {r["name"] for r in _final(b)}
+    result = detrace.diff(a, b)
+    assert result.verdict == "diverged"
+    assert result.first is not None and result.first.stop is not None
+    assert result.first.stop.startswith("B trained no step (it began at global step 3 and stopped there) and A ran on "
+                                        "to step 5")
