@@ -96,8 +96,10 @@ def write(root: Path, *, step: int, shared: dict[str, Any], local: dict[str, Any
     if keep < 1:
         raise CheckpointError(f"keep must be at least 1, not {keep}")
     rank = dist.rank_and_world()[0]
-    if elastic and dist.differs(_own_digest(local)):
-        raise CheckpointError(_NOT_ELASTIC)
+    if elastic and dist.differs(_own_digest(local)):  # which value: each leaf's digest, on this rarer path only
+        skeleton, tensors = tree.split(local, "")
+        apart = dist.differing({**_digests(tensors), **_value_digests(skeleton)})
+        raise CheckpointError(f"{_NOT_ELASTIC} ({_first(apart)})")
     dist.together(lambda: _prepare_root(root))
     # Rank 0 holds this save's lock from before its temporary directory exists until after the commit: another job
     # saving into the same root removes only what a dead writer left (see _Writer).
@@ -126,7 +128,7 @@ def _write_locked(root: Path, writer: _Writer | None, *, step: int, shared: dict
     apart = dist.differing(digests) if world > 1 else set()
     # every rank stops, those that hold none of the names that differ too
     if elastic and dist.any_rank(bool(apart)):
-        raise CheckpointError(f"{_NOT_ELASTIC} ({f'first: {_leaf_name(min(apart))!r}' if apart else 'on other ranks'})")
+        raise CheckpointError(f"{_NOT_ELASTIC} ({_first(apart)})")
     names = {key: own_key(rank, key) for key in apart}
     shared_skeleton = tree.rename(shared_skeleton, names)
     shared_tensors = {names.get(key, key): tensor for key, tensor in shared_tensors.items()}
@@ -319,6 +321,11 @@ def _value_digests(skeleton: Any) -> dict[str, int]:
 
     return {_VALUE + path: fingerprint(torch.frombuffer(bytearray(json.dumps(leaf).encode()), dtype=torch.uint8)).digest
             for path, leaf in tree.leaves(skeleton).items() if not tree.tensor_keys(leaf)}
+
+
+def _first(apart: set[str]) -> str:
+    """Which value of an elastic save differs across ranks, as the refusal says it: the first this rank holds."""
+    return f"first: {_leaf_name(min(apart))!r}" if apart else "on other ranks"
 
 
 def _leaf_name(key: str) -> str:
