@@ -59,9 +59,13 @@ _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    browser = missing_browser(CHROMIUM, os.environ)
     for item in items:
         if is_quick(item.nodeid, (mark.name for mark in item.iter_markers())):
             item.add_marker(pytest.mark.quick)
+        if browser is not None and not browser[0] and item.get_closest_marker("browser") is not None:
+            # a skip mark, not pytest.skip() in a hook: the summary then names the test, not this file's line
+            item.add_marker(pytest.mark.skip(reason=f"{item.name} {browser[1]}"))
     tiers = ("e2e", "integration", "unit")
     items.sort(key=lambda item: (item.get_closest_marker("race") is None,
                                  next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))
@@ -127,14 +131,13 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked `browser` is skipped on a machine without the browser, saying how to install it; in CI it
-    fails (see _tools.missing_browser)."""
+    """A test marked `browser` fails in CI without the browser (see _tools.missing_browser); elsewhere it is skipped,
+    saying how to install it (marked so in pytest_collection_modifyitems)."""
     if item.get_closest_marker("browser") is None:
         return
     missing = missing_browser(CHROMIUM, os.environ)
-    if missing is not None:
-        fail, why = missing
-        (pytest.fail if fail else pytest.skip)(why)
+    if missing is not None and missing[0]:
+        pytest.fail(f"{item.name} {missing[1]}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,9 @@
 """Small tools several test modules use: the CLI in a fresh process, a real headless browser, a flipped bit, an
-example script loaded as a module."""
+example script loaded as a module, a folder's every entry and bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -45,15 +46,24 @@ INSTALL_CHROMIUM = "sudo apt-get install chromium"
 """How a machine gets the headless browser the `browser` tests need (Debian's chromium)."""
 
 
-def missing_browser(chromium: str | None, environ: Mapping[str, str]) -> tuple[bool, str] | None:
-    """What becomes of a test marked `browser` (tests/conftest.py): None where the browser is there; else (fail,
-    why): skipped on a machine that lacks it (a fresh clone's), failed in CI (`CI` set, as CI services set it, and
-    as .ci/run does), which installs it, so that the report's browser tests never go unchecked."""
-    if chromium:
+INSTALL_TRITON = "pip install -e '.[triton]'"
+"""How an environment gets the Triton interpreter the Triton kernels' tests need (the `triton` extra)."""
+
+
+def missing_tool(present: bool, why: str, environ: Mapping[str, str]) -> tuple[bool, str] | None:
+    """What becomes of a test that needs a tool CI installs (a browser, Triton): None where the tool is there; else
+    (fail, why): skipped on a machine that lacks it (a fresh clone's), failed in CI (`CI` set, as CI services set it,
+    and as .ci/run does), which installs it, so that those tests never go unchecked."""
+    if present:
         return None
     ci = environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-    why = f"needs a headless browser, Debian's chromium, which this machine lacks (install it: {INSTALL_CHROMIUM})"
     return ci, why + ("; CI requires it" if ci else "")
+
+
+def missing_browser(chromium: str | None, environ: Mapping[str, str]) -> tuple[bool, str] | None:
+    """`missing_tool` for a test marked `browser` (tests/conftest.py)."""
+    why = f"needs a headless browser, Debian's chromium, which this machine lacks (install it: {INSTALL_CHROMIUM})"
+    return missing_tool(bool(chromium), why, environ)
 
 
 def dump_dom(page: Path) -> str:
@@ -92,12 +102,38 @@ def close_loader_workers(loader: object) -> None:
 def triton_tests() -> tuple[str, pytest.MarkDecorator]:
     """For a module of Triton kernel tests, called before it imports the kernels: Triton's CPU interpreter unless
     TRITON_INTERPRET says otherwise (the interpreter is chosen when triton.jit decorates a kernel), the module skipped
-    where triton is not installed (the test extras install it); returns the device the tests' tensors go to and the
-    module's `pytestmark`, which skips its tests where there is neither a CUDA device nor the interpreter."""
+    where triton is not installed (the `triton` extra installs it), but failed in CI (`missing_tool`); returns the
+    device the tests' tensors go to and the module's `pytestmark`, which skips its tests where there is neither a CUDA
+    device nor the interpreter."""
     if not os.environ.get("TRITON_INTERPRET"):
         os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
+    missing = missing_tool(importlib.util.find_spec("triton") is not None,
+                           f"needs triton, whose CPU interpreter runs the kernels (install it: {INSTALL_TRITON})",
+                           os.environ)
+    if missing is not None:
+        fail, why = missing
+        if fail:
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why, allow_module_level=True)
     interpreted = os.environ["TRITON_INTERPRET"] == "1"
     skip = pytest.mark.skipif(not interpreted and not torch.cuda.is_available(),
                               reason="Triton kernels need a CUDA device or TRITON_INTERPRET=1")
     return ("cuda" if torch.cuda.is_available() and not interpreted else "cpu"), skip
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under `root` (detrace-runs/ aside: detrace's own): a folder, a link and its target, or a file
+    and the sha256 of its bytes. Equal before and after a command: it changed no byte, name or place there."""
+    found: dict[str, str] = {}
+    for top, folders, files in os.walk(root):
+        folders[:] = [f for f in folders if f != "detrace-runs"]
+        for name in folders + files:
+            path = Path(top) / name
+            relative = str(path.relative_to(root))
+            if path.is_symlink():
+                found[relative] = f"link to {os.readlink(path)}"
+            elif path.is_dir():
+                found[relative] = "folder"
+            else:
+                found[relative] = f"file {hashlib.sha256(path.read_bytes()).hexdigest()}"
+    return found
