@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _ladders import RUN, Scripted
@@ -13,6 +14,8 @@ from _ladders import RUN, Scripted
 from detrace.analyze.locate_result import LOCATE_FILE, LocateResult, load_ladder
 from detrace.cli import locate as locate_cli
 from detrace.investigate.locate import LocateConfig, locate
+from detrace.launch.launcher import LaunchResult
+from detrace.tracefile.layout import checkpoint_log_path
 
 
 def _locate(tmp_path: Path, launcher: Scripted) -> LocateResult:
@@ -45,6 +48,23 @@ def test_a_recurring_race_is_narrowed_to_its_origin_op(tmp_path: Path) -> None:
     assert result.cost is not None and result.cost.resume == "no-contract" and result.cost.checkpoint_every is None
     assert all(run["start"] == 0 and run["steps"] == RUN.steps for run in result.cost.to_json()["per_run"])
     assert result.notes[0].startswith("CMD wrote no checkpoint, so every narrow run re-ran it from step 0")
+
+
+def test_a_script_with_checkpoints_of_its_own_is_pointed_to_check_resume_native(tmp_path: Path) -> None:
+    """nanoGPT-like: it torch.saves a dict of its own, which the tracer logs but locate cannot resume from."""
+
+    class OwnSaves(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: Any) -> LaunchResult:
+            done = super().__call__(cmd, out, **kwargs)
+            checkpoint_log_path(out, 1).write_text(json.dumps({
+                "op": "save", "api": "torch.save", "completed": 2, "paths": ["out/ckpt.pt"], "pid": 1}) + "\n")
+            return done
+
+    result = _locate(tmp_path, OwnSaves(second_arm=True))
+    assert result.notes[0] == (
+        "CMD saves checkpoints of its own (out/ckpt.pt), which do not follow the resume contract (detrace.TrainState, "
+        "docs/resume.md), so every narrow run re-ran it from step 0; `detrace check-resume --native` proves whether "
+        "its own resume is exact")
 
 
 def test_a_difference_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from detrace.investigate.locate.evidence import call_records, recorded_steps
 from detrace.investigate.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
 from detrace.launch.launcher import Launcher, run_traced
 from detrace.report.meaning import apart_notes, short_run
+from detrace.tracefile.checkpoints import read_checkpoint_log
 from detrace.tracefile.layout import capture_paths
 
 REFERENCE_RUN = "1-semantic-a"
@@ -199,6 +200,15 @@ class Ladder:
                 return found
         return None
 
+    def _own_checkpoint(self) -> str | None:
+        """A file the reference run's own saves named (torch.save, safetensors, DCP: logged at every rung), or
+        None."""
+        try:
+            log = read_checkpoint_log(self.config.out / REFERENCE_RUN)
+        except TraceError:
+            return None
+        return next((path for io in log if io.op == "save" for path in io.paths), None)
+
     # -- the rungs -----------------------------------------------------------------------------------------
 
     def run(self, *, report: str = "") -> LocateResult:
@@ -209,6 +219,10 @@ class Ladder:
         if (narrowed and self.resume == "no-contract" and self.config.checkpoints and answer.steps <= self.every
                 and imports_detrace(list(self.config.command))):
             notes.append(short_run(answer.steps, self.every))
+        elif narrowed and self.resume == "no-contract" and (own := self._own_checkpoint()) is not None:
+            notes.append(f"CMD saves checkpoints of its own ({own}), which do not follow the resume contract "
+                         "(detrace.TrainState, docs/resume.md), so every narrow run re-ran it from step 0; "
+                         "`detrace check-resume --native` proves whether its own resume is exact")
         elif narrowed and self.resume == "no-contract":
             notes.append("CMD wrote no checkpoint, so every narrow run re-ran it from step 0: on long runs, "
                          "the resume contract (detrace.TrainState, docs/resume.md) lets locate resume them "
