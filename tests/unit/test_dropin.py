@@ -1,6 +1,7 @@
 """detrace.parallel's drop-in replacements for torch's parallel APIs: `fully_shard` with torch's signature, whose
 gradients are the fixed tree over global microbatches at every number of shards (in process at one shard; the
-ranks spawned at 2 and 4), and what it refuses."""
+ranks spawned at 2 and 4); `parallelize_module` with `ColwiseParallel` and `RowwiseParallel`, the same bits at tp1,
+tp2 and fsdp2xtp2 with the model's names and shapes; and what they refuse."""
 
 from __future__ import annotations
 
@@ -163,3 +164,98 @@ def test_fully_shard_gives_one_process_bits_at_two_and_four_shards(tmp_path: Pat
     for world in (2, 4):
         assert (tmp_path / f"detrace{world}").read_text() == reference, world
         assert (tmp_path / f"torch{world}").read_text() != reference, world
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 8, bias=False)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
+
+
+def _parallelize(model: torch.nn.Module, api: str, fsdp: int, tp: int) -> None:
+    if api == "detrace":
+        from detrace.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+        from torch.distributed.tensor.parallel import (  # type: ignore[assignment]
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    mesh = init_device_mesh("cpu", (fsdp, tp), mesh_dim_names=("fsdp", "tp"))
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["fsdp"])
+
+
+def _train_2d(model: torch.nn.Module, block: int, blocks: int) -> str:
+    """Two steps of 8 microbatches, of which this rank's data-parallel block runs its share."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = M // blocks
+    for step in range(2):
+        x, y = _batch(step)
+        for i in range(block * n, (block + 1) * n):
+            (torch.nn.functional.mse_loss(model(x[i]), y[i]) / n).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _digest([p.full_tensor().detach() for p in model.parameters()])  # type: ignore[operator]
+
+
+def test_parallelize_module_keeps_the_models_names_and_shapes_and_refuses_in_one_sentence(one_rank: None) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from detrace.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plain = _MLP()
+    model = copy.deepcopy(plain)
+    mesh = init_device_mesh("cpu", (1,))
+    for plan in ({"up": TorchColwise()}, {"up": SequenceParallel()}):
+        with pytest.raises(UsageError, match="takes detrace's ColwiseParallel and RowwiseParallel, not torch"):
+            parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="replicated input"):
+        ColwiseParallel(input_layouts=Shard(1))
+    with pytest.raises(UsageError, match="must divide the layer's output features"):
+        parallelize_module(copy.deepcopy(plain), mesh, {"head": ColwiseParallel()})
+    with pytest.raises(UsageError, match="not a replicated one"):
+        parallelize_module(copy.deepcopy(plain), mesh, {"up": RowwiseParallel(input_layouts=Replicate())})
+    parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
+    assert all(torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a, b)
+               for a, b in zip(model.state_dict().values(), plain.state_dict().values(), strict=True))
+
+
+def _tp_ranks(rank: int, world: int, out: str, api: str, fsdp: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = _MLP()
+        _parallelize(model, api, fsdp, world // fsdp)
+        digest = _train_2d(model, rank // (world // fsdp), fsdp)
+        if rank == 0:
+            (Path(out) / f"{api}-fsdp{fsdp}xtp{world // fsdp}").write_text(digest)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_parallelize_module_gives_tp1_bits_at_tp2_and_fsdp2xtp2(tmp_path: Path, one_rank: None) -> None:
+    """detrace's plan and fully_shard: 1x1, tp2 and fsdp2xtp2 give the same parameters; torch's plan at tp2 gives
+    other bits than at tp1 (the control)."""
+    results = {}
+    for api in ("detrace", "torch"):
+        model = _MLP()
+        _parallelize(model, api, 1, 1)
+        results[api] = _train_2d(model, 0, 1)
+    for api, world, fsdp in (("detrace", 2, 1), ("detrace", 4, 2), ("torch", 2, 1)):
+        spawn_ranks(_tp_ranks, (world, str(tmp_path), api, fsdp), nprocs=world, timeout=240)
+    assert (tmp_path / "detrace-fsdp1xtp2").read_text() == results["detrace"]
+    assert (tmp_path / "detrace-fsdp2xtp2").read_text() == results["detrace"]
+    assert (tmp_path / "torch-fsdp1xtp2").read_text() != results["torch"]

@@ -5,7 +5,9 @@ tensor-parallel sums are fixed trees over model-sized chunks, whatever the TP si
 of shards (`shard_invariantly`); `pipeline`, a pipeline stage's gradients as that tree, whatever the schedule and
 the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert parallelism whose experts run each
 source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
-(`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`).
+(`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`). Drop-in replacements for
+torch's APIs, with torch's signatures: `shard`, `fully_shard`; `plan`, `parallelize_module`, `ColwiseParallel`,
+`RowwiseParallel`.
 See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
@@ -32,3 +34,16 @@ __all__ = [
     "parameters_fingerprint",
     "shard_invariantly",
 ]
+
+_PLAN = ("ColwiseParallel", "RowwiseParallel", "parallelize_module")
+"""detrace.parallel.plan's drop-ins, imported on first use: torch.distributed.tensor.parallel costs a second of a
+rank's start-up, and every traced process imports detrace.parallel."""
+__all__ += _PLAN
+
+
+def __getattr__(name: str) -> object:
+    if name in _PLAN:
+        from detrace.parallel import plan
+
+        return getattr(plan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
