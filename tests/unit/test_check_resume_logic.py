@@ -27,7 +27,7 @@ from detrace.investigate.check import check
 from detrace.investigate.check_resume import check_resume, compare_parts
 from detrace.launch.launcher import LaunchResult
 from detrace.report.meaning import forgotten
-from detrace.tracefile.layout import run_header_path, state_parts_path
+from detrace.tracefile.layout import checkpoint_log_path, run_header_path, state_parts_path
 from detrace.tracefile.state_parts import RECORDED
 from detrace.tracefile.writer import write_json_atomic
 
@@ -302,6 +302,36 @@ def test_check_refuses_runs_of_a_script_that_resumed_by_itself(tmp_path: Path, m
     assert err.startswith("detrace check: error: run 2 started at global step 3 and run 1 at step 0: CMD resumed by "
                           "itself from a checkpoint that an earlier run left (the working directory's ")
     assert f"{tmp_path / 'outputs'} changed during the runs)" in err and "give each run a clean output" in err
+
+
+def test_check_refuses_runs_of_which_one_loaded_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A torchtitan-style script that loads the newest DCP checkpoint under its own outputs/ when there is one: run 2
+    loaded what run 1 saved, at the same global step (a DCP load of Stateful objects carries no step count), so the
+    traces differ from the input batch on. One sentence naming the folder, exit 2, never "run 2 differs"."""
+    monkeypatch.chdir(tmp_path)
+
+    class DcpAutoResume(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            saved = tmp_path / "outputs" / "checkpoint" / "step-4"
+            write_run(out, RUN, Fault(rank=0, step=0, op=0) if saved.exists() else None)
+            if saved.exists():
+                io = {"op": "load", "api": "dcp.load", "completed": 0, "paths": ["outputs/checkpoint/step-4"],
+                      "pid": 7}
+                checkpoint_log_path(out, 7).write_text(json.dumps(io) + "\n")
+            saved.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
+                                                     "steps": {"first": 0, "last": 3}})
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    monkeypatch.setattr(check_cli, "check", functools.partial(check, launch=DcpAutoResume()))
+    assert main(["check", "--out", str(tmp_path / "c"), "--", sys.executable, "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("detrace check: error: run 2 loaded a checkpoint from outputs/checkpoint/step-4 and run 1 "
+                          "loaded none: CMD resumes by itself from a checkpoint that an earlier run left in "
+                          "outputs/checkpoint, so the runs did not start from the same state; give each run a clean "
+                          "one: delete outputs/checkpoint before `detrace check`")
 
 
 def test_an_integrations_warning_is_repeated_next_to_the_divergence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -15,6 +15,7 @@ from detrace.analyze import DiffResult, diff
 from detrace.errors import CommandFailed, IncomparableError, TraceError, UsageError
 from detrace.launch.launcher import Launcher, LaunchResult, run_traced
 from detrace.tracefile import open_run
+from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
 from detrace.tracefile.layout import prepare_out
 from detrace.verdicts import DIFF
 
@@ -76,6 +77,7 @@ def check(cmd: list[str], *, runs: int = 2, out: Path, timeout: float | None = N
         # Each run gets its own DETRACE_CKPT_DIR: a script that writes there cannot resume from an earlier run's files.
         run_checked(cmd, run_dir, label=f"run {i + 1}/{runs}", progress=progress, timeout=timeout, launch=launch,
                     env={ENV_CKPT_DIR: str(out / "checkpoints" / run_dir.name)})
+    refuse_one_sided_loads(dirs)
     refuse_self_resumed(dirs, started=started, out=out)
     return CheckResult(runs=dirs, diffs=[diff(dirs[0], other) for other in dirs[1:]])
 
@@ -110,6 +112,38 @@ def written_since(started: float, *, out: Path, where: Path | None = None) -> li
     except OSError:
         return []
     return sorted(found)
+
+
+def _loads(run: Path) -> list[CheckpointIO]:
+    try:
+        return [io for io in read_checkpoint_log(run) if io.op == "load"]
+    except TraceError:
+        return []  # an unreadable log: the diff says what is wrong with the run
+
+
+def refuse_one_sided_loads(dirs: list[Path]) -> None:
+    """Raise IncomparableError when one run loaded a checkpoint and the first did not, or the other way round: CMD
+    resumes by itself from the newest checkpoint under its own folder (torchtitan's, DCP's or `torch.load`'s
+    auto-resume), and an earlier run left one there. The global step may not show it (a DCP load of Stateful
+    objects carries no optimizer step count), but the checkpoint log does."""
+    first = _loads(dirs[0])
+    for i, run in enumerate(dirs[1:], start=2):
+        theirs = _loads(run)
+        if bool(first) == bool(theirs):
+            continue
+        loader, number, other = (theirs, i, 1) if theirs else (first, 1, i)
+        paths = [path for io in loader for path in io.paths]
+        named = Path(paths[0]) if paths else None
+        folder = named.parent if named is not None else None
+        what = f"a checkpoint from {named}" if named is not None else f"a checkpoint ({loader[0].api})"
+        clean = (f"delete {folder} before `detrace check`" if folder is not None and str(folder) not in ("", ".")
+                 else "move its checkpoints away before `detrace check`")
+        raise IncomparableError(
+            f"run {number} loaded {what} and run {other} loaded none: CMD resumes by itself from a checkpoint that an "
+            f"earlier run left{f' in {folder}' if folder is not None else ''}, so the runs did not start from the "
+            f"same state; give each run a clean one: {clean}, turn the script's auto-resume off, or have the script "
+            "take its checkpoint folder from DETRACE_CKPT_DIR, which detrace check sets to a new directory for each "
+            "run")
 
 
 def refuse_self_resumed(dirs: list[Path], *, started: float, out: Path) -> None:
