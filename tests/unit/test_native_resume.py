@@ -6,7 +6,6 @@ The real tracer and a real script: tests/e2e/test_native_resume.py."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from _synthetic import Fault, SyntheticRun, write_run
+from _tools import tree
 
 from detrace.analyze import Divergence
 from detrace.cli import check_resume as check_resume_cli
@@ -193,7 +193,7 @@ def test_a_resume_that_forgot_a_part_is_named_in_the_users_words(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     launcher = OwnCheckpoints({"resumed": FAULT, "resumed-again": FAULT})
-    monkeypatch.setattr(check_resume_cli, "check_resume", lambda *a, **k: check_resume(*a, **k, launch=launcher))
+    monkeypatch.setattr(check_resume_cli, "check_resume", lambda *a, **k: check_resume(*a, **{**k, "launch": launcher}))
     argv = ["check-resume", "--native", "--at", "2", "--out", str(tmp_path / "out"), "--", sys.executable, "t.py"]
     assert main(argv) == 1
     out = capsys.readouterr().out
@@ -223,24 +223,6 @@ def test_what_the_resume_forgot(first: Divergence, words: str | None) -> None:
 
 
 # -- the user's files: every entry's bytes, name and place before and after the check ------------------------------
-
-
-def _tree(root: Path) -> dict[str, str]:
-    """Every entry under `root` (the check's own detrace-runs/ aside): a folder, a link and its target, or a file
-    and the sha256 of its bytes."""
-    found: dict[str, str] = {}
-    for top, folders, files in os.walk(root):
-        folders[:] = [f for f in folders if f != "detrace-runs"]
-        for name in folders + files:
-            path = Path(top) / name
-            relative = str(path.relative_to(root))
-            if path.is_symlink():
-                found[relative] = f"link to {os.readlink(path)}"
-            elif path.is_dir():
-                found[relative] = "folder"
-            else:
-                found[relative] = f"file {hashlib.sha256(path.read_bytes()).hexdigest()}"
-    return found
 
 
 def _users_checkpoints(work: Path, folder: str = "checkpoints", *, when: float | None = None) -> None:
@@ -275,7 +257,7 @@ class Interrupts(OwnCheckpoints):
 
 
 def _native(launcher: OwnCheckpoints, monkeypatch: pytest.MonkeyPatch, *options: str) -> int:
-    monkeypatch.setattr(check_resume_cli, "check_resume", lambda *a, **k: check_resume(*a, **k, launch=launcher))
+    monkeypatch.setattr(check_resume_cli, "check_resume", lambda *a, **k: check_resume(*a, **{**k, "launch": launcher}))
     return main(["check-resume", "--native", *options, "--", sys.executable, "train.py"])
 
 
@@ -285,16 +267,34 @@ def test_a_signal_puts_every_file_back_and_exits_as_for_the_signal(
         sig: signal.Signals, arm: str, tmp_path: Path, work: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     _users_checkpoints(work)
-    before = _tree(work)
+    before = tree(work)
     out = tmp_path / "out"
     assert _native(Interrupts(sig, arm), monkeypatch, "--force", "--at", "2", "--out", str(out)) == 128 + sig
-    assert _tree(work) == before  # the user's checkpoint, its folders and links, byte for byte and in place
+    assert tree(work) == before  # the user's checkpoint, its folders and links, byte for byte and in place
     assert not (out / "before-check").exists() or not any((out / "before-check").iterdir())
     assert json.loads((out / "native-journal.json").read_text())["finished"]
     assert not (work / "detrace-runs").exists()  # the lock let go
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handlers are the program's again
     if sig != signal.SIGINT:
         assert f"interrupted by {sig.name}; CMD's checkpoints are back where they were" in capsys.readouterr().err
+
+
+def test_sigterm_passed_on_to_cmd_ends_the_check_as_sigterm(tmp_path: Path, work: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while CMD runs goes to CMD (the launcher passes it on): the run ends interrupted, and so does the
+    check, with the files put back and SIGTERM's exit code."""
+    _users_checkpoints(work)
+    before = tree(work)
+
+    class Terminated(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            done = super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+            return dataclasses.replace(done, returncode=-15, interrupted=True) if out.name == "resumed" else done
+
+    monkeypatch.setattr(check_resume_cli, "run_traced", Terminated({"control-rng": FAULT}))
+    argv = ["check-resume", "--native", "--force", "--at", "2", "--out", str(tmp_path / "out"), "--", "train"]
+    assert main(argv) == 128 + signal.SIGTERM
+    assert tree(work) == before
 
 
 class Killed(BaseException):
@@ -306,7 +306,7 @@ def test_a_killed_check_is_put_back_from_its_journal(how: str, tmp_path: Path, w
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     _users_checkpoints(work)
-    before = _tree(work)
+    before = tree(work)
 
     class Kills(OwnCheckpoints):
         def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
@@ -329,14 +329,14 @@ def test_a_killed_check_is_put_back_from_its_journal(how: str, tmp_path: Path, w
         [str(work / "checkpoints"), str(tmp_path / "killed" / "before-check" / "checkpoints")]]
     if how == "recover":
         assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0
-        assert _tree(work) == before
+        assert tree(work) == before
         assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0  # once is enough
         assert "nothing to recover: the check-resume --native in" in capsys.readouterr().err
     else:  # the next check finds the journal through the lock file the killed one left, and puts back first
         assert _native(OwnCheckpoints({"control-rng": FAULT}), monkeypatch, "--force", "--at", "2", "--out",
                        str(tmp_path / "next")) == 0
         assert "put back what the check-resume --native in" in capsys.readouterr().err
-        assert _tree(work) == before
+        assert tree(work) == before
     assert (tmp_path / "killed" / "saved-by-cmd" / "unfinished-arm" / "checkpoints" / "step-4.pt").read_text() == (
         "partial")
 
@@ -350,7 +350,7 @@ def test_force_moves_the_checkpoint_folder_not_the_project_folder(tmp_path: Path
     (work / "proj").mkdir()
     (work / "proj" / "train.py").write_text("# the script")
     _users_checkpoints(work, "proj/ck")
-    before = _tree(work)
+    before = tree(work)
 
     class Script(OwnCheckpoints):
         def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
@@ -361,7 +361,7 @@ def test_force_moves_the_checkpoint_folder_not_the_project_folder(tmp_path: Path
     result = _check(tmp_path, launcher, force=True, cmd=("python", "proj/train.py", "--ckpt-dir", "proj/ck"))
     assert result.verdict == "exact"  # type: ignore[attr-defined]
     assert launcher.seen["continuous"] == []
-    assert _tree(work) == before
+    assert tree(work) == before
 
 
 def test_a_checkpoint_folder_linked_outside_the_working_directory(tmp_path: Path, work: Path) -> None:
@@ -394,11 +394,11 @@ def test_checkpoints_in_the_working_directory_move_alone(tmp_path: Path, work: P
 
 def test_a_checkpoint_from_the_future_is_still_the_users(tmp_path: Path, work: Path) -> None:
     _users_checkpoints(work, when=time.time() + 3600)  # its clock ahead of this one (a copy, another machine)
-    before = _tree(work)
+    before = tree(work)
     with pytest.raises(UsageError, match=r"^CMD's continuous run loaded checkpoints/step-4.pt, a checkpoint that "
                                          r"was there before the check"):
         _check(tmp_path, OwnCheckpoints())
-    assert _tree(work) == before
+    assert tree(work) == before
     assert not list((tmp_path / "out").rglob("step-4.pt"))
 
 

@@ -24,6 +24,7 @@ from detrace.cli._args import ArgumentParser, seconds, split_command
 from detrace.errors import UsageError
 from detrace.investigate.check_resume import PartCompared, ResumeResult, StopPoint, check_resume, parse_stop_points
 from detrace.investigate.native_resume import NativeContract, recover
+from detrace.launch.launcher import LaunchResult, run_traced
 from detrace.report.meaning import apart_notes, forgotten, locate_command, locate_next, warned
 from detrace.report.terminal import diff_lines, render_diff
 from detrace.tracefile.layout import default_out
@@ -175,6 +176,15 @@ def _interruptible() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _launch(cmd: list[str], out: Path, **options: Any) -> LaunchResult:
+    """A traced run of CMD; one that SIGTERM interrupted (the launcher passed it on to CMD) ends the check as
+    SIGTERM between runs does."""
+    result = run_traced(cmd, out, **options)
+    if result.interrupted:
+        raise Interrupted(signal.SIGTERM)
+    return result
+
+
 def _say(line: str) -> None:
     with contextlib.suppress(OSError):  # (after SIGHUP the terminal may be gone: the files still go back)
         print(f"detrace check-resume: {line}", file=sys.stderr)
@@ -225,7 +235,7 @@ def main(argv: list[str]) -> int:
     try:
         with _interruptible() if args.native else contextlib.nullcontext():
             result = check_resume(cmd, at=at, out=out, timeout=args.timeout, every_control=args.every_control,
-                                  contract=contract, progress=_say)
+                                  contract=contract, progress=_say, launch=_launch if args.native else run_traced)
     except Interrupted as stop:
         name = signal.Signals(stop.signum).name
         _say(f"interrupted by {name}; CMD's checkpoints are back where they were (see {out})")
