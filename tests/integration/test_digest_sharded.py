@@ -13,8 +13,8 @@ import torch.distributed as dist
 from _ranks import spawn_ranks
 
 from detrace import fingerprint
-from detrace.digest.scheme import SCHEME, SCHEME2, add, header
-from detrace.digest.sharded import WORD, _join, _padding, _runs, _sum_at
+from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, header, signed
+from detrace.digest.sharded import WORD, _join, _padding, _runs, _sum_at, part_of, whole_digest
 
 SCHEMES = (SCHEME, SCHEME2)
 
@@ -84,6 +84,22 @@ def test_the_runs_of_a_box_in_c_order() -> None:
 # real ranks: DTensors on gloo, against the fingerprint of the whole tensor (which every rank builds from one seed)
 
 
+def _parts(dt: torch.Tensor, whole: torch.Tensor, want: Fingerprint) -> bool | None:
+    """Whether the ranks' `part_of` digests (what the tracer records of a sharded DTensor, no collective) complete
+    to the global fingerprint `want` (`whole_digest` over the distinct shards, as check-topology adds them); None
+    where a rank has no part (a replicated DTensor, runs that split a word)."""
+    part = part_of(dt, want.scheme)
+    mine = torch.tensor([0, 0, 0] if part is None else [1, signed(part.digest), part.numel])
+    every = torch.empty(dist.get_world_size() * 3, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine)
+    rows = every.view(-1, 3).tolist()
+    if not all(flag for flag, _, _ in rows):
+        return None
+    distinct = {digest % (1 << 64): numel for _, digest, numel in rows}  # a replica's part counted once
+    assert sum(distinct.values()) == whole.numel()
+    return whole_digest(list(distinct), whole.dtype, tuple(whole.shape), want.scheme) == want.digest
+
+
 def _check_rank(rank: int, world: int, out: str, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -120,14 +136,14 @@ def _check_rank(rank: int, world: int, out: str, port: int) -> None:
                         got = fingerprint(dt, scheme=scheme)
                         want = fingerprint(whole, scheme=scheme)
                         results.append((str(placements), tuple(whole.shape), scheme, got.hex == want.hex,
-                                        got.shape == want.shape, not gathered))
+                                        got.shape == want.shape, not gathered, _parts(dt, whole, want)))
         # a fully_shard model: parameters_fingerprint is the unsharded model's, on every rank
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(5, 33), torch.nn.Linear(33, 3))
         plain = parameters_fingerprint(model)
         fully_shard(model[0], mesh=meshes[0])
         fully_shard(model, mesh=meshes[0])
-        results.append(("fsdp", (), "", parameters_fingerprint(model) == plain, True, True))
+        results.append(("fsdp", (), "", parameters_fingerprint(model) == plain, True, True, None))
         Path(out, f"rank{rank}.txt").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -140,9 +156,13 @@ def test_a_dtensors_fingerprint_is_its_global_tensors_on_every_rank(tmp_path: Pa
     rows = json.loads((tmp_path / "rank0.txt").read_text())
     for rank in range(1, world):  # the same verdicts on every rank
         assert (tmp_path / f"rank{rank}.txt").read_text() == (tmp_path / "rank0.txt").read_text()
-    assert all(equal and shape for _, _, _, equal, shape, _ in rows), [r for r in rows if not r[3]]
+    assert all(equal and shape for _, _, _, equal, shape, _, _ in rows), [r for r in rows if not r[3]]
     # computed from the shards, not gathered: every float32 and int64 case; the bfloat16 [9, 7] sharded on
     # dimension 1 (runs of an odd number of 2-byte elements split words) falls back to gathering
-    by_case = {(p, tuple(s)): sums for p, s, _, _, _, sums in rows}
+    by_case = {(p, tuple(s)): sums for p, s, _, _, _, sums, _ in rows}
+    # what the tracer records: each rank's part of a sharded DTensor's fingerprint, completed offline to the global
+    # one; a DTensor no placement shards is recorded whole instead (no parts)
+    assert all(parts for p, s, _, _, _, sums, parts in rows if sums and "Shard" in p and s != [9, 7])
+    assert all(parts is None for p, _, _, _, _, _, parts in rows if p == "[Replicate()]")
     assert all(by_case[(p, s)] for p, s in by_case if s in ((37, 64), (6, 10), (8, 1024), ()))
     assert not by_case[("[Shard(dim=1)]", (9, 7))]

@@ -106,9 +106,9 @@ def _sum_at(data: torch.Tensor, starts: np.ndarray, run_words: int, scheme: str)
     return total & M32
 
 
-def _partial(tensor: Any, scheme: str) -> tuple[torch.Tensor, bool]:
-    """This rank's int64 [2] part of the global sum (zeros for a replica's copy), and whether its runs fit whole
-    words (when not, every rank falls back to gathering)."""
+def _partial(tensor: Any, scheme: str, *, replicas: bool = False) -> tuple[torch.Tensor, bool]:
+    """This rank's int64 [2] part of the global sum (zeros for a replica's copy unless `replicas`), and whether its
+    runs fit whole words (when not, every rank falls back to gathering)."""
     local = plain(tensor.to_local())
     box, offset = dtensor_local_box(tensor)
     zeros = torch.zeros(2, dtype=torch.int64, device=local.device)
@@ -116,7 +116,7 @@ def _partial(tensor: Any, scheme: str) -> tuple[torch.Tensor, bool]:
         return zeros, False
     coordinate = tensor.device_mesh.get_coordinate() or []
     replica = any(type(p).__name__ == "Replicate" and c for p, c in zip(tensor.placements, coordinate, strict=True))
-    if replica or local.numel() == 0:
+    if (replica and not replicas) or local.numel() == 0:
         return zeros, True
     size = local.element_size()
     starts, run = _runs(tuple(tensor.shape), box, offset)
@@ -148,6 +148,39 @@ def _join(low: int, high: int, scheme: str) -> int:
     return (low + (high << 32)) & M64 if scheme == SCHEME else (low & M32) | (high & M32) << 32
 
 
+def _boxed(tensor: Any) -> bool:
+    return all(type(p).__name__ in ("Shard", "Replicate") for p in tensor.placements)
+
+
+def part_of(tensor: Any, scheme: str) -> Fingerprint | None:
+    """This rank's part of a sharded DTensor's global fingerprint, with no collective: a Fingerprint whose digest is
+    the sum of the terms of the words this rank holds, keyed at their global positions (a replica's copy included),
+    whose shape is the global shape and whose numel is this rank's. The parts of the distinct shards, added with
+    the scheme's addition, complete to the global fingerprint with `whole_digest`. None where there is no such part:
+    a DTensor this rank holds whole (no placement shards it, or a mesh of one: fingerprint it), placements that are
+    not a box, or runs that split a word. What the tracer records of a DTensor (docs/topology.md)."""
+    if not _boxed(tensor) or not any(type(p).__name__ == "Shard" for p in tensor.placements):
+        return None
+    numel = math.prod(dtensor_local_box(tensor)[0])
+    if numel == tensor.numel():  # the whole tensor (a mesh of one): its own fingerprint is the global one
+        return None
+    part, aligned = _partial(tensor, scheme, replicas=True)
+    if not aligned:
+        return None
+    low, high = part.tolist()
+    return Fingerprint(_join(low, high, scheme), dtype_name(tensor.dtype), tuple(tensor.shape), numel, scheme=scheme)
+
+
+def whole_digest(parts: Sequence[int], dtype: torch.dtype, shape: tuple[int, ...], scheme: str) -> int:
+    """The global fingerprint's digest from the `part_of` digests of the distinct shards (each box once)."""
+    total = 0
+    for part in parts:
+        total = add(total, part, scheme)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return add(add(total, _padding(nbytes, torch.device("cpu"), scheme), scheme),
+               header(dtype_name(dtype), shape, scheme), scheme)
+
+
 def _reduce(values: torch.Tensor, mesh: Any) -> None:
     """Sum `values` over every rank of `mesh`: one all-reduce per mesh dimension."""
     for dim in range(mesh.ndim):
@@ -161,7 +194,7 @@ def global_fingerprints(tensors: Sequence[Any], scheme: str) -> list[Fingerprint
         if any(type(p).__name__ == "Partial" for p in t.placements):
             raise FingerprintError("cannot fingerprint a DTensor with a Partial placement: it has no global value "
                                    "until it is reduced (redistribute it to Replicate or Shard first)")
-    boxed = [all(type(p).__name__ in ("Shard", "Replicate") for p in t.placements) for t in tensors]
+    boxed = [_boxed(t) for t in tensors]
     sums: list[torch.Tensor | None] = [None] * len(tensors)
     by_mesh: dict[int, list[int]] = {}
     with torch.no_grad(), quiet_dispatch_modes():

@@ -10,8 +10,10 @@ contiguous blocks of `detrace.parallel.data`; d the rank's coordinate over the d
 `Layout.data_block`; a loop that scales each loss by 1/n for its rank's n microbatches, as torch's averaging does, is
 compared on the losses before that scaling, see `_losses`); the gradient norm by global step, compared only when no
 layout splits the gradients (T > 1, FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own
-part). Where ranks hold shards of one
-parameter under one name (FSDP, expert parallelism) the tracer records each shard: that run's parameters are then
+part). A sharded DTensor parameter (FSDP, `parallelize_module`) is recorded by each rank as its part of the global
+fingerprint (`detrace.digest.sharded.part_of`: numel below the global shape's); the distinct shards' parts add up to
+the global fingerprint, compared by name like any other. Where ranks hold plain shards of one parameter under one
+name (the reference trainer's expert parallelism) the tracer records each shard: that run's parameters are then
 compared through the `final params` line, which it and the reference must print; the other runs' still step by step
 against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
 replica) must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it.
@@ -32,6 +34,7 @@ and the verdict can be tested on synthetic traces.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -42,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
+import torch
 
 from detrace._numbers import parse_count
+from detrace.digest.sharded import whole_digest
 from detrace.errors import CommandFailed, IncomparableError, TraceError, UsageError
 from detrace.launch.launcher import LaunchResult, run_traced
 from detrace.parallel.layout import LAYOUT_ENV, Layout
@@ -280,11 +285,15 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
     merged: dict[Key, str] = {}
     owner: dict[Key, int] = {}
     shapes: Shapes = {}
+    parts: dict[tuple[int, str], tuple[dict[int, int], str, tuple[int, ...]]] = {}
+    """(step, name) -> ({part digest: numel}, dtype, global shape) of a sharded DTensor's distinct shards."""
     for rank in info.ranks:
         table = read_rank(run, rank).table
         params = table.filter(pc.and_(pc.equal(table["phase"], "optimizer"), pc.equal(table["role"], "param")))
-        for row in params.select(["name", "shape"]).to_pylist():
-            shapes.setdefault(row["name"], None if mesh.shards else tuple(row["shape"]))
+        rows = params.select(["step", "name", "digest", "numel", "shape", "dtype"]).to_pylist()
+        for row in rows:
+            part = row["numel"] != math.prod(row["shape"])  # a shard's part of its global fingerprint
+            shapes.setdefault(row["name"], None if mesh.shards and not part else tuple(row["shape"]))
         metrics = table.filter(pc.equal(table["role"], "metric"))
         keyed: dict[Key, str] = {}
         losses: dict[int, list[float]] = {}
@@ -299,9 +308,13 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                 keyed[(step, "loss", str(block * len(values) + k))] = _bits(loss)
                 # the loss before a loop scaled it by 1/n (torch's averaging over the rank's n microbatches)
                 keyed[(step, "scaled", str(block * len(values) + k))] = _bits(loss * len(values))
-        for row in [] if mesh.shards else params.select(["step", "name", "digest"]).to_pylist():
+        for row in rows:
             digest = row["digest"]
-            keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
+            if row["numel"] != math.prod(row["shape"]) and digest is not None:
+                found = parts.setdefault((row["step"], row["name"]), ({}, row["dtype"], tuple(row["shape"])))[0]
+                found[digest] = row["numel"]  # a replica of a shard gives the same part: counted once
+            elif not mesh.shards:  # each rank's own shard of a parameter under its name: not comparable
+                keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
         for key, bits in keyed.items():
             if key not in merged:
                 merged[key], owner[key] = bits, rank
@@ -309,6 +322,13 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                 return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(),
                                         world=mesh.world, run=label,
                                         detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}"), shapes
+    for (step, name), (found, dtype, shape) in sorted(parts.items()):
+        if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
+            return merged, Mismatch(step=step, kind="ranks", name=f"param {name}", world=mesh.world, run=label,
+                                    detail=f"its ranks' distinct shards hold {sum(found.values())} of its "
+                                           f"{math.prod(shape)} elements"), shapes
+        digest = whole_digest(list(found), getattr(torch, dtype), shape, info.header.fingerprint)
+        merged[(step, "param", name)] = f"{digest:016x}"
     return merged, None, shapes
 
 
@@ -431,10 +451,12 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         finals[run.label] = found[-1] if found else None
         by_name[run.label] = dict(FINAL_PARAM.findall(result.output_tail))
     runs = tuple(run for run, _ in plan)
-    inner, compared, steps, tensors = compare(runs)
+    inner, compared, steps, tensors, whole = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
-    sharded = next((r for r in ended if r.mesh.shards), None)
-    if sharded is not None and not all(finals[r.label] for r in ended if r.mesh.shards or r is ended[0]):
+    # a sharded run whose parameters were not all recorded globally is compared through its final params line
+    lined = [r for r in ended if r.mesh.shards and r.label not in whole]
+    sharded = next(iter(lined), None)
+    if sharded is not None and not all(finals[r.label] for r in ended if r in lined or r is ended[0]):
         raise CommandFailed(f"CMD printed no `final params HEX` line in every run: on {sharded.label} each rank "
                             "holds a shard of the parameters, which are compared through that line")
     reference = finals[ended[0].label]
@@ -466,11 +488,12 @@ def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> 
 
 
 def compare(runs: tuple[Run, ...]
-            ) -> tuple[Mismatch | None, list[tuple[Mismatch | None, Mismatch | None]], int, int]:
+            ) -> tuple[Mismatch | None, list[tuple[Mismatch | None, Mismatch | None]], int, int, set[str]]:
     """Compare traced runs of one command (the first the reference, run to the end from step 0): (the reference's
     own ranks' first disagreement or None; for each other run, its first mismatch or None and its first differing
-    parameter when the mismatch is another record; steps compared, parameters per step). A run resumed after step
-    K is compared from K on, a run stopped after step K up to K."""
+    parameter when the mismatch is another record; steps compared, parameters per step; the runs whose every
+    parameter was recorded by its global name and bits, a sharded DTensor's through its shards' parts). A run resumed
+    after step K is compared from K on, a run stopped after step K up to K."""
     grad_norm = not any(r.mesh.local_norms for r in runs)
     records: dict[str, dict[Key, str]] = {}
     inner: dict[str, Mismatch | None] = {}
@@ -479,35 +502,40 @@ def compare(runs: tuple[Run, ...]
         records[run.label], inner[run.label], shapes[run.label] = _records(run.path, run.mesh, grad_norm=grad_norm,
                                                                            label=run.label)
         _same_model(runs[0], shapes[runs[0].label], run, shapes[run.label])
-    # a sharded run's parameters are not compared per step; with a sharded reference, no run's are
-    unsharded = not runs[0].mesh.shards
-    records = {run.label: {key: bits for key, bits in records[run.label].items()
-                           if key[1] != "param" or (unsharded and not run.mesh.shards)} for run in runs}
-    if unsharded and not any(kind == "param" for _, kind, _ in records[runs[0].label]):
+    # A sharded run's parameters are compared per step where it recorded them globally (a sharded DTensor, through
+    # its shards' parts); the others (each rank's own shard under one name: expert parallelism) are not.
+    names = {label: {name for _, kind, name in recorded if kind == "param"} for label, recorded in records.items()}
+    whole = {run.label for run in runs if names[run.label] >= set(shapes[run.label])}
+    if not runs[0].mesh.shards and not names[runs[0].label]:
         raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
                             "step a torch.optim optimizer?")
     reference = records[runs[0].label]
     compared: list[tuple[Mismatch | None, Mismatch | None]] = []
+    tensors: set[str] = set()
     for run in runs[1:]:
         until = run.until_step if run.until_step is not None else sys.maxsize
-        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until
-                    and (key[1] != "param" or not run.mesh.shards)}
+        common = names[runs[0].label] & names[run.label] if run.mesh.shards or runs[0].mesh.shards else None
+        tensors |= names[runs[0].label] if common is None else common
+
+        def kept(key: Key, common: set[str] | None = common) -> bool:
+            return key[1] != "param" or common is None or key[2] in common
+
+        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until and kept(key)}
         first, first_param = inner[run.label], None
         if first is None:
-            differences = _differences(*_losses(expected, records[run.label]), run)
+            other = {key: bits for key, bits in records[run.label].items() if kept(key)}
+            differences = _differences(*_losses(expected, other), run)
             first = next(differences, None)
             if first is not None and first.kind != "param":
                 first_param = next((m for m in differences if m.kind == "param"), None)
         compared.append((first, first_param))
     steps = {step for step, kind, _ in reference if kind != "scaled"}
-    met = any(not run.mesh.shards for run in runs[1:])  # a run whose parameters met the reference's
-    tensors = {name for _, kind, name in reference if kind == "param" and met}
-    return inner[runs[0].label], compared, len(steps), len(tensors)
+    return inner[runs[0].label], compared, len(steps), len(tensors), whole
 
 
 def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
     """`compare` for runs of one command at several world sizes ({world: run directory}, the first the
     reference)."""
-    inner, compared, steps, tensors = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
+    inner, compared, steps, tensors, _ = compare(tuple(Run(label=f"world {w}", mesh=Mesh(dp=w), path=p)
                                                     for w, p in runs.items()))
     return next((m for m in (inner, *(first for first, _ in compared)) if m is not None), None), steps, tensors

@@ -74,7 +74,8 @@ def recorded_leaves(value: Any, *, holes: bool = False) -> list[Any]:
 
 
 def local_data(tensor: torch.Tensor) -> torch.Tensor:
-    """The data this rank holds: DTensors are fingerprinted by their local shard (never gathered: no collective)."""
+    """The data this rank holds: a DTensor's local shard (never gathered: no collective). A sharded DTensor is
+    recorded as its part of the global fingerprint instead where it can be (`SnapshotMemo._part`)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None and type(tensor).__name__ == "DTensor" else tensor
 

@@ -20,6 +20,8 @@ import torch
 
 from detrace._compat import disable_dispatch, without_data
 from detrace.digest.inputs import dtype_name
+from detrace.digest.kernels import selected_scheme
+from detrace.digest.sharded import is_dtensor, part_of
 from detrace.record.records import Snapshot, has_components, local_data
 
 _SEEN_LIMIT = 65536
@@ -113,6 +115,9 @@ class SnapshotMemo:
                     out[i] = Snapshot(shape=(), dtype=dtype_name(value.dtype), numel=0)
                     continue
                 value = packed
+            if is_dtensor(value) and (part := self._part(value)) is not None:
+                out[i] = part
+                continue
             tensor = local_data(value)
             if without_data(tensor):
                 continue  # a meta or fake tensor (a FLOP count, a graph being traced): nothing to record (None)
@@ -143,6 +148,18 @@ class SnapshotMemo:
                 if version is not None and snap.digest is not None:
                     self._remember(tensor, version, snap)
         return out
+
+    def _part(self, value: Any) -> Snapshot | None:
+        """A sharded DTensor's record: this rank's part of its global fingerprint (`detrace.digest.sharded.part_of`:
+        no collective), under the global shape with this rank's numel, so that a reader adds the shards' parts into
+        the global tensor's fingerprint. None where it has no such part (a replicated DTensor, a shard that splits a
+        word): its local data is recorded instead."""
+        local = value.to_local()
+        if without_data(local) or (self.max_numel is not None and local.numel() > self.max_numel):
+            return None
+        with self._own(), torch.no_grad():
+            fp = part_of(value, selected_scheme())
+        return None if fp is None else Snapshot(shape=fp.shape, dtype=fp.dtype, numel=fp.numel, digest=fp.digest)
 
     def _remember(self, tensor: torch.Tensor, version: int, snap: Snapshot) -> None:
         if len(self._seen) > _SEEN_LIMIT:
