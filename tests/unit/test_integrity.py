@@ -235,3 +235,28 @@ def test_a_flipped_bit_anywhere_in_a_rank_file_is_refused_or_changes_no_record(
             else:
                 assert (result, captured.out) == (code, out), (position, argv)
     assert refused > len(clean) // 14
+
+
+@pytest.mark.parametrize("footer", [True, False])
+def test_a_corrupted_length_field_is_called_corruption_not_a_cut(tmp_path: Path, footer: bool) -> None:
+    """#49.12: a batch's metadata length flipped to run past the file's end was reported as "it was cut" (and, with
+    the rank's footer file lost, as a torn tail): the file still ends in the Arrow footer a clean close writes, so a
+    length is corrupted. A file really cut short is still called cut."""
+    run = tmp_path / "run"
+    write_run(run, SyntheticRun(ranks=1, steps=2, ops=2, batch_records=16))
+    path = rank_path(run, 0)
+    clean = path.read_bytes()
+    first = 16 + int.from_bytes(clean[12:16], "little")  # after the magic and the schema message
+    data = bytearray(clean)
+    data[first + 4 : first + 8] = (0x7FFFFFF8).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    if not footer:
+        path.with_suffix(".json").unlink()
+    with pytest.raises(TraceError, match=r"corrupted in batch 0 .*: a length in its framing runs past the end of "
+                                         r"the file, which still ends in the Arrow footer of a clean close: the "
+                                         r"length is corrupted, the file was not cut"):
+        read_rank(run, 0)
+    if footer:
+        path.write_bytes(clean[: first + 100])
+        with pytest.raises(TraceError, match=r"the file ends inside it \(it was cut\)"):
+            read_rank(run, 0)

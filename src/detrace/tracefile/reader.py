@@ -117,6 +117,8 @@ class BatchStream:
             raise TraceError(f"{self.path} is not a detrace trace file (no Arrow header)")
         try:
             frame = next_frame(self._file.fileno(), len(_MAGIC), self._size())
+            if frame is None and self._closed():
+                raise Unframed(_LENGTH_CORRUPTED)
             if frame is None:
                 raise TraceError(f"{self.path} ends inside its schema (the message at byte {len(_MAGIC)}): it was "
                                  "cut before its first record, or the schema's length is corrupted")
@@ -157,6 +159,12 @@ class BatchStream:
         """The file's size now (a rank still running makes it grow)."""
         return os.fstat(self._file.fileno()).st_size
 
+    def _closed(self) -> bool:
+        """Whether the file still ends in the Arrow file footer that a clean close writes after every batch. Then a
+        message that runs past the file's end was not cut (a cut takes the footer with it): a length in its framing
+        is corrupted."""
+        return arrow_footer_checksum(self.path) is not None
+
     def _corrupt(self, index: int, first: int, rows: int | None, reason: str, offset: int) -> CorruptTrace:
         self._file.close()
         records = f"records {first}-{first + rows - 1}" if rows else f"records from {first} on"
@@ -172,6 +180,8 @@ class BatchStream:
             if frame is not None and not frame.end and frame.header_type != RECORD_BATCH_MESSAGE:
                 raise Unframed("it is not a record batch")
             if frame is None or frame.end:
+                if frame is None and self._closed():
+                    raise Unframed(_LENGTH_CORRUPTED)
                 if frame is None and self.footer is not None:  # a rank that closed cleanly has no torn tail
                     raise Unframed("the file ends inside it (it was cut)")
                 self.torn = frame is None
@@ -202,6 +212,10 @@ class BatchStream:
         if footer is not None and (footer.batches, footer.chain) != (index, chain_text(self._chain)):
             raise self._corrupt(index, position, None, f"its footer seals {footer.batches} batches, the file "
                                 "holds these only up to here (batches were cut or replaced)", end)
+
+
+_LENGTH_CORRUPTED = ("a length in its framing runs past the end of the file, which still ends in the Arrow footer "
+                     "of a clean close: the length is corrupted, the file was not cut")
 
 
 def _reason(err: BaseException) -> str:
