@@ -90,3 +90,23 @@ def test_a_record_that_cannot_be_made_is_a_note_not_a_crash(tmp_path: Path, monk
     assert note.endswith("records could not be made: RuntimeError: injected fault in the fingerprint"), note
     assert int(note.split()[0]) > 0
     assert "a record could not be made in process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rung", "module", "name"), [
+    ("module", "detrace.record.rungs.module", "recorded_leaves"),
+    ("semantic", "detrace.record.rungs.semantic.optimizer", "parameter_names"),
+])
+def test_a_failing_hook_is_a_note_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rung: str, module: str,
+                                              name: str) -> None:
+    """A fault in a rung's own hook code (not in a fingerprint): the hook gives up, the program goes on."""
+    untraced = _train(3)
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise KeyError("injected fault in a hook")
+
+    monkeypatch.setattr(f"{module}.{name}", broken)
+    with detrace.trace(tmp_path / "run", rung=rung):
+        traced = _train(3)
+    assert traced == untraced
+    [note] = _warnings(tmp_path / "run")
+    assert note.endswith("could not be made: KeyError: 'injected fault in a hook'"), note

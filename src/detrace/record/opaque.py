@@ -40,12 +40,15 @@ wrappers again: the same code objects, kept once)."""
 
 
 class Opaque:
-    """`fn`, which Dynamo never traces (see the module docstring)."""
+    """`fn`, which Dynamo never traces (see the module docstring). With `noted` (a hook that only records, such as
+    the tracer's `could_not`), an exception of `fn` is handed to `noted(1, err)` and the hook returns None: a record
+    that cannot be made never reaches the program."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, noted: Callable[[int, BaseException], None] | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.call = fn
+        self.noted = noted
         if _compat.dynamo_imported():
             self._hide()
         else:
@@ -55,7 +58,13 @@ class Opaque:
         self.call = torch.compiler.disable(self.fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(*args, **kwargs)
+        if self.noted is None:
+            return self.call(*args, **kwargs)
+        try:
+            return self.call(*args, **kwargs)
+        except Exception as err:  # the tracer's own failure: noted, never raised in the program
+            self.noted(1, err)
+            return None
 
 
 def skip_frames(fn: Callable[..., Any]) -> None:

@@ -107,4 +107,4 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     return [replace(torch.autograd, "backward", Opaque(backward)),
             replace(torch.nn.utils, "clip_grad_norm_", Opaque(clip_grad_norm_)),
             replace(torch.nn.utils, "clip_grads_with_norm_", Opaque(clip_grads_with_norm_)),
-            register_optimizer_step_pre_hook(Opaque(grad_norm)).remove]
+            register_optimizer_step_pre_hook(Opaque(grad_norm, noted=tracer.could_not)).remove]

@@ -129,8 +129,8 @@ class ModuleRung:
         self.roots: list[weakref.ref[nn.Module]] = []
         self.forward_calls: list[Call] = []
         self.handles: list[Any] = []
-        self.record_pre = Opaque(self._record_pre)
-        self.record_post = Opaque(self._record_post)
+        self.record_pre = Opaque(self._record_pre, noted=tracer.could_not)
+        self.record_post = Opaque(self._record_post, noted=tracer.could_not)
 
     # -- names ----------------------------------------------------------------------------------------------
 

@@ -151,4 +151,4 @@ def install(tracer: Tracer) -> list[Undo]:
             print(f"detrace: the state of process {os.getpid()} at step {step} cannot be written ({err})",
                   file=sys.stderr)
 
-    return [register_optimizer_step_pre_hook(Opaque(pre)).remove]
+    return [register_optimizer_step_pre_hook(Opaque(pre, noted=tracer.could_not)).remove]

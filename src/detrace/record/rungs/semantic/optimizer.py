@@ -137,5 +137,5 @@ def install(tracer: Tracer) -> list[Undo]:
     final state as the trace closes."""
     recorder = _StepRecorder(tracer)
     tracer.add_closing(recorder.final)
-    return [register_optimizer_step_pre_hook(Opaque(recorder.pre)).remove,
-            register_optimizer_step_post_hook(Opaque(recorder.post)).remove]
+    return [register_optimizer_step_pre_hook(Opaque(recorder.pre, noted=tracer.could_not)).remove,
+            register_optimizer_step_post_hook(Opaque(recorder.post, noted=tracer.could_not)).remove]
