@@ -9,10 +9,15 @@ check each; the logic (the clean slate, the refusals, --resume-args) is in tests
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from _tools import tree
 
 from detrace.cli import main
 from detrace.tracefile.checkpoints import read_checkpoint_log
@@ -114,3 +119,42 @@ def test_lightnings_own_resume_forgets_the_torch_rng_and_the_data_order(
     differs = {c["part"] for c in point["restored"] if c["equal"] is False}
     assert differs == {"torch RNG state", "data position"}, point["restored"]
     assert "the RNG state is not the continuous run's" in report["forgot"] and "data order" in report["forgot"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_check_stopped_by_a_signal_leaves_every_user_file_as_it_was(sig: signal.Signals, tmp_path: Path) -> None:
+    """A real check, its user's checkpoint moved aside (--force), stopped as its resumed arm runs: SIGHUP (the
+    terminal closed) puts every file back and exits 129; after SIGKILL, `--recover OUT` does. A project folder
+    holds the script and its checkpoint folder; compared: every entry's bytes, name and place."""
+    work = tmp_path / "work"
+    project = work / "proj"
+    project.mkdir(parents=True)
+    shutil.copy(SCRIPT, project / "train.py")
+    cmd = [sys.executable, "proj/train.py", "--ckpt-dir", "proj/ck", "--steps", "6"]
+    subprocess.run([*cmd[:-1], "4"], cwd=work, check=True, capture_output=True)  # the user's own checkpoints
+    (project / "ck" / "latest").symlink_to("step-4.pt")
+    (project / "ck" / "empty").mkdir()
+    before = tree(work)
+    out = tmp_path / "check"
+    check = subprocess.Popen([sys.executable, "-m", "detrace", "check-resume", "--native", "--force", "--at", "2",
+                              "--out", str(out), "--", *cmd], cwd=work, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert check.stderr is not None
+    for line in check.stderr:
+        if "run resumed after step 2" in line:  # the user's checkpoint is in OUT, the stopped arm's in its place
+            check.send_signal(sig)
+            break
+    else:
+        pytest.fail(f"the check ended before its resumed arm (exit code {check.wait()})")
+    assert check.wait(timeout=120) == (129 if sig == signal.SIGHUP else -signal.SIGKILL)
+    said = check.stderr.read()
+    if sig == signal.SIGHUP:
+        assert "interrupted by SIGHUP; CMD's checkpoints are back where they were" in said
+    else:
+        assert tree(work) != before  # the user's checkpoints are in OUT
+        time.sleep(2)  # the watchdog ends the killed check's CMD
+        done = subprocess.run([sys.executable, "-m", "detrace", "check-resume", "--recover", str(out)],
+                              cwd=work, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "put back what the check-resume --native in" in done.stderr
+    assert tree(work) == before
