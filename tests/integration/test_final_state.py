@@ -114,3 +114,38 @@ def test_a_resumed_run_that_trains_nothing_records_its_state_and_is_not_identica
     assert result.first is not None and result.first.stop is not None
     assert result.first.stop.startswith("B trained no step (it began at global step 3 and stopped there) and A ran on "
                                         "to step 5")
+
+
+def _train_and_save(path: Path, *, after: float) -> None:
+    """A `main()` that trains, changes its model after the last step, saves it, and returns: its model is freed
+    before the trace closes, so only the saved file holds the final state."""
+    model, optimizer = _fresh()
+    _train(model, optimizer, range(3))
+    with torch.no_grad():
+        model.head.bias.add_(after)
+    torch.save({"model": model.state_dict(), "step": 3}, path)
+
+
+def test_the_tensors_saved_after_the_last_step_are_the_final_state(tmp_path: Path) -> None:
+    runs = {}
+    for name, after in (("a", 0.0), ("b", 0.0), ("c", 1e-3)):
+        (tmp_path / f"ckpt-{name}").mkdir()
+        with detrace.trace(tmp_path / name, rung="semantic"):
+            _train_and_save(tmp_path / f"ckpt-{name}" / "final.pt", after=after)
+        runs[name] = tmp_path / name
+    saved = [(r["name"], r["role"]) for r in _final(runs["a"]) if r["role"] == "saved"]
+    assert saved == [("final.pt:model.inner.weight", "saved"), ("final.pt:model.inner.bias", "saved"),
+                     ("final.pt:model.head.weight", "saved"), ("final.pt:model.head.bias", "saved")]
+    assert detrace.diff(runs["a"], runs["b"]).verdict == "identical"
+    first = detrace.diff(runs["a"], runs["c"]).first
+    assert first is not None and (first.phase, first.name, first.role) == ("final", "final.pt:model.head.bias",
+                                                                          "saved")
+
+
+def test_a_save_before_the_last_step_is_not_the_final_state(tmp_path: Path) -> None:
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        model, optimizer = _fresh()
+        _train(model, optimizer, range(2))
+        torch.save(model.state_dict(), tmp_path / "mid.pt")
+        _train(model, optimizer, range(2, 4))
+    assert not [r for r in _final(tmp_path / "a") if r["role"] == "saved"]

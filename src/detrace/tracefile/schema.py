@@ -38,6 +38,7 @@ ROLES = (
     "buffer",  # optimizer: a module buffer (running statistics, counters, EMA copies) as the step ends
     "metric",  # an exact scalar (loss, grad norm, detrace.metric)
     "model",  # final state: one digest of a whole model's parameters (the fingerprint of their digests, in order)
+    "saved",  # final state: a tensor of a checkpoint saved after the last optimizer step ("<file>:<key path>")
     "component",  # one component (data, scales) of a quantized tensor
 )
 

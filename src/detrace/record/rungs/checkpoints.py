@@ -49,6 +49,7 @@ from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import after_import, replace
 from detrace.record.rungs.checkpoint_files import Files, bytes_of, position
 from detrace.record.rungs.clock import restored_step
+from detrace.record.rungs.saved import LastSaves
 from detrace.record.session import Tracer
 from detrace.state.contract import ENV_NATIVE_CONTROL as CONTROL_VAR
 from detrace.state.contract import ENV_NATIVE_RNG as RNG_VAR
@@ -113,6 +114,8 @@ class _Log:
         its items with torch.save)."""
         self.files = Files(self.write, str(tracer.config.out))
         """Where the saves end up: renamed, or written from memory into a file."""
+        self.last = LastSaves(tracer)
+        """The tensors of the saves made at the latest completed step (recorded at the end: saved.py)."""
 
     def add(self, op: str, api: str, paths: list[str], control: str | None = None,
             rng: list[tuple[str, KeyPath]] | None = None, memory: int | None = None) -> None:
@@ -171,6 +174,9 @@ def _wrap(log: _Log, op: str, api: str, function: Callable[..., Any], target: Ca
             result, control = transform(result, paths)
         rng = saved(args[0] if args else kwargs.get("obj")) if saved is not None else None
         log.add(op, api, paths, control, rng, memory)
+        if op == "save":  # its tensors, recorded with the final state if no optimizer step follows (saved.py)
+            obj = args[0] if args else next((kwargs[k] for k in ("obj", "tensors", "state_dict") if k in kwargs), None)
+            log.last.saved(obj, paths, completed_steps(log.tracer))
         return result
 
     wrapped.__wrapped__ = function  # type: ignore[attr-defined]
@@ -362,6 +368,7 @@ def install(tracer: Tracer) -> list[Undo]:
           for module, name in ((os, "replace"), (os, "rename"), (shutil, "move"))),
     ]
     tracer.add_closing(lambda: log.files.land(final=True))  # a last save into memory, written to a file after it
+    tracer.add_closing(lambda: log.last.record(completed_steps(tracer)))
     try:
         import safetensors.torch as safetensors
     except ImportError:
