@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
@@ -840,3 +841,17 @@ def test_pipeline_invariant_gives_the_bits_of_one_process_under_1f1b_times_dp_an
     assert code == 1 and isinstance(first, dict), report
     assert (first["kind"], first["step"], first["run"]) == ("param", 0, "layout pp2")
     assert first["name"] in {n for n, _ in _tiny().named_parameters()}
+
+
+def test_a_loss_that_differs_is_shown_as_a_decimal_beside_its_bits(tmp_path: Path) -> None:
+    """#46.6: two losses were shown as their bits alone (0x3fe5... vs 0x3fe5...): the size of the difference did not
+    show. Each is its decimal (the shortest that reads back as the same double), then its bits."""
+    first = _topology(tmp_path, _Fake(fault=("layout-2x2", 0, "loss")), layouts="1x1,2x2").first
+    assert first is not None and first.kind == "loss"
+    shown = re.fullmatch(r"(\S+) \((0x[0-9a-f]{16})\) vs (\S+) \((0x[0-9a-f]{16})\)", first.detail)
+    assert shown is not None, first.detail
+    for decimal, bits in (shown.group(1, 2), shown.group(3, 4)):
+        assert struct.pack(">d", float(decimal)).hex() == bits[2:]
+    assert shown[1] != shown[3]
+    params = _topology(tmp_path, _Fake(fault=("layout-1x2", 1, "b")), layouts="1x1,1x2").first
+    assert params is not None and params.kind == "param" and "(" not in params.detail  # digests as they are

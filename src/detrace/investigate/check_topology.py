@@ -271,6 +271,14 @@ def _bits(value: float) -> str:
     return "0x" + struct.pack(">d", value).hex()
 
 
+def _shown(kind: str, bits: str) -> str:
+    """A record's value as a mismatch shows it: a loss or gradient norm as its decimal (the shortest that reads back
+    as the same double) beside its bits, so the size of the difference shows; a digest as it is."""
+    if kind not in ("loss", "scaled", "grad_norm") or not bits.startswith("0x"):
+        return bits
+    return f"{struct.unpack('>d', bytes.fromhex(bits[2:]))[0]!r} ({bits})"
+
+
 Shapes = dict[str, "tuple[int, ...] | None"]
 """A run's parameters: qualified name -> shape (None where ranks hold shards of it under its name)."""
 
@@ -321,7 +329,8 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
             elif merged[key] != bits:  # replicas (or one block's tp ranks) must agree
                 return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(),
                                         world=mesh.world, run=label,
-                                        detail=f"rank {owner[key]} {merged[key]}, rank {rank} {bits}"), shapes
+                                        detail=f"rank {owner[key]} {_shown(key[1], merged[key])}, rank {rank} "
+                                               f"{_shown(key[1], bits)}"), shapes
     for (step, name), (found, dtype, shape) in sorted(parts.items()):
         if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
             return merged, Mismatch(step=step, kind="ranks", name=f"param {name}", world=mesh.world, run=label,
@@ -387,7 +396,8 @@ def _differences(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Iterat
         a, b = ref.get(key, "missing"), other.get(key, "missing")
         if a != b:
             step, kind, name = key
-            yield Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label, detail=f"{a} vs {b}")
+            yield Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label,
+                           detail=f"{_shown(kind, a)} vs {_shown(kind, b)}")
 
 
 def _check_command(cmd: list[str], threads: int) -> None:
