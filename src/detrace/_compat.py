@@ -123,6 +123,7 @@ __all__ = [
     "unhooked_step",
     "wait_collective",
     "wrap_compiled_graphs",
+    "wrap_dataloader_next_index",
     "wrap_output_code",
 ]
 
@@ -314,7 +315,7 @@ def wrap_optimizer_state_init(wrap: Callable[[Callable[..., Any]], Callable[...,
     fresh optimizer's state by calling `optimizer.step()` with zero gradients and a zero learning rate, which fires
     the global optimizer step hooks: the tracer must run it as checkpoint work, not count it as a training step.
     The helpers call it by its module-level name. Replace with: a public marker of that step (none)."""
-    module = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    module: Any = sys.modules.get("torch.distributed.checkpoint.state_dict")
     original = getattr(module, "_init_optim_state", None)
     if module is None or not callable(original):
         return None
@@ -600,3 +601,23 @@ def dataset_fetchers() -> tuple[type, ...]:
     from torch.utils.data._utils import fetch
 
     return fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher
+
+
+@_private("torch.utils.data.dataloader._BaseDataLoaderIter._next_index")
+def wrap_dataloader_next_index(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace the method a DataLoader's iterator calls, in the main process, for the dataset indices of each batch
+    it loads or sends to a worker (in the order the batches reach the loop, unless the loader was built with
+    `in_order=False`) by `wrap(method)`; returns the undo.
+
+    Why: the batch rung records which samples each training step took from any DataLoader, without replacing the
+    user's sampler. Replace with: nothing public (the batch sampler's iterator is private to the DataLoader's)."""
+    from torch.utils.data import dataloader
+
+    owner = dataloader._BaseDataLoaderIter
+    original = owner.__dict__["_next_index"]
+    owner._next_index = wrap(original)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        owner._next_index = original  # type: ignore[method-assign]
+
+    return undo
