@@ -148,3 +148,29 @@ def test_a_run_shorter_than_its_checkpoint_period_says_so(tmp_path: Path) -> Non
     assert result.cost is not None and result.cost.resume == "no-contract"
     assert result.notes[0].startswith(f"the run has {RUN.steps} steps, no more than --checkpoint-every {RUN.steps}, "
                                       "so it took no checkpoint")
+
+
+def test_runs_that_stop_at_different_steps_are_nondeterministic_without_narrowing(tmp_path: Path) -> None:
+    class StopsEarly(Scripted):
+        """Run b closes its trace after step 2 of 4, every record before that equal: the program decided to stop."""
+
+        def __call__(self, cmd: list[str], out: Path, *, rung: str, env: dict[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            result = super().__call__(cmd, out, rung=rung, env=env, **kwargs)
+            if Path(out).name.endswith("-b"):
+                from _synthetic import write_table
+
+                from detrace.tracefile import read_rank
+                for rank in range(self.run.ranks):
+                    table = read_rank(out, rank).table
+                    (Path(out) / f"rank-{rank:05d}.arrow").unlink()
+                    (Path(out) / f"rank-{rank:05d}.json").unlink()
+                    write_table(out, rank, table.filter(table["step"].to_numpy() <= 2), world_size=self.run.ranks)
+            return result
+
+    launcher = StopsEarly()
+    result = _locate(tmp_path, launcher)
+    assert result.verdict == "nondeterministic" and result.culprit is None
+    assert launcher.runs == ["1-semantic-a", "1-semantic-b"]  # no rung below reruns steps that all matched
+    assert result.message.startswith("two runs of CMD do not cover the same steps: B stopped after global step 2 "
+                                     "and A ran on to step 3")

@@ -274,6 +274,19 @@ class Ladder:
             return result
         first = first_pair.first
         broad.found = Finding.of(first)
+        if first.stop is not None or first.phase == "final":
+            # Nothing differs inside the steps both runs recorded: the rungs below would rerun them in vain.
+            broad.note = first.stop or f"every step matched and the final state differs ({first.name})"
+            self.progress.rung(broad.record())
+            result.verdict = "nondeterministic"
+            result.culprit = broad.found if first.stop is None else None
+            result.message = (f"two runs of CMD do not cover the same steps: {first.stop}; what decides where CMD "
+                              "stops (a clock, a file, an unseeded draw) is outside the recorded steps"
+                              if first.stop is not None else
+                              f"every step of two runs matched, and the state they ended with differs (first: "
+                              f"{first.name}): what changed it ran after the last optimizer step, where the rungs "
+                              "record nothing (an unseeded draw, an average or a quantisation after the training?)")
+            return result
         step = first_divergent_step(first_pair)
         step = first.step if step is None else step
         origin_ranks = first_pair.origin_ranks or [first.rank]
