@@ -328,8 +328,15 @@ def test_a_killed_check_is_put_back_from_its_journal(how: str, tmp_path: Path, w
     assert not journal["finished"] and journal["moved"] == [
         [str(work / "checkpoints"), str(tmp_path / "killed" / "before-check" / "checkpoints")]]
     if how == "recover":
+        capsys.readouterr()
+        main(["doctor"])  # (its exit code is the machine's settings')
+        assert (f"a check-resume --native writing into {tmp_path / 'killed'} was killed before it put back the "
+                f"checkpoints it had moved aside; run: detrace check-resume --recover {tmp_path / 'killed'}"
+                ) in capsys.readouterr().out
         assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0
         assert tree(work) == before
+        main(["doctor"])
+        assert "check-resume --native" not in capsys.readouterr().out
         assert main(["check-resume", "--recover", str(tmp_path / "killed")]) == 0  # once is enough
         assert "nothing to recover: the check-resume --native in" in capsys.readouterr().err
     else:  # the next check finds the journal through the lock file the killed one left, and puts back first

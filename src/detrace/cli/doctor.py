@@ -8,11 +8,13 @@ risks the recipe cannot remove. A table on a terminal, plain lines when piped.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from detrace.cli._args import ArgumentParser
 from detrace.recipe import Finding
 from detrace.recipe.doctor import audit
 from detrace.report.terminal import make_console
+from detrace.tracefile.layout import NATIVE_CHECK_LOCK, RUNS_DIR
 from detrace.verdicts import DOCTOR
 
 _STYLE = {"ok": "green", "pending": "cyan", "risk": "yellow", "conflict": "bold red", "too-late": "bold red"}
@@ -33,7 +35,20 @@ def main(argv: list[str]) -> int:
         else "no setting is off"
     )
     print(f"detrace doctor: {summary}")
+    stopped = _stopped_check()
+    if stopped is not None:  # (not a setting: the exit code stays the settings')
+        print(f"detrace doctor: a check-resume --native writing into {stopped} was killed before it put back the "
+              f"checkpoints it had moved aside; run: detrace check-resume --recover {stopped}")
     return DOCTOR["settings-off" if off else "ok"]
+
+
+def _stopped_check() -> Path | None:
+    """The OUT of a check-resume --native killed in this working directory before it put files back, or None."""
+    if not (Path.cwd() / RUNS_DIR / NATIVE_CHECK_LOCK).is_file():
+        return None  # (the common case, without importing the check: a second at start-up)
+    from detrace.investigate.native_resume import stopped_check
+
+    return stopped_check(Path.cwd())
 
 
 def _print_table(findings: list[Finding]) -> None:

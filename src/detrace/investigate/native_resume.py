@@ -38,7 +38,7 @@ from pathlib import Path
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.investigate.check_resume import Contract, RerunArm
 from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
-from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, RUNS_DIR
+from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, NATIVE_CHECK_LOCK, RUNS_DIR
 from detrace.tracefile.writer import write_json_atomic
 
 _SKIPPED_DIRS = {".git", "__pycache__", RUNS_DIR}
@@ -50,8 +50,6 @@ JOURNAL = "native-journal.json"
 JOURNAL_SCHEMA = "detrace.native-journal/1"
 SNAPSHOT = "native-snapshot.json"
 """In OUT: the working directory as it was before the check, per entry [kind, size, inode, mtime_ns]."""
-LOCK = "native-check.lock"
-"""In the working directory's detrace-runs/: held (flock) by the check that moves files there; names its OUT."""
 
 Progress = Callable[[str], None]
 
@@ -334,7 +332,7 @@ class NativeContract(Contract):
         killed while it held it (its lock file is still there, unlocked)."""
         folder = self.root / RUNS_DIR
         folder.mkdir(exist_ok=True)
-        with _locked(folder / LOCK) as (fd, previous):
+        with _locked(folder / NATIVE_CHECK_LOCK) as (fd, previous):
             if previous is not None:
                 raise UsageError(f"another detrace check-resume --native (pid {previous.get('pid', '?')}, --out "
                                  f"{previous.get('out', '?')}) is moving checkpoints in {self.root}; wait for it "
@@ -352,7 +350,7 @@ class NativeContract(Contract):
     def _let_go(self) -> None:
         if self._lock is not None:
             with contextlib.suppress(OSError):
-                (self.root / RUNS_DIR / LOCK).unlink()
+                (self.root / RUNS_DIR / NATIVE_CHECK_LOCK).unlink()
             with contextlib.suppress(OSError):  # (detrace's own folder, made by _hold: gone again when empty)
                 (self.root / RUNS_DIR).rmdir()
             os.close(self._lock)
@@ -573,6 +571,21 @@ def _locked(path: Path) -> Iterator[tuple[int, dict[str, object] | None]]:
         os.close(fd)
 
 
+def stopped_check(root: Path) -> Path | None:
+    """The OUT of a check-resume --native that was stopped in `root` (killed) before it put back what it moved,
+    or None (none was, or it still runs)."""
+    path = root / RUNS_DIR / NATIVE_CHECK_LOCK
+    if not path.is_file():
+        return None
+    with _locked(path) as (fd, holder):
+        old = _previous(fd) if holder is None else None
+    try:
+        finished = old is None or json.loads((Path(old) / JOURNAL).read_text())["finished"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None if finished else Path(str(old))
+
+
 def recover(out: Path, progress: Progress) -> None:
     """`check-resume --recover OUT`: put back what the check-resume --native that wrote OUT had moved, when it was
     killed before it could; refused while that check still runs."""
@@ -583,11 +596,11 @@ def recover(out: Path, progress: Progress) -> None:
         return
     folder = contract.root / RUNS_DIR
     folder.mkdir(exist_ok=True)
-    with _locked(folder / LOCK) as (fd, holder):
+    with _locked(folder / NATIVE_CHECK_LOCK) as (fd, holder):
         if holder is not None:
             raise UsageError(f"the check-resume --native in {contract.out} still runs (pid {holder.get('pid', '?')}); "
                              "it puts back what it moved as it ends")
         contract.recover()
         if _previous(fd) == str(contract.out):  # (else the lock file names another killed check: kept for it)
             with contextlib.suppress(OSError):
-                (folder / LOCK).unlink()
+                (folder / NATIVE_CHECK_LOCK).unlink()

@@ -21,6 +21,9 @@ T = TypeVar("T")
 
 RUNS_DIR = "detrace-runs"
 """Where every command's default output directory goes, in the working directory (one folder to clean)."""
+NATIVE_CHECK_LOCK = "native-check.lock"
+"""In the working directory's RUNS_DIR: held by the check-resume --native that moves checkpoints there (naming its
+OUT); left behind, unlocked, by one that was killed (detrace.investigate.native_resume)."""
 LATEST = "latest"
 """`detrace-runs/<kind>-latest`: a link to the newest default output of a kind that completed."""
 RUN_HEADER = "run.json"
