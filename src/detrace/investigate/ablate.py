@@ -397,8 +397,8 @@ def _departure(baseline: Path, run: Path) -> Departure | None:
     if result.verdict == "incomparable":
         raise TraceError(f"{run} cannot be compared with the baseline: {result.reason}")
     first = result.first
-    if first is None:
-        return None
+    if first is None or first.stop is not None:
+        return None  # a variant stops where its plan says (a shifted one earlier): where it stops is no departure
     return Departure(step=first.step, phase=first.phase, module=first.module, name=first.name, rank=first.rank)
 
 
@@ -651,7 +651,7 @@ def _cause(config: AblateConfig, c: int, outcomes: Sequence[Outcome]) -> tuple[A
         return "both", (f"both: skipping the batches of steps {skipped} removes the spike, and the same batches "
                         f"{from_state} do not spike: it needs that data and that state together{also}")
     if data_matters:
-        alone = ("" if only is None else "; with the batch of step S replaced, the same state does not spike"
+        alone = ("" if only is None else f"; with the batch of step {s} replaced, the same state does not spike"
                  if not only.spiked else "")
         tail = f"; the same batches {from_state} also spike" if earlier is not None else ""
         return "data", f"data: skipping the batches of steps {skipped} removes the spike{tail}{alone}{also}"
