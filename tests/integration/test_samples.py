@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -168,3 +169,37 @@ def test_a_resumable_loader_drops_the_samples_it_is_told_to(tmp_path: Path) -> N
     order = [i for i in flat(reference) if i not in dropped]
     assert flat(trained) == order[: len(flat(trained))] and not set(dropped) & set(flat(trained))
     assert list(batch_samples(tmp_path / "b", 0, 1)) == trained[1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_dataloader_records_its_samples(tmp_path: Path, workers: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    evaluation = DataLoader(Indexed(), batch_size=4)
+    trained: list[list[int]] = []
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        # 2 epochs of 7 batches; with 2 workers, every index of the first is dispatched before the evaluation
+        for batch in itertools.chain(loader, loader):
+            trained.append([int(x) for x in batch.flatten()])
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if len(trained) == 5:  # an evaluation between two training batches
+                model.eval()
+                with torch.no_grad():
+                    for held_out in evaluation:
+                        model(held_out)
+                model.train()
+    assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(14)] == trained
+    with detrace.trace(tmp_path / "b", rung="semantic"):  # an IterableDataset has no index: nothing recorded
+        stream = DataLoader(Stream(), batch_size=2)
+        model(next(iter(stream))).sum().backward()
+        optimizer.step()
+    assert batch_samples(tmp_path / "b", 0, 0) == ()
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([torch.tensor([1.0]), torch.tensor([2.0])])

@@ -471,3 +471,24 @@ def test_dtensor_local_box(tmp_path: Path) -> None:
         assert _compat.dtensor_local_box(dt) == ((5, 3), (0, 0))
     finally:
         dist.destroy_process_group()
+
+
+def test_wrap_dataloader_next_index_sees_each_batchs_indices_and_undoes() -> None:
+    seen: list[list[int]] = []
+
+    def wrap(original):  # type: ignore[no-untyped-def]
+        def next_index(iterator):  # type: ignore[no-untyped-def]
+            indices = original(iterator)
+            seen.append(indices)
+            return indices
+        return next_index
+
+    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
+    undo = _compat.wrap_dataloader_next_index(wrap)
+    try:
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4]]
+    finally:
+        undo()
+    assert seen == [[0, 1], [2, 3], [4]]
+    list(loader)
+    assert len(seen) == 3

@@ -9,7 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from detrace.record import opaque
-from detrace.record.rungs import batch, checkpoints, clock, compiled, metrics, module, op, semantic, state_parts
+from detrace.record.rungs import (
+    batch,
+    checkpoints,
+    clock,
+    compiled,
+    loader_samples,
+    metrics,
+    module,
+    op,
+    semantic,
+    state_parts,
+)
 from detrace.record.session import Tracer
 from detrace.tracefile.schema import rung_includes
 
@@ -24,7 +35,8 @@ def install(tracer: Tracer) -> list[Undo]:
             *checkpoints.install(tracer)]  # at every rung: the program's own checkpoint saves and loads
     rung = tracer.config.rung
     if rung_includes(rung, "semantic"):
-        undo += semantic.install(tracer) + compiled.install(tracer)
+        # (loader_samples: the indices of a plain DataLoader's batches, which the batch rung records there)
+        undo += semantic.install(tracer) + compiled.install(tracer) + loader_samples.install(tracer)
     if rung_includes(rung, "module"):
         undo += module.install(tracer)
     if rung_includes(rung, "op"):

@@ -1,0 +1,98 @@
+"""At every rung: the dataset indices of each batch a plain DataLoader hands the training loop, for the batch rung.
+
+The batch rung records, after each training forward's batch, the dataset indices of its samples when a sampler
+knows them (`_events.sample_source`): detrace's own (the framework integrations' `SampleKeys`, `ResumableLoader`)
+register themselves. Any other map-style DataLoader (a plain loop's, HF `Trainer`'s without detrace's callback)
+is seen here: its iterator asks its batch sampler for each batch's indices, in the main process, in the order the
+batches reach the loop (also with workers that prefetch), and they are queued per iterator; the iterator that
+dispatched last is the source; an evaluation loader iterated between two training batches hands it back when it is
+exhausted. `check-resume` tells the same samples augmented otherwise from another
+data position with them, and `detrace ablate` names a spike's sample.
+
+Left alone: a loader whose indices are not plain integers (detrace's keyed samplers: their own source says them),
+an `IterableDataset` (no index), a loader built with `in_order=False` (batches reach the loop out of order), and
+any loader while one of detrace's own samplers is the source.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from detrace import _compat, _events
+from detrace.record.session import Tracer
+from detrace.state.loader import PENDING_BATCHES
+
+Undo = Callable[[], None]
+
+
+class _Handed:
+    """One DataLoader iterator's batches of sample indices, dispatched and not yet taken by a training forward."""
+
+    def __init__(self) -> None:
+        self.batches: collections.deque[list[int]] = collections.deque(maxlen=PENDING_BATCHES)
+        self.before: _Handed | None = None
+        """The source this one took over from (a training loader's, for an evaluation's): the source again once
+        this iterator is exhausted."""
+        self.exhausted = False
+        """Its batch sampler has no more batches (some may still be on their way to the loop)."""
+
+    def __call__(self) -> list[int] | None:
+        return self.batches.popleft() if self.batches else None
+
+
+def _indices(value: Any) -> list[int] | None:
+    """A batch's dataset indices (one index: a loader without batching), or None when they are not plain ints."""
+    batch = value if isinstance(value, list | tuple) else [value]
+    if not batch or not all(isinstance(index, int) and not isinstance(index, bool) for index in batch):
+        return None
+    return list(batch)
+
+
+def install(tracer: Tracer) -> list[Undo]:
+    handed: weakref.WeakKeyDictionary[Any, _Handed] = weakref.WeakKeyDictionary()
+
+    def note(iterator: Any, value: Any) -> None:
+        current = _events.sample_source[0] if _events.sample_source else None
+        if current is not None and not isinstance(current, _Handed):
+            return  # one of detrace's samplers knows the indices
+        batch = _indices(value)
+        if batch is None or getattr(iterator, "_in_order", True) is False:
+            return
+        queue = handed.get(iterator)
+        if queue is None:
+            queue = handed[iterator] = _Handed()
+        queue.batches.append(batch)
+        if current is not queue:
+            # (a finished epoch's iterator, all of whose batches were taken, is no source to hand back to)
+            queue.before = current if current is not None and (current.batches or not current.exhausted) else None
+            _events.sample_source[:] = [queue]
+
+    def exhausted(iterator: Any) -> None:
+        queue = handed.get(iterator)
+        if queue is None or queue.exhausted:
+            return
+        queue.exhausted = True
+        if queue.before is not None and _events.sample_source == [queue]:
+            _events.sample_source[:] = [queue.before]
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def next_index(iterator: Any) -> Any:
+            try:
+                value = original(iterator)
+            except StopIteration:
+                exhausted(iterator)  # (an evaluation's loader, iterated inside the training's, hands the source back)
+                raise
+            try:
+                note(iterator, value)
+            except Exception as err:  # the program's batch is loaded all the same; only its record is lost
+                print(f"detrace: a batch's sample indices were not noted ({type(err).__name__}: {err})",
+                      file=sys.stderr)
+            return value
+
+        return next_index
+
+    return [_compat.wrap_dataloader_next_index(wrap)]
