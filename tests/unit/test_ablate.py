@@ -167,6 +167,12 @@ def test_each_cause_gets_its_verdict(tmp_path: Path, kind: str, capsys: pytest.C
     assert "  drop-4" in printed and "  cost     8 runs, 56 steps, 12.0 s" in printed
 
 
+def test_a_data_verdict_names_the_step_of_the_spike_not_a_letter(tmp_path: Path) -> None:
+    """#46.6: the summary said "with the batch of step S replaced", the letter of the usage line, not the step."""
+    result = ablate(config(tmp_path, original(tmp_path, "data")), World("data"))
+    assert result.cause == "data" and "step S " not in result.summary
+    assert f"; with the batch of step {S} replaced, the same state does not spike" in result.summary
+
 @pytest.mark.parametrize("part", ["lr", "moments", "weights", "step"])
 def test_a_state_verdict_names_the_part_that_carries_it(part: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
