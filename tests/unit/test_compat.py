@@ -258,6 +258,47 @@ def test_unhooked_step_runs_no_step_hooks() -> None:
     assert _compat.unhooked_step(type("Plain", (), {"step": lambda self: None})) is None
 
 
+def test_wrap_optimizer_state_init_sees_the_zero_lr_step_of_get_state_dict() -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    inside: list[bool] = []
+    fired: list[bool] = []
+    handle = register_optimizer_step_pre_hook(lambda *a: fired.append(bool(inside)))
+
+    def wrap(original: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            inside.append(True)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        return run
+
+    undo = _compat.wrap_optimizer_state_init(wrap)
+    assert undo is not None
+    try:
+        get_state_dict(model, optimizer)  # a fresh optimizer: torch steps it once, with zero gradients and lr 0
+    finally:
+        undo()
+        handle.remove()
+    assert fired == [True] and optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_without_data() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ones(2)
+    assert not _compat.without_data(real) and _compat.without_data(torch.ones(2, device="meta"))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+        assert _compat.without_data(fake) and _compat.without_data(real)  # the tracer's own ops would be faked too
+    assert _compat.without_data(fake) and not _compat.without_data(real)
+    assert torch.func.vmap(lambda t: torch.tensor(_compat.without_data(t)))(torch.ones(2, 3)).all()
+
+
 def test_dtensor_rng_tracker() -> None:
     import torch.distributed.tensor._random as dtensor_random
 
