@@ -560,8 +560,8 @@ def bisect(s: int, rank: int, indices: tuple[int, ...], baseline: Outcome, execu
     well) stops the bisection: its evidence would not be about S's batch."""
     if not indices:
         return Samples(step=s, indices=(), culprit=None, replays=(),
-                       note=f"the trace names no sample of step {s}'s batch (detrace's framework integrations record "
-                            "the dataset indices their sampler hands out), so no sample is named")
+                       note=f"the trace names no sample of step {s}'s batch (the tracer records the dataset indices "
+                            "of a map-style DataLoader's batches, not an IterableDataset's), so no sample is named")
     candidates = list(dict.fromkeys(indices))
     replays: list[Outcome] = []
 
