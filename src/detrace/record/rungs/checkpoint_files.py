@@ -11,7 +11,8 @@ detrace.record.rungs.checkpoints, whose log it writes into).
   the next optimizer step begins, and as the process ends, the files written since under the working directory (and
   the folders its other checkpoints named) whose size matches are read, and one with the same bytes is logged as a
   "landed" line of that save. A save whose bytes are found in no file stays a save into memory with no path.
-  A load from a buffer is matched the same way against the files the skip-rng control names (`bytes_of`).
+  A load from a buffer is matched the same way against the files of check-resume --native's stopped run
+  (`Files.known`): it then names that file, so that the negative controls and the step count apply to it.
 """
 
 from __future__ import annotations
@@ -82,12 +83,7 @@ def bytes_of(target: Any, start: int | None = None) -> tuple[int, bytes] | None:
 def matching(files: Iterator[str] | list[str], size: int, digest: bytes, since: int | None = None) -> str | None:
     """The first of `files` that holds exactly those bytes (and was modified at or after `since`)."""
     for path in files:
-        try:
-            stat = os.stat(path)
-        except OSError:
-            continue
-        if stat.st_size == size and (since is None or stat.st_mtime_ns >= since - _SLACK_NS) and \
-                _file_digest(path) == digest:
+        if _sized(path, {size}, since) and _file_digest(path) == digest:
             return os.path.abspath(path)
     return None
 
@@ -169,7 +165,10 @@ class Files:
             return
         sizes = {pending.size for pending in searched}
         since = min(pending.since for pending in searched)
-        candidates = [path for path in self._files() if _sized(path, sizes, since)]
+        try:
+            candidates = [path for path in self._files() if _sized(path, sizes, since)]
+        except OSError:  # (the working directory is gone): the training goes on, the saves stay unplaced
+            return
         for pending in searched:
             self.pending.remove(pending)
             found = matching(candidates, pending.size, pending.digest, pending.since)
@@ -194,9 +193,10 @@ class Files:
                     return
 
 
-def _sized(path: str, sizes: set[int], since: int) -> bool:
+def _sized(path: str, sizes: set[int], since: int | None) -> bool:
+    """Whether `path` is a file of one of those sizes, modified at or after `since` (any time when None)."""
     try:
         stat = os.stat(path)
     except OSError:
         return False
-    return stat.st_size in sizes and stat.st_mtime_ns >= since - _SLACK_NS
+    return stat.st_size in sizes and (since is None or stat.st_mtime_ns >= since - _SLACK_NS)
