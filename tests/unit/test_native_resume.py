@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -277,6 +278,28 @@ def test_a_signal_puts_every_file_back_and_exits_as_for_the_signal(
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the handlers are the program's again
     if sig != signal.SIGINT:
         assert f"interrupted by {sig.name}; CMD's checkpoints are back where they were" in capsys.readouterr().err
+
+
+def test_a_signal_while_files_move_waits_until_they_have_moved(tmp_path: Path, work: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _users_checkpoints(work)
+    before = tree(work)
+    move = shutil.move
+    sent: list[str] = []
+
+    def hung_up(source: str | Path, destination: str | Path) -> object:
+        if f"{os.sep}at-2{os.sep}resumed{os.sep}" in str(destination) and not sent:  # its first file going aside
+            sent.append(str(source))
+            os.kill(os.getpid(), signal.SIGHUP)
+        return move(source, destination)
+
+    monkeypatch.setattr(shutil, "move", hung_up)
+    out = tmp_path / "out"
+    assert _native(OwnCheckpoints({"control-rng": FAULT}), monkeypatch, "--force", "--at", "2", "--out",
+                   str(out)) == 128 + signal.SIGHUP
+    assert sent and tree(work) == before
+    assert sorted(p.name for p in (out / "saved-by-cmd" / "at-2" / "resumed" / "checkpoints").iterdir()) == [
+        "step-2.pt", "step-4.pt", "step-6.pt"]  # every file of the arm went aside, not the first alone
 
 
 def test_sigterm_passed_on_to_cmd_ends_the_check_as_sigterm(tmp_path: Path, work: Path,

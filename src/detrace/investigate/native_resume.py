@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import stat
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -52,6 +53,8 @@ SNAPSHOT = "native-snapshot.json"
 """In OUT: the working directory as it was before the check, per entry [kind, size, inode, mtime_ns]."""
 
 Progress = Callable[[str], None]
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What the user stops a check with: each waits while files move (see _unsignalled)."""
 
 
 def _stat(path: Path) -> list[object]:
@@ -149,13 +152,18 @@ class NativeContract(Contract):
     # -- the arms ---------------------------------------------------------------------------------------------
 
     def before(self, arm: str, run: Path, point: Path | None) -> None:
-        if self.snapshot is None:
-            self._begin()
-        self.running = run
-        if point is not None and arm != "stopped":
-            self._copy_back(self._stash(point))  # the stopped arm's checkpoint, as that arm left it
+        with _unsignalled():
+            if self.snapshot is None:
+                self._begin()
+            self.running = run
+            if point is not None and arm != "stopped":
+                self._copy_back(self._stash(point))  # the stopped arm's checkpoint, as that arm left it
 
     def after(self, arm: str, run: Path, point: Path | None) -> None:
+        with _unsignalled():
+            self._after(arm, run, point)
+
+    def _after(self, arm: str, run: Path, point: Path | None) -> None:
         self.running = None
         log = read_checkpoint_log(run)
         self._learn(log)
@@ -239,20 +247,17 @@ class NativeContract(Contract):
         first. The journal is marked finished and the working directory's lock let go."""
         if self.snapshot is None:
             return  # (the check never began: nothing moved, no lock held)
-        # A signal now (a second Ctrl-C, SIGHUP as the terminal closes) would stop the putting back halfway: it waits
-        # until the files are back.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-        try:
-            if self.running is not None:
-                log = read_checkpoint_log(self.running) if self.running.is_dir() else []
-                self._learn(log)
-                self._move_aside(self.aside / "unfinished-arm", log)
-            self._put_everything_back()
-            with contextlib.suppress(OSError):  # (unfinished, the next check only finds nothing left to move)
-                self._journal(finished=True)
-        finally:
-            self._let_go()
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        with _unsignalled():
+            try:
+                if self.running is not None:
+                    log = read_checkpoint_log(self.running) if self.running.is_dir() else []
+                    self._learn(log)
+                    self._move_aside(self.aside / "unfinished-arm", log)
+                self._put_everything_back()
+                with contextlib.suppress(OSError):  # (unfinished, the next check only finds nothing left to move)
+                    self._journal(finished=True)
+            finally:
+                self._let_go()
         for line in self.kept:
             self.progress(line)
 
@@ -521,6 +526,28 @@ class NativeContract(Contract):
         if name.parts[0] == OUTSIDE:
             return Path("/", *name.parts[1:])
         return self.root / name
+
+
+@contextlib.contextmanager
+def _unsignalled() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP wait for the end of the block (then come, and stop the check as they would):
+    files are never left half moved, half put back, by a second Ctrl-C or a terminal closing. (The handlers are
+    swapped, not the signal mask: a mask is per thread, and torch's threads would take the signal instead.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread may set a handler: no signal handler runs elsewhere either)
+        return
+    pending: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    for sig in _SIGNALS:
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # (None: set outside Python, cannot be set back from it)
+                signal.signal(sig, handler)
+        if pending:
+            signal.raise_signal(pending[0])
 
 
 def _read(run: Path) -> list[CheckpointIO]:
