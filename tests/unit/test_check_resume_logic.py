@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _synthetic import Fault, SyntheticRun, write_run
+from _synthetic import Fault, SyntheticRun, rank_table, write_run, write_table
 
 from detrace.analyze import Divergence
 from detrace.cli import check as check_cli
@@ -172,6 +172,30 @@ def test_the_json_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
     assert [c["control"] for c in point["controls"]] == ["skip-rng"] and point["controls"][0]["mattered"]
     assert point["untried"] == ["skip-data", "skip-optimizer", "skip-model"]
     assert report["first"]["step"] == 2 and report["suggest"] is None
+
+
+def test_a_resumed_run_that_stops_early_changed_the_run(tmp_path: Path) -> None:
+    """The resumed arms train a correct prefix and close their traces a step before the continuous run's last: every
+    record they share is equal, and the verdict is resume-changed-the-run, never exact."""
+
+    class StopsEarly(Scripted):
+        def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
+                     **kwargs: object) -> LaunchResult:
+            result = super().__call__(cmd, out, env=env, **kwargs)
+            if out.name in ("resumed", "resumed-again"):
+                for rank in range(RUN.ranks):
+                    table = rank_table(RUN, rank)
+                    for path in (out / f"rank-{rank:05d}.arrow", out / f"rank-{rank:05d}.json"):
+                        path.unlink()
+                    steps = table["step"].to_numpy()
+                    write_table(out, rank, table.filter((steps >= 1) & (steps <= 2)), world_size=RUN.ranks)
+            return result
+
+    result = check_resume([sys.executable, "train.py"], at=[1], out=tmp_path / "r", launch=StopsEarly())
+    assert result.verdict == "resume-changed-the-run" and result.exit_code == 1
+    first = result.deciding.first
+    assert first is not None and first.stop is not None
+    assert first.stop.startswith("B stopped after global step 2 and A ran on to step 3")
 
 
 def test_check_compares_every_run_with_the_first(tmp_path: Path) -> None:
