@@ -405,6 +405,30 @@ def test_runs_of_other_models_are_refused_naming_the_first_parameter_that_differ
         compare((whole, run("deeper", nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(1, 1)))))
 
 
+def test_the_state_a_run_ended_with_is_compared_after_its_last_step(tmp_path: Path) -> None:
+    """The tracer's final state (each parameter as the run ended): a change after the last optimizer step is found,
+    named by parameter, at the end."""
+    import detrace
+    from detrace.investigate.check_topology import Run, compare
+
+    def run(name: str, after: float) -> Run:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with detrace.trace(tmp_path / name, rung="semantic"):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            with torch.no_grad():
+                model.bias.add_(after)  # after the last step: no optimizer record sees it
+        return Run(label=f"layout {name}", mesh=Mesh(dp=1), path=tmp_path / name)
+
+    reference = run("a", 0.0)
+    assert compare((reference, run("b", 0.0)))[1] == [(None, None)]
+    (first, _), = compare((reference, run("c", 1.0)))[1]
+    assert first is not None and (first.kind, first.name, first.step) == ("final", "bias", -1)
+    assert first.sentence("layout a").startswith("layout c differs from layout a at the end: tensor bias (")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # check-topology's comparison and verdicts, in process: a launch that writes synthetic traces
 

@@ -68,7 +68,11 @@ Launch = Callable[[list[str], Path, dict[str, str], "float | None"], LaunchResul
 """Runs argv (CMD under torchrun) traced at `RUNG` into a run directory, with variables added to the
 environment, within a timeout: `run_traced` for real, a writer of synthetic traces in tests."""
 Key = tuple[int, str, str]
-"""(global step, kind, name): kind is "loss", "grad_norm" or "param"; name the microbatch or parameter."""
+"""(global step, kind, name): kind is "loss", "grad_norm", "param" or "final" (a parameter as the run ended, at
+`FINAL_STEP`); name the microbatch or parameter."""
+FINAL_STEP = sys.maxsize - 1
+"""The step of the state a run ended with (the tracer's phase "final"): after every step, inside a resumed run's
+window, outside a stopped run's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +125,8 @@ class Mismatch:
     step: int
     """Global step (0 is the first optimizer step), -1 for the final params line."""
     kind: str
-    """loss, grad_norm, param, final params, or ranks (two ranks of one run disagree)."""
+    """loss, grad_norm, param, final (a parameter as the run ended), final params (the printed line), or ranks (two
+    ranks of one run disagree)."""
     name: str
     """The tensor's qualified name, the loss's global microbatch, or what is missing."""
     world: int
@@ -136,9 +141,11 @@ class Mismatch:
 
     def place(self) -> str:
         """Where and what: "at step 1: tensor b (HEX vs HEX)"."""
-        where = "the final params line" if self.step < 0 else f"step {self.step}"
-        what = {"param": f"tensor {self.name}", "loss": f"loss of microbatch {self.name}",
-                "grad_norm": "grad_norm", "final params": "", "ranks": self.name}[self.kind]
+        where = "the end" if self.kind == "final" else "the final params line" if self.step < 0 else \
+            f"step {self.step}"
+        what = {"param": f"tensor {self.name}", "final": f"tensor {self.name}",
+                "loss": f"loss of microbatch {self.name}", "grad_norm": "grad_norm", "final params": "",
+                "ranks": self.name}[self.kind]
         return f"at {where}{': ' + what if what else ''} ({self.detail})"
 
 
@@ -293,12 +300,16 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
     merged: dict[Key, str] = {}
     owner: dict[Key, int] = {}
     shapes: Shapes = {}
-    parts: dict[tuple[int, str], tuple[dict[int, int], str, tuple[int, ...]]] = {}
-    """(step, name) -> ({part digest: numel}, dtype, global shape) of a sharded DTensor's distinct shards."""
+    parts: dict[tuple[int, str, str], tuple[dict[int, int], str, tuple[int, ...]]] = {}
+    """(step, kind, name) -> ({part digest: numel}, dtype, global shape) of a sharded DTensor's distinct shards."""
     for rank in info.ranks:
         table = read_rank(run, rank).table
         params = table.filter(pc.and_(pc.equal(table["phase"], "optimizer"), pc.equal(table["role"], "param")))
         rows = params.select(["step", "name", "digest", "numel", "shape", "dtype"]).to_pylist()
+        # the state the run ended with (the tracer's phase "final"): after every step, by name, as the parameters
+        ended = table.filter(pc.and_(pc.equal(table["phase"], "final"), pc.equal(table["role"], "param")))
+        finals = [{**row, "step": FINAL_STEP} for row in
+                  ended.select(["name", "digest", "numel", "shape", "dtype"]).to_pylist()]
         for row in rows:
             part = row["numel"] != math.prod(row["shape"])  # a shard's part of its global fingerprint
             shapes.setdefault(row["name"], None if mesh.shards and not part else tuple(row["shape"]))
@@ -316,13 +327,13 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                 keyed[(step, "loss", str(block * len(values) + k))] = _bits(loss)
                 # the loss before a loop scaled it by 1/n (torch's averaging over the rank's n microbatches)
                 keyed[(step, "scaled", str(block * len(values) + k))] = _bits(loss * len(values))
-        for row in rows:
+        for kind, row in [("param", row) for row in rows] + [("final", row) for row in finals]:
             digest = row["digest"]
             if row["numel"] != math.prod(row["shape"]) and digest is not None:
-                found = parts.setdefault((row["step"], row["name"]), ({}, row["dtype"], tuple(row["shape"])))[0]
+                found = parts.setdefault((row["step"], kind, row["name"]), ({}, row["dtype"], tuple(row["shape"])))[0]
                 found[digest] = row["numel"]  # a replica of a shard gives the same part: counted once
             elif not mesh.shards:  # each rank's own shard of a parameter under its name: not comparable
-                keyed[(row["step"], "param", row["name"])] = "none" if digest is None else f"{digest:016x}"
+                keyed[(row["step"], kind, row["name"])] = "none" if digest is None else f"{digest:016x}"
         for key, bits in keyed.items():
             if key not in merged:
                 merged[key], owner[key] = bits, rank
@@ -331,13 +342,14 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                                         world=mesh.world, run=label,
                                         detail=f"rank {owner[key]} {_shown(key[1], merged[key])}, rank {rank} "
                                                f"{_shown(key[1], bits)}"), shapes
-    for (step, name), (found, dtype, shape) in sorted(parts.items()):
+    for (step, kind, name), (found, dtype, shape) in sorted(parts.items()):
         if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
-            return merged, Mismatch(step=step, kind="ranks", name=f"param {name}", world=mesh.world, run=label,
+            return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks", name=f"{kind} {name}",
+                                    world=mesh.world, run=label,
                                     detail=f"its ranks' distinct shards hold {sum(found.values())} of its "
                                            f"{math.prod(shape)} elements"), shapes
         digest = whole_digest(list(found), getattr(torch, dtype), shape, info.header.fingerprint)
-        merged[(step, "param", name)] = f"{digest:016x}"
+        merged[(step, kind, name)] = f"{digest:016x}"
     return merged, None, shapes
 
 
@@ -361,7 +373,7 @@ def _same_model(reference: Run, ref: Shapes, run: Run, other: Shapes) -> None:
 
 def _order(key: Key) -> tuple[int, int, int | str]:
     step, kind, name = key
-    return step, ("loss", "grad_norm", "param").index(kind), int(name) if kind == "loss" else name
+    return step, ("loss", "grad_norm", "param", "final").index(kind), int(name) if kind == "loss" else name
 
 
 def _losses(ref: dict[Key, str], other: dict[Key, str]) -> tuple[dict[Key, str], dict[Key, str]]:
@@ -396,8 +408,8 @@ def _differences(ref: dict[Key, str], other: dict[Key, str], run: Run) -> Iterat
         a, b = ref.get(key, "missing"), other.get(key, "missing")
         if a != b:
             step, kind, name = key
-            yield Mismatch(step=step, kind=kind, name=name, world=run.mesh.world, run=run.label,
-                           detail=f"{_shown(kind, a)} vs {_shown(kind, b)}")
+            yield Mismatch(step=-1 if step == FINAL_STEP else step, kind=kind, name=name, world=run.mesh.world,
+                           run=run.label, detail=f"{_shown(kind, a)} vs {_shown(kind, b)}")
 
 
 def _check_command(cmd: list[str], threads: int) -> None:
@@ -527,10 +539,10 @@ def compare(runs: tuple[Run, ...]
         common = names[runs[0].label] & names[run.label] if run.mesh.shards or runs[0].mesh.shards else None
         tensors |= names[runs[0].label] if common is None else common
 
-        def kept(key: Key, common: set[str] | None = common) -> bool:
-            return key[1] != "param" or common is None or key[2] in common
+        def kept(key: Key, common: set[str] | None = common, until: int = until, start: int = run.from_step) -> bool:
+            return start <= key[0] < until and (key[1] not in ("param", "final") or common is None or key[2] in common)
 
-        expected = {key: bits for key, bits in reference.items() if run.from_step <= key[0] < until and kept(key)}
+        expected = {key: bits for key, bits in reference.items() if kept(key)}
         first, first_param = inner[run.label], None
         if first is None:
             other = {key: bits for key, bits in records[run.label].items() if kept(key)}
