@@ -108,8 +108,9 @@ class Mesh:
 
     @property
     def shards(self) -> bool:
-        """Whether ranks hold shards of one parameter under one name (FSDP, expert parallelism): the tracer records
-        each rank's shard, so its parameters are compared through the `final params` line only."""
+        """Whether ranks hold shards of one parameter under one name (FSDP, expert parallelism): a sharded DTensor's
+        records are its shards' parts of the global fingerprint, compared once added up; a plain shard is compared
+        only through the `final params` line."""
         return self.layout is not None and self.layout.size("fsdp") * self.layout.size("ep") > 1
 
     @property
