@@ -259,3 +259,57 @@ def test_parallelize_module_gives_tp1_bits_at_tp2_and_fsdp2xtp2(tmp_path: Path, 
     assert (tmp_path / "detrace-fsdp1xtp2").read_text() == results["detrace"]
     assert (tmp_path / "detrace-fsdp2xtp2").read_text() == results["detrace"]
     assert (tmp_path / "torch-fsdp1xtp2").read_text() != results["torch"]
+
+
+def test_a_strided_shard_is_a_box_only_when_later_shards_split_it_into_its_factor(one_rank: None) -> None:
+    """fully_shard over a tensor-parallel weight places it as (_StridedShard(0, sf=T), Shard(0)): each rank holds a
+    contiguous part of one tp block, whose fingerprint part the tracer records; alone, a strided shard is no box."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from detrace.digest.sharded import _boxed
+
+    local = torch.arange(8.0).view(4, 2)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data", "tp"))
+    lone = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2), Shard(1)], run_check=False)
+    assert not _boxed(lone)
+    fsdp_over_tp = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=1), Shard(0)], run_check=False)
+    assert _boxed(fsdp_over_tp)
+
+
+def _parts_ranks(rank: int, world: int, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from detrace.digest import fingerprint_many
+        from detrace.digest.kernels import selected_scheme
+        from detrace.digest.sharded import part_of, whole_digest
+
+        scheme = selected_scheme()
+        model = _MLP()
+        _parallelize(model, "detrace", 2, 2)
+        lines = []
+        for name, param in model.named_parameters():
+            if param.device_mesh.ndim == 1:  # type: ignore[attr-defined]  # the head: fully_shard's alone
+                continue
+            part = part_of(param, scheme)
+            parts: list[int | None] = [None] * world
+            dist.all_gather_object(parts, None if part is None else part.digest)
+            whole = fingerprint_many([param.full_tensor()])[0].digest  # type: ignore[operator]
+            found = sorted({p for p in parts if p is not None})
+            lines.append(f"{name} {param.placements} {bool(found)} "  # type: ignore[attr-defined]
+                         f"{bool(found) and whole_digest(found, param.dtype, tuple(param.shape), scheme) == whole}")
+        if rank == 0:
+            (Path(out) / "parts").write_text("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2xtp2_parameters_parts_complete_to_the_global_fingerprint(tmp_path: Path) -> None:
+    """On fsdp2xtp2 every parameter sharded over both dimensions (the column-wise ones strided by fully_shard) has a
+    part on each rank, and the distinct parts add up to the fingerprint of the gathered tensor."""
+    spawn_ranks(_parts_ranks, (4, str(tmp_path)), nprocs=4, timeout=240)
+    lines = (tmp_path / "parts").read_text().splitlines()
+    assert any("_StridedShard" in line for line in lines), lines
+    assert all(line.endswith("True True") for line in lines), lines

@@ -149,7 +149,19 @@ def _join(low: int, high: int, scheme: str) -> int:
 
 
 def _boxed(tensor: Any) -> bool:
-    return all(type(p).__name__ in ("Shard", "Replicate") for p in tensor.placements)
+    """Whether every rank's shard is a box of the global tensor. A `_StridedShard(dim, sf)` (fully_shard over a
+    tensor-parallel DTensor: FSDP shards each tp block's rows) is one when the later mesh dimensions that shard `dim`
+    split it into exactly sf blocks: each rank then holds a contiguous part of one block."""
+    sizes = tensor.device_mesh.shape
+    for i, p in enumerate(tensor.placements):
+        if type(p).__name__ == "_StridedShard":
+            later = math.prod(sizes[j] for j, q in enumerate(tensor.placements)
+                              if j > i and type(q).__name__ == "Shard" and q.dim == p.dim)
+            if later != p.split_factor:
+                return False
+        elif type(p).__name__ not in ("Shard", "Replicate"):
+            return False
+    return True
 
 
 def part_of(tensor: Any, scheme: str) -> Fingerprint | None:
