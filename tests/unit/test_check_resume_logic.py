@@ -338,13 +338,15 @@ def test_check_refuses_runs_of_which_one_loaded_a_checkpoint(tmp_path: Path, mon
     class DcpAutoResume(Scripted):
         def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None,
                      **kwargs: object) -> LaunchResult:
-            saved = tmp_path / "outputs" / "checkpoint" / "step-4"
-            write_run(out, RUN, Fault(rank=0, step=0, op=0) if saved.exists() else None)
-            if saved.exists():
-                io = {"op": "load", "api": "dcp.load", "completed": 0, "paths": ["outputs/checkpoint/step-4"],
+            root = tmp_path / "outputs" / "checkpoint"
+            saved = sorted(root.glob("step-*"), key=lambda path: int(path.name.split("-")[1]))
+            write_run(out, RUN, Fault(rank=0, step=0, op=0) if saved else None)
+            newest = int(saved[-1].name.split("-")[1]) if saved else 0
+            if saved:
+                io = {"op": "load", "api": "dcp.load", "completed": 0, "paths": [f"outputs/checkpoint/step-{newest}"],
                       "pid": 7}
                 checkpoint_log_path(out, 7).write_text(json.dumps(io) + "\n")
-            saved.mkdir(parents=True, exist_ok=True)
+            (root / f"step-{newest + 4}").mkdir(parents=True)
             write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished",
                                                      "steps": {"first": 0, "last": 3}})
             return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
@@ -356,6 +358,11 @@ def test_check_refuses_runs_of_which_one_loaded_a_checkpoint(tmp_path: Path, mon
                           "loaded none: CMD resumes by itself from a checkpoint that an earlier run left in "
                           "outputs/checkpoint, so the runs did not start from the same state; give each run a clean "
                           "one: delete outputs/checkpoint before `detrace check`")
+    # A checkpoint left before the check: both runs load, each another one
+    assert main(["check", "--out", str(tmp_path / "d"), "--", sys.executable, "train.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("detrace check: error: run 2 loaded a checkpoint from outputs/checkpoint/step-12 and run 1 "
+                          "loaded outputs/checkpoint/step-8: CMD resumes by itself")
 
 
 def test_an_integrations_warning_is_repeated_next_to_the_divergence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -122,28 +122,36 @@ def _loads(run: Path) -> list[CheckpointIO]:
 
 
 def refuse_one_sided_loads(dirs: list[Path]) -> None:
-    """Raise IncomparableError when one run loaded a checkpoint and the first did not, or the other way round: CMD
+    """Raise IncomparableError when one run loaded a checkpoint and the first did not (or the other way round, or they
+    loaded different files: a checkpoint left before the check, then the first run's): CMD
     resumes by itself from the newest checkpoint under its own folder (torchtitan's, DCP's or `torch.load`'s
     auto-resume), and an earlier run left one there. The global step may not show it (a DCP load of Stateful
     objects carries no optimizer step count), but the checkpoint log does."""
     first = _loads(dirs[0])
     for i, run in enumerate(dirs[1:], start=2):
         theirs = _loads(run)
-        if bool(first) == bool(theirs):
+        if _loaded(first) == _loaded(theirs) and bool(first) == bool(theirs):
             continue
         loader, number, other = (theirs, i, 1) if theirs else (first, 1, i)
-        paths = [path for io in loader for path in io.paths]
+        paths = _loaded(loader)
         named = Path(paths[0]) if paths else None
         folder = named.parent if named is not None else None
         what = f"a checkpoint from {named}" if named is not None else f"a checkpoint ({loader[0].api})"
+        others = _loaded(first if loader is theirs else theirs)
+        said = f"{others[0]}" if others else "none"
         clean = (f"delete {folder} before `detrace check`" if folder is not None and str(folder) not in ("", ".")
                  else "move its checkpoints away before `detrace check`")
         raise IncomparableError(
-            f"run {number} loaded {what} and run {other} loaded none: CMD resumes by itself from a checkpoint that an "
-            f"earlier run left{f' in {folder}' if folder is not None else ''}, so the runs did not start from the "
+            f"run {number} loaded {what} and run {other} loaded {said}: CMD resumes by itself from a checkpoint that "
+            f"an earlier run left{f' in {folder}' if folder is not None else ''}, so the runs did not start from the "
             f"same state; give each run a clean one: {clean}, turn the script's auto-resume off, or have the script "
             "take its checkpoint folder from DETRACE_CKPT_DIR, which detrace check sets to a new directory for each "
             "run")
+
+
+def _loaded(loads: list[CheckpointIO]) -> list[str]:
+    """The paths a run's loads named, in order."""
+    return [path for io in loads for path in io.paths]
 
 
 def refuse_self_resumed(dirs: list[Path], *, started: float, out: Path) -> None:
