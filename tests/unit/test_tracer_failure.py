@@ -69,3 +69,13 @@ def test_a_tail_that_begins_inside_a_traceback_still_counts() -> None:
     [(frames, error)] = tracebacks(cut)
     assert error == "RuntimeError: boom" and frames[-1].function == "to_batch"
     assert tracer_failure(cut) is not None
+
+
+def test_a_refusal_detrace_raises_on_purpose_is_not_called_its_bug() -> None:
+    """DETRACE_CKPT_EVERY=0 or a DETRACE_RESTORE_PART in a run that does not resume is refused by the contract's
+    UsageError, raised in detrace's code on purpose: "detrace failed ... a bug of detrace's" sent the user to report
+    their own input."""
+    contract = _frame(DETRACE / "state" / "train_state.py", 165, "resume_if_requested", "raise UsageError(")
+    output = HEAD + USER + contract + "detrace.errors.UsageError: DETRACE_CKPT_EVERY must be a step number\n"
+    assert tracer_failure(output) is None
+    assert tracer_failure(HEAD + USER + RECORDING + "detrace.errors_x.Boom: no\n") is not None

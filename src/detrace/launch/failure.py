@@ -22,6 +22,9 @@ from detrace.errors import DetraceError
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\s*$')
 _HANDS_ON = re.compile(r"\b(?:original\w*|function|func|fn|run|call|closure|wrapped|inner)\(")
 """A line of detrace's that hands a call on to the function it wraps (see the module's docstring)."""
+_REFUSAL = re.compile(r"detrace\.errors\.\w+: ")
+"""How a traceback ends on one of detrace's own errors (`detrace.errors`): a refusal of what the program gave or
+asked for (a malformed DETRACE_ variable, a checkpoint that does not fit), whose sentence the output holds."""
 _DETRACE = Path(__file__).resolve().parents[1]
 _EXAMPLES = _DETRACE / "examples"
 """detrace's example training scripts: the user's code when they are CMD."""
@@ -88,6 +91,8 @@ def tracer_failure(output: str) -> str | None:
     nothing: the one before it does."""
     libraries = _library_dirs()
     for frames, error in tracebacks(output):
+        if _REFUSAL.match(error):  # raised on purpose: the program's input refused in its sentence, not a crash
+            return None
         for frame in reversed(frames):
             path = Path(frame.path).resolve()
             ours = path.is_relative_to(_DETRACE) and not path.is_relative_to(_EXAMPLES)
