@@ -121,6 +121,8 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         for point in result.points:
             for note in apart_notes(point.resume_diff):
                 print(f"note: after step {point.at}, {note}")
+        for line in warned(*(run for point in result.points for run in (point.stopped, point.resumed))):
+            print(f"note: {line}")  # records that could not be made: the runs agree on what was recorded
 
 
 def restored_lines(point: StopPoint) -> list[str]:
@@ -235,7 +237,7 @@ def main(argv: list[str]) -> int:
     try:
         with _interruptible() if args.native else contextlib.nullcontext():
             result = check_resume(cmd, at=at, out=out, timeout=args.timeout, every_control=args.every_control,
-                                  contract=contract, progress=_say, launch=_launch if args.native else run_traced)
+                                  contract=contract, progress=_say, **({"launch": _launch} if args.native else {}))
     except Interrupted as stop:
         name = signal.Signals(stop.signum).name
         _say(f"interrupted by {name}; CMD's checkpoints are back where they were (see {out})")
