@@ -44,6 +44,12 @@ GEMM per expert over every rank's tokens, autograd's accumulation), the rest of 
 dp x ep blocks), the reference model's whole step over the global batch of M microbatches, at each ep size of
 --worlds, interleaved the same way.
 
+Drop-ins (`--part dropin`): examples/llama_parallel.py's tiny Llama and loop (torchtitan's plan, fully_shard per
+decoder layer, the global batch of M microbatches) built twice on one set of ranks, once with detrace's
+`fully_shard`, `parallelize_module` and styles and once with torch's, timed interleaved on each mesh of
+--dropin-layouts (default fsdp2, tp2 and fsdp2xtp2). Figures: the median of detrace / torch with the IQR, and a 95%
+confidence interval of the median (bootstrap over the pairs).
+
 Every timed pair also gives the ratio of the CPU time summed over the ranks (`time.process_time` of the step on
 each rank, all-reduced): the work, which the scheduling of more ranks than cores (4 on the project's 2) spreads far
 less than the wall time. `--step-only` (dp) times the steps alone, without the exchange sweep and the memory runs.
@@ -58,8 +64,9 @@ weights per source (one call per source before), their gradient trees stacked in
 is waited without a copy (it was cloned). The bits are those of before. The CPU-time figures and `--step-only` are
 new.
 
-    python bench/topology.py [--part dp|tp|fsdp|pp|ep|all] [--preset tiny] [--microbatches 4] [--steps 8] [--worlds 2,4]
-        [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64] [--step-only]
+    python bench/topology.py [--part dp|tp|fsdp|pp|ep|dropin|all] [--preset tiny] [--microbatches 4] [--steps 8]
+        [--worlds 2,4] [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64] [--step-only]
+        [--dropin-layouts fsdp2,tp2,fsdp2xtp2]
 """
 
 from __future__ import annotations
@@ -67,8 +74,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,8 +87,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from detrace.parallel.data import InvariantDataParallel
+from detrace.parallel.layout import Layout as NamedLayout
 from detrace.workload.model import PRESETS, HybridLM, ModelConfig, lm_losses
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 24)  # bytes of the exchanged partial sum
 
 
@@ -332,6 +343,50 @@ def _layout_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[
     dist.destroy_process_group()
 
 
+def _dropin_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str, int], out: str,
+                   rendezvous: str) -> None:
+    """examples/llama_parallel.py's step with detrace's drop-ins ("invariant") and with torch's APIs ("plain"),
+    interleaved on one set of ranks, on the (data, tp) mesh of `sizes`."""
+    import importlib.util
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # bench/kernels.py, on the path as this script's folder, would stand for the Hugging Face `kernels` package
+    # that transformers looks for
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    _setup(rank, world, rendezvous, args.threads)
+    spec = importlib.util.spec_from_file_location("llama_parallel", EXAMPLES / "llama_parallel.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mesh = init_device_mesh("cpu", (sizes["data"], sizes["tp"]), mesh_dim_names=("data", "tp"))
+    steps, count = {}, [0]
+    for method, api in (("invariant", "detrace"), ("plain", "torch")):
+        model = example.build(api, mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            count[0] += 1
+            example.train_step(model, opt, mesh, count[0], args.microbatches)
+
+        steps[method] = step
+    for fn in steps.values():  # warm-up
+        fn()
+    result = _interleaved(steps, args.steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% confidence interval of the median of `values`: the percentile bootstrap (seeded: the same figures
+    from the same ratios)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def _spawn(fn, world: int, *args: object) -> None:  # type: ignore[no-untyped-def]
     rendezvous = tempfile.mktemp(prefix="detrace-bench-topology-")  # a file the ranks meet in (no port)
     mp.start_processes(fn, args=(world, *args, rendezvous), nprocs=world, start_method="spawn")
@@ -359,7 +414,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "ep", "all"))
+    p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "ep", "dropin", "all"))
+    p.add_argument("--dropin-layouts", default="fsdp2,tp2,fsdp2xtp2", help="dropin: the meshes, data x tp")
     p.add_argument("--tp-sizes", default="2,4")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
@@ -406,6 +462,17 @@ def main() -> None:
                                                                  ("plain", "ep-plain")), path)
             figures += _figures(f"pp2xep2 1F1B ({args.preset}, M={args.microbatches}) ep-invariant/torch stage with "
                                 "the all-to-all MoE", json.loads(Path(path).read_text()))
+        for name in args.dropin_layouts.split(",") if args.part in ("dropin", "all") else []:
+            layout = NamedLayout.parse(name)
+            sizes = {"data": layout.data, "tp": layout.size("tp")}
+            path = f"{tmp}/dropin-{layout.name}.json"
+            _spawn(_dropin_timing, layout.world, args, sizes, path)
+            data = json.loads(Path(path).read_text())
+            label = f"{layout.name} (Llama, M={args.microbatches}) detrace/torch APIs"
+            figures += _figures(label, data)
+            for what, title in (("step", "step time"), ("cpu", "CPU time over the ranks")):
+                low, high = _median_ci(data[what])
+                figures.append(f"{title} {label}: 95% CI of the median [{low:.3f}, {high:.3f}]")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)

@@ -17,23 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from detrace.parallel.layout import LAYOUT_ENV, Layout
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--api", choices=("detrace", "torch"), default="detrace")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--steps", type=int, default=2)
-    args = p.parse_args()
-    if args.api == "detrace":
+def imports(api: str) -> tuple[Any, Any, Any, Any]:
+    """(fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel) from detrace or from torch."""
+    if api == "detrace":
         from detrace.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
     else:
         from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
@@ -42,23 +39,17 @@ def main() -> None:
             RowwiseParallel,
             parallelize_module,
         )
-    torch.set_num_threads(1)
-    layout = Layout.parse(os.environ.get(LAYOUT_ENV, "1x1"))
-    if layout.dims - {"dp", "fsdp", "tp"}:
-        raise SystemExit(f"this example runs data and tensor parallelism, not layout {layout.name}")
-    data, tp = layout.data, layout.size("tp")
-    if "WORLD_SIZE" not in os.environ:  # one process without torchrun
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    dist.init_process_group("gloo")
-    if dist.get_world_size() != data * tp:
-        raise SystemExit(f"layout {layout.name} takes {data * tp} processes, not {dist.get_world_size()}")
+    return fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel
 
+
+def build(api: str, mesh: DeviceMesh) -> LlamaForCausalLM:
+    """The tiny Llama, the same whole model on every rank, parallelized on `mesh` (dimensions data, tp)."""
+    fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel = imports(api)
     torch.manual_seed(0)  # the same whole model on every rank; the plan and fully_shard keep their shards
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, attn_implementation="eager")
     model = LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (data, tp), mesh_dim_names=("data", "tp"))
     # torchtitan's plan for a Llama without sequence parallelism; T = 1 too, so that every mesh computes alike
     parallelize_module(model, mesh["tp"], {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
@@ -74,19 +65,46 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["data"])
     fully_shard(model, mesh=mesh["data"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model
 
-    block = mesh.get_coordinate()[0]  # type: ignore[index]
-    n = args.microbatches // data
+
+def train_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, step: int,
+               microbatches: int) -> None:
+    """One step of torchtitan's gradient accumulation over the global batch of `microbatches` (drawn from the
+    step's seed): this rank's share, one backward each, each loss scaled by 1 / n."""
+    data = mesh["data"].size()
+    block, n = mesh.get_local_rank("data"), microbatches // data
+    batch = torch.randint(0, model.config.vocab_size, (microbatches, 2, 16),
+                          generator=torch.Generator().manual_seed(step))
+    for i in range(block * n, (block + 1) * n):
+        tokens = batch[i]
+        loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels
+        (loss / n).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--api", choices=("detrace", "torch"), default="detrace")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    layout = Layout.parse(os.environ.get(LAYOUT_ENV, "1x1"))
+    if layout.dims - {"dp", "fsdp", "tp"}:
+        raise SystemExit(f"this example runs data and tensor parallelism, not layout {layout.name}")
+    data, tp = layout.data, layout.size("tp")
+    if "WORLD_SIZE" not in os.environ:  # one process without torchrun
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != data * tp:
+        raise SystemExit(f"layout {layout.name} takes {data * tp} processes, not {dist.get_world_size()}")
+    mesh = init_device_mesh("cpu", (data, tp), mesh_dim_names=("data", "tp"))
+    model = build(args.api, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
-        batch = torch.randint(0, config.vocab_size, (args.microbatches, 2, 16),
-                              generator=torch.Generator().manual_seed(step))
-        for i in range(block * n, (block + 1) * n):
-            tokens = batch[i]
-            loss = model(input_ids=tokens, labels=tokens).loss  # the model shifts the labels
-            (loss / n).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer, mesh, step, args.microbatches)
     dist.destroy_process_group()
 
 

@@ -152,12 +152,12 @@ class ColwiseParallel(TorchColwise, _Style):
         gather = isinstance(self.output_layouts[0], Replicate)
 
         def forward(x: Any) -> Any:
-            weight = module.weight.to_local()  # type: ignore[operator]
+            weight = module.weight.to_local()  # type: ignore[attr-defined]
             # each chunk in an allocation of its own: the same layout at every T (see tensor._split)
             parts = [w.clone() for w in weight.split(chunk, dim=0)]
             y = _Column.apply(_local(x), combine, False, *parts)
             if module.bias is not None:
-                y = _Bias.apply(y, module.bias.to_local(), chunk)  # type: ignore[operator]
+                y = _Bias.apply(y, module.bias.to_local(), chunk)  # type: ignore[attr-defined]
             if gather and size > 1:
                 y = _Gather.apply(y, group, rank, size)
             return self._output(y, device_mesh, Replicate() if gather else Shard(-1))
@@ -196,11 +196,11 @@ class RowwiseParallel(TorchRowwise, _Style):
         combine = group_combine(group, "invariant")
 
         def forward(x: Any) -> Any:
-            weight = module.weight.to_local()  # type: ignore[operator]
+            weight = module.weight.to_local()  # type: ignore[attr-defined]
             parts = [w.clone() for w in weight.split(chunk, dim=1)]
             y = _Row.apply(_local(x), combine, False, *parts)
             if module.bias is not None:
-                y = y + module.bias.to_local()  # type: ignore[operator]  # whole on every rank: as at T = 1
+                y = y + module.bias.to_local()  # type: ignore[attr-defined]  # whole on every rank: as at T = 1
             return self._output(y, device_mesh, Replicate())
 
         object.__setattr__(module, "forward", forward)

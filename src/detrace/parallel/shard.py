@@ -170,8 +170,8 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **options: Any) -> nn.Mo
                          f"supported), not a {mesh.ndim}-D one")
     if options.get("dp_mesh_dims") is not None:
         raise UsageError("detrace.parallel.fully_shard does not support dp_mesh_dims: pass a 1-D mesh")
-    sharded = torch_fully_shard(module, mesh=mesh, **options)
-    comm = _TreeReduceScatter(sharded, set(options.get("ignored_params") or ()))
+    sharded = torch_fully_shard(module, mesh=mesh, **options)  # `module` itself, its class now torch's FSDP one
+    comm = _TreeReduceScatter(module, set(options.get("ignored_params") or ()))
     try:
         sharded.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]  # torch types it as its private base
         sharded.set_all_reduce_hook(comm.after_reduce)
@@ -201,4 +201,4 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, **options: Any) -> nn.Mo
     if not _HOOKED:
         register_optimizer_step_pre_hook(_close_steps)
         _HOOKED = True
-    return sharded
+    return module
