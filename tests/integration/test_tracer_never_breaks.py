@@ -89,6 +89,9 @@ def test_a_record_that_cannot_be_made_is_a_note_not_a_crash(tmp_path: Path, monk
     [note] = _warnings(tmp_path / "run")
     assert note.endswith("records could not be made: RuntimeError: injected fault in the fingerprint"), note
     assert int(note.split()[0]) > 0
+    # only the records that needed a fingerprint are lost (none is written without its digest): the losses stay
+    table = read_rank(tmp_path / "run", 0).table
+    assert table.column("name").to_pylist().count("loss") == 3 and set(table.column("digest").to_pylist()) == {None}
     assert "a record could not be made in process" in capsys.readouterr().err
 
 

@@ -32,6 +32,8 @@ def main(argv: list[str]) -> int:
         print(f"identical: {len(result.runs)} runs are bit-identical ({result.runs[0].parent})")
         for note in apart_notes(result.diffs[0]):
             print(f"note: {note}")
+        for line in warned(*result.runs):  # records that could not be made: the runs agree on what was recorded
+            print(f"note: {line}")
     else:
         bad = result.first_divergent
         assert bad is not None

@@ -346,6 +346,9 @@ class Tracer:
                 writer = self._writer or self._open()  # first: a trace whose every batch is lost still says why
                 try:
                     self.snapshots.resolve()
+                    records = self._without_failed(records)
+                    if not records:
+                        return
                     with self.own():
                         batch = to_batch(records)
                 except Exception as err:  # the batch is lost, the trace and the program go on
@@ -355,6 +358,16 @@ class Tracer:
                 writer.add_batch(batch)
             except (DetraceError, OSError) as err:
                 self._failed(err)
+
+    def _without_failed(self, records: list[Record]) -> list[Record]:
+        """`records` less those whose digests could not be taken (`SnapshotMemo.failed`), noted (`could_not`)."""
+        failed, failure = self.snapshots.failed, self.snapshots.failure
+        if not failed or failure is None:
+            return records
+        kept = [record for record in records if record[4] is None or id(record[4]) not in failed]
+        self.could_not(len(records) - len(kept), failure)
+        failed.clear()
+        return kept
 
     def _failed(self, err: DetraceError | OSError) -> None:
         # A failing trace must not take the training run down with it: say so once and stop recording.

@@ -86,6 +86,11 @@ class SnapshotMemo:
         and again, unchanged, as the next call's input is fingerprinted once. Only writes that bump the version
         counter are seen, so `forget()` clears it wherever something may have written behind it (see there)."""
         self._pending: list[tuple[torch.Tensor, Snapshot]] = []
+        self.failed: set[int] = set()
+        """id() of the snapshots whose deferred digests could not be taken (`resolve`): their records are dropped
+        by the tracer, never written without a digest (which no comparison could tell from an equal one)."""
+        self.failure: Exception | None = None
+        """Why the last of them could not be taken."""
         """Copies of small recorded tensors and the snapshots whose digests they will give (see DEFER_BYTES)."""
         self._pending_bytes = 0
 
@@ -211,8 +216,14 @@ class SnapshotMemo:
             pending, self._pending, self._pending_bytes = self._pending, [], 0
             if not pending:
                 return
-            for (_, snap), done in zip(pending, self._fingerprint([copy for copy, _ in pending]), strict=True):
-                snap.digest, snap.chunks = done.digest, done.chunks
+            try:
+                done = self._fingerprint([copy for copy, _ in pending])
+            except Exception as err:  # the tracer's own failure: the records are dropped, the program goes on
+                self.failed.update(id(snap) for _, snap in pending)
+                self.failure = err
+                return
+            for (_, snap), fingerprint in zip(pending, done, strict=True):
+                snap.digest, snap.chunks = fingerprint.digest, fingerprint.chunks
 
     def drop(self) -> None:
         """Discard the pending copies unhashed (their records are dropped too)."""
