@@ -19,7 +19,8 @@ from detrace.cli import main
     [
         (["check", "--runs", "1", "--", "python"], "--runs must be at least 2"),
         (["check"], "no command given"),
-        (["check-resume", "--", "python"], "the following arguments are required: --at"),
+        (["check-resume", "--", "python"], "--at is required: the step(s) to stop after"),
+        (["check-resume", "--recover", "x", "--at", "2"], "--recover OUT goes alone"),
         (["check-resume", "--at", "0", "--", "python"], "--at must be a step of at least 1"),
         (["check-resume", "--at", "2,x", "--", "python"], "--at must be a step of at least 1"),
         (["check", "--", "no-such-command-detrace"], "no-such-command-detrace"),
