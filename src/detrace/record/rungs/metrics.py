@@ -25,6 +25,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace._compat import without_data
+from detrace.errors import UsageError
 from detrace.record.opaque import Opaque
 from detrace.record.patch import replace
 from detrace.record.records import local_data
@@ -39,7 +40,7 @@ def record(tracer: Tracer, name: str, value: float | int | torch.Tensor) -> None
         if without_data(value):
             return  # a loss of a model run on meta or fake tensors (a FLOP count): no value to record
         if value.numel() != 1:
-            raise ValueError(f"detrace.metric({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
+            raise UsageError(f"detrace.metric({name!r}) needs a scalar; got a tensor of shape {tuple(value.shape)}")
         with tracer.own(), torch.no_grad():
             scalar: float | torch.Tensor = value.detach().clone()
         dtype = str(value.dtype).removeprefix("torch.")
