@@ -9,6 +9,7 @@ check each; the logic (the clean slate, the refusals, --resume-args) is in tests
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -152,9 +153,18 @@ def test_a_check_stopped_by_a_signal_leaves_every_user_file_as_it_was(sig: signa
         assert "interrupted by SIGHUP; CMD's checkpoints are back where they were" in said
     else:
         assert tree(work) != before  # the user's checkpoints are in OUT
-        time.sleep(2)  # the watchdog ends the killed check's CMD
+        deadline = time.monotonic() + 60  # the watchdog ends the killed check's CMD, which writes there till then
+        while time.monotonic() < deadline and any(_cwd(pid) == work for pid in Path("/proc").glob("[0-9]*")):
+            time.sleep(0.2)
         done = subprocess.run([sys.executable, "-m", "detrace", "check-resume", "--recover", str(out)],
                               cwd=work, capture_output=True, text=True, check=False)
         assert done.returncode == 0, done.stderr
         assert "put back what the check-resume --native in" in done.stderr
     assert tree(work) == before
+
+
+def _cwd(pid: Path) -> Path | None:
+    try:
+        return Path(os.readlink(pid / "cwd"))
+    except OSError:  # gone, or not ours to read
+        return None
