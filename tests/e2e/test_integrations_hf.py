@@ -167,6 +167,20 @@ def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         _trainer(tmp_path)
 
 
+def test_restore_part_in_a_run_that_does_not_resume_is_refused(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback ignored DETRACE_RESTORE_PART without a word when the Trainer started from step 0: the run trained
+    on with none of the part it asked for. It is refused as TrainState's loop refuses it, before the first step."""
+    monkeypatch.setenv("DETRACE_RESTORE_PART", f"weights:{tmp_path}")
+    trainer = _trainer(tmp_path, steps=1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(UsageError, match=r"^DETRACE_RESTORE_PART=weights:.* takes a part of the state from a "
+                                         r"checkpoint when the run resumes, and this run does not \(DETRACE_RESUME "
+                                         r"is not 1 and DETRACE_RESUME_FROM is not set\)$"):
+        trainer.train()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(trainer.model.parameters(), before, strict=True))
+
+
 def test_resume_needs_detrace_state_and_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A checkpoint HF wrote alone has no detrace state: resuming it with the callback is refused.
     monkeypatch.setenv("DETRACE_CKPT_DIR", str(tmp_path / "ckpt"))

@@ -124,6 +124,15 @@ def test_contract_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: d
         DetraceCallback().ckpt_path  # noqa: B018 (the property reads the contract)
 
 
+def test_restore_part_in_a_run_that_does_not_resume_is_refused(example: ModuleType, tmp_path: Path) -> None:
+    """The callback ignored DETRACE_RESTORE_PART without a word when fit did not resume: the run trained on with none
+    of the part it asked for. It is refused as TrainState's loop refuses it."""
+    with pytest.raises(DetraceError, match=r"^DETRACE_RESTORE_PART=lr:.* takes a part of the state from a checkpoint "
+                                           r"when the run resumes, and this run does not \(DETRACE_RESUME is not 1 "
+                                           r"and DETRACE_RESUME_FROM is not set\)$"):
+        _fit(example, {"DETRACE_RESTORE_PART": f"lr:{tmp_path}"}, steps=1)
+
+
 def test_one_process_and_ddp_started_by_running_the_script_are_supported() -> None:
     assert _unsupported(SingleDeviceStrategy(device=torch.device("cpu"))) is None
     assert _unsupported(DDPStrategy()) is None  # strategy="ddp": torchrun, or Lightning's own launch

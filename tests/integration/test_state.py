@@ -564,6 +564,28 @@ def test_restore_part_in_a_run_that_does_not_resume_is_refused(tmp_path: Path,
         _state().resume_if_requested()
 
 
+def test_accelerate_refuses_restore_part_in_a_run_that_does_not_resume(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate's resume_if_requested ignored DETRACE_RESTORE_PART without a word when the run did not resume: the
+    run trained on with none of the part it asked for. It is refused as TrainState's loop refuses it."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from detrace.integrations.accelerate import register
+
+    accelerator = Accelerator(cpu=True)
+    net = torch.nn.Linear(2, 2)
+    accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    state = register(accelerator)
+    monkeypatch.setenv("DETRACE_RESTORE_PART", f"moments:{tmp_path}")
+    with pytest.raises(UsageError, match=r"^DETRACE_RESTORE_PART=moments:.* takes a part of the state from a "
+                                         r"checkpoint when the run resumes, and this run does not \(DETRACE_RESUME "
+                                         r"is not 1 and DETRACE_RESUME_FROM is not set\)$"):
+        state.resume_if_requested()
+    monkeypatch.delenv("DETRACE_RESTORE_PART")
+    assert state.resume_if_requested() == 0
+
+
 @pytest.mark.parametrize("name", ["DETRACE_CKPT_EVERY", "DETRACE_STOP_AT"])
 def test_a_save_variable_set_but_empty_is_refused(name: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:

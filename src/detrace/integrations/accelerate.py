@@ -32,6 +32,7 @@ from detrace.state.contract import (
     HF_STATE_DIR,
     checkpoint_dir,
     every_requested,
+    refuse_restore_part_without_resume,
     resume_requested,
     resume_source,
     saved_versions,
@@ -76,6 +77,7 @@ class AcceleratedState:
             checkpoint_dir()  # a missing DETRACE_CKPT_DIR is refused now, not after the first step
         source = resume_source()
         if source is None and not resume:
+            refuse_restore_part_without_resume()
             return 0
         if source is None:
             root = checkpoint_dir()

@@ -41,6 +41,7 @@ from detrace.state.contract import (
     HF_STATE_DIR,
     checkpoint_dir,
     every_requested,
+    refuse_restore_part_without_resume,
     resume_requested,
     resume_source,
     stop_requested,
@@ -142,6 +143,8 @@ class DetraceCallback(TrainerCallback):
                 "DETRACE_RESUME=1, but the Trainer started from step 0: pass the checkpoint on, as in "
                 "trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)"
             )
+        else:  # here, not at on_init_end: a script may resume by itself, in train(resume_from_checkpoint=...)
+            refuse_restore_part_without_resume()
         batch = getattr(train_dataloader, "batch_size", None) or args.per_device_train_batch_size
         samples_per_step = batch * args.gradient_accumulation_steps
         skip_for_controls(self._keys, state.global_step, samples_per_step, framework="transformers")

@@ -59,6 +59,7 @@ from detrace.state.contract import (
     checkpoint_dir,
     every_requested,
     lightning_checkpoint,
+    refuse_restore_part_without_resume,
     resume_requested,
     resume_source,
     stop_requested,
@@ -209,6 +210,8 @@ class DetraceCallback(pl.Callback):
         elif self._resume:
             raise UsageError("DETRACE_RESUME=1, but the Trainer did not resume: pass the checkpoint on, as in "
                              "trainer.fit(model, data, ckpt_path=callback.ckpt_path)")
+        else:  # here, not in __init__: a script may resume by itself, in fit(ckpt_path=...)
+            refuse_restore_part_without_resume()
         skip_for_controls(self._keys, trainer.global_step,
                           (loader.batch_size or 1) * trainer.accumulate_grad_batches, framework="Lightning")
         # Start the epoch's DataLoader iterator again, so that its batches come through the seeded sampler from

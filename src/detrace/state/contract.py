@@ -268,6 +268,17 @@ def restore_part_requested() -> tuple[str, Path] | None:
     return part, Path(path)
 
 
+def refuse_restore_part_without_resume() -> None:
+    """Called where a run has not resumed (TrainState's and the integrations' resume): DETRACE_RESTORE_PART is
+    refused in one sentence. Only the resume's load applies it, so a run that does not resume would go on without
+    the part it asked for, and `detrace ablate` would take the unchanged run for the part's replay."""
+    part = restore_part_requested()
+    if part is not None:
+        raise UsageError(f"{ENV_RESTORE_PART}={part[0]}:{part[1]} takes a part of the state from a checkpoint "
+                         f"when the run resumes, and this run does not ({ENV_RESUME} is not 1 and "
+                         f"{ENV_RESUME_FROM} is not set)")
+
+
 def batches_to_skip(step: int, *, first: bool) -> int:
     """How many batches the loader must drop before it hands out the batch of global step `step`, by the data
     controls; `first`: `step` is the first this process runs (0, or the step it resumed at)."""

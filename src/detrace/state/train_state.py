@@ -27,13 +27,11 @@ from detrace.state import rng
 from detrace.state.buckets import pin_layout
 from detrace.state.contract import (
     CONTROLS,
-    ENV_RESTORE_PART,
-    ENV_RESUME,
-    ENV_RESUME_FROM,
     batches_to_skip,
     check_checkpoint_dir,
     checkpoint_dir,
     every_requested,
+    refuse_restore_part_without_resume,
     restore_part_requested,
     resume_requested,
     resume_source,
@@ -161,11 +159,8 @@ class TrainState:
             start = self._load(source, control=control)
         elif resume:
             start = self._load(checkpoint_dir(), control=control)
-        elif (part := restore_part_requested()) is not None:  # applied by the resume's load alone: never, here
-            raise UsageError(f"{ENV_RESTORE_PART}={part[0]}:{part[1]} takes a part of the state from a checkpoint "
-                             f"when the run resumes, and this run does not ({ENV_RESUME} is not 1 and "
-                             f"{ENV_RESUME_FROM} is not set)")
         else:
+            refuse_restore_part_without_resume()
             start = 0
         self._skip_data(start, first=True)
         return start
