@@ -6,6 +6,7 @@ tests/e2e/test_tracer_never_breaks_e2e.py."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,29 @@ def test_a_failing_hook_is_a_note_not_a_crash(tmp_path: Path, monkeypatch: pytes
     assert traced == untraced
     [note] = _warnings(tmp_path / "run")
     assert note.endswith("could not be made: KeyError: 'injected fault in a hook'"), note
+
+
+def test_a_wrapper_that_fails_as_a_module_loads_does_not_fail_the_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the tracer wraps as the program imports it (torch.distributed.checkpoint): its own failure there leaves
+    the module imported."""
+    import importlib
+
+    from detrace.record.patch import after_import
+
+    (tmp_path / "watched_by_detrace.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ran: list[str] = []
+
+    def wrap() -> None:
+        ran.append("wrap")
+        raise RuntimeError("injected fault in a wrapper")
+
+    undo = after_import(["watched_by_detrace"], wrap)
+    try:
+        assert importlib.import_module("watched_by_detrace").VALUE == 3
+    finally:
+        undo()
+        sys.modules.pop("watched_by_detrace", None)
+    assert ran == ["wrap"]
+    assert "watched_by_detrace holds was not wrapped (RuntimeError: injected fault" in capsys.readouterr().err

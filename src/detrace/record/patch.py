@@ -36,7 +36,11 @@ class _Loaded(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
-        self._action()
+        try:
+            self._action()
+        except Exception as err:  # the tracer's own failure must not fail the program's import
+            print(f"detrace: what {module.__name__} holds was not wrapped ({type(err).__name__}: {err}); the "
+                  "program goes on without it", file=sys.stderr)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
