@@ -3,6 +3,7 @@ the same bits on every mesh with detrace's imports instead of torch's.
 
     detrace check-topology --layouts 1x1,fsdp2,tp2,fsdp2xtp2 -- python examples/llama_parallel.py --api detrace
     detrace check-topology --layouts 1x1,tp2 -- python examples/llama_parallel.py --api torch     # differs
+    detrace check-topology --layouts fsdp2xtp2,1x1,tp2 --resume-at 1 -- python examples/llama_parallel.py
 
 The model is a tiny `LlamaForCausalLM` built in code (no download). The layout comes from DETRACE_LAYOUT, which
 `check-topology --layouts` sets (`1x1`, `fsdp2`, `tp2`, `fsdp2xtp2`, `dp2`; unset: one process); the data
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,9 +106,31 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (data, tp), mesh_dim_names=("data", "tp"))
     model = build(args.api, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(args.steps):
+    # check-topology --resume-at K's contract: stop after step K with a checkpoint, or resume from it
+    ckpt, stop_at = os.environ.get("DETRACE_CKPT_DIR"), int(os.environ.get("DETRACE_STOP_AT", "0"))
+    first = resume(model, optimizer, ckpt) if ckpt and os.environ.get("DETRACE_RESUME") == "1" else 0
+    for step in range(first, args.steps):
         train_step(model, optimizer, mesh, step, args.microbatches)
+        if ckpt and step + 1 == stop_at:
+            save(model, optimizer, ckpt, step + 1)
+            break
     dist.destroy_process_group()
+
+
+def save(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, path: str, steps: int) -> None:
+    """A torch.distributed.checkpoint of the model and optimizer by parameter name (global shapes: it loads on any
+    mesh), and the number of steps done."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state, "steps": torch.tensor(steps)}, checkpoint_id=path)
+
+
+def resume(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, path: str) -> int:
+    """Load `save`'s checkpoint into this mesh's shards; the step to go on from."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "steps": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["steps"])
 
 
 if __name__ == "__main__":
