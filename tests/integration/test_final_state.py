@@ -149,3 +149,13 @@ def test_a_save_before_the_last_step_is_not_the_final_state(tmp_path: Path) -> N
         torch.save(model.state_dict(), tmp_path / "mid.pt")
         _train(model, optimizer, range(2, 4))
     assert not [r for r in _final(tmp_path / "a") if r["role"] == "saved"]
+
+
+def test_no_final_state_outside_the_step_window(tmp_path: Path) -> None:
+    """A run recorded over steps 0-1 of 4 (locate's narrow runs): its end is not the state of the recorded steps,
+    and two runs may part after the window, so nothing is recorded there."""
+    with detrace.trace(tmp_path / "a", rung="semantic", steps="0-1"):
+        model, optimizer = _fresh()
+        _train(model, optimizer, range(4))
+        torch.save(model.state_dict(), tmp_path / "end.pt")
+    assert _final(tmp_path / "a") == []

@@ -62,8 +62,8 @@ class LastSaves:
 
     def record(self, completed: int) -> None:
         """As the trace closes with `completed` optimizer steps done: record the saves made since the last one."""
-        if self.completed != completed:
-            return
+        if self.completed != completed or not self.tracer.on.get("semantic"):
+            return  # a save an optimizer step followed, or a step window that ended before the run did
         step = self.tracer.final_step
         for name, snap in self.kept:
             call = self.tracer.begin("semantic", "final", name)

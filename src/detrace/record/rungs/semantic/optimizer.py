@@ -25,7 +25,6 @@ from detrace.record.names import buffers, named_modules, owners, parameter_names
 from detrace.record.opaque import Opaque
 from detrace.record.records import Call
 from detrace.record.session import Tracer
-from detrace.tracefile.schema import rung_includes
 
 Undo = Callable[[], None]
 
@@ -86,7 +85,9 @@ class _StepRecorder:
     def final(self) -> None:
         """Record the final state of the models the optimizers trained (see the module's docstring)."""
         tracer = self.tracer
-        if not rung_includes(tracer.config.rung, "semantic"):
+        if not tracer.on.get("semantic"):
+            # Not recording now (a step window that ended before the run did: locate's narrow runs): the state at
+            # the end is not the state of the recorded steps, and two runs may part after the window.
             return
         models: dict[int, torch.nn.Module] = {}
         for refs in list(self.models.values()):
