@@ -58,6 +58,23 @@ def test_a_run_with_no_note_says_no_process_recorded_anything(tmp_path: Path,
         open_run(out)
 
 
+def test_a_cmd_that_ends_on_detraces_refusal_is_said_to_be_refused(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """CMD stopped by one of detrace's own refusals (a contract variable refused) before it recorded anything: the
+    summary said "no process of its command recorded anything; the tracer starts in each Python process...", which
+    sent the user looking for a tracer that had started. It says the refusal (a stand-in raises it: no torch)."""
+    out = tmp_path / "a"
+    refused = "DETRACE_CKPT_EVERY must be a step number of at least 1, not '0'"
+    code = f"from detrace.errors import UsageError; raise UsageError({refused!r})"
+    assert cli(["run", "--out", str(out), "--", PY, "-c", code]) == 1
+    err = capsys.readouterr().err
+    assert f"detrace.errors.UsageError: {refused}\n" in err  # CMD's own traceback, passed on as it was
+    summary = err.strip().splitlines()[-1]
+    assert summary.startswith("detrace run: CMD ended on detrace's refusal (")
+    assert summary.endswith(f"exit code 1), before anything was recorded in {out}: {refused}")
+    assert "the tracer starts" not in summary
+
+
 @pytest.fixture
 def untraced(tmp_path: Path) -> Path:
     """What `detrace run` leaves of a CMD whose tracer did not start: run.json, with its note folded in."""

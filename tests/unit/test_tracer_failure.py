@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import detrace
-from detrace.launch.failure import tracebacks, tracer_failure
+from detrace.launch.failure import refusal, tracebacks, tracer_failure
 
 DETRACE = Path(detrace.__file__).resolve().parent
 _spec = importlib.util.find_spec("torch")
@@ -79,3 +79,16 @@ def test_a_refusal_detrace_raises_on_purpose_is_not_called_its_bug() -> None:
     output = HEAD + USER + contract + "detrace.errors.UsageError: DETRACE_CKPT_EVERY must be a step number\n"
     assert tracer_failure(output) is None
     assert tracer_failure(HEAD + USER + RECORDING + "detrace.errors_x.Boom: no\n") is not None
+
+
+def test_a_refusal_is_read_from_the_last_traceback_that_decides() -> None:
+    """`detrace run` says a refusal ended CMD (not "nothing was recorded... the tracer starts in each process")."""
+    contract = _frame(DETRACE / "state" / "contract.py", 173, "_step_variable", "raise UsageError(")
+    refused = HEAD + USER + contract + "detrace.errors.UsageError: DETRACE_CKPT_EVERY must be a step number\n"
+    assert refusal(refused) == "DETRACE_CKPT_EVERY must be a step number"
+    launcher = HEAD + _frame(TORCH / "distributed" / "run.py", 10, "main", "run(args)") + "ChildFailedError: x\n"
+    assert refusal(refused + launcher) == "DETRACE_CKPT_EVERY must be a step number"  # torchrun's passed over
+    # A later traceback of the program's own, or detrace's failure, is what ended CMD: no refusal.
+    assert refusal(refused + HEAD + USER + "ValueError: the user's own bug\n") is None
+    assert refusal(HEAD + USER + RECORDING + "RuntimeError: boom\n") is None
+    assert refusal("no traceback at all\n") is None

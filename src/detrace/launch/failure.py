@@ -84,6 +84,18 @@ def _within(path: Path, folders: list[Path]) -> bool:
     return any(path.is_relative_to(folder) for folder in folders)
 
 
+def _deciding_frame(frames: list[Frame], libraries: list[Path]) -> tuple[Frame, Path, bool] | None:
+    """The frame that says whose failure a traceback is (see the module's docstring), its resolved path, and whether
+    it is detrace's own code; None when every frame is passed over (torchrun's own traceback, after a worker's)."""
+    for frame in reversed(frames):
+        path = Path(frame.path).resolve()
+        ours = path.is_relative_to(_DETRACE) and not path.is_relative_to(_EXAMPLES)
+        if (not ours and _within(path, libraries)) or (ours and _HANDS_ON.search(frame.source)):
+            continue
+        return frame, path, ours
+    return None
+
+
 def tracer_failure(output: str) -> str | None:
     """"detrace failed ..." when the last traceback in CMD's output ends in detrace's own code (see the module's
     docstring), naming the exception and the frame; None when it ends in CMD's code, or there is no traceback. A
@@ -93,14 +105,27 @@ def tracer_failure(output: str) -> str | None:
     for frames, error in tracebacks(output):
         if _REFUSAL.match(error):  # raised on purpose: the program's input refused in its sentence, not a crash
             return None
-        for frame in reversed(frames):
-            path = Path(frame.path).resolve()
-            ours = path.is_relative_to(_DETRACE) and not path.is_relative_to(_EXAMPLES)
-            if (not ours and _within(path, libraries)) or (ours and _HANDS_ON.search(frame.source)):
-                continue
-            if not ours:
-                return None
-            where = f"{path.relative_to(_DETRACE.parent)}, line {frame.line}, in {frame.function}"
-            return (f"detrace failed, not CMD: {error or 'an exception'} was raised in detrace's own code ({where}); "
-                    "this is a bug of detrace's: please report it with this sentence")
+        decided = _deciding_frame(frames, libraries)
+        if decided is None:
+            continue
+        frame, path, ours = decided
+        if not ours:
+            return None
+        where = f"{path.relative_to(_DETRACE.parent)}, line {frame.line}, in {frame.function}"
+        return (f"detrace failed, not CMD: {error or 'an exception'} was raised in detrace's own code ({where}); "
+                "this is a bug of detrace's: please report it with this sentence")
+    return None
+
+
+def refusal(output: str) -> str | None:
+    """The sentence of detrace's own refusal (a `detrace.errors` exception: a contract variable refused, a
+    checkpoint that does not fit) when CMD's last traceback ends on one, as `tracer_failure` picks the last (passing
+    over torchrun's own); None otherwise. Such a run ended on purpose: what it recorded, or that it recorded
+    nothing, is no fault of the tracer's."""
+    libraries = _library_dirs()
+    for frames, error in tracebacks(output):
+        if (match := _REFUSAL.match(error)) is not None:
+            return error[match.end():]
+        if _deciding_frame(frames, libraries) is not None:
+            return None
     return None

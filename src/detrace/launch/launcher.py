@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from detrace.errors import CommandFailed, TraceError, UsageError, os_error_text
 from detrace.launch import watchdog
-from detrace.launch.failure import TracerFailed, tracer_failure
+from detrace.launch.failure import TracerFailed, refusal, tracer_failure
 from detrace.record.config import ENV_VAR, RECORDING_VAR, TraceConfig
 from detrace.tracefile.layout import (
     aux_trace_paths,
@@ -408,7 +408,12 @@ def describe(result: LaunchResult) -> str:
         run = None
     traced = header.get("traced_ranks") or []
     took = f"({result.elapsed:.1f} s, exit code {result.returncode})"
-    if not traced and run is not None and not header.get("aux"):
+    refused = refusal(result.output_tail) if result.returncode else None
+    if not traced and refused is not None:
+        # CMD ended on one of detrace's own refusals, whose sentence it printed: that, not the tracer, is why
+        # nothing was recorded ("the tracer starts in each Python process..." would send the user looking for it).
+        line = f"CMD ended on detrace's refusal {took}, before anything was recorded in {result.out}: {refused}"
+    elif not traced and run is not None and not header.get("aux"):
         line = f"nothing was recorded in {result.out} {took}: {run.why_nothing_recorded()}"
     else:
         line = (f"trace of {len(traced)} rank{'s' * (len(traced) != 1)} at rung {header.get('rung', '?')} written "
