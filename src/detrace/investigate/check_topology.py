@@ -490,7 +490,7 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
             # every run that printed one (a pipeline stage's run may not)
             first = Mismatch(step=-1, kind="final params", name="", world=run.mesh.world, run=run.label,
                              detail=f"{reference} vs {finals[run.label]}")
-        if first is not None and first_param is None and ends:
+        if first is not None and first.kind not in ("param", "final") and first_param is None and ends:
             first_param = _final_param(by_name[ended[0].label], by_name[run.label], run)
         verdicts.append(RunVerdict(run=run.label, first=first, first_param=first_param))
     odd = next((v for v in verdicts if v.first is not None), None)
