@@ -303,7 +303,9 @@ def _digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def parameters_fingerprint(model: nn.Module) -> str:
     """One fingerprint (16 hex digits) of all of `model`'s parameters, in name order: the fingerprint of the
-    vector of their fingerprints."""
+    vector of their fingerprints. A DTensor parameter (`fully_shard`, `parallelize_module`) enters as its global
+    tensor's fingerprint, computed from the shards (`detrace.digest.sharded`): the same on every rank and layout, and
+    a collective that every rank of its mesh calls."""
     from detrace.digest import fingerprint
 
     named = sorted((name, p.detach()) for name, p in model.named_parameters())
