@@ -195,19 +195,19 @@ def _elastic_checkpoints(rank: int, out: str) -> None:
     Path(f"{out}/parts-refused{rank}.json").write_text(json.dumps(refusals))
     # the 4 ranks resume their parts, each rank the layers it holds; rank 0 alone reads the ranks' documents (which
     # names the global state holds) and hands the others their union: each of them reads only its own state's
-    import detrace.state.checkpoint as checkpoint
+    import detrace.state.ranks as ranks
 
-    read, document = [], checkpoint._rank_document
+    read, document = [], ranks.rank_document
 
     def counted(directory: Path, saved_rank: int, *, step: int) -> dict[str, object]:
         read.append(saved_rank)
         return document(directory, saved_rank, step=step)
 
-    checkpoint._rank_document = counted  # type: ignore[assignment]
+    ranks.rank_document = counted  # type: ignore[assignment]
     model, optimizer, scheduler = _parts({rank, (rank + 1) % 4}, steps=0)
     step = detrace.TrainState(model=model, optimizer=optimizer, scheduler=scheduler, elastic=True).load(
         f"{out}/parts")
-    checkpoint._rank_document = document
+    ranks.rank_document = document
     reference = _parts({rank, (rank + 1) % 4}, steps=1)[0]
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
     Path(f"{out}/loaded{rank}.json").write_text(json.dumps({"step": step, "read": read, "same": same}))
@@ -423,7 +423,8 @@ def test_the_state_a_run_ended_with_is_compared_after_its_last_step(tmp_path: Pa
         return Run(label=f"layout {name}", mesh=Mesh(dp=1), path=tmp_path / name)
 
     reference = run("a", 0.0)
-    assert compare((reference, run("b", 0.0)))[1] == [(None, None)]
+    _, compared, steps, tensors, _ = compare((reference, run("b", 0.0)))
+    assert compared == [(None, None)] and (steps, tensors) == (1, 2)  # the end is not a step
     (first, _), = compare((reference, run("c", 1.0)))[1]
     assert first is not None and (first.kind, first.name, first.step) == ("final", "bias", -1)
     assert first.sentence("layout a").startswith("layout c differs from layout a at the end: tensor bias (")

@@ -552,7 +552,7 @@ def compare(runs: tuple[Run, ...]
             if first is not None and first.kind != "param":
                 first_param = next((m for m in differences if m.kind == "param"), None)
         compared.append((first, first_param))
-    steps = {step for step, kind, _ in reference if kind != "scaled"}
+    steps = {step for step, kind, _ in reference if kind not in ("scaled", "final")}
     return inner[runs[0].label], compared, len(steps), len(tensors), whole
 
 
