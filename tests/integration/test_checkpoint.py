@@ -729,14 +729,14 @@ def test_an_elastic_save_refused_for_own_states_that_differ_names_the_value(tmp_
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """#49.12: ranks whose own states differ were refused without a word on which value. The collectives stand in
     for a rank 1 whose `extra` counts one token more (dist.differing's rule: a key both hold, another digest)."""
-    from detrace.state import checkpoint, dist
+    from detrace.state import dist, ranks, tree
 
     def state(tokens: int) -> TrainState:
         torch.manual_seed(0)
         return TrainState(model=torch.nn.Linear(2, 2), extra={"tokens": tokens}, elastic=True)
 
-    skeleton, tensors = checkpoint.tree.split(state(65)._local(), "")
-    theirs = {**checkpoint._digests(tensors), **checkpoint._value_digests(skeleton)}
+    skeleton, tensors = tree.split(state(65)._local(), "")
+    theirs = {**ranks.digests(tensors), **ranks.value_digests(skeleton)}
     monkeypatch.setattr(dist, "differs", lambda value: True)
     monkeypatch.setattr(dist, "differing", lambda digests: {k for k, v in digests.items() if theirs.get(k, v) != v})
     with pytest.raises(CheckpointError, match=r"keep the replicas of a parameter equal \(first: 'extra\.tokens'\)$"):

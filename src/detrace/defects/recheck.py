@@ -139,9 +139,9 @@ def _checkpoint_step(path: Path, run_dir: Path, *, command: Sequence[str], world
     """The step of the checkpoint at `path`, refused unless it is the run's own: saved by the same command (as its
     manifest names it, when a traced run saved it) at the same world size, holding the parameters the run recorded
     after the step before it."""
-    from detrace.state import checkpoint, manifest
+    from detrace.state import manifest, versions
 
-    saved = manifest.read(checkpoint.resolve(path))
+    saved = manifest.read(versions.resolve(path))
     if saved.command is not None and list(saved.command) != list(command):
         raise UsageError(f"checkpoint {path} is not this run's: it was saved by `{shlex.join(saved.command)}`, and "
                          f"{run_dir} is a run of `{shlex.join(command)}`; give a checkpoint of this run")

@@ -37,6 +37,6 @@ def verify_checkpoint(path: str | Path) -> Manifest:
     the tensor or file) on a mismatch and CheckpointError when there is no readable checkpoint. Not collective:
     this process reads everything.
     """
-    from detrace.state import checkpoint, manifest
+    from detrace.state import manifest, versions
 
-    return manifest.verify(checkpoint.resolve(Path(path)), collective=False)
+    return manifest.verify(versions.resolve(Path(path)), collective=False)

@@ -151,11 +151,11 @@ def resume_problem(path: Path) -> str | None:
 def _complete(state: Path) -> bool:
     # Imported here: the checkpoint modules import torch.distributed.checkpoint (see TrainState._shared), and every
     # training process that follows the contract imports this module, most of them without resuming.
-    from detrace.state import checkpoint
+    from detrace.state import versions
     from detrace.state.manifest import MANIFEST_FILE
 
     try:
-        return (checkpoint.resolve(state) / MANIFEST_FILE).is_file()
+        return (versions.resolve(state) / MANIFEST_FILE).is_file()
     except CheckpointError:
         return False
 
