@@ -29,8 +29,9 @@ def test_llama_with_detraces_imports_gives_the_same_bits_on_fsdp2_and_tp2_and_to
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, report = _check(capsys, tmp_path, "detrace")
     assert code == 0, report
-    assert report["verdict"] == "identical"
+    assert report["identical"] is True and report["layouts"] == ["fsdp2", "tp2"]
+    assert report["tensors"] == 21 and report["steps"] == 2  # every parameter of the Llama, after each step
     code, report = _check(capsys, tmp_path, "torch")
     assert code == 1, report
     first = report["first"]
-    assert isinstance(first, dict) and first["step"] == 0
+    assert report["identical"] is False and isinstance(first, dict) and first["step"] == 0
