@@ -4,6 +4,7 @@ one that only passes through detrace's wrappers on its way into torch is the pro
 from __future__ import annotations
 
 import importlib.util
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,11 @@ def test_a_refusal_is_read_from_the_last_traceback_that_decides() -> None:
     assert refusal(refused) == "DETRACE_CKPT_EVERY must be a step number"
     launcher = HEAD + _frame(TORCH / "distributed" / "run.py", 10, "main", "run(args)") + "ChildFailedError: x\n"
     assert refusal(refused + launcher) == "DETRACE_CKPT_EVERY must be a step number"  # torchrun's passed over
+    # torchrun's traceback as it prints it starts in its console script (venv/bin/torchrun): passed over too
+    script = _frame(Path(sysconfig.get_paths()["scripts"]) / "torchrun", 8, "<module>", "sys.exit(main())")
+    console = HEAD + script + launcher.removeprefix(HEAD)
+    assert refusal(refused + console) == "DETRACE_CKPT_EVERY must be a step number"
+    assert "RuntimeError: boom" in (tracer_failure(HEAD + USER + RECORDING + "RuntimeError: boom\n" + console) or "")
     # A later traceback of the program's own, or detrace's failure, is what ended CMD: no refusal.
     assert refusal(refused + HEAD + USER + "ValueError: the user's own bug\n") is None
     assert refusal(HEAD + USER + RECORDING + "RuntimeError: boom\n") is None

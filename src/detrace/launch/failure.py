@@ -46,8 +46,10 @@ class Frame:
 
 
 def _library_dirs() -> list[Path]:
-    """The code that runs for whoever called it: torch (located, not imported) and the standard library."""
-    found = [Path(sysconfig.get_paths()["stdlib"]).resolve()]
+    """The code that runs for whoever called it: torch (located, not imported), the standard library, and the
+    environment's console scripts (`torchrun`'s own file, whose traceback follows a failed worker's)."""
+    paths = sysconfig.get_paths()
+    found = [Path(paths["stdlib"]).resolve(), Path(paths["scripts"]).resolve()]
     spec = importlib.util.find_spec("torch")
     if spec is not None and spec.submodule_search_locations:
         found += [Path(location).resolve() for location in spec.submodule_search_locations]
