@@ -105,6 +105,7 @@ def triton_tests() -> tuple[str, pytest.MarkDecorator]:
     where triton is not installed (the `triton` extra installs it), but failed in CI (`missing_tool`); returns the
     device the tests' tensors go to and the module's `pytestmark`, which skips its tests where there is neither a CUDA
     device nor the interpreter."""
+    __tracebackhide__ = True  # a skip or failure is reported at the test module's call, not at a line here
     if not os.environ.get("TRITON_INTERPRET"):
         os.environ["TRITON_INTERPRET"] = "1"
     missing = missing_tool(importlib.util.find_spec("triton") is not None,
