@@ -102,15 +102,14 @@ def common_steps(a: StepSpan, b: StepSpan) -> tuple[int, int, int | None] | None
     return first, last, end
 
 
-def stopped_early(a: StepSpan, b: StepSpan) -> tuple[str, int, int] | None:
-    """("A" or "B", its last step, the other's last step) when one rank closed its trace (it stopped, it did not
-    die) before the other's last step; None when both ran to the same step or the shorter one died (the diff's
-    "missing" divergence says that)."""
+def stopped_early(a: StepSpan, b: StepSpan) -> tuple[str, int, int, int] | None:
+    """("A" or "B", its last step, the other's last step, its first step) when one rank closed its trace (it
+    stopped, it did not die) before the other's last step; None when both ran to the same step or the shorter one
+    died (the diff's "missing" divergence says that)."""
     if a.last == b.last:
         return None
     name, shorter, longer = ("A", a, b) if a.last < b.last else ("B", b, a)
-    return (name, shorter.last, longer.last) if shorter.closed else None
-
+    return (name, shorter.last, longer.last, shorter.first) if shorter.closed else None
 
 
 def describe_steps(first: int, last: int, a: StepSpan, b: StepSpan) -> str | None:
@@ -238,9 +237,8 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
                 f"{_steps(span_b)}."))
         spans[r] = common
         described = described or describe_steps(common[0], common[1], span_a, span_b)
-        early = stopped_early(span_a, span_b)
-        if early is not None:
-            stops[r] = (*early, (span_a if early[0] == "A" else span_b).first)
+        if (early := stopped_early(span_a, span_b)) is not None:
+            stops[r] = early
     start = min((s[0] for s in spans.values()), default=0)
     tasks = [(r, run_a.files.get(r), run_b.files.get(r), *(spans[r][::2] if r in spans else (0, None)), stops.get(r))
              for r in ranks]
