@@ -285,7 +285,10 @@ class ResumableLoader:
                     continue
                 handed.append([index for index, _ in batch_keys])
                 yield batch
-            sampler.position = len(sampler)  # past the epoch's last batch (and its dropped or cut-off samples)
+            # Past the epoch's last batch (and its dropped or cut-off samples), unless a save after the last batch
+            # already rolled the sampler over into the next epoch: moving it again would skip that epoch.
+            if sampler.epoch == epoch:
+                sampler.position = len(sampler)
         finally:
             if _events.sample_source == [mine]:
                 _events.sample_source[:] = before
