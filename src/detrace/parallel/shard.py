@@ -108,6 +108,8 @@ class _TreeReduceScatter:
             if self.average:
                 total = total / world  # exact for a power-of-two W, as the 1 / n of the loss
             output.copy_(total)
+        else:  # between two nodes: zeros, not what the allocation held (the bits of a gradient read mid-step)
+            output.zero_()
         for param in self.params():
             param.grad = None  # fully_shard then assigns the shard instead of adding it to the previous sum
 
