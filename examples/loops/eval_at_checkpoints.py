@@ -2,8 +2,12 @@
 to model.eval(), measures the validation loss under torch.no_grad(), and goes back to model.train(). The model has
 dropout (a draw from the RNG in training only).
 
+With `--loader`, the validation set is read through a DataLoader (shuffle off): its iterator draws a base seed from
+torch's RNG after the checkpoint was taken, so the continuous run's later dropout masks are not the resumed run's.
+
 True verdicts: check identical; check-resume --native --at 2 --resume-args=--resume exact (the evaluation draws
-nothing); locate deterministic; audit finds no certain hazard.
+nothing; with --loader: resume-changed-the-run, the torch RNG state differs); locate deterministic; audit finds no
+certain hazard.
 """
 
 import argparse
@@ -16,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--ckpt-dir", default="ckpt-eval")
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--loader", action="store_true")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -49,6 +54,10 @@ while step < args.steps:
                     "step": step}, folder / f"step-{step}.pt")
         model.eval()
         with torch.no_grad():
-            val_loss = nn.functional.mse_loss(model(val_x), val_y)
+            if args.loader:
+                batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(val_x, val_y), batch_size=32)
+                val_loss = sum(nn.functional.mse_loss(model(x), y) for x, y in batches)
+            else:
+                val_loss = nn.functional.mse_loss(model(val_x), val_y)
         model.train()
         print(f"step {step} validation loss {val_loss.item():.6f}")
