@@ -1,6 +1,9 @@
 """An EMA copy of the model (updated after every step, saved at the end for inference) that the checkpoint forgets:
 the checkpoint holds the model and the optimizer, and a resumed run starts its EMA again from the loaded weights.
 
+With `--eval-only` the EMA is not saved at the end: it is evaluated on a validation batch at every checkpoint step
+instead (the number a user reads in the log), so the resume changes the printed validation losses.
+
 True verdicts: check identical; check-resume --native --at 2 --resume-args=--resume resume-changed-the-run (the
 EMA differs; the model and the optimizer are equal); locate deterministic; audit finds no certain hazard.
 """
@@ -16,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--ckpt-dir", default="ckpt-ema")
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--eval-only", action="store_true")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -48,4 +52,10 @@ while step < args.steps:
         folder.mkdir(exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                    folder / f"step-{step}.pt")
-torch.save(ema.state_dict(), folder / "ema.pt")
+        if args.eval_only:
+            validation = torch.Generator().manual_seed(1234)
+            with torch.no_grad():
+                val_x, val_y = torch.randn(32, 8, generator=validation), torch.randn(32, 1, generator=validation)
+                print(f"step {step} EMA validation loss {nn.functional.mse_loss(ema(val_x), val_y).item():.6f}")
+if not args.eval_only:
+    torch.save(ema.state_dict(), folder / "ema.pt")
