@@ -5,7 +5,8 @@ With `--eval-only` the EMA is not saved at the end: it is evaluated on a validat
 instead (the number a user reads in the log), so the resume changes the printed validation losses.
 
 True verdicts: check identical; check-resume --native --at 2 --resume-args=--resume resume-changed-the-run (the
-EMA differs; the model and the optimizer are equal); locate deterministic; audit finds no certain hazard.
+EMA differs; the model and the optimizer are equal; with --eval-only too, by the EMA's validation losses); locate
+deterministic; audit finds no certain hazard.
 """
 
 import argparse
