@@ -41,3 +41,26 @@ def test_the_fsdp_script_gives_the_same_bits_at_one_and_two_shards(
     # shards (their parts of each parameter's global fingerprint, added up by check-topology)
     assert report["steps"] == 3 and report["tensors"] == 6
     assert report["final_params"] == {"layout fsdp1": None, "layout fsdp2": None}
+
+
+@pytest.mark.slow
+def test_the_expert_parallel_script_gives_the_same_bits_on_one_and_two_expert_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = _check(capsys, tmp_path, "--layouts", "ep1,ep2", "--", sys.executable, str(EXAMPLES / "expert.py"))
+    assert code == 0, report
+    # the experts (DTensors sharded over ep) after every step, the whole model through the printed line at the end
+    assert report["steps"] == 3 and report["tensors"] == 2
+    finals = report["final_params"]
+    assert isinstance(finals, dict) and finals["layout ep1"] == finals["layout ep2"] is not None
+
+
+@pytest.mark.slow
+def test_the_expert_parallel_script_with_the_ordinary_all_to_all_differs_on_two_expert_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the control: each local expert's weight gradient is one GEMM over both ranks' tokens, added up by autograd
+    code, report = _check(capsys, tmp_path, "--layouts", "ep1,ep2", "--", sys.executable, str(EXAMPLES / "expert.py"),
+                          "--plain")
+    assert code == 1 and report["identical"] is False, report
+    first = report["first"]
+    assert isinstance(first, dict) and first["run"] == "layout ep2" and first["step"] == 0, report
+    assert first["kind"] == "param" and first["name"] in ("moe.w1", "moe.w2"), report
