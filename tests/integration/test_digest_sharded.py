@@ -4,17 +4,24 @@ in process over simulated shards, and real gloo ranks with DTensors on 1-D and 2
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pytest
 import torch
 import torch.distributed as dist
 from _ranks import spawn_ranks
 
 from detrace import fingerprint
+from detrace._compat import dtensor_local_box
 from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, header, signed
 from detrace.digest.sharded import WORD, _join, _padding, _runs, _sum_at, part_of, whole_digest
+from detrace.investigate.check_topology import Mesh, Mismatch, _records
+from detrace.parallel.layout import Layout
+from detrace.tracefile import ARROW_SCHEMA, RankWriter
 
 SCHEMES = (SCHEME, SCHEME2)
 
@@ -78,6 +85,81 @@ def test_the_runs_of_a_box_in_c_order() -> None:
     assert run == 2 and starts.tolist() == [3, 9, 15, 21]
     starts, run = _runs((), (), ())  # a scalar: one run of one element
     assert run == 1 and starts.tolist() == [0]
+
+
+def _as_check_topology_reads(out: Path, records: list[Fingerprint]) -> str | Mismatch:
+    """The ranks' records of one parameter (as the tracer writes them: `part_of`, or the local tensor's
+    fingerprint where it has none), written as the traces of an fsdp run and read back by check-topology: the global
+    digest it compares (hex), or the disagreement it reports."""
+    for rank, fp in enumerate(records):
+        row = {"seq": 0, "step": 0, "rung": "semantic", "phase": "optimizer", "module": None, "name": "head.weight",
+               "occurrence": 0, "event": 0, "role": "param", "index": 0, "shape": list(fp.shape), "dtype": fp.dtype,
+               "numel": fp.numel, "digest": fp.digest, "chunks": None, "value": None, "collectives": 0,
+               "group": None, "group_seq": None, "peer": None, "extra": None}
+        writer = RankWriter(out, rank, header={"world_size": len(records), "rung": "semantic", "synthetic": True,
+                                               "fingerprint": fp.scheme})
+        writer.add_batch(pa.RecordBatch.from_pylist([row], schema=ARROW_SCHEMA))
+        writer.close()
+    merged, mismatch, _ = _records(out, Mesh.of(Layout.parse(f"fsdp{len(records)}")), grad_norm=False, label="x")
+    return mismatch if mismatch is not None else merged[(0, "param", "head.weight")]
+
+
+def _records_of_ranks(whole: torch.Tensor, mesh_shape: tuple[int, ...], placements: list[Any], scheme: str
+                      ) -> list[Fingerprint]:
+    """What the tracer records of `whole` sharded as torch shards it (`torch.chunk`'s sizes: an uneven split leaves
+    the last ranks empty), rank by rank in this process on a fake process group (no collective runs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = math.prod(mesh_shape)
+    out = []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", mesh_shape)
+            local = distribute_tensor(whole, mesh, placements).to_local()  # the fake scatter leaves its bits unset
+            box, offset = dtensor_local_box(DTensor.from_local(local, mesh, placements, run_check=False,
+                                                               shape=whole.shape, stride=whole.stride()))
+            local = whole[tuple(slice(o, o + n) for o, n in zip(offset, box, strict=True))].clone()
+            dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=whole.shape,
+                                    stride=whole.stride())
+            out.append(part_of(dt, scheme) or fingerprint(local, scheme=scheme))
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(("rows", "mesh_shape"), [(1, (2,)), (3, (2,)), (3, (4,)), (2, (4,)), (1, (4,))])
+def test_the_records_of_an_uneven_shard_add_up_to_the_global_fingerprint(tmp_path: Path, scheme: str, rows: int,
+                                                                          mesh_shape: tuple[int, ...]) -> None:
+    """fully_shard of an nn.Linear(8, rows) head: a [1, 8] weight over 2 ranks leaves rank 1 an empty shard and
+    rank 0 the whole tensor (recorded whole, as its fingerprint is the global one); check-topology read that as a
+    shard missing ("its ranks' distinct shards hold 0 of its 8 elements")."""
+    from torch.distributed.tensor import Shard
+
+    whole = torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows))
+    records = _records_of_ranks(whole, mesh_shape, [Shard(0)], scheme)
+    assert _as_check_topology_reads(tmp_path / "run", records) == fingerprint(whole, scheme=scheme).hex
+    # the test can fail: rank 0 holding other bits gives another digest
+    wrong = _records_of_ranks(whole + 1, mesh_shape, [Shard(0)], scheme)[:1] + records[1:]
+    assert _as_check_topology_reads(tmp_path / "wrong", wrong) != fingerprint(whole, scheme=scheme).hex
+
+
+def test_replicas_of_the_whole_shard_that_disagree_are_named(tmp_path: Path) -> None:
+    """HSDP (a replicated dimension outside the sharded one): every replica's rank 0 holds the whole [1, 8] weight,
+    and they must agree."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    whole = torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    records = _records_of_ranks(whole, (2, 2), [Replicate(), Shard(0)], SCHEME)
+    assert [fp.numel for fp in records] == [8, 0, 8, 0]
+    assert _as_check_topology_reads(tmp_path / "run", records) == fingerprint(whole).hex
+    records[2] = fingerprint(whole + 1)
+    mismatch = _as_check_topology_reads(tmp_path / "replicas", records)
+    assert isinstance(mismatch, Mismatch) and (mismatch.kind, mismatch.name) == ("ranks", "param head.weight")
+    assert mismatch.detail == f"rank 0 {fingerprint(whole).hex}, rank 2 {fingerprint(whole + 1).hex}"
 
 
 # ----------------------------------------------------------------------------------------------------------

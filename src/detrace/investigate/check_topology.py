@@ -303,6 +303,8 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
     shapes: Shapes = {}
     parts: dict[tuple[int, str, str], tuple[dict[int, int], str, tuple[int, ...]]] = {}
     """(step, kind, name) -> ({part digest: numel}, dtype, global shape) of a sharded DTensor's distinct shards."""
+    wholes: dict[Key, dict[int, tuple[int, tuple[int, ...]]]] = {}
+    """(step, kind, name) -> {rank: (digest, shape)} of the whole tensors ranks of a sharded layout recorded."""
     for rank in info.ranks:
         table = read_rank(run, rank).table
         params = table.filter(pc.and_(pc.equal(table["phase"], "optimizer"), pc.equal(table["role"], "param")))
@@ -335,6 +337,8 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                 found[digest] = row["numel"]  # a replica of a shard gives the same part: counted once
             elif not mesh.shards:  # each rank's own shard of a parameter under its name: not comparable
                 keyed[(row["step"], kind, row["name"])] = "none" if digest is None else f"{digest:016x}"
+            elif digest is not None:
+                wholes.setdefault((row["step"], kind, row["name"]), {})[rank] = (digest, tuple(row["shape"]))
         for key, bits in keyed.items():
             if key not in merged:
                 merged[key], owner[key] = bits, rank
@@ -344,6 +348,18 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                                         detail=f"rank {owner[key]} {_shown(key[1], merged[key])}, rank {rank} "
                                                f"{_shown(key[1], bits)}"), shapes
     for (step, kind, name), (found, dtype, shape) in sorted(parts.items()):
+        held = {rank: digest for rank, (digest, at) in wholes.get((step, kind, name), {}).items() if at == shape}
+        if not sum(found.values()) and held:
+            # an uneven shard whose other ranks hold nothing (a [1, n] weight over 2 ranks): the rank that holds
+            # every element records the whole tensor, whose fingerprint is the global one; its replicas must agree
+            (first, bits), *others = sorted(held.items())
+            for rank, other in others:
+                if other != bits:
+                    return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks",
+                                            name=f"{kind} {name}", world=mesh.world, run=label,
+                                            detail=f"rank {first} {bits:016x}, rank {rank} {other:016x}"), shapes
+            merged[(step, kind, name)] = f"{bits:016x}"
+            continue
         if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
             return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks", name=f"{kind} {name}",
                                     world=mesh.world, run=label,
