@@ -67,6 +67,36 @@ def test_a_script_with_checkpoints_of_its_own_is_pointed_to_check_resume_native(
         "its own resume is exact")
 
 
+def test_a_script_that_resumes_by_itself_is_refused_in_check_s_sentence(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A framework-style auto-resume (examples/loops/auto_resume.py): run b loads the checkpoint run a left in the
+    script's own folder. One sentence naming the runs and the folder, exit 2: the same refusal as `detrace check`,
+    not a verdict on runs that did not start from the same state, nor "no global step in common"."""
+
+    class AutoResume(Scripted):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: Any) -> LaunchResult:
+            done = super().__call__(cmd, out, **kwargs)
+            if Path(out).name != "1-semantic-a":
+                checkpoint_log_path(out, 1).write_text(json.dumps({
+                    "op": "load", "api": "torch.load", "completed": 6, "paths": ["ckpt-auto/step-6.pt"],
+                    "pid": 1}) + "\n")
+            return done
+
+    launcher = AutoResume(second_arm=True)  # run b's records differ too, as they do after a resume
+    assert locate_cli.main(["--json", "--out", str(tmp_path / "out"), "--", "python", "train.py"],
+                           launch=launcher) == 2
+    printed = capsys.readouterr()
+    payload = json.loads(printed.out)
+    assert payload["verdict"] == "error"
+    assert payload["message"] == (
+        "run 1-semantic-b loaded a checkpoint from ckpt-auto/step-6.pt and run 1-semantic-a loaded none: CMD resumes "
+        "by itself from a checkpoint that an earlier run left in ckpt-auto, so the runs did not start from the same "
+        "state; give each run a clean one: delete ckpt-auto before `detrace locate`, turn the script's auto-resume "
+        "off, or have the script take its checkpoint folder from DETRACE_CKPT_DIR, which detrace locate sets to a "
+        "new directory for each run")
+    assert launcher.runs == ["1-semantic-a", "1-semantic-b"]
+
+
 def test_a_difference_that_does_not_recur_is_inconclusive(tmp_path: Path) -> None:
     # Only the broad pair's second run shows the fault: a one-time event, which no rerun reproduces. The ladder
     # retries the module pair once, then says what it knows instead of guessing.

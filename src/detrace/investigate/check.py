@@ -121,32 +121,36 @@ def _loads(run: Path) -> list[CheckpointIO]:
         return []  # an unreadable log: the diff says what is wrong with the run
 
 
-def refuse_one_sided_loads(dirs: list[Path]) -> None:
+def refuse_one_sided_loads(dirs: list[Path], *, command: str = "check", labels: list[str] | None = None) -> None:
     """Raise IncomparableError when one run loaded a checkpoint and the first did not (or the other way round, or they
     loaded different files: a checkpoint left before the check, then the first run's): CMD
     resumes by itself from the newest checkpoint under its own folder (torchtitan's, DCP's or `torch.load`'s
     auto-resume), and an earlier run left one there. The global step may not show it (a DCP load of Stateful
-    objects carries no optimizer step count), but the checkpoint log does."""
+    objects carries no optimizer step count), but the checkpoint log does.
+
+    `command`: the detrace command that ran them (`check`, `locate`), named in the advice; `labels`: how the
+    sentence names each run of `dirs` (default: their numbers, 1 for the first)."""
+    names = labels or [str(i) for i in range(1, len(dirs) + 1)]
     first = _loads(dirs[0])
-    for i, run in enumerate(dirs[1:], start=2):
+    for i, run in enumerate(dirs[1:], start=1):
         theirs = _loads(run)
         if _loaded(first) == _loaded(theirs) and bool(first) == bool(theirs):
             continue
-        loader, number, other = (theirs, i, 1) if theirs else (first, 1, i)
+        loader, number, other = (theirs, names[i], names[0]) if theirs else (first, names[0], names[i])
         paths = _loaded(loader)
         named = Path(paths[0]) if paths else None
         folder = named.parent if named is not None else None
         what = f"a checkpoint from {named}" if named is not None else f"a checkpoint ({loader[0].api})"
         others = _loaded(first if loader is theirs else theirs)
         said = f"{others[0]}" if others else "none"
-        clean = (f"delete {folder} before `detrace check`" if folder is not None and str(folder) not in ("", ".")
-                 else "move its checkpoints away before `detrace check`")
+        clean = (f"delete {folder} before `detrace {command}`" if folder is not None and str(folder) not in ("", ".")
+                 else f"move its checkpoints away before `detrace {command}`")
         raise IncomparableError(
             f"run {number} loaded {what} and run {other} loaded {said}: CMD resumes by itself from a checkpoint that "
             f"an earlier run left{f' in {folder}' if folder is not None else ''}, so the runs did not start from the "
             f"same state; give each run a clean one: {clean}, turn the script's auto-resume off, or have the script "
-            "take its checkpoint folder from DETRACE_CKPT_DIR, which detrace check sets to a new directory for each "
-            "run")
+            f"take its checkpoint folder from DETRACE_CKPT_DIR, which detrace {command} sets to a new directory for "
+            "each run")
 
 
 def _loaded(loads: list[CheckpointIO]) -> list[str]:

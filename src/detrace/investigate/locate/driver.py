@@ -21,6 +21,7 @@ from detrace.errors import CommandFailed, TraceError
 from detrace.integrations.advice import imports_detrace
 from detrace.investigate.audit.records import ENV_AUDIT
 from detrace.investigate.audit.report import prediction
+from detrace.investigate.check import refuse_one_sided_loads
 from detrace.investigate.locate.config import BASE_RUNS, DEFAULT_CHECKPOINT_EVERY, LocateConfig
 from detrace.investigate.locate.evidence import call_records, recorded_steps
 from detrace.investigate.locate.stages import Answer, Progress, RunFailed, SpentRun, StageRun
@@ -155,6 +156,13 @@ class Ladder:
         prefix = f"{len(self.stages)}-{rung}"
         a = self._run(stage, f"{prefix}-{first}", rung=rung)
         b = self._run(stage, f"{prefix}-{second}", rung=rung)
+        return self._compare(stage, rung, a, b)
+
+    def _compare(self, stage: StageRun, rung: str, a: Path, b: Path) -> DiffResult:
+        """The diff of two runs of the same rung, kept in the stage; refused when one of them resumed by itself."""
+        # A script that auto-resumes from its own folder (not DETRACE_CKPT_DIR) makes run b start where run a
+        # ended: say so, as `detrace check` does, rather than that the runs share no global step.
+        refuse_one_sided_loads([a, b], command="locate", labels=[a.name, b.name])
         result = diff(a, b)
         if result.verdict == "incomparable":
             raise TraceError(f"two {rung}-rung runs of the same command are not comparable: {result.reason}")
@@ -258,10 +266,7 @@ class Ladder:
             # before the verdict is "deterministic".
             self.planned += 1
             third = self._run(broad, f"{len(self.stages)}-semantic-c", rung="semantic")
-            first_pair = diff(Path(broad.runs[0]), third)
-            if first_pair.verdict == "incomparable":
-                raise TraceError(f"two semantic-rung runs of the same command are not comparable: {first_pair.reason}")
-            broad.diff = first_pair.to_json()
+            first_pair = self._compare(broad, "semantic", Path(broad.runs[0]), third)
         if first_pair.verdict == "identical" or first_pair.first is None:
             over = f"over {result.steps} step{'s' * (result.steps != 1)}"
             broad.note = f"the three runs are bit-identical {over}"
