@@ -18,7 +18,7 @@ from _ranks import spawn_ranks
 from detrace import fingerprint
 from detrace._compat import dtensor_local_box
 from detrace.digest.scheme import SCHEME, SCHEME2, Fingerprint, add, header, signed
-from detrace.digest.sharded import WORD, _join, _padding, _runs, _sum_at, part_of, whole_digest
+from detrace.digest.sharded import WORD, _join, _padding, _runs, _sum_at, part_of
 from detrace.investigate.check_topology import Mesh, Mismatch, _records
 from detrace.parallel.layout import Layout
 from detrace.tracefile import ARROW_SCHEMA, RankWriter
@@ -166,20 +166,22 @@ def test_replicas_of_the_whole_shard_that_disagree_are_named(tmp_path: Path) -> 
 # real ranks: DTensors on gloo, against the fingerprint of the whole tensor (which every rank builds from one seed)
 
 
-def _parts(dt: torch.Tensor, whole: torch.Tensor, want: Fingerprint) -> bool | None:
-    """Whether the ranks' `part_of` digests (what the tracer records of a sharded DTensor, no collective) complete
-    to the global fingerprint `want` (`whole_digest` over the distinct shards, as check-topology adds them); None
-    where a rank has no part (a replicated DTensor, runs that split a word)."""
+def _parts(dt: torch.Tensor, whole: torch.Tensor, want: Fingerprint, out: Path) -> bool | None:
+    """Whether the ranks' records (what the tracer records of a sharded DTensor, no collective: its `part_of`, or
+    the whole tensor's fingerprint on a rank that holds every element of an uneven shard) complete to the global
+    fingerprint `want` as check-topology adds them up (on every rank, in its own folder `out`); None where a rank has
+    no part (a replicated DTensor, runs that split a word)."""
     part = part_of(dt, want.scheme)
-    mine = torch.tensor([0, 0, 0] if part is None else [1, signed(part.digest), part.numel])
+    held = part or fingerprint(dt.to_local(), scheme=want.scheme)
+    mine = torch.tensor([int(part is not None or held.numel == whole.numel()), signed(held.digest), held.numel])
     every = torch.empty(dist.get_world_size() * 3, dtype=torch.int64)
     dist.all_gather_into_tensor(every, mine)
     rows = every.view(-1, 3).tolist()
-    if not all(flag for flag, _, _ in rows):
+    if not all(flag for flag, _, _ in rows) or not any(numel < whole.numel() for _, _, numel in rows):
         return None
-    distinct = {digest % (1 << 64): numel for _, digest, numel in rows}  # a replica's part counted once
-    assert sum(distinct.values()) == whole.numel()
-    return whole_digest(list(distinct), whole.dtype, tuple(whole.shape), want.scheme) == want.digest
+    records = [Fingerprint(digest % (1 << 64), want.dtype, want.shape, numel, scheme=want.scheme)
+               for _, digest, numel in rows]
+    return _as_check_topology_reads(out, records) == want.hex
 
 
 def _check_rank(rank: int, world: int, out: str, port: int) -> None:
@@ -202,7 +204,9 @@ def _check_rank(rank: int, world: int, out: str, port: int) -> None:
     try:
         g = torch.Generator().manual_seed(0)
         wholes = [torch.randn(37, 64, generator=g), torch.randn(8, 1024, generator=g).to(torch.bfloat16),
-                  torch.randint(0, 9, (6, 10), generator=g), torch.randn(9, 7, generator=g).to(torch.bfloat16)]
+                  torch.randint(0, 9, (6, 10), generator=g), torch.randn(9, 7, generator=g).to(torch.bfloat16),
+                  # uneven shards on dimension 0 that leave ranks empty: a [1, 8] head over 2 or 4 ranks is rank 0's
+                  torch.randn(1, 8, generator=g), torch.randn(3, 8, generator=g), torch.randn(2, 8, generator=g)]
         meshes = [init_device_mesh("cpu", (world,))]
         if world == 4:
             meshes.append(init_device_mesh("cpu", (2, 2)))
@@ -217,8 +221,9 @@ def _check_rank(rank: int, world: int, out: str, port: int) -> None:
                         gathered.clear()
                         got = fingerprint(dt, scheme=scheme)
                         want = fingerprint(whole, scheme=scheme)
+                        reads = Path(out, f"rank{rank}-reads", str(len(results)))
                         results.append((str(placements), tuple(whole.shape), scheme, got.hex == want.hex,
-                                        got.shape == want.shape, not gathered, _parts(dt, whole, want)))
+                                        got.shape == want.shape, not gathered, _parts(dt, whole, want, reads)))
         # a fully_shard model: parameters_fingerprint is the unsharded model's, on every rank
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(5, 33), torch.nn.Linear(33, 3))
@@ -226,6 +231,14 @@ def _check_rank(rank: int, world: int, out: str, port: int) -> None:
         fully_shard(model[0], mesh=meshes[0])
         fully_shard(model, mesh=meshes[0])
         results.append(("fsdp", (), "", parameters_fingerprint(model) == plain, True, True, None))
+        # a model with an nn.Linear(8, 1) head: its [1, 8] weight and [1] bias are all on rank 0
+        head = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Linear(8, 1))
+        wholes = [p.detach().clone() for p in head.parameters()]
+        fully_shard(head, mesh=meshes[0])
+        for i, (param, whole) in enumerate(zip(head.parameters(), wholes, strict=True)):
+            want = fingerprint(whole)
+            results.append(("fsdp head", tuple(whole.shape), want.scheme, fingerprint(param).hex == want.hex, True,
+                            True, _parts(param, whole, want, Path(out, f"rank{rank}-reads", f"head{i}"))))
         Path(out, f"rank{rank}.txt").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -248,3 +261,5 @@ def test_a_dtensors_fingerprint_is_its_global_tensors_on_every_rank(tmp_path: Pa
     assert all(parts is None for p, _, _, _, _, _, parts in rows if p == "[Replicate()]")
     assert all(by_case[(p, s)] for p, s in by_case if s in ((37, 64), (6, 10), (8, 1024), ()))
     assert not by_case[("[Shard(dim=1)]", (9, 7))]
+    # fully_shard of a model with an nn.Linear(8, 1) head: each parameter's records add up to its fingerprint
+    assert [(equal, parts) for p, _, _, equal, _, _, parts in rows if p == "fsdp head"] == [(True, True)] * 4
