@@ -169,8 +169,9 @@ def part_of(tensor: Any, scheme: str) -> Fingerprint | None:
     the sum of the terms of the words this rank holds, keyed at their global positions (a replica's copy included),
     whose shape is the global shape and whose numel is this rank's. The parts of the distinct shards, added with
     the scheme's addition, complete to the global fingerprint with `whole_digest`. None where there is no such part:
-    a DTensor this rank holds whole (no placement shards it, or a mesh of one: fingerprint it), placements that are
-    not a box, or runs that split a word. What the tracer records of a DTensor (docs/topology.md)."""
+    a DTensor this rank holds whole (no placement shards it, a mesh of one, or an uneven shard that leaves the other
+    ranks empty, as a [1, 8] weight over 2 ranks: fingerprint it, that is the global fingerprint), placements that
+    are not a box, or runs that split a word. What the tracer records of a DTensor (docs/topology.md)."""
     if not _boxed(tensor) or not any(type(p).__name__ == "Shard" for p in tensor.placements):
         return None
     numel = math.prod(dtensor_local_box(tensor)[0])

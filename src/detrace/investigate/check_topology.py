@@ -12,11 +12,13 @@ compared on the losses before that scaling, see `_losses`); the gradient norm by
 layout splits the gradients (T > 1, FSDP, pipeline or expert parallelism: the tracer's norm is of the rank's own
 part). A sharded DTensor parameter (FSDP, `parallelize_module`) is recorded by each rank as its part of the global
 fingerprint (`detrace.digest.sharded.part_of`: numel below the global shape's); the distinct shards' parts add up to
-the global fingerprint, compared by name like any other. Where ranks hold plain shards of one parameter under one
-name (the reference trainer's expert parallelism) the tracer records each shard: that run's parameters are then
-compared through the `final params` line, which it and the reference must print; the other runs' still step by step
-against an unsharded reference (with a sharded reference, no run's are). A name that several ranks of a run hold (a
-replica) must have the same bits on each; a chunk held by one rank (`detrace.parallel.tensor`) is taken from it.
+the global fingerprint, compared by name like any other (where one rank holds every element of an uneven shard and
+the others' parts are empty, that rank's whole record is the global fingerprint). Where ranks hold plain shards of
+one parameter under one name (the reference trainer's expert parallelism) the tracer records each shard: that run's
+parameters are then compared through the `final params` line, which it and the reference must print; the other
+runs' still step by step against an unsharded reference (with a sharded reference, no run's are). A name that
+several ranks of a run hold (a replica) must have the same bits on each; a chunk held by one rank
+(`detrace.parallel.tensor`) is taken from it.
 Every run must equal the first layout's; runs whose parameters are not the same set (names, and shapes where no
 rank holds a shard) train other models, and are refused (exit 2) naming the first parameter. A `final params HEX`
 line in CMD's output is compared too, in each run that prints one, when the reference does (a CMD need not print
@@ -352,13 +354,13 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
         if not sum(found.values()) and held:
             # an uneven shard whose other ranks hold nothing (a [1, n] weight over 2 ranks): the rank that holds
             # every element records the whole tensor, whose fingerprint is the global one; its replicas must agree
-            (first, bits), *others = sorted(held.items())
+            (first, value), *others = sorted(held.items())
             for rank, other in others:
-                if other != bits:
+                if other != value:
                     return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks",
                                             name=f"{kind} {name}", world=mesh.world, run=label,
-                                            detail=f"rank {first} {bits:016x}, rank {rank} {other:016x}"), shapes
-            merged[(step, kind, name)] = f"{bits:016x}"
+                                            detail=f"rank {first} {value:016x}, rank {rank} {other:016x}"), shapes
+            merged[(step, kind, name)] = f"{value:016x}"
             continue
         if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
             return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks", name=f"{kind} {name}",
