@@ -4,6 +4,7 @@ divergence, and an evaluation both runs ran is compared: a nondeterministic one 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,29 @@ def test_training_under_no_grad_in_train_mode_is_no_evaluation(tmp_path: Path) -
     rows = read_rank(tmp_path / "t", 0).table.to_pylist()
     assert not [r for r in rows if r["phase"] == "evaluation"]
     assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_frozen_copy_evaluated_after_the_step_is_an_evaluation(tmp_path: Path, mode: str) -> None:
+    """An EMA copy (requires_grad off, in train mode as deepcopy leaves it, or in eval mode), evaluated under no_grad
+    after steps 2 and 4: its forward is no training step's input, and no step begins after the last one."""
+    torch.manual_seed(0)
+    model = Model()
+    ema = copy.deepcopy(model).requires_grad_(False).train(mode == "train")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _data()
+    with detrace.trace(tmp_path / "t", rung="semantic"):
+        for i in range(4):
+            nn.functional.mse_loss(model(data[i]), torch.zeros(8, 1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                for averaged, current in zip(ema.parameters(), model.parameters(), strict=True):
+                    averaged.lerp_(current, 0.1)
+                if (i + 1) % 2 == 0:
+                    ema(data[5])
+    rows = read_rank(tmp_path / "t", 0).table.to_pylist()
+    assert [(r["step"], r["role"]) for r in rows if r["phase"] == "evaluation"] == [
+        (1, "input"), (1, "output"), (3, "input"), (3, "output")]
+    assert {r["step"] for r in rows} == {0, 1, 2, 3}
+    assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2, 3]

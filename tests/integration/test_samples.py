@@ -203,3 +203,23 @@ def test_a_plain_dataloader_records_its_samples(tmp_path: Path, workers: int) ->
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter([torch.tensor([1.0]), torch.tensor([2.0])])
+
+
+def test_an_evaluation_loader_in_a_loop_without_one_gives_no_training_batch_its_samples(tmp_path: Path) -> None:
+    """A loop that makes its own training batches and evaluates through a DataLoader under no_grad after step 0: the
+    evaluation's indices, which its forwards took, are no training step's samples."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        for step in range(3):
+            model(torch.full((BATCH, 1), float(step))).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                model.eval()
+                with torch.no_grad():
+                    for held_out in DataLoader(Indexed(), batch_size=8):
+                        model(held_out)
+                model.train()
+    assert [batch_samples(tmp_path / "a", 0, step) for step in range(3)] == [(), (), ()]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ from detrace import _events
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import Call, recorded_leaves
+from detrace.record.rungs import loader_samples
 from detrace.record.session import Tracer
 
 
@@ -57,6 +59,18 @@ def evaluates(module: nn.Module) -> bool:
     if torch.is_grad_enabled() or module.training:
         return False
     return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def frozen_evaluates(module: nn.Module) -> bool:
+    """Whether a call of a frozen `module` (no parameter requires grad: an EMA copy, a teacher) with grad disabled,
+    made in a step's trailing work (after its optimizer step), is an evaluation. It is unless the model's forward
+    was a step's work before (the caller's `stepping` tells): a teacher runs in the first step's work, before any
+    optimizer step, and again, in the same place, at the start of each later step's; an EMA copy evaluated after the
+    checkpoint steps never does, and counting its forward as the next step's work would make one step more at the
+    end of the run and take its batch for a training one."""
+    if torch.is_grad_enabled():
+        return False
+    return not any(parameter.requires_grad for parameter in module.parameters())
 
 
 def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -91,6 +105,8 @@ def evaluated(tracer: Tracer, call: Call, output: Any) -> None:
 def install(tracer: Tracer) -> list[Callable[[], None]]:
     original = nn.Module.__call__
     local = threading.local()
+    stepping: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    """The models whose outermost forward was a step's work: a frozen one among them is a teacher (`evaluates`)."""
 
     def begins(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
         """An outermost module call in the forward: a model's begins the step's work (or an evaluation), and its
@@ -99,9 +115,12 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         if tracer.busy or not _has_parameters(module):
             return None
         samples = None
-        if evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled()):
+        if (evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled())
+                or (tracer.clock.trailing and module not in stepping and frozen_evaluates(module))):
             tracer.evaluation_begins()
+            loader_samples.evaluation_takes()
         else:
+            stepping.add(module)
             tracer.training_begins()
             samples = _events.next_samples()  # taken at every training forward: the next one takes the next batch
         return record(tracer, module, args, kwargs, samples) if tracer.on["semantic"] else None

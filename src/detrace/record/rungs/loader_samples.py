@@ -6,12 +6,16 @@ register themselves. Any other map-style DataLoader (a plain loop's, HF `Trainer
 is seen here: its iterator asks its batch sampler for each batch's indices, in the main process, in the order the
 batches reach the loop (also with workers that prefetch), and they are queued per iterator; the iterator that
 dispatched last is the source; an evaluation loader iterated between two training batches hands it back when it is
-exhausted. `check-resume` tells the same samples augmented otherwise from another
-data position with them, and `detrace ablate` names a spike's sample.
+exhausted. A batch dispatched with grad disabled (a loop's `with torch.no_grad(): for x, y in val_loader`) that an
+evaluation's forward takes (`evaluation_takes`) is dropped: with no training loader to hand the source back to (a
+loop that makes its own training batches), it would otherwise go to the next training forward. `check-resume`
+tells the same samples augmented otherwise from another data position with them, and `detrace ablate` names a
+spike's sample.
 
 Left alone: a loader whose indices are not plain integers (detrace's keyed samplers: their own source says them),
-an `IterableDataset` (no index), a loader built with `in_order=False` (batches reach the loop out of order), and
-any loader while one of detrace's own samplers is the source.
+an `IterableDataset` (no index), a loader built with `in_order=False` (batches reach the loop out of order), any
+loader while one of detrace's own samplers is the source, and an evaluation loader iterated with grad enabled in a
+loop without a training loader (its last batches' indices go to the next training forward).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from detrace import _compat, _events
 from detrace.record.session import Tracer
@@ -33,7 +39,8 @@ class _Handed:
     """One DataLoader iterator's batches of sample indices, dispatched and not yet taken by a training forward."""
 
     def __init__(self) -> None:
-        self.batches: collections.deque[list[int]] = collections.deque(maxlen=PENDING_BATCHES)
+        self.batches: collections.deque[tuple[list[int], bool]] = collections.deque(maxlen=PENDING_BATCHES)
+        """Each batch's indices, and whether it was dispatched with grad disabled (an evaluation's, likely)."""
         self.before: _Handed | None = None
         """The source this one took over from (a training loader's, for an evaluation's): the source again once
         this iterator is exhausted."""
@@ -41,7 +48,16 @@ class _Handed:
         """Its batch sampler has no more batches (some may still be on their way to the loop)."""
 
     def __call__(self) -> list[int] | None:
-        return self.batches.popleft() if self.batches else None
+        return self.batches.popleft()[0] if self.batches else None
+
+
+def evaluation_takes() -> None:
+    """An evaluation's forward takes the next batch of the loader that dispatched last when that batch was
+    dispatched with grad disabled: its indices are dropped, never a training forward's. (A batch dispatched with grad
+    enabled is a training loader's that an evaluation on tensors of its own ran before: it stays for the training.)"""
+    source = _events.sample_source[0] if _events.sample_source else None
+    if isinstance(source, _Handed) and source.batches and source.batches[0][1]:
+        source.batches.popleft()
 
 
 def _indices(value: Any) -> list[int] | None:
@@ -65,7 +81,7 @@ def install(tracer: Tracer) -> list[Undo]:
         queue = handed.get(iterator)
         if queue is None:
             queue = handed[iterator] = _Handed()
-        queue.batches.append(batch)
+        queue.batches.append((batch, not torch.is_grad_enabled()))
         if current is not queue:
             # (a finished epoch's iterator, all of whose batches were taken, is no source to hand back to)
             queue.before = current if current is not None and (current.batches or not current.exhausted) else None
