@@ -24,7 +24,7 @@ from detrace.cli import check_resume as check_resume_cli
 from detrace.cli import main
 from detrace.errors import CommandFailed, UsageError
 from detrace.investigate.check import check
-from detrace.investigate.check_resume import check_resume, compare_parts
+from detrace.investigate.check_resume import Contract, check_resume, compare_parts
 from detrace.launch.launcher import LaunchResult
 from detrace.report.meaning import forgotten
 from detrace.tracefile.layout import checkpoint_log_path, run_header_path, state_parts_path
@@ -564,3 +564,65 @@ def test_what_is_left_when_the_compared_parts_are_equal(first: str, equal: list[
                             name="x", module=None, role="output", origin=True)
     said = forgotten(divergence, (), equal)
     assert said is not None and said.startswith(words)
+
+
+class ResumeArgs(Contract):
+    """The native contract's commands (CMD's own checkpoints): the resumed arms and the controls run CMD with
+    --resume appended, as `--resume-args=--resume` does."""
+
+    def resume(self, point: Path, control: str | None = None) -> tuple[list[str], dict[str, str]]:
+        command, env = super().resume(point, control)
+        return [*command, "--resume"], env
+
+
+class SavesEma(WithState):
+    """WithState, and every arm saves an EMA copy as its trace closes (a final-state record, "ema.pt"): the
+    resumed arms' EMA restarted from the loaded weights (INJECTED FAULT: its bits differ), every step equal."""
+
+    def __call__(self, cmd: list[str], out: Path, *, env: Mapping[str, str] | None = None, **kw: object
+                 ) -> LaunchResult:
+        import pyarrow as pa
+
+        from detrace.tracefile import ARROW_SCHEMA, read_rank
+        from detrace.tracefile.layout import footer_path, rank_path
+
+        done = super().__call__(cmd, out, env=env, **kw)
+        for rank in range(RUN.ranks):
+            rows = read_rank(out, rank).table.to_pylist()
+            last = max(i for i, row in enumerate(rows) if row["step"] == RUN.steps - 1)
+            ema = {**rows[last], "phase": "final", "rung": "semantic", "module": None, "name": "ema.pt:0.weight",
+                   "occurrence": 0, "role": "saved", "index": 0, "value": None,
+                   "digest": 8 if out.name.startswith("resumed") else 7}
+            rows = [{**row, "seq": i, "event": i} for i, row in enumerate([*rows, ema])]
+            rank_path(out, rank).unlink()
+            footer_path(out, rank).unlink()
+            write_table(out, rank, pa.Table.from_pylist(rows, schema=ARROW_SCHEMA), world_size=RUN.ranks)
+        return done
+
+
+def test_a_native_resume_that_forgot_the_ema_it_saves_says_so(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/loops/ema_forgotten.py under `check-resume --native --resume-args=--resume`: the resumed arm's extra
+    argument is the check's own, not a cause; and the EMA saved at the end differs although every restored part
+    compared equal, which is state outside the model and the optimizer, not "an unseeded draw after the training"."""
+    cmd = [sys.executable, "train.py"]
+    result = check_resume(cmd, at=[2], out=tmp_path / "r", launch=SavesEma({}, {}), contract=ResumeArgs(cmd))
+    assert result.verdict == "resume-changed-the-run"
+    [point] = result.points
+    assert point.resume_diff.first is not None and point.resume_diff.first.phase == "final"
+    check_resume_cli._summary(result, cmd)
+    out = capsys.readouterr().out
+    assert "different commands" not in out and "unseeded draw" not in out
+    assert ("  every step matched, and the state the run ended with differs although every restored part compared "
+            "equal: see what the resume forgot, below") in out.splitlines()
+    [forgot] = [line for line in out.splitlines() if line.startswith("what the resume forgot")]
+    assert forgot.startswith("what the resume forgot: the parts detrace compares (the model's parameters, the "
+                             "optimizer, the RNG states, the data position) do not explain it: the script keeps "
+                             "state outside the model and the optimizer")
+    # `detrace diff` of the same two runs, which are of different commands, still says so, and keeps its hint
+    from detrace.analyze import diff
+    from detrace.report.terminal import diff_lines
+
+    lines = diff_lines(diff(result.continuous, point.resumed))
+    assert any(line.startswith("the runs are of different commands: ") for line in lines)
+    assert any("an unseeded draw" in line for line in lines)

@@ -187,13 +187,15 @@ def incomparable(a: RunInfo, b: RunInfo) -> str | None:
 
 
 def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int | None = None,
-         strict_command: bool = False) -> DiffResult:
+         strict_command: bool = False, command_differs: bool = False) -> DiffResult:
     """Compare two run directories on the global steps both have and return where, if anywhere, their bits first
     differ.
 
     `rank` restricts the comparison to one rank. `workers` processes align ranks in parallel (default: every
     core when the runs are large enough to gain from it). Runs of different commands are compared (and the
-    result says so) unless `strict_command`. Raises TraceError for a missing, empty or unreadable run directory;
+    result says so) unless `strict_command`; `command_differs`: the caller gave B other arguments on purpose
+    (check-resume's --resume-args), so the result does not note it, which would read like a cause. Raises
+    TraceError for a missing, empty or unreadable run directory;
     returns verdict "incomparable" for runs of different world sizes, schemas or layouts, or with no global step
     in common.
     """
@@ -201,7 +203,7 @@ def diff(a: str | Path, b: str | Path, *, rank: int | None = None, workers: int 
     reason = incomparable(run_a, run_b)
     notes = []
     command_a, command_b = _command(run_a), _command(run_b)
-    if command_a is not None and command_b is not None and command_a != command_b:
+    if command_a is not None and command_b is not None and command_a != command_b and not command_differs:
         said = _command_difference(command_a, command_b)
         if strict_command and reason is None:
             reason = f"the runs are of different commands: {said} (--strict-command)."

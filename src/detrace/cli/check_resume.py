@@ -69,6 +69,16 @@ def _forgot(result: ResumeResult, point: StopPoint) -> str | None:
                      equal=[*point.equal, *harmless])
 
 
+def _final(result: ResumeResult, point: StopPoint, forgot: str | None) -> str:
+    """What a first divergence in the final state (an EMA saved at the end) means in a resume check: the continuous
+    runs agree, so not an unseeded draw after the training (the diff's own hint) but state the resume left behind."""
+    restored = bool(point.equal) and all(part in result.harmless for part in point.differing)
+    return ("every step matched, and the state the run ended with differs"
+            + (" although every restored part compared equal" if restored else "")
+            + (": see what the resume forgot, below" if forgot is not None else
+               ": the resumed run did not restore all of the state the continuous run ended with"))
+
+
 def _not_compared(result: DiffResult | None, start: int, why: str) -> None:
     """Under a first divergence at `start`, the first step compared: the runs may part earlier."""
     first = result.first if result is not None else None
@@ -96,9 +106,9 @@ def _summary(result: ResumeResult, cmd: list[str]) -> None:
         point = next(p for p in result.points if p.verdict == verdict)
         print(f"resume-changed-the-run: resuming after step {point.at} changed the run (two continuous runs agree, "
               "and a second resume differs in the same way):")
-        render_diff(point.resume_diff)
-        _not_compared(point.resume_diff, point.at, "the resumed run starts there")
         forgot = _forgot(result, point)
+        render_diff(point.resume_diff, final=_final(result, point, forgot))
+        _not_compared(point.resume_diff, point.at, "the resumed run starts there")
         if forgot is not None:
             print(f"what the resume forgot: {forgot}")
         for line in warned(point.stopped, point.resumed):

@@ -469,7 +469,9 @@ def _stop_point(arm: Arm, k: int, out: Path, continuous: Path, again: Path, cont
     contract.stopped(k, stopped, out)
     command, env = contract.resume(out)
     arm("resumed", resumed, label=f"run resumed after step {k}", point=out, command=command, env=env, state_at=[k])
-    resume_diff = _comparable(diff(continuous, resumed), f"the continuous run and the run resumed after step {k}")
+    # The resumed arm (and each control) runs CMD with its --resume-args on purpose: no note that the commands differ.
+    resume_diff = _comparable(diff(continuous, resumed, command_differs=True),
+                              f"the continuous run and the run resumed after step {k}")
     restored = compare_parts(continuous, again, resumed, k, resume_diff)
     if resume_diff.verdict != "identical":
         again = out / "resumed-again"
@@ -488,7 +490,8 @@ def _stop_point(arm: Arm, k: int, out: Path, continuous: Path, again: Path, cont
         arm(name, run, label=f"negative control after step {k} ({control}: without the {part})", point=out,
             command=command, env=env, state_at=[])
         runs.append(ControlRun(control=control, run=run, applied=contract.applied(control, run), diff=_comparable(
-            diff(continuous, run), f"the continuous run and the negative control after step {k} ({control})")))
+            diff(continuous, run, command_differs=True),
+            f"the continuous run and the negative control after step {k} ({control})")))
         if runs[-1].mattered and not every_control:
             break
     verdict = "exact" if any(c.mattered for c in runs) else "inconclusive"

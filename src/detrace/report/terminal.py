@@ -39,8 +39,8 @@ def _span(values: list[int], limit: int = 12) -> str:
     return text + (f" and {len(values) - limit} more" if len(values) > limit else "")
 
 
-def _explain(d: Divergence) -> list[str]:
-    """What differs, in a few indented lines."""
+def _explain(d: Divergence, final: str | None = None) -> list[str]:
+    """What differs, in a few indented lines; `final`: what a difference in the final state means (diff_lines)."""
     detail = d.detail
     lines: list[str] = []
     if d.kind == "numeric" and d.phase == "data":
@@ -50,8 +50,8 @@ def _explain(d: Divergence) -> list[str]:
         if "digest" in detail:
             lines.append(f"digest {detail['digest'][0]} vs {detail['digest'][1]}")
     elif d.kind == "numeric" and d.phase == "final":
-        lines.append("every step matched, and the state the run ended with differs: it changed after the last "
-                     "optimizer step (an unseeded draw, an average or a quantisation after the training?)")
+        lines.append(final or "every step matched, and the state the run ended with differs: it changed after the "
+                     "last optimizer step (an unseeded draw, an average or a quantisation after the training?)")
         if "digest" in detail:
             lines.append(f"digest {detail['digest'][0]} vs {detail['digest'][1]}")
     elif d.kind == "numeric":
@@ -100,8 +100,9 @@ def _rank_row(r: RankResult) -> tuple[str, str, str, str]:
     return str(r.rank), r.cause, " ".join(what.split()), r.via or ""
 
 
-def diff_lines(result: DiffResult) -> list[str]:
-    """The summary as plain lines (what a pipe gets)."""
+def diff_lines(result: DiffResult, *, final: str | None = None) -> list[str]:
+    """The summary as plain lines (what a pipe gets). `final`: what a first divergence in the final state means, in
+    place of the hint that fits two runs of one command (check-resume knows better: its resume left state behind)."""
     diverged = [r for r in result.ranks if r.first is not None]
     if result.verdict == "incomparable":
         return [f"incomparable: {result.reason}", *result.notes]
@@ -118,7 +119,7 @@ def diff_lines(result: DiffResult) -> list[str]:
              f"({result.compared.records:,} records compared)", *note]
     if result.first is not None:
         lines.append(f"first divergence: {_where(result.first)} [{result.first.kind}]")
-        lines += [f"  {line}" for line in _explain(result.first)]
+        lines += [f"  {line}" for line in _explain(result.first, final)]
     lines.append(f"origin ranks: {_span(result.origin_ranks) or 'none found'}")
     return lines
 
@@ -134,10 +135,10 @@ def make_console(file: TextIO | None = None, *, stderr: bool = False) -> Console
     return Console(file=stream, highlight=False, soft_wrap=piped, width=PIPE_WIDTH if piped else None)
 
 
-def render_diff(result: DiffResult, file: TextIO | None = None) -> None:
-    """Print the diff summary: styled on a terminal, plain when `file` is not one."""
+def render_diff(result: DiffResult, file: TextIO | None = None, *, final: str | None = None) -> None:
+    """Print the diff summary: styled on a terminal, plain when `file` is not one (`final`: see diff_lines)."""
     console = Console(file=file or sys.stdout, highlight=False)
-    lines = diff_lines(result)
+    lines = diff_lines(result, final=final)
     diverged = [r for r in result.ranks if r.first is not None]
     rows = [_rank_row(r) for r in diverged[:MAX_RANK_ROWS]]
     more = len(diverged) - len(rows)
