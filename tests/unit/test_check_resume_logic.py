@@ -556,6 +556,8 @@ def test_an_rng_difference_that_an_exact_stop_point_shows_harmless_is_not_named(
     ("forward", ["parameters", "torch RNG state"], "the parts detrace compares"),
     ("backward", [], "the RNG state (a dropout mask, an augmentation), or the model"),  # nothing compared
     ("optimizer", ["optimizer state", "param groups"], "the parts detrace compares"),
+    ("final", ["parameters", "optimizer state"], "the parts detrace compares"),  # an EMA saved at the end
+    ("evaluation", ["parameters", "optimizer state"], "the parts detrace compares"),  # an EMA evaluated
     ("data", ["data position"], "the same samples arrived, but their random augmentation"),
     ("data", ["parameters"], "the data order or position is not the continuous run's"),
 ])

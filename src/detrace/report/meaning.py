@@ -97,8 +97,11 @@ def forgotten(first: Divergence | None, differing: Sequence[str] = (), equal: Se
         return None
     if first.phase == "data":
         return AUGMENTED if "data position" in equal else FORGOT_PART["data position"]
-    if equal and (first.phase in ("forward", "backward", "final") or (first.phase == "optimizer" and first.origin)):
-        return OUTSIDE  # (no part differs: nothing the comparison covers explains it; "final": an EMA saved at the end)
+    if equal and (first.phase in ("forward", "backward", "final", "evaluation")
+                  or (first.phase == "optimizer" and first.origin)):
+        # No part differs: nothing the comparison covers explains it ("final": an EMA saved at the end;
+        # "evaluation": an EMA evaluated at the checkpoints, the training steps all equal).
+        return OUTSIDE
     if first.phase == "optimizer" and first.origin:
         return ("the learning rate or optimizer state is not the one the continuous run had: an optimizer step "
                 "made other parameters from the same gradients; does your checkpoint save the scheduler (and the "
