@@ -26,7 +26,6 @@ a working directory: it holds a lock there (`detrace-runs/native-check.lock`, na
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -40,6 +39,7 @@ from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.investigate.check_resume import Contract, RerunArm
 from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
 from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, NATIVE_CHECK_LOCK, RUNS_DIR
+from detrace.tracefile.lock import lock_file
 from detrace.tracefile.writer import write_json_atomic
 
 _SKIPPED_DIRS = {".git", "__pycache__", RUNS_DIR}
@@ -571,29 +571,16 @@ def _previous(fd: int) -> str | None:
 def _locked(path: Path) -> Iterator[tuple[int, dict[str, object] | None]]:
     """Open and flock `path`: (fd, None) when this process holds it now, (fd, what the holder wrote) when another
     live process does. The fd is closed after the block (hold it longer with os.dup)."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8", errors="replace") or "{}")
-            except ValueError:
-                holder = {}
-            try:
-                yield fd, holder if isinstance(holder, dict) else {}
-            finally:
-                os.close(fd)
-            return
-        try:  # the file locked must still be the one at the path: a check letting go removes it
-            current = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        os.close(fd)
+    fd, held = lock_file(path)
     try:
-        yield fd, None
+        if held:
+            yield fd, None
+            return
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8", errors="replace") or "{}")
+        except ValueError:
+            holder = {}
+        yield fd, holder if isinstance(holder, dict) else {}
     finally:
         os.close(fd)
 

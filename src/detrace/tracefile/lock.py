@@ -25,30 +25,42 @@ def _pid(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-@contextlib.contextmanager
-def writing(run_dir: Path) -> Iterator[None]:
-    """Hold `run_dir`'s lock for the block (the directory exists); TraceError when a live run holds it."""
-    path = run_dir / RUN_LOCK
+def lock_file(path: Path) -> tuple[int, bool]:
+    """Open `path` (created if missing) and flock it exclusively without waiting: (fd, True) when this process
+    holds the lock now, (fd, False) when another live process does (the caller reads what the holder wrote). The
+    caller closes fd. OSError when the file cannot be opened."""
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as err:  # a read-only directory, a full disk
-            raise TraceError(f"cannot write to output directory {run_dir}: {os_error_text(err, run_dir)}") from None
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = _pid(fd)
-            os.close(fd)
-            raise TraceError(f"{run_dir} is being written by another detrace run that still runs"
-                             f"{f' (pid {pid})' if pid else ''}; wait for it to end or choose another "
-                             "directory (--force never replaces a live run's trace)") from None
-        try:  # the file locked must still be the one at the path: a writer letting go removes it
+            return fd, False
+        # The file locked must still be the one at the path: a holder letting go removes it before its lock
+        # falls, so a file opened before that removal and locked after it guards nothing (the next process
+        # creates a new one at the path): open again.
+        try:
             current = os.stat(path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             current = False
         if current:
-            break
+            return fd, True
         os.close(fd)
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir`'s lock for the block (the directory exists); TraceError when a live run holds it."""
+    path = run_dir / RUN_LOCK
+    try:
+        fd, held = lock_file(path)
+    except OSError as err:  # a read-only directory, a full disk
+        raise TraceError(f"cannot write to output directory {run_dir}: {os_error_text(err, run_dir)}") from None
+    if not held:
+        pid = _pid(fd)
+        os.close(fd)
+        raise TraceError(f"{run_dir} is being written by another detrace run that still runs"
+                         f"{f' (pid {pid})' if pid else ''}; wait for it to end or choose another "
+                         "directory (--force never replaces a live run's trace)")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
