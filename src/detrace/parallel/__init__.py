@@ -7,7 +7,7 @@ the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert paral
 source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
 (`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`). Drop-in replacements for
 torch's APIs, with torch's signatures: `shard`, `fully_shard`; `plan`, `parallelize_module`, `ColwiseParallel`,
-`RowwiseParallel`.
+`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B` (and torch's `PipelineStage`).
 See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
@@ -38,7 +38,9 @@ __all__ = [
 _PLAN = ("ColwiseParallel", "RowwiseParallel", "parallelize_module")
 """detrace.parallel.plan's drop-ins, imported on first use: torch.distributed.tensor.parallel costs a second of a
 rank's start-up, and every traced process imports detrace.parallel."""
-__all__ += _PLAN
+_SCHEDULE = ("PipelineStage", "Schedule1F1B", "ScheduleGPipe")
+"""detrace.parallel.schedule's drop-ins (torch's PipelineStage re-exported), imported on first use as the plan's."""
+__all__ += _PLAN + _SCHEDULE
 
 
 def __getattr__(name: str) -> object:
@@ -46,4 +48,8 @@ def __getattr__(name: str) -> object:
         from detrace.parallel import plan
 
         return getattr(plan, name)
+    if name in _SCHEDULE:
+        from detrace.parallel import schedule
+
+        return getattr(schedule, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

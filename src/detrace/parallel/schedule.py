@@ -1,0 +1,106 @@
+"""`ScheduleGPipe` and `Schedule1F1B` as drop-ins: torch.distributed.pipelining's schedules, whose gradients are
+the bits of one process that runs the same microbatches, whatever the number of stages.
+
+    from detrace.parallel import PipelineStage, Schedule1F1B     # instead of torch.distributed.pipelining's
+
+    stage = PipelineStage(stage_module, rank, stages, device)   # torch's own class, re-exported
+    schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
+    for step in range(steps):
+        schedule.step(x, target=y)                               # first stage x, last stage target=y
+        optimizer.step()
+        optimizer.zero_grad()
+
+What differs with torch's schedules: nothing in a stage's forward or backward (a stage runs the whole model's ops on
+its layers; the activation's gradient crosses the cut unchanged), and the backwards of one stage run in microbatch
+order 0..M-1 in both schedules, so each `.grad` is added in the order of a plain loop of M backwards. So torch's
+schedules give the bits of that loop with torch's own per-module accumulation; with detrace's parallel APIs (whose
+`fully_shard` sums a step's microbatches in the fixed balanced tree at every number of shards, one process
+included), a stage must sum its microbatches in the same tree, which these schedules do (`TreeGradients`), then
+divide by M as torch's `scale_grads=True` (a power-of-two M: the division is exact, so the bits are those of a loop
+whose losses were each divided by M).
+
+What it cannot keep, refused in one sentence: a `scale_grads=True` schedule of M microbatches not a power of two
+(the division by M after the sum would round differently from the loop's losses each divided by M), gradients left
+in `.grad` from before the step (they would be added outside the tree: call `optimizer.zero_grad()`), and a stage
+with active dropout (its draws come from the stage's process in the schedule's order, not from the one process's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import Schedule1F1B as TorchSchedule1F1B
+from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
+
+from detrace.errors import UsageError
+from detrace.parallel.pipeline import TreeGradients
+
+__all__ = ["PipelineStage", "Schedule1F1B", "ScheduleGPipe"]
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+class _TreeSchedule:
+    """The step of a single-stage schedule whose stage sums its microbatches' gradients in the fixed tree."""
+
+    _stage: Any
+    _n_microbatches: int
+
+    def _tree_init(self, name: str, scale_grads: bool) -> None:
+        m = self._n_microbatches
+        if scale_grads and m & (m - 1):
+            raise UsageError(f"detrace.parallel.{name} with scale_grads=True takes a power-of-two n_microbatches, "
+                             f"not {m}: pass scale_grads=False and divide the loss yourself")
+        self._divide = m if scale_grads else 1
+        module: nn.Module = self._stage.submod
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._dropouts = [d for d in module.modules() if isinstance(d, _DROPOUTS) and d.p > 0]
+        self._grads = TreeGradients(self._params, m)
+        self._name = name
+
+    def _tree_step(self, run: Callable[[], Any]) -> Any:
+        if any(d.training for d in self._dropouts):
+            raise UsageError(f"detrace.parallel.{self._name} does not support dropout in a stage (its draws depend "
+                             "on the stage's process): set the dropout's p to 0 or call eval()")
+        if any(p.grad is not None and bool(p.grad.any()) for p in self._params):
+            raise UsageError(f"detrace.parallel.{self._name}.step found gradients from before the step; call "
+                             "optimizer.zero_grad() before each step (a step's microbatches are summed in a tree)")
+        self._grads.begin()
+        result = run()
+        self._grads.finish()
+        if self._divide != 1:
+            with torch.no_grad():
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.div_(self._divide)  # exact: a power of two
+        return result
+
+
+class ScheduleGPipe(TorchScheduleGPipe, _TreeSchedule):
+    """torch.distributed.pipelining.ScheduleGPipe(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
+    stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
+
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
+                 scale_grads: bool = True, **kwargs: Any) -> None:
+        super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
+        self._tree_init("ScheduleGPipe", scale_grads)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tree_step(lambda: super(ScheduleGPipe, self).step(*args, **kwargs))
+
+
+class Schedule1F1B(TorchSchedule1F1B, _TreeSchedule):
+    """torch.distributed.pipelining.Schedule1F1B(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
+    stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
+
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
+                 scale_grads: bool = True, **kwargs: Any) -> None:
+        super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
+        self._tree_init("Schedule1F1B", scale_grads)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tree_step(lambda: super(Schedule1F1B, self).step(*args, **kwargs))

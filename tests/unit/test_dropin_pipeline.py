@@ -1,0 +1,94 @@
+"""detrace.parallel's pipeline schedules as drop-ins for torch's: in process, at one stage (the tree over the
+microbatches, the refusals); tests/e2e/test_dropin_llama.py runs pp2 for real."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
+
+from detrace.errors import UsageError
+from detrace.parallel import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+M, B = 4, 2
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Dropout(dropout), nn.Linear(64, 3))
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M * B, 8, generator=g) * 10, torch.randint(0, 3, (M * B,), generator=g)
+
+
+def _stage(model: nn.Module) -> Any:
+    return PipelineStage(model, 0, 1, torch.device("cpu"))
+
+
+def _tree_of_microbatches(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """One process: each microbatch's gradient of its loss / M alone, summed (g0 + g1) + (g2 + g3)."""
+    model, per = _model(), []
+    for i in range(M):
+        loss = _loss(model(x[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]) / M
+        per.append(torch.autograd.grad(loss, list(model.parameters())))
+    return [(a + b) + (c + d) for a, b, c, d in zip(*per, strict=True)]
+
+
+@pytest.mark.parametrize("schedule", [ScheduleGPipe, Schedule1F1B])
+def test_schedule_sums_a_stages_microbatches_in_the_tree(one_rank: None, schedule: Any) -> None:
+    differs = False
+    for seed in range(8):
+        x, y = _batch(seed)
+        want = _tree_of_microbatches(x, y)
+        model = _model()
+        losses: list[torch.Tensor] = []
+        schedule(_stage(model), n_microbatches=M, loss_fn=_loss).step(x, target=y, losses=losses)
+        assert len(losses) == M  # torch's per-microbatch losses, unscaled
+        for p, g in zip(model.parameters(), want, strict=True):
+            assert torch.equal(p.grad, g)
+        # torch's own schedule adds the microbatches in running order: a different sum, for some batch
+        torch_model = _model()
+        TorchScheduleGPipe(_stage(torch_model), n_microbatches=M, loss_fn=_loss).step(x, target=y)
+        differs |= any(not torch.equal(p.grad, g) for p, g in zip(torch_model.parameters(), want, strict=True))
+    assert differs
+
+
+def test_schedule_refuses_what_it_cannot_keep_in_one_sentence(one_rank: None) -> None:
+    x, y = _batch(0)
+    with pytest.raises(UsageError, match="power-of-two n_microbatches, not 3"):
+        ScheduleGPipe(_stage(_model()), n_microbatches=3, loss_fn=_loss)
+    ScheduleGPipe(_stage(_model()), n_microbatches=3, loss_fn=_loss, scale_grads=False)  # the user's own scaling
+    model = _model()
+    schedule = Schedule1F1B(_stage(model), n_microbatches=M, loss_fn=_loss)
+    schedule.step(x, target=y)
+    kept = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(UsageError, match="call optimizer.zero_grad"):
+        schedule.step(x, target=y)
+    # the refusal lost nothing
+    assert all(torch.equal(p.grad, k) for p, k in zip(model.parameters(), kept, strict=True))
+    model.zero_grad()
+    schedule.step(x, target=y)  # after zero_grad, it runs
+    dropped = _model(dropout=0.1)
+    with pytest.raises(UsageError, match="does not support dropout"):
+        ScheduleGPipe(_stage(dropped), n_microbatches=M, loss_fn=_loss).step(x, target=y)
