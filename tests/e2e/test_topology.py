@@ -11,7 +11,7 @@ import shutil
 import struct
 import sys
 from contextlib import redirect_stdout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,7 @@ from detrace.investigate.check_topology import (
 from detrace.investigate.validate import _topology_row
 from detrace.launch.launcher import LaunchResult
 from detrace.parallel.data import InvariantDataParallel, _tree_plan, invariant_backward, owned_microbatches
+from detrace.parallel.layout import LAYOUT_ENV, Layout
 from detrace.parallel.tensor import TP_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -455,6 +456,9 @@ class _Fake:
     """The runs in these directories train another model: `a` one whole parameter, not chunks."""
     average: bool = False
     """Each rank scales each microbatch's loss by 1/n for its n microbatches (torch's averaging convention)."""
+    replicas: tuple[str, ...] = ()
+    """The sharded runs in these directories hold every parameter whole on each rank (replicas, as an expert
+    script's router), not each rank's plain shard of it (the reference trainer's flat shards)."""
 
     def __call__(self, argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
         assert env["OMP_NUM_THREADS"] == "1" and argv[-3:] == ["python", "train.py", "--x"]
@@ -469,6 +473,8 @@ class _Fake:
         if env.get("DETRACE_RESUME") == "1":
             first = int(ckpt.read_text())
         per = M // (world // tp)  # microbatches per data-parallel rank
+        layout = Layout.parse(env[LAYOUT_ENV]) if LAYOUT_ENV in env else None
+        shards = 1 if layout is None or run.name in self.replicas else layout.size("fsdp") * layout.size("ep")
 
         def faulty(step: int, name: str) -> bool:
             return (run.name, step, name) in (self.fault, self.param)
@@ -483,8 +489,11 @@ class _Fake:
                 params = {f"a.chunks.{j}": 100 * s + j + faulty(s, f"a.chunks.{j}")
                           for j in range(t * 2 // tp, (t + 1) * 2 // tp)} if run.name not in self.whole else {"a": 1}
                 params["b"] = 100 * s + 7 + faulty(s, "b") + (t == 1 and faulty(s, "replica b"))
+                if shards > 1:  # each rank's own part of every parameter, under its name: other bits, other shape
+                    params = {name: digest + 1000 * (rank % shards) for name, digest in params.items()}
                 steps.append(TrainingStep(step=s, losses=losses, params=params,
-                                          grad_norm=float(t * 10 + s + faulty(s, "grad_norm"))))
+                                          grad_norm=float(t * 10 + s + faulty(s, "grad_norm")),
+                                          shapes=dict.fromkeys(params, (4 // shards,))))
             write_training_rank(run, rank, steps, world_size=world)
         final = self.final.get(run.name, "0123456789abcdef")
         return LaunchResult(returncode=1 if self.fail == run.name else 0, out=run, command=tuple(argv), elapsed=0.1,
@@ -557,6 +566,32 @@ def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None
     assert first is not None and (first.kind, first.run) == ("final params", "layout fsdp2")
     with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
         _topology(tmp_path, _Fake(final={"layout-1x1": "none"}), layouts=mixed)  # the reference's is needed
+
+
+def test_replicas_on_sharded_layouts_are_compared_after_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # an expert script's router and dense layers: plain tensors that every rank of an fsdp or ep layout holding them
+    # records whole, with the unsharded layout's shape, are replicas: compared after every step like 1x1's, so the
+    # script needs no final params line (before, they were taken for shards and the run was refused without one)
+    runs = ("layout-1x1", "layout-fsdp2", "layout-ep2", "layout-ep2xtp2")
+    silent = dict.fromkeys(runs, "none")  # no run prints a final params line
+    fake = _Fake(replicas=runs[1:], final=silent)
+    result = _topology(tmp_path, fake, layouts="1x1,fsdp2,ep2,ep2xtp2")
+    assert result.identical and result.tensors == 3 and result.partial == ()
+    # a replica that differs on every rank of one layout: named at the step it first differs
+    first = _topology(tmp_path, replace(fake, fault=("layout-ep2", 1, "b")), layouts="1x1,fsdp2,ep2").first
+    assert first is not None and (first.kind, first.name, first.step, first.run) == ("param", "b", 1, "layout ep2")
+    # one rank's copy (tp rank 1 of ep2xtp2's) with other bits: its ranks disagree
+    first = _topology(tmp_path, replace(fake, fault=("layout-ep2xtp2", 2, "replica b")), layouts="1x1,ep2xtp2").first
+    assert first is not None and (first.kind, first.name, first.step) == ("ranks", "param b", 2)
+    # the verdict counts every parameter (not "of the unsharded layouts")
+    _cli_with(monkeypatch, _Fake(replicas=runs[1:]))
+    assert cli(["check-topology", "--layouts", "1x1,ep2", "--out", str(tmp_path / "cli"), "--", *CMD]) == 0
+    assert capsys.readouterr().out == ("identical: layouts 1x1, ep2 give the same bits (3 steps, 3 parameters, "
+                                       "final params 0123456789abcdef)\n")
+    # without an unsharded layout nothing tells a replica from a shard of the same shape: the line is needed
+    with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
+        _topology(tmp_path, fake, layouts="fsdp2,ep2")
 
 
 def test_losses_scaled_by_each_ranks_microbatch_count_are_compared_before_the_scaling(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +205,8 @@ class TrainingStep:
     """Parameter name -> digest after the optimizer step."""
     buffers: dict[str, int] | None = None
     """Module buffer name -> digest as the step ends (role "buffer")."""
+    shapes: dict[str, tuple[int, ...]] | None = None
+    """Parameter name -> the shape the rank records it with (default [4]): a plain shard's is its own part's."""
 
 
 def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *, world_size: int) -> None:
@@ -211,12 +214,13 @@ def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *
     rows: list[dict[str, object]] = []
 
     def add(step: int, rung: str, phase: str, name: str, role: str, occurrence: int, *, digest: int | None = None,
-            value: float | None = None) -> None:
+            value: float | None = None, shape: tuple[int, ...] = (4,)) -> None:
         seq = len(rows)
         rows.append({"seq": seq, "step": step, "rung": rung, "phase": phase, "module": None, "name": name,
                      "occurrence": occurrence, "event": seq, "role": role, "index": 0,
-                     "shape": [] if value is not None else [4], "dtype": "float32", "numel": 1 if value is not None
-                     else 4, "digest": digest, "chunks": None, "value": value, "collectives": 0, "group": None,
+                     "shape": [] if value is not None else list(shape), "dtype": "float32",
+                     "numel": 1 if value is not None else math.prod(shape), "digest": digest, "chunks": None,
+                     "value": value, "collectives": 0, "group": None,
                      "group_seq": None, "peer": None, "extra": None})
 
     for s in steps:
@@ -225,7 +229,8 @@ def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *
         if s.grad_norm is not None:
             add(s.step, "metrics", "optimizer", "grad_norm", "metric", 0, value=s.grad_norm)
         for k, (name, digest) in enumerate((s.params or {}).items()):
-            add(s.step, "semantic", "optimizer", name, "param", k, digest=digest)
+            shape = (s.shapes or {}).get(name, (4,))
+            add(s.step, "semantic", "optimizer", name, "param", k, digest=digest, shape=shape)
         for k, (name, digest) in enumerate((s.buffers or {}).items()):
             add(s.step, "semantic", "optimizer", name, "buffer", k, digest=digest)
     table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)

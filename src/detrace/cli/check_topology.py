@@ -47,8 +47,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(result.to_json()))
     elif result.first is None:
         final = result.finals[result.reference]
-        # sharded layouts: their parameters are compared through the final params line only
-        unsharded = " of the unsharded layouts" if any(m.shards for m in meshes) else ""
+        # ranks that held plain shards: those parameters are compared through the final params line only
+        unsharded = " of the unsharded layouts" if result.partial else ""
         tensors = f"{result.tensors} parameters{unsharded}, " if result.tensors else ""
         print(f"identical: {_what(meshes, layouts=layouts, resume_at=args.resume_at)} "
               f"({result.steps} steps, {tensors}final params {final})" if final else

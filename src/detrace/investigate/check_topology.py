@@ -203,6 +203,9 @@ class TopologyResult:
     verdicts: tuple[RunVerdict, ...] = ()
     """Each run but the reference, in the order they ran: its own first mismatch or none (`first` is the first
     run's that differs), so that one check can hold several layouts that differ."""
+    partial: tuple[str, ...] = ()
+    """The runs whose parameters were compared only in part after each step: ranks held plain shards of them (the
+    reference trainer's experts), compared through the final params line."""
 
     @property
     def identical(self) -> bool:
@@ -293,10 +296,24 @@ Shapes = dict[str, "tuple[int, ...] | None"]
 """A run's parameters: qualified name -> shape (None where ranks hold shards of it under its name)."""
 
 
-def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
+def _agreed(held: dict[int, int], key: Key, mesh: Mesh, label: str) -> tuple[str, Mismatch | None]:
+    """The bits the ranks that hold one whole tensor recorded for it (replicas: each must have the same), or their
+    first disagreement."""
+    step, kind, name = key
+    (first, value), *others = sorted(held.items())
+    rank, other = next(((rank, digest) for rank, digest in others if digest != value), (first, value))
+    if other == value:
+        return f"{value:016x}", None
+    return "", Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks", name=f"{kind} {name}",
+                        world=mesh.world, run=label, detail=f"rank {first} {value:016x}, rank {rank} {other:016x}")
+
+
+def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str, replicas: Shapes | None = None
              ) -> tuple[dict[Key, str], Mismatch | None, Shapes]:
     """One run's records keyed by global identity (values as exact hex), the first disagreement between its ranks,
-    and its parameters (the names its ranks hold together)."""
+    and its parameters (the names its ranks hold together). `replicas`: the shapes an unsharded run of the check
+    gives its parameters (None: the check has no unsharded run); on a sharded layout, a plain tensor every rank
+    holding it records with that shape is a replica."""
     info = open_run(run)
     if len(info.ranks) != mesh.world:
         raise TraceError(f"{run} holds traces of ranks {list(info.ranks)}, not of all {mesh.world} ranks")
@@ -349,18 +366,25 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str
                                         world=mesh.world, run=label,
                                         detail=f"rank {owner[key]} {_shown(key[1], merged[key])}, rank {rank} "
                                                f"{_shown(key[1], bits)}"), shapes
+    for key, recorded in sorted(wholes.items()):
+        # a plain tensor (the router and dense layers of an expert-parallel model) that every rank holding it records
+        # with its unsharded shape is a replica, compared like a 1x1 parameter; one recorded with another shape is
+        # the rank's own shard (the reference trainer's experts), compared only through the final params line
+        shape = (replicas or {}).get(key[2])
+        if key not in parts and shape is not None and all(at == shape for _, at in recorded.values()):
+            merged[key], disagreement = _agreed({rank: digest for rank, (digest, _) in recorded.items()}, key, mesh,
+                                                label)
+            if disagreement is not None:
+                return merged, disagreement, shapes
+            shapes[key[2]] = shape
     for (step, kind, name), (found, dtype, shape) in sorted(parts.items()):
         held = {rank: digest for rank, (digest, at) in wholes.get((step, kind, name), {}).items() if at == shape}
         if not sum(found.values()) and held:
             # an uneven shard whose other ranks hold nothing (a [1, n] weight over 2 ranks): the rank that holds
             # every element records the whole tensor, whose fingerprint is the global one; its replicas must agree
-            (first, value), *others = sorted(held.items())
-            for rank, other in others:
-                if other != value:
-                    return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks",
-                                            name=f"{kind} {name}", world=mesh.world, run=label,
-                                            detail=f"rank {first} {value:016x}, rank {rank} {other:016x}"), shapes
-            merged[(step, kind, name)] = f"{value:016x}"
+            merged[(step, kind, name)], disagreement = _agreed(held, (step, kind, name), mesh, label)
+            if disagreement is not None:
+                return merged, disagreement, shapes
             continue
         if sum(found.values()) != math.prod(shape):  # replicas of a shard that disagree, or a shard missing
             return merged, Mismatch(step=-1 if step == FINAL_STEP else step, kind="ranks", name=f"{kind} {name}",
@@ -515,7 +539,8 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
     first, first_param = (inner, None) if inner is not None else (None, None) if odd is None else \
         (odd.first, odd.first_param)
     return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
-                          first_param=first_param, resume_at=resume_at, verdicts=tuple(verdicts))
+                          first_param=first_param, resume_at=resume_at, verdicts=tuple(verdicts),
+                          partial=tuple(r.label for r in runs if r.mesh.shards and r.label not in whole))
 
 
 def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> Mismatch | None:
@@ -539,12 +564,19 @@ def compare(runs: tuple[Run, ...]
     records: dict[str, dict[Key, str]] = {}
     inner: dict[str, Mismatch | None] = {}
     shapes: dict[str, Shapes] = {}
-    for run in runs:
+    unsharded: Shapes = {}
+    """The shapes the unsharded runs give their parameters: what a sharded run's replicas are recorded with."""
+    for run in sorted(runs, key=lambda r: r.mesh.shards):  # the unsharded runs first (stable: in their order)
         records[run.label], inner[run.label], shapes[run.label] = _records(run.path, run.mesh, grad_norm=grad_norm,
-                                                                           label=run.label)
+                                                                           label=run.label, replicas=unsharded)
+        if not run.mesh.shards:
+            for name, shape in shapes[run.label].items():
+                unsharded.setdefault(name, shape)
+    for run in runs:
         _same_model(runs[0], shapes[runs[0].label], run, shapes[run.label])
     # A sharded run's parameters are compared per step where it recorded them globally (a sharded DTensor, through
-    # its shards' parts); the others (each rank's own shard under one name: expert parallelism) are not.
+    # its shards' parts; a replica); the others (each rank's own shard under one name: the reference trainer's
+    # experts and flat shards) are not.
     names = {label: {name for _, kind, name in recorded if kind == "param"} for label, recorded in records.items()}
     whole = {run.label for run in runs if names[run.label] >= set(shapes[run.label])}
     if not runs[0].mesh.shards and not names[runs[0].label]:
