@@ -19,7 +19,7 @@ import pytest
 from detrace.errors import UsageError
 from detrace.workload.layouts import Layout, setup
 from detrace.workload.model import PRESETS, HybridLM, ModelConfig
-from detrace.workload.sharding import _pipeline_stage
+from detrace.workload.pipeline_parallel import _pipeline_stage
 
 TIMEOUT_S = 600
 LAYOUTS = Path(__file__).parents[1] / "support" / "scripts" / "layouts.py"

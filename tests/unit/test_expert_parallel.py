@@ -202,7 +202,8 @@ def test_the_trainer_refuses_what_the_ep_layouts_cannot_keep(monkeypatch: pytest
 
     from detrace.workload import layouts
     from detrace.workload.model import PRESETS, HybridLM, ModelConfig
-    from detrace.workload.sharding import ParallelModel, _InvariantPipeline
+    from detrace.workload.pipeline_parallel import _InvariantPipeline
+    from detrace.workload.sharding import ParallelModel
     from detrace.workload.train import TrainConfig
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -285,6 +285,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (gathered over its mesh: an exact copy); any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """silu(gate) * up over rows sorted by expert. On CPU one expert's rows at a time: a CPU elementwise kernel
     computes the elements at the end of its range (or of a thread's share) with a scalar exp whose bits differ from
@@ -365,7 +372,7 @@ class MoE(nn.Module):
     """Top-k routed experts with a Switch-style load-balancing loss.
 
     Expert parallelism replaces `exchange` (identity here) by an all-to-all that sends each expert's
-    tokens to the rank that holds it and brings the results back; see `detrace.workload.sharding`.
+    tokens to the rank that holds it and brings the results back; see `detrace.workload.expert_parallel`.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

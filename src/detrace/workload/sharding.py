@@ -45,108 +45,33 @@ included, with or without torchrun); every rank reads the whole global batch and
 tp-invariant adds tensor parallelism whose bits do not depend on T either (`detrace.parallel.tensor`): the
 same bits on every DP x TP mesh; its metrics and `final params` line gather per-parameter values over tp by
 global name (`by_global_name`).
+
+The expert-parallel machinery (the all-to-all, ep-invariant's fixed-order experts) is in
+`detrace.workload.expert_parallel`, the pipeline's (a stage cut out of the model, pp-invariant's bookkeeping) in
+`detrace.workload.pipeline_parallel`; `ParallelModel` here puts them together.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from detrace._compat import all_to_all_single_autograd, initialize_pipeline_stage, reducing_pipeline_stage
+from detrace._compat import initialize_pipeline_stage, reducing_pipeline_stage
 from detrace.errors import UsageError
-from detrace.parallel.data import InvariantDataParallel, LossOf, _digests, invariant_backward, owned_microbatches
-from detrace.parallel.expert import FixedOrderExperts
+from detrace.parallel.data import InvariantDataParallel, _digests, invariant_backward, owned_microbatches
 from detrace.parallel.fsdp import FixedOrderReduceScatter, check_complete, shard_invariantly
-from detrace.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    by_global_name,
-    global_parameter_names,
-    sum_of_parts,
-)
+from detrace.parallel.tensor import ColumnParallelLinear, RowParallelLinear, by_global_name, sum_of_parts
+from detrace.workload.expert_parallel import _ExpertParallel, _is_expert, _shard_experts
 from detrace.workload.layouts import INVARIANT, Layout
-from detrace.workload.model import MLP, Attention, Experts, HybridLM, ModelConfig, MoE, lm_losses, local_tensor
+from detrace.workload.model import MLP, Attention, HybridLM, ModelConfig, lm_losses, local_tensor, whole_tensor
+from detrace.workload.pipeline_parallel import PP_MICROBATCHES, SCHEDULES, _InvariantPipeline, _pipeline_stage
 
-PP_MICROBATCHES = 4
-"""Microbatches of --parallel pp (pp-invariant takes --microbatches)."""
-SCHEDULES = ("1f1b", "gpipe")
-"""The pipeline schedules: torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe."""
 TP_CHUNK = 16
 """Features per chunk of the tp layouts' projections: fixed by the model, never by the TP size or the device
 (each projection's chunks must divide by T; a column chunk holds whole heads when n_heads divides by T)."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# expert parallelism: experts split over the "ep" dimension, tokens exchanged with all_to_all_single
-
-
-class AllToAllExchange:
-    """Send each routed token to the rank holding its expert, run the local experts, send the results back.
-
-    Rank r of the ep group holds global experts [r * L, (r + 1) * L). Rows arrive grouped by (source rank,
-    local expert); they are regrouped by local expert with split/cat (no accumulation), and the reverse
-    permutation is applied before the return trip.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, n_local: int) -> None:
-        self.group, self.n_local = group, n_local
-        self.ep = dist.get_world_size(group)
-
-    def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        all_to_all = all_to_all_single_autograd()
-
-        ep, L = self.ep, self.n_local
-        recv_counts = torch.empty_like(counts)  # [ep * L]: rows from source s for my local expert e at s*L+e
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
-        send_splits = counts.view(ep, L).sum(1).tolist()
-        recv_splits = recv_counts.view(ep, L).sum(1).tolist()
-        received = all_to_all(routed, recv_splits, send_splits, self.group)  # [sum(recv_splits), D]
-        sizes = recv_counts.tolist()
-        chunks = received.split(sizes)
-        by_expert = [s * L + e for e in range(L) for s in range(ep)]  # (source, expert) -> (expert, source)
-        out = experts(torch.cat([chunks[i] for i in by_expert]), recv_counts.view(ep, L).sum(0).tolist())
-        out_chunks = dict(zip(by_expert, out.split([sizes[i] for i in by_expert]), strict=True))
-        back = torch.cat([out_chunks[i] for i in range(ep * L)])
-        return all_to_all(back, send_splits, recv_splits, self.group)  # [R, D], in `routed`'s order
-
-
-def _shard_experts(model: HybridLM, layout: Layout) -> None:
-    """Keep only this ep rank's slice of every MoE layer's experts and route tokens through all_to_all.
-
-    The slices are DTensors sharded on dim 0 over the "ep" mesh, not plain tensors: every rank's slice has
-    the same name, and a checkpoint (DCP) of plain tensors would take them for replicas and keep one rank's
-    for all; a Shard(0) DTensor says which rows of the whole [n_experts, ...] tensor each rank holds.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    ep, r = layout.size("ep"), layout.coord("ep")
-    if model.cfg.n_experts % ep:
-        raise UsageError(f"{model.cfg.n_experts} experts do not split evenly over expert-parallel degree {ep}")
-    n_local = model.cfg.n_experts // ep
-    assert layout.mesh is not None
-    mesh = layout.mesh["ep"]
-    for moe in model.moe_layers():
-        for name, w in list(moe.experts.named_parameters()):
-            rows = w.detach()[r * n_local : (r + 1) * n_local].clone()
-            setattr(moe.experts, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
-        moe.exchange = AllToAllExchange(layout.group("ep"), n_local)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (gathered over its mesh: an exact copy); any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _is_expert(name: str) -> bool:
-    return ".experts." in f".{name}"
 
 
 def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
@@ -209,252 +134,6 @@ def _chunked_tensor_parallel(model: HybridLM, layout: Layout, mode: str) -> None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# pipeline parallelism
-
-
-def _pipeline_stage(model: HybridLM, stage: int, stages: int) -> HybridLM:
-    """Cut `model` down to stage `stage` of `stages`: contiguous layers, the embedding on the first stage,
-    the norm, head and MTP head on the last. Layer names (layers.<i>) stay those of the whole model."""
-    n = len(model.layers)
-    if n < stages:
-        raise UsageError(f"{n} layers cannot fill {stages} pipeline stages")
-    bounds = [round(i * n / stages) for i in range(stages + 1)]
-    for i in range(n):
-        if not bounds[stage] <= i < bounds[stage + 1]:
-            del model.layers[str(i)]
-    if stage > 0:
-        model.embedding = None
-    if stage < stages - 1:
-        model.norm = model.output = model.mtp = None
-    return model
-
-
-class _InvariantPipeline:
-    """pp-invariant's bookkeeping on one stage: the tree over microbatch gradients and the seeded forwards
-    (`detrace.parallel.pipeline`), and each microbatch's logged values, reduced to the bits that dp-invariant
-    computes in one process (its tree over [lm, mtp, aux] / M per microbatch; its grad norm over the parameters in
-    model order). Under pp x fsdp the stage's fsdp ranks are its data blocks, and the tree is in its reduce-scatter
-    (`detrace.parallel.fsdp`). Under pp x ep its ep ranks are its data blocks and split its experts, whose gradients
-    `detrace.parallel.expert.FixedOrderExperts` sums per source (pp x ep invariant) or autograd over every source's
-    rows (the ordinary all-to-all, the control)."""
-
-    def __init__(self, model: HybridLM, microbatches: int, layout: Layout) -> None:
-        if layout.size("ep") > 1:
-            _refuse_recompute(model.cfg)
-        # the data blocks: over dp, fsdp or ep (a layout names one of them besides pp)
-        self.blocks = layout.size("dp") * layout.size("fsdp") * layout.size("ep")
-        self.block = (layout.coord("dp") * layout.size("fsdp") + layout.coord("fsdp")) * layout.size("ep") \
-            + layout.coord("ep")
-        if microbatches % self.blocks:
-            raise UsageError(f"{microbatches} microbatches do not split evenly over {self.blocks} data-parallel ranks")
-        self.M, self.device, self.layout = microbatches, layout.device, layout
-        # this rank's block of the global microbatches, as in detrace.parallel.data
-        self.n = microbatches // self.blocks
-        self.first = self.block * self.n
-        # the whole model's order, before the stage is cut out of it; under tp, tp-invariant's order by global name
-        # (`by_global_name`), whose chunks one tp rank holds each
-        self.tp = layout.size("tp") > 1
-        self.names, self.chunked = global_parameter_names(model) if self.tp else \
-            ([n for n, _ in model.named_parameters()], set())
-        self.moe_names = [n for n, m in model.named_modules() if isinstance(m, MoE)]
-        self.table = torch.zeros(0)
-        self.forwards = 0
-        self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
-
-    def attach(self, stage: HybridLM, cfg: ModelConfig, *, tree: bool) -> None:
-        """`tree`: sum the microbatches' gradients in the fixed tree here (and, under pp x ep, the experts' per
-        source); else in the stage's fixed-order reduce-scatter (pp x fsdp), or (pp-plain, the control) in autograd's
-        running sum, in the order the schedule runs the backwards."""
-        from detrace.parallel.pipeline import SeededForwards, TreeGradients
-
-        self.stage, self.cfg = stage, cfg
-        self.grads = TreeGradients(stage.parameters(), self.n) if tree else None
-        if tree and self.layout.size("ep") > 1:  # the experts' views are their own leaves: TreeGradients sees none
-            self.exchanges = _fixed_order_experts(stage, microbatches=self.n, group=self.layout.group("ep"))
-        self.seeds = SeededForwards(stage, self.device)
-        here = dict(stage.named_modules())
-        self.moes = [(2 + col, here[n]) for col, n in enumerate(self.moe_names) if n in here]
-        stage.register_forward_hook(self._aux)
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        from detrace.parallel.data import step_seed
-
-        self.table = torch.zeros(self.M, 2 + len(self.moe_names), device=self.device)  # lm, mtp, aux per layer
-        self.forwards, self.losses = self.first, self.first
-        self.seeds.begin(step_seed(), first=self.first)
-        if self.grads is not None:
-            self.grads.begin()
-        for _, exchange in self.exchanges:
-            exchange.begin()
-        yield
-        if self.grads is not None:
-            self.grads.finish()
-        # complete the tree over the data blocks of dp, or of ep (whose ranks hold other experts: those are not
-        # blocks of one sum, each holder has its experts' whole tree)
-        data = next((dim for dim in ("dp", "ep") if self.layout.size(dim) > 1), None)
-        if data is not None:
-            from detrace.parallel.data import _buckets, _exchange, _flatten
-
-            params = [p for n, p in self.stage.named_parameters()
-                      if p.grad is not None and not (data == "ep" and _is_expert(n))]
-            grads = [p.grad for p in params]
-            buckets = _buckets([g for g in grads if g is not None])
-            flats = _exchange(_flatten(buckets, grads), group=self.layout.group(data),
-                              rank=self.layout.coord(data), world=self.layout.size(data), how="auto")
-            for b, flat in zip(buckets, flats, strict=True):
-                for i, part in zip(b.entries, flat.split(list(b.sizes)), strict=True):
-                    params[i].grad = part.view_as(params[i])
-        _expert_gradients(self.exchanges)
-
-    def _aux(self, module: nn.Module, args: Any, output: Any) -> None:
-        for col, moe in self.moes:
-            self.table[self.forwards, col] = moe.pop_aux_loss().to(self.device)
-        self.forwards += 1
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lm, mtp = lm_losses(logits, targets)
-        self.table[self.losses, 0], self.table[self.losses, 1] = lm.detach(), mtp.detach()
-        self.losses += 1
-        return (lm + self.cfg.mtp_loss_coef * mtp) / self.M
-
-    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([lm, mtp, aux] summed over the microbatches in the tree, the squared gradient norm), from every
-        stage's part: each value is held by one stage and gathered (x + 0 is x), then reduced as in one process."""
-        from detrace.parallel.data import _tree_sum
-
-        squares = torch.zeros(len(self.names), device=self.device)
-        index = {n: i for i, n in enumerate(self.names)}
-        # the dp and ep replicas hold the same gradient, the fsdp ranks (the ep ranks: of an expert) gather the same
-        # whole one, and so do the tp ranks of a parameter that is not a chunk: the first of them counts it
-        first = self.layout.coord("dp") == 0 and self.layout.coord("fsdp") == 0 and self.layout.coord("ep") == 0
-        for name, p in self.stage.named_parameters():
-            if p.grad is None:
-                continue
-            grad = _whole(p.grad)  # fsdp: gathered (a collective over the stage's fsdp ranks), an exact copy
-            if first and (name in self.chunked or self.layout.coord("tp") == 0):
-                squares[index[name]] = grad.float().square().sum()
-        if self.layout.coord("tp") > 0:  # the tp ranks of a stage log the same values: the first counts them
-            self.table.zero_()
-        mine = torch.cat([self.table.reshape(-1), squares])
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        whole = every[0].clone()
-        for other in every[1:]:
-            whole += other
-        table, squares = whole[:self.table.numel()].view_as(self.table), whole[self.table.numel():]
-        logged = []
-        for row in table:
-            aux = sum(row[2:].unbind(), torch.zeros((), device=self.device))
-            logged.append([torch.stack([row[0], row[1], aux]) / self.M])
-        if self.tp:  # as tp-invariant sums them
-            return _tree_sum(logged)[0], squares.sum()
-        sq = torch.zeros((), device=self.device)
-        for value in squares:
-            sq += value
-        return _tree_sum(logged)[0], sq
-
-
-def _locals(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The local shards of `params` (what this rank computes with)."""
-    return [local_tensor(p) for p in params]
-
-
-def _refuse_recompute(cfg: ModelConfig) -> None:
-    if cfg.recompute:
-        # a recomputed forward would run the exchange again inside the backward, out of the tree's order
-        raise UsageError("--recompute does not go with the ep layouts")
-
-
-def _fixed_order_experts(model: HybridLM, *, microbatches: int, group: dist.ProcessGroup,
-                         replicas: dist.ProcessGroup | None = None
-                         ) -> list[tuple[list[nn.Parameter], FixedOrderExperts]]:
-    """Every MoE layer of `model` (its experts split over `group`) exchanges through a `FixedOrderExperts` over
-    `microbatches` per rank and step: (the layer's expert weights, its exchange), layer by layer."""
-    exchanges = []
-    for moe in model.moe_layers():
-        params = [moe.experts.w1, moe.experts.w3, moe.experts.w2]
-        exchange = FixedOrderExperts(functools.partial(_locals, params), microbatches=microbatches, group=group,
-                                     replicas=replicas)
-        moe.exchange = exchange
-        exchanges.append((params, exchange))
-    return exchanges
-
-
-def _expert_gradients(exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]]) -> None:
-    """End the step of every exchange: its experts' gradients are the tree's sums (DTensors where the weights are)."""
-    from torch.distributed.tensor import DTensor
-
-    for params, exchange in exchanges:
-        for p, g in zip(params, exchange.finish(), strict=True):
-            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False) \
-                if isinstance(p, DTensor) else g
-
-
-class _ExpertParallel:
-    """ep-invariant and ep-plain: every rank computes its block of the global microbatches (dp, fsdp and ep are data
-    dimensions; tp ranks share their block); the non-expert parameters' gradients are summed in the fixed tree over
-    the data ranks (`invariant_backward`), the experts' by `detrace.parallel.expert.FixedOrderExperts` (invariant),
-    or by autograd over one GEMM per expert on every source's rows and the rank's microbatches in turn, then a sum
-    over the dp replicas (plain: the ordinary all-to-all MoE, `AllToAllExchange`). Under tp (epExtpT) the attention
-    and dense MLP projections are tp-invariant's chunks, each summed over the ep ranks; the experts' ep group is that
-    of the rank's tp coordinate. ep-fsdp-invariant (fsdpFxepE): the experts' replicas are the fsdp ranks, and the
-    other parameters are `fully_shard`ed over fsdp x ep (every rank: its data ranks, as torchtitan shards them over
-    the data dimensions that ep borrows from) with fsdp-invariant's reduce-scatter, the same tree."""
-
-    def __init__(self, model: HybridLM, microbatches: int, layout: Layout, *, invariant: bool) -> None:
-        _refuse_recompute(model.cfg)
-        self.microbatches, self.layout, self.invariant = microbatches, layout, invariant
-        named = list(model.named_parameters())
-        sharded = layout.size("ep") > 1
-        data = layout.size("dp") * layout.size("fsdp") * layout.size("ep")
-        # the data ranks: the world, or under tp the ep group (the tp ranks of a block compute alike)
-        self.group = layout.group("ep") if layout.size("tp") > 1 else None
-        # one process (ep1) is dp-invariant: every parameter in the tree of invariant_backward (the plain control
-        # too: its experts are the ordinary accumulation only where they are split)
-        self.experts = [p for n, p in named if _is_expert(n)] if sharded else []
-        self.dense = [p for n, p in named if not (sharded and _is_expert(n))]
-        self.plain_experts = sharded and not invariant
-        other = "fsdp" if layout.size("fsdp") > 1 else "dp"
-        self.replicas = layout.group(other) if sharded and layout.size(other) > 1 else None
-        self.exchanges: list[tuple[list[nn.Parameter], FixedOrderExperts]] = []
-        if sharded and invariant:
-            self.exchanges = _fixed_order_experts(model, microbatches=microbatches // data, group=layout.group("ep"),
-                                                  replicas=self.replicas)
-        self.comms: list[FixedOrderReduceScatter] = []
-        if layout.size("fsdp") > 1 and sharded:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.fsdp import fully_shard
-
-            # the world in rank order is the data blocks' order (fsdp outer, ep inner): fsdp4's reduce-scatter
-            world = dist.group.WORLD
-            assert world is not None  # the layout's mesh started torch.distributed
-            mesh = DeviceMesh.from_group(world, layout.device.type, mesh_dim_names=("data",))
-            experts = set(self.experts)  # split over ep, replicas over fsdp: FixedOrderExperts sums them
-            for layer in model.layers.values():
-                fully_shard(layer, mesh=mesh, ignored_params=experts)
-            fully_shard(model, mesh=mesh, ignored_params=experts)
-            self.comms = shard_invariantly(model, microbatches=microbatches // data)
-
-    def backward(self, loss_of: LossOf) -> torch.Tensor:
-        """One step's gradients: the dense ones in the tree over the data ranks' blocks (in their reduce-scatter when
-        sharded), the experts' as above. Returns the tree's sums of the logged values."""
-        for p in self.experts:
-            p.grad = None
-        for _, exchange in self.exchanges:
-            exchange.begin()
-        _, sums = invariant_backward(self.dense, loss_of, microbatches=self.microbatches, group=self.group,
-                                     sharded=bool(self.comms))
-        check_complete(self.comms)
-        _expert_gradients(self.exchanges)
-        if self.plain_experts and self.replicas is not None:  # the ordinary sum over the replicas
-            for p in self.experts:
-                if p.grad is None:  # every replica contributes
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(local_tensor(p.grad), group=self.replicas)
-        return sums
-
-
 class ParallelModel:
     """The reference model placed on a layout, with the trainer's per-step operations:
     `forward_backward` (gradients synchronised), `metrics` (reduced over the world)."""
@@ -707,7 +386,7 @@ class ParallelModel:
         from detrace.digest import fingerprint
 
         named = list(self.raw.named_parameters())
-        whole = [_whole(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
+        whole = [whole_tensor(p.detach()) for _, p in named]  # fsdp: gathered, an exact copy
         digests = dict(zip((n for n, _ in named), _digests(whole).unbind(), strict=True))
         if self._pipeline is not None:  # the whole model's vector as `by_global_name`'s (by sorted name), each entry
             # from the one rank of the stage's tp group that gives it, summed over tp, then over pp (x + 0 is x)
@@ -756,10 +435,10 @@ class ParallelModel:
                 sq = torch.zeros((), device=layout.device)
                 for p in self.raw.parameters():
                     if p.grad is not None:
-                        sq += _whole(p.grad).float().square().sum()
+                        sq += whole_tensor(p.grad).float().square().sum()
             else:  # one squared norm per parameter of the whole model, by global name, summed in that order (T = 1
                 # too: the chunked layers' runs print the same norm at every T)
-                squares = {n: _whole(p.grad).float().square().sum()
+                squares = {n: whole_tensor(p.grad).float().square().sum()
                            for n, p in self.raw.named_parameters() if p.grad is not None}
                 sq = by_global_name(self.raw, squares, dtype=torch.float32, group=self._tp_group).sum()
             loss = lm + cfg.mtp_loss_coef * mtp + cfg.aux_loss_coef * aux
