@@ -59,10 +59,36 @@ def _all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return received
 
 
-class FixedOrderReduceScatter:
-    """fully_shard's reduce-scatter for one FSDP module, as the fixed tree over global microbatches. It has the
-    two methods of fully_shard's `ReduceScatter` interface (`allocate`, `__call__`), whose base class torch keeps in
-    a private module.
+class _AllToAllReduceScatter:
+    """fully_shard's reduce-scatter for one FSDP module as an all-to-all that moves data without adding anything:
+    rank r receives every rank's contribution to shard r, and `_receive` (each subclass's) sums them in its fixed
+    order. It has the two methods of fully_shard's `ReduceScatter` interface (`allocate`, `__call__`), whose base
+    class torch keeps in a private module.
+
+    Args:
+        exchange: the all-to-all (default: `torch.distributed.all_to_all_single`).
+    """
+
+    def __init__(self, exchange: AllToAll = _all_to_all) -> None:
+        self.exchange = exchange
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+                 ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object = None, async_op: bool = False) -> dist.Work | None:
+        self._receive(self.exchange(input_tensor, group).view(group.size(), -1), output_tensor, op)
+        return None  # (synchronous: no Work for fully_shard to wait on)
+
+    def _receive(self, received: torch.Tensor, output: torch.Tensor, op: object) -> None:
+        """One microbatch's contributions [W, shard] (row s from rank s), torch's `output` for this shard and its
+        reduce op."""
+        raise NotImplementedError
+
+
+class FixedOrderReduceScatter(_AllToAllReduceScatter):
+    """fully_shard's reduce-scatter for one FSDP module, as the fixed tree over global microbatches.
 
     Args:
         microbatches: n, the microbatches this rank computes per step (M / W); the n-th call of a step completes
@@ -76,23 +102,17 @@ class FixedOrderReduceScatter:
                  replicas: dist.ProcessGroup | None = None) -> None:
         if microbatches < 1:
             raise UsageError(f"microbatches per rank must be positive, not {microbatches}")
-        self.microbatches, self.exchange, self.replicas = microbatches, exchange, replicas
+        super().__init__(exchange)
+        self.microbatches, self.replicas = microbatches, replicas
         self.received: list[torch.Tensor] = []
         """This step's contributions so far: [W, shard] per microbatch, row s from rank s."""
         self.called = False
         """Whether fully_shard called the reduce-scatter since its last all-reduce hook (`after_reduce`)."""
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-                 ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: object = None, async_op: bool = False) -> dist.Work | None:
+    def _receive(self, received: torch.Tensor, output: torch.Tensor, op: object) -> None:
         # `op` is fully_shard's SUM (its gradient divide factor is 1: the loss is scaled by the global batch).
-        world = group.size()
         self.called = True
-        self._contribute(self.exchange(input_tensor, group).view(world, -1), output_tensor, world)
-        return None
+        self._contribute(received, output, received.shape[0])
 
     def after_reduce(self, output: torch.Tensor) -> None:
         """fully_shard's all-reduce hook, called with the shard after every reduction. At one shard fully_shard

@@ -34,7 +34,6 @@ before any reduction), and a custom reduce-scatter or all-reduce hook of the use
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,15 +43,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from detrace.errors import UsageError
 from detrace.parallel.data import _tree_sum
+from detrace.parallel.fsdp import _AllToAllReduceScatter
 
 __all__ = ["fully_shard"]
 
 
-class _TreeReduceScatter:
+class _TreeReduceScatter(_AllToAllReduceScatter):
     """One FSDP module's reduce-scatter and all-reduce hook: the contributions to this rank's shard kept per source
     rank in a binary counter over its microbatches, summed over the source ranks at each power-of-two count."""
 
     def __init__(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
+        super().__init__()
         self.module = weakref.ref(module)
         self.ignored = ignored
         self.divide_factor: float | None = None
@@ -66,21 +67,12 @@ class _TreeReduceScatter:
         self.average = False
         """Whether torch asked for the average over the W ranks (its op without a divide factor)."""
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-                 ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: object = None, async_op: bool = False) -> dist.Work | None:
-        world = group.size()
-        received = torch.empty_like(input_tensor)
-        dist.all_to_all_single(received, input_tensor, group=group)
-        received = received.view(world, -1)
+    def _receive(self, received: torch.Tensor, output: torch.Tensor, op: object) -> None:
+        """Keep the microbatch's contributions for the all-reduce hook, which fully_shard calls next."""
         if self.divide_factor is not None:  # as at one shard, where torch divides the copied gradient
             received = received / self.divide_factor
         self.average = self.divide_factor is None and op == dist.ReduceOp.AVG
         self.pending = received
-        return None
 
     def after_reduce(self, output: torch.Tensor) -> None:
         """fully_shard's all-reduce hook, called with the shard after every microbatch's reduction (at one shard,
