@@ -13,7 +13,9 @@ layout splits the gradients (T > 1, FSDP, pipeline or expert parallelism: the tr
 part). A sharded DTensor parameter (FSDP, `parallelize_module`) is recorded by each rank as its part of the global
 fingerprint (`detrace.digest.sharded.part_of`: numel below the global shape's); the distinct shards' parts add up to
 the global fingerprint, compared by name like any other (where one rank holds every element of an uneven shard and
-the others' parts are empty, that rank's whole record is the global fingerprint). Where ranks hold plain shards of
+the others' parts are empty, that rank's whole record is the global fingerprint). A plain tensor that every rank of
+a sharded layout holding it records whole, with the shape an unsharded layout of the check gives its name (an expert
+script's router), is a replica, compared by name like any other. Where ranks hold plain shards of
 one parameter under one name (the reference trainer's expert parallelism) the tracer records each shard: that run's
 parameters are then compared through the `final params` line, which it and the reference must print; the other
 runs' still step by step against an unsharded reference (with a sharded reference, no run's are). A name that
@@ -111,8 +113,8 @@ class Mesh:
     @property
     def shards(self) -> bool:
         """Whether ranks hold shards of one parameter under one name (FSDP, expert parallelism): a sharded DTensor's
-        records are its shards' parts of the global fingerprint, compared once added up; a plain shard is compared
-        only through the `final params` line."""
+        records are its shards' parts of the global fingerprint, compared once added up; a plain replica (see
+        `_records`) like any parameter; a plain shard only through the `final params` line."""
         return self.layout is not None and self.layout.size("fsdp") * self.layout.size("ep") > 1
 
     @property
