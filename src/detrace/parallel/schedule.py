@@ -15,14 +15,19 @@ its layers; the activation's gradient crosses the cut unchanged), and the backwa
 order 0..M-1 in both schedules, so each `.grad` is added in the order of a plain loop of M backwards. So torch's
 schedules give the bits of that loop with torch's own per-module accumulation; with detrace's parallel APIs (whose
 `fully_shard` sums a step's microbatches in the fixed balanced tree at every number of shards, one process
-included), a stage must sum its microbatches in the same tree, which these schedules do (`TreeGradients`), then
-divide by M as torch's `scale_grads=True` (a power-of-two M: the division is exact, so the bits are those of a loop
-whose losses were each divided by M).
+included), a stage must sum its microbatches in the same tree, which these schedules do (`TreeGradients`). And
+torch's `scale_grads=True` divides the sum by M after the last backward, where the loop of torchtitan's contract
+divides each microbatch's loss by M before its backward (`(loss / n).backward()`): the same bits only when M is a
+power of two, and a different loss at the backward's root either way. Here `scale_grads=True` divides each loss by M
+before its backward, as that loop does; the `losses` a step fills are still the loss function's own, unscaled.
 
-What it cannot keep, refused in one sentence: a `scale_grads=True` schedule of M microbatches not a power of two
-(the division by M after the sum would round differently from the loop's losses each divided by M), gradients left
-in `.grad` from before the step (they would be added outside the tree: call `optimizer.zero_grad()`), and a stage
-with active dropout (its draws come from the stage's process in the schedule's order, not from the one process's).
+What it cannot keep, refused in one sentence: gradients left in `.grad` from before the step (they would be added
+outside the tree: call `optimizer.zero_grad()`), and a stage with active dropout (its draws come from the stage's
+process in the schedule's order, not from the one process's).
+
+A stage's modules given to `fully_shard` keep their own sum (detrace's `fully_shard` is the same tree); the stage's
+module itself must not be one (torch's stage turns its gradient sync off between microbatches, which detrace's
+`fully_shard` refuses).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import Schedule1F1B as TorchSchedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
@@ -50,19 +56,26 @@ class _TreeSchedule:
     _stage: Any
     _n_microbatches: int
 
-    def _tree_init(self, name: str, scale_grads: bool) -> None:
-        m = self._n_microbatches
-        if scale_grads and m & (m - 1):
-            raise UsageError(f"detrace.parallel.{name} with scale_grads=True takes a power-of-two n_microbatches, "
-                             f"not {m}: pass scale_grads=False and divide the loss yourself")
-        self._divide = m if scale_grads else 1
+    def _tree_init(self, name: str, loss_fn: Callable[..., Any] | None, scale_grads: bool) -> None:
+        self._unscaled: list[torch.Tensor] = []
+        if loss_fn is not None and scale_grads:
+            self._loss_fn = self._scaled(loss_fn, self._n_microbatches)
         module: nn.Module = self._stage.submod
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        # fully_shard's modules sum their own gradients (detrace's in the same tree); the tree here takes the rest
+        sharded = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+        self._params = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
         self._dropouts = [d for d in module.modules() if isinstance(d, _DROPOUTS) and d.p > 0]
-        self._grads = TreeGradients(self._params, m)
+        self._grads = TreeGradients(self._params, self._n_microbatches)
         self._name = name
 
-    def _tree_step(self, run: Callable[[], Any]) -> Any:
+    def _scaled(self, loss_fn: Callable[..., Any], microbatches: int) -> Callable[..., Any]:
+        def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = loss_fn(*args, **kwargs)
+            self._unscaled.append(loss)
+            return loss / microbatches  # the loop's `(loss / n).backward()`, not the sum's division after it
+        return scaled
+
+    def _tree_step(self, run: Callable[[], Any], losses: list[Any] | None) -> Any:
         if any(d.training for d in self._dropouts):
             raise UsageError(f"detrace.parallel.{self._name} does not support dropout in a stage (its draws depend "
                              "on the stage's process): set the dropout's p to 0 or call eval()")
@@ -70,13 +83,12 @@ class _TreeSchedule:
             raise UsageError(f"detrace.parallel.{self._name}.step found gradients from before the step; call "
                              "optimizer.zero_grad() before each step (a step's microbatches are summed in a tree)")
         self._grads.begin()
+        self._unscaled = []
         result = run()
         self._grads.finish()
-        if self._divide != 1:
-            with torch.no_grad():
-                for p in self._params:
-                    if p.grad is not None:
-                        p.grad.div_(self._divide)  # exact: a power of two
+        if losses is not None and self._unscaled:
+            losses[:] = self._unscaled[-self._n_microbatches:]  # the loss function's values (the first step's
+            # shape inference computes one more before them)
         return result
 
 
@@ -87,10 +99,10 @@ class ScheduleGPipe(TorchScheduleGPipe, _TreeSchedule):
     def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
                  scale_grads: bool = True, **kwargs: Any) -> None:
         super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
-        self._tree_init("ScheduleGPipe", scale_grads)
+        self._tree_init("ScheduleGPipe", loss_fn, scale_grads)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tree_step(lambda: super(ScheduleGPipe, self).step(*args, **kwargs))
+    def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        return self._tree_step(lambda: super(ScheduleGPipe, self).step(*args, losses=losses, **kwargs), losses)
 
 
 class Schedule1F1B(TorchSchedule1F1B, _TreeSchedule):
@@ -100,7 +112,7 @@ class Schedule1F1B(TorchSchedule1F1B, _TreeSchedule):
     def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
                  scale_grads: bool = True, **kwargs: Any) -> None:
         super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
-        self._tree_init("Schedule1F1B", scale_grads)
+        self._tree_init("Schedule1F1B", loss_fn, scale_grads)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tree_step(lambda: super(Schedule1F1B, self).step(*args, **kwargs))
+    def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        return self._tree_step(lambda: super(Schedule1F1B, self).step(*args, losses=losses, **kwargs), losses)
