@@ -56,10 +56,8 @@ class _TreeSchedule:
     _stage: Any
     _n_microbatches: int
 
-    def _tree_init(self, name: str, loss_fn: Callable[..., Any] | None, scale_grads: bool) -> None:
+    def _tree_init(self, name: str) -> None:
         self._unscaled: list[torch.Tensor] = []
-        if loss_fn is not None and scale_grads:
-            self._loss_fn = self._scaled(loss_fn, self._n_microbatches)
         module: nn.Module = self._stage.submod
         # fully_shard's modules sum their own gradients (detrace's in the same tree); the tree here takes the rest
         sharded = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
@@ -68,7 +66,12 @@ class _TreeSchedule:
         self._grads = TreeGradients(self._params, self._n_microbatches)
         self._name = name
 
-    def _scaled(self, loss_fn: Callable[..., Any], microbatches: int) -> Callable[..., Any]:
+    def _scaled(self, loss_fn: Callable[..., Any] | None, microbatches: int, scale_grads: bool
+                ) -> Callable[..., Any] | None:
+        """`loss_fn` divided by M (torch's scale_grads=True), each value kept for the step's `losses`."""
+        if loss_fn is None or not scale_grads:
+            return loss_fn
+
         def scaled(*args: Any, **kwargs: Any) -> torch.Tensor:
             loss = loss_fn(*args, **kwargs)
             self._unscaled.append(loss)
@@ -96,10 +99,12 @@ class ScheduleGPipe(TorchScheduleGPipe, _TreeSchedule):
     """torch.distributed.pipelining.ScheduleGPipe(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
     stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
 
-    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
-                 scale_grads: bool = True, **kwargs: Any) -> None:
-        super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
-        self._tree_init("ScheduleGPipe", loss_fn, scale_grads)
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
+        super().__init__(stage, n_microbatches, self._scaled(loss_fn, n_microbatches, scale_grads), args_chunk_spec,
+                         kwargs_chunk_spec, output_merge_spec, scale_grads=False)
+        self._tree_init("ScheduleGPipe")
 
     def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
         return self._tree_step(lambda: super(ScheduleGPipe, self).step(*args, losses=losses, **kwargs), losses)
@@ -109,10 +114,12 @@ class Schedule1F1B(TorchSchedule1F1B, _TreeSchedule):
     """torch.distributed.pipelining.Schedule1F1B(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
     stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
 
-    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None, *args: Any,
-                 scale_grads: bool = True, **kwargs: Any) -> None:
-        super().__init__(stage, n_microbatches, loss_fn, *args, scale_grads=False, **kwargs)
-        self._tree_init("Schedule1F1B", loss_fn, scale_grads)
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
+                 scale_grads: bool = True) -> None:
+        super().__init__(stage, n_microbatches, self._scaled(loss_fn, n_microbatches, scale_grads), args_chunk_spec,
+                         kwargs_chunk_spec, output_merge_spec, scale_grads=False)
+        self._tree_init("Schedule1F1B")
 
     def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
         return self._tree_step(lambda: super(Schedule1F1B, self).step(*args, losses=losses, **kwargs), losses)
