@@ -24,6 +24,7 @@ from torch import nn
 from detrace.cli import main as cli
 from detrace.errors import CommandFailed, IncomparableError, UsageError
 from detrace.investigate.check_topology import (
+    Launch,
     Mesh,
     TopologyResult,
     check_topology,
@@ -917,3 +918,37 @@ def test_a_loss_that_differs_is_shown_as_a_decimal_beside_its_bits(tmp_path: Pat
     assert shown[1] != shown[3]
     params = _topology(tmp_path, _Fake(fault=("layout-1x2", 1, "b")), layouts="1x1,1x2").first
     assert params is not None and params.kind == "param" and "(" not in params.detail  # digests as they are
+
+
+def _pipeline_ends(*, stale: bool) -> Launch:
+    """A launch that writes a 2-parameter model's traces: at pp2 each stage steps one parameter and records it as the
+    run ends; `stale`: each also records the other stage's parameter, which it never trained (other bits per rank)."""
+    def launch(argv: list[str], run: Path, env: dict[str, str], timeout: float | None) -> LaunchResult:
+        stages = Layout.parse(env[LAYOUT_ENV]).size("pp")
+        names = ("w0", "w1")
+        for rank in range(stages):
+            mine = names if stages == 1 else names[rank:rank + 1]
+            final = {name: 10 + i for i, name in enumerate(names) if name in mine or stale}
+            if stale and stages > 1:
+                final = {name: digest + (name not in mine) * (rank + 1) for name, digest in final.items()}
+            steps = [TrainingStep(step=0, params={name: 1 for name in mine}, final=final)]
+            write_training_rank(run, rank, steps, world_size=stages)
+        return LaunchResult(returncode=0, out=run, command=tuple(argv), elapsed=0.1, output_tail="")
+    return launch
+
+
+def test_a_disagreement_of_ranks_at_the_end_reads_at_the_end(tmp_path: Path) -> None:
+    """#46/#47: a pipeline rank that recorded, as the run ended, a parameter it never stepped made its ranks disagree
+    "at step 9223372036854775806" (the final phase's internal step). The ranks' own final parameters are compared
+    like any; a disagreement among them is placed at the end."""
+    meshes = parse_layouts("pp1,pp2")
+    result = check_topology(CMD, meshes=meshes, out=tmp_path / "a", tp_env=True,
+                            launch=_pipeline_ends(stale=False))
+    assert result.identical, result.first
+    result = check_topology(CMD, meshes=meshes, out=tmp_path / "b", tp_env=True,
+                            launch=_pipeline_ends(stale=True))
+    first = result.first
+    assert first is not None and (first.kind, first.name, first.step) == ("ranks", "final w0", -1)
+    assert first.sentence("layout pp1") == ("layout pp2's ranks disagree at the end: final w0 "
+                                            "(rank 0 000000000000000a, rank 1 000000000000000c)")
+    assert str(2**63 - 2) not in first.sentence("layout pp1")

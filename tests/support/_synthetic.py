@@ -207,6 +207,8 @@ class TrainingStep:
     """Module buffer name -> digest as the step ends (role "buffer")."""
     shapes: dict[str, tuple[int, ...]] | None = None
     """Parameter name -> the shape the rank records it with (default [4]): a plain shard's is its own part's."""
+    final: dict[str, int] | None = None
+    """Parameter name -> digest as the run ended (phase "final", recorded in this step: the last)."""
 
 
 def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *, world_size: int) -> None:
@@ -233,6 +235,8 @@ def write_training_rank(out: str | Path, rank: int, steps: list[TrainingStep], *
             add(s.step, "semantic", "optimizer", name, "param", k, digest=digest, shape=shape)
         for k, (name, digest) in enumerate((s.buffers or {}).items()):
             add(s.step, "semantic", "optimizer", name, "buffer", k, digest=digest)
+        for k, (name, digest) in enumerate((s.final or {}).items()):
+            add(s.step, "semantic", "final", name, "param", k, digest=digest)
     table = pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
     write_table(out, rank, table, world_size=world_size)
 

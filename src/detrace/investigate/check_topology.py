@@ -128,7 +128,7 @@ class Mismatch:
     """The first record that differs."""
 
     step: int
-    """Global step (0 is the first optimizer step), -1 for the final params line."""
+    """Global step (0 is the first optimizer step), -1 for the final params line and the state the run ended with."""
     kind: str
     """loss, grad_norm, param, final (a parameter as the run ended), final params (the printed line), or ranks (two
     ranks of one run disagree)."""
@@ -146,8 +146,9 @@ class Mismatch:
 
     def place(self) -> str:
         """Where and what: "at step 1: tensor b (HEX vs HEX)"."""
-        where = "the end" if self.kind == "final" else "the final params line" if self.step < 0 else \
-            f"step {self.step}"
+        # a disagreement between ranks names the record's kind first ("final 0.weight": a parameter as the run ended)
+        end = self.kind == "final" or (self.kind == "ranks" and self.name.startswith("final "))
+        where = "the end" if end else "the final params line" if self.step < 0 else f"step {self.step}"
         what = {"param": f"tensor {self.name}", "final": f"tensor {self.name}",
                 "loss": f"loss of microbatch {self.name}", "grad_norm": "grad_norm", "final params": "",
                 "ranks": self.name}[self.kind]
@@ -364,7 +365,8 @@ def _records(run: Path, mesh: Mesh, *, grad_norm: bool, label: str, replicas: Sh
             if key not in merged:
                 merged[key], owner[key] = bits, rank
             elif merged[key] != bits:  # replicas (or one block's tp ranks) must agree
-                return merged, Mismatch(step=key[0], kind="ranks", name=f"{key[1]} {key[2]}".strip(),
+                return merged, Mismatch(step=-1 if key[0] == FINAL_STEP else key[0], kind="ranks",
+                                        name=f"{key[1]} {key[2]}".strip(),
                                         world=mesh.world, run=label,
                                         detail=f"rank {owner[key]} {_shown(key[1], merged[key])}, rank {rank} "
                                                f"{_shown(key[1], bits)}"), shapes
