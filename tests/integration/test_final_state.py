@@ -159,3 +159,46 @@ def test_no_final_state_outside_the_step_window(tmp_path: Path) -> None:
         _train(model, optimizer, range(4))
         torch.save(model.state_dict(), tmp_path / "end.pt")
     assert _final(tmp_path / "a") == []
+
+
+def _train_a_stage(out: Path, *, after: float = 0.0, stage_module: bool = False) -> None:
+    """A pipeline rank that keeps the whole model but steps only its stage's layer (the head); then an unseeded draw
+    on another stage's layer (not this rank's to train), and `after` added to the head."""
+    with detrace.trace(out, rung="semantic"):
+        model, _ = _fresh()
+        # the stage module of the whole model's layer, a model of its own, which names the head's parameters otherwise
+        stage = nn.Sequential(model.head) if stage_module else model.head
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+        for i in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            optimizer.zero_grad()
+            stage(model.inner(x).detach()).square().mean().backward()
+            optimizer.step()
+        with torch.no_grad():
+            model.inner.weight.add_(torch.randn(4, 4))
+            model.head.bias.add_(after)
+
+
+def test_the_final_state_holds_the_parameters_an_optimizer_stepped(tmp_path: Path) -> None:
+    """The layers a rank never stepped stay at their initial values on that rank, which is not the state it trained
+    (check-topology's pp2 ranks disagreed on them at the end): the end records the stepped parameters; a change to
+    them after the last step is still caught."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _train_a_stage(a)
+    _train_a_stage(b)
+    _train_a_stage(c, after=1e-3)
+    assert [(r["name"], r["role"]) for r in _final(a)] == [("head.weight", "param"), ("head.bias", "param"),
+                                                           ("Model", "model")]
+    assert detrace.diff(a, b).verdict == "identical"  # the draw on inner.weight is not this rank's state
+    first = detrace.diff(a, c).first
+    assert first is not None and (first.phase, first.step, first.name) == ("final", 2, "head.bias")
+
+
+def test_a_stepped_parameter_is_recorded_once_under_the_name_its_steps_gave_it(tmp_path: Path) -> None:
+    """The stage module that holds the whole model's layer is a model of its own: the head's parameters are recorded
+    once as the run ends, under the names of their optimizer steps."""
+    _train_a_stage(tmp_path / "a", stage_module=True)
+    rows = read_rank(tmp_path / "a", 0).table.to_pylist()
+    stepped = [r["name"] for r in rows if r["phase"] == "optimizer" and r["role"] == "param" and r["step"] == 2]
+    assert len(stepped) == 2
+    assert [r["name"] for r in _final(tmp_path / "a") if r["role"] == "param"] == stepped

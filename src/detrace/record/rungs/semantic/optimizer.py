@@ -4,10 +4,12 @@ every buffer of the models the optimizer trains (role buffer, named by its quali
 that no optimizer writes (BatchNorm statistics, counters, EMA copies, an MoE router's load statistics): recorded
 with the parameters, a buffer that differs between two runs is a divergence like a parameter that does.
 
-As the trace closes, the final state (phase "final", in the last step that holds records): each parameter of every
-model an optimizer trained that is still alive, by qualified name (role "param"), then the model's digest (role
-"model": the fingerprint of its parameters' digests in that order). It catches what changes the model after the
-last optimizer step (an unseeded draw, an average, a quantisation).
+As the trace closes, the final state (phase "final", in the last step that holds records): each parameter that an
+optimizer which stepped holds in its param_groups, of every model still alive that holds one, by qualified name
+(role "param"), each once, then the model's digest (role "model": the fingerprint of those parameters' digests in
+that order). It catches what changes the trained parameters after the last optimizer step (an unseeded draw, an
+average, a quantisation). A parameter no optimizer here steps is not the state this rank trained: a pipeline rank
+that keeps the whole model but steps only its stage's layers holds the other stages' layers at their initial values.
 """
 
 from __future__ import annotations
@@ -90,7 +92,11 @@ class _StepRecorder:
             # the end is not the state of the recorded steps, and two runs may part after the window.
             return
         models: dict[int, torch.nn.Module] = {}
-        for refs in list(self.models.values()):
+        # the parameters (by id) in the param_groups of the optimizers that stepped (or, if none did, of those
+        # alive): the state this rank trained
+        trained: set[int] = set()
+        for optimizer, refs in list(self.models.items()):
+            trained |= {id(p) for group in optimizer.param_groups for p in group["params"]}
             for ref in refs:
                 if (model := ref()) is not None:
                     models.setdefault(id(model), model)
@@ -101,11 +107,16 @@ class _StepRecorder:
             gc.collect()  # an optimizer that only a reference cycle keeps is no longer the program's
             for optimizer in [obj for obj in gc.get_objects() if issubclass(type(obj), torch.optim.Optimizer)]:
                 params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+                trained |= params
                 for model in owners(params):
                     models.setdefault(id(model), model)
+        # named as the optimizer's steps named them: each once, though a stage module that holds some of the whole
+        # model's layers is a model of its own too, which names them otherwise
+        stepped = {key: name for names in list(self.names.values()) for key, name in names.items()}
         step = tracer.final_step
         for model in models.values():
-            named = _parameters(model)
+            named = [(stepped.get(id(p), name), p) for name, p in _parameters(model) if id(p) in trained]
+            trained -= {id(p) for _, p in named}
             if not named:
                 continue
             snaps = tracer.snapshot([p for _, p in named], fresh=True, now=True)
