@@ -202,3 +202,21 @@ def test_a_stepped_parameter_is_recorded_once_under_the_name_its_steps_gave_it(t
     stepped = [r["name"] for r in rows if r["phase"] == "optimizer" and r["role"] == "param" and r["step"] == 2]
     assert len(stepped) == 2
     assert [r["name"] for r in _final(tmp_path / "a") if r["role"] == "param"] == stepped
+
+
+def test_a_parameter_two_roots_hold_is_named_by_the_larger_one_whatever_their_order() -> None:
+    """A pipeline stage built from a whole model's blocks holds the same parameters under other names: the whole
+    model names them, whichever of the two the garbage collector lists first (it listed them in creation order, so
+    a stage made first named them `0.weight` in one run and `blocks.1.weight` in another)."""
+    from detrace.record.names import parameter_names
+
+    for stage_first in (True, False):
+        blocks = [torch.nn.Linear(4, 4) for _ in range(3)]
+        stage = torch.nn.Sequential(blocks[1]) if stage_first else None
+        whole = torch.nn.Module()
+        whole.blocks = torch.nn.ModuleList(blocks)
+        if stage is None:
+            stage = torch.nn.Sequential(blocks[1])
+        names = parameter_names()
+        assert names[id(blocks[1].weight)] == "blocks.1.weight", stage_first
+        assert names[id(stage[0].bias)] == "blocks.1.bias"

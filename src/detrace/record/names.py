@@ -57,9 +57,12 @@ def buffers(root: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def parameter_names() -> dict[int, str]:
-    """id(parameter) -> qualified name, over every root module alive now."""
+    """id(parameter) -> qualified name, over every root module alive now. A parameter that two roots hold (a whole
+    model and a pipeline stage built from its blocks) is named by the root that holds the most parameters: the order
+    the garbage collector lists the roots in is no property of the program, and a name taken from it could differ
+    between two runs of the same program (a false structural divergence)."""
     names: dict[int, str] = {}
-    for root in roots():
+    for root in sorted(roots(), key=lambda root: -sum(1 for _ in root.parameters())):
         for prefix, module in named_modules(root):
             for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
                 if isinstance(param, torch.Tensor):
