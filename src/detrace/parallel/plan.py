@@ -99,6 +99,11 @@ class _Style:
     chunks: int
     use_local_output: bool
 
+    def _take_chunks(self, chunks: int) -> None:
+        if chunks < 1:
+            raise UsageError(f"chunks must be positive, not {chunks}")
+        self.chunks = chunks
+
     def _shard_linear(self, module: nn.Linear, mesh: Any) -> tuple[int, dist.ProcessGroup, int, int]:
         if mesh.ndim != 1:
             raise UsageError(f"parallelize_module takes a 1-D tensor-parallel mesh, not a {mesh.ndim}-D one")
@@ -132,9 +137,7 @@ class ColwiseParallel(TorchColwise, _Style):
                  chunks: int = CHUNKS) -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
-        if chunks < 1:
-            raise UsageError(f"chunks must be positive, not {chunks}")
-        self.chunks = chunks
+        self._take_chunks(chunks)
         if not isinstance(self.input_layouts[0], Replicate):
             raise UsageError("detrace's ColwiseParallel takes a replicated input (sequence parallelism is not "
                              "supported)")
@@ -177,9 +180,7 @@ class RowwiseParallel(TorchRowwise, _Style):
                  chunks: int = CHUNKS) -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
-        if chunks < 1:
-            raise UsageError(f"chunks must be positive, not {chunks}")
-        self.chunks = chunks
+        self._take_chunks(chunks)
         if not isinstance(self.output_layouts[0], Replicate):
             raise UsageError("detrace's RowwiseParallel gives a replicated output (sequence parallelism is not "
                              "supported)")
