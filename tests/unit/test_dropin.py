@@ -221,6 +221,9 @@ def test_parallelize_module_keeps_the_models_names_and_shapes_and_refuses_in_one
             parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="replicated input"):
         ColwiseParallel(input_layouts=Shard(1))
+    for style in (ColwiseParallel, RowwiseParallel):
+        with pytest.raises(UsageError, match="chunks must be positive, not 0"):
+            style(chunks=0)
     with pytest.raises(UsageError, match="must divide the layer's output features"):
         parallelize_module(copy.deepcopy(plain), mesh, {"head": ColwiseParallel()})
     with pytest.raises(UsageError, match="not a replicated one"):
