@@ -204,3 +204,25 @@ def test_runs_that_stop_at_different_steps_are_nondeterministic_without_narrowin
     assert launcher.runs == ["1-semantic-a", "1-semantic-b"]  # no rung below reruns steps that all matched
     assert result.message.startswith("two runs of CMD do not cover the same steps: B stopped after global step 2 "
                                      "and A ran on to step 3")
+
+
+def test_the_resume_proof_leaves_out_the_state_a_run_ended_with(tmp_path: Path) -> None:
+    """locate's resume proof compares a run resumed after step 2 and stopped after step 3 with run A over step 3
+    alone. The state the resumed run ended with (phase "final") carries step 3's number but is no record of step 3:
+    it was taken for 157 records "with no partner" in run A, which ran on, and every checkpointed ladder fell back
+    to full runs ("inexact")."""
+    from _synthetic import TrainingStep, write_training_rank
+
+    from detrace.analyze.pairs import same_over
+
+    def run(name: str, steps: range, at_3: int = 13) -> Path:
+        out = tmp_path / name
+        trained = [TrainingStep(step=s, params={"w": at_3 if s == 3 else 10 + s}) for s in steps]
+        trained[-1] = TrainingStep(step=steps[-1], params=trained[-1].params, final=trained[-1].params)
+        write_training_rank(out, 0, trained, world_size=1)
+        return out
+
+    whole = run("a", range(6))
+    assert same_over(whole, run("resumed", range(3, 4)), 3, 3) is None
+    differs = same_over(whole, run("other", range(3, 4), at_3=99), 3, 3)
+    assert differs == "rank 0, step 3: optimizer w#0 param[0] differs"

@@ -26,11 +26,14 @@ def aligned_records(run_a: str | Path, run_b: str | Path, rank: int, *,
     pair carries the same bits (`detrace.analyze.classify.content_mask`), and how many records of A and of B
     found no partner. Positional alignment and resynchronisation are the diff's business; this is the
     order-free view that per-step counts and the search for an origin call need. `steps` (first, last) keeps
-    only the records of those steps.
+    only the records of those steps: not the state a run ended with (phase "final"), which carries its last step's
+    number but is no record of that step (a run that stops inside the window, as locate's resume proof does, ends
+    there; the run it is compared with goes on).
     """
     ta, tb = read_rank(run_a, rank).table, read_rank(run_b, rank).table
     if steps is not None:
-        ta, tb = (t.filter(pc.and_(pc.greater_equal(t["step"], steps[0]), pc.less_equal(t["step"], steps[1])))
+        ta, tb = (t.filter(pc.and_(pc.and_(pc.greater_equal(t["step"], steps[0]), pc.less_equal(t["step"], steps[1])),
+                                   pc.not_equal(t["phase"], "final")))
                   for t in (ta, tb))
 
     def keys(table: pa.Table, position: str) -> pa.Table:
