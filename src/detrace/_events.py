@@ -66,6 +66,12 @@ does not know them). Detrace's data handling of a framework's loader registers i
 the tracer's batch rung takes one batch per training forward and records it with the batch."""
 
 
+trained_from: list[Callable[[], list[int] | None] | None] = []
+"""Empty before the first training forward; then one item: the source the last one took its batch's indices from
+(None when there was none; see `next_samples`)."""
+
+
 def next_samples() -> list[int] | None:
     """The sample indices of the batch the training's forward about to run takes, when a sampler knows them."""
+    trained_from[:] = [sample_source[0] if sample_source else None]
     return sample_source[0]() if sample_source else None

@@ -223,3 +223,27 @@ def test_an_evaluation_loader_in_a_loop_without_one_gives_no_training_batch_its_
                         model(held_out)
                 model.train()
     assert [batch_samples(tmp_path / "a", 0, step) for step in range(3)] == [(), (), ()]
+
+
+def test_an_evaluation_that_iterates_its_loader_with_grad_enabled_gives_no_training_batch_its_samples(
+        tmp_path: Path) -> None:
+    """HF `Trainer`'s evaluation loop iterates its DataLoader with grad enabled and runs only the forward under
+    no_grad: its last batch was left to the next training forward, which named the evaluation's samples (in a
+    continuous run, not in one resumed after the evaluation: check-resume called HF's exact DDP resume
+    'resume-changed-the-run', the data position differing). A batch another loader than the training's dispatched is
+    the evaluation's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        for step in range(3):
+            model(torch.full((BATCH, 1), float(step))).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                model.eval()
+                for held_out in DataLoader(Indexed(), batch_size=8):
+                    with torch.no_grad():
+                        model(held_out)
+                model.train()
+    assert [batch_samples(tmp_path / "a", 0, step) for step in range(3)] == [(), (), ()]

@@ -53,10 +53,16 @@ class _Handed:
 
 def evaluation_takes() -> None:
     """An evaluation's forward takes the next batch of the loader that dispatched last when that batch was
-    dispatched with grad disabled: its indices are dropped, never a training forward's. (A batch dispatched with grad
-    enabled is a training loader's that an evaluation on tensors of its own ran before: it stays for the training.)"""
+    dispatched with grad disabled, or by another loader than the one the last training forward took from: its
+    indices are dropped, never a training forward's. (A batch of the training's own loader dispatched with grad
+    enabled is one that an evaluation on tensors of its own ran before: it stays for the training. An evaluation loop
+    that iterates its loader with grad enabled and runs only its forward under no_grad, as HF `Trainer`'s does, left
+    its last batch to the next training forward, which then named the evaluation's samples.)"""
     source = _events.sample_source[0] if _events.sample_source else None
-    if isinstance(source, _Handed) and source.batches and source.batches[0][1]:
+    if not isinstance(source, _Handed) or not source.batches:
+        return
+    other = bool(_events.trained_from) and _events.trained_from[0] is not source
+    if source.batches[0][1] or other:
         source.batches.popleft()
 
 
