@@ -117,6 +117,7 @@ __all__ = [
     "release_checked",
     "replace_call",
     "resolve_group",
+    "root_mesh",
     "run_exit_handlers",
     "torch_release",
     "tracing_tensors",
@@ -516,6 +517,15 @@ def all_to_all_single_autograd() -> Callable[..., Any]:
     from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
     return all_to_all
+
+
+@_private("torch.distributed.device_mesh.DeviceMesh._get_root_mesh")
+def root_mesh(mesh: Any) -> Any:
+    """The mesh that `mesh` was sliced from (`mesh` itself when it was made whole): `detrace.parallel`'s
+    ExpertParallel reads the replicas of its experts from the root's other dimension.
+
+    Why: a sliced DeviceMesh has no public link to its parent. Replace with: its public home, if it gets one."""
+    return mesh._get_root_mesh()
 
 
 def wait_collective(tensor: torch.Tensor) -> torch.Tensor:

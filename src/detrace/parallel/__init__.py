@@ -7,7 +7,8 @@ the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert paral
 source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
 (`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`). Drop-in replacements for
 torch's APIs, with torch's signatures: `shard`, `fully_shard`; `plan`, `parallelize_module`, `ColwiseParallel`,
-`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B` (and torch's `PipelineStage`).
+`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B` (and torch's `PipelineStage`); `expert_parallel`,
+`ExpertParallel` (torchtitan's style for an all-to-all MoE).
 See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
@@ -40,7 +41,9 @@ _PLAN = ("ColwiseParallel", "RowwiseParallel", "parallelize_module")
 rank's start-up, and every traced process imports detrace.parallel."""
 _SCHEDULE = ("PipelineStage", "Schedule1F1B", "ScheduleGPipe")
 """detrace.parallel.schedule's drop-ins (torch's PipelineStage re-exported), imported on first use as the plan's."""
-__all__ += _PLAN + _SCHEDULE
+_EXPERT = ("ExpertParallel",)
+"""detrace.parallel.expert_parallel's drop-in (torchtitan's style), imported on first use as the plan's."""
+__all__ += _PLAN + _SCHEDULE + _EXPERT
 
 
 def __getattr__(name: str) -> object:
@@ -48,6 +51,10 @@ def __getattr__(name: str) -> object:
         from detrace.parallel import plan
 
         return getattr(plan, name)
+    if name in _EXPERT:
+        from detrace.parallel import expert_parallel
+
+        return getattr(expert_parallel, name)
     if name in _SCHEDULE:
         from detrace.parallel import schedule
 

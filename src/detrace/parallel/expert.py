@@ -75,21 +75,28 @@ class ExpertGradientTree:
     """The fixed tree over one step's expert weight gradients: one leaf per (source, microbatch), where source s
     computes the block of microbatches [s n, (s + 1) n) of its group. `push` takes one microbatch's leaves of every
     source, stacked: one [S, ...] tensor per weight, source s's leaf at [s]; `result` is the sum over the S n
-    microbatches in the tree of `detrace.parallel.data`."""
+    microbatches in the tree of `detrace.parallel.data`.
 
-    def __init__(self, sources: int, microbatches: int) -> None:
-        if sources < 1 or microbatches < 1:
+    `microbatches` None: n is learnt at `result`, and must be a power of two (the drop-in `ExpertParallel`, whose
+    loop says nothing of n before its optimizer step): the leaves stream into a binary counter, whose merges are
+    that tree's nodes when n is a power of two."""
+
+    def __init__(self, sources: int, microbatches: int | None) -> None:
+        if sources < 1 or (microbatches is not None and microbatches < 1):
             raise UsageError(f"an expert gradient tree needs sources and microbatches, not {sources} and "
                              f"{microbatches}")
         self.sources, self.microbatches = sources, microbatches
         # every source's block has the same tree: one stacked partial sum per level serves them all (an addition
         # is elementwise, so stacking changes no bit)
-        self.tree = _Accumulator(microbatches)
+        self.tree = _Accumulator(microbatches) if microbatches is not None else None
+        self.counter: list[tuple[int, list[torch.Tensor]]] = []
+        """With n unknown: (leaves, stacked partial sums) of each open node, oldest first."""
+        self.pushed = 0
 
     @property
     def seen(self) -> int:
         """Microbatches pushed so far this step."""
-        return self.tree.seen
+        return self.pushed
 
     def push(self, leaves: Sequence[torch.Tensor]) -> None:
         if any(leaf.shape[0] != self.sources for leaf in leaves):
@@ -97,15 +104,30 @@ class ExpertGradientTree:
                              f"{self.sources} sources")
         if self.seen == self.microbatches:
             raise UsageError(f"the experts took part in more than the {self.microbatches} microbatches of a step")
-        self.tree.push(list(leaves))
+        self.pushed += 1
+        if self.tree is not None:
+            self.tree.push(list(leaves))
+            return
+        self.counter.append((1, list(leaves)))  # the leaves are the views' own gradients: added into in place
+        while len(self.counter) > 1 and self.counter[-1][0] == self.counter[-2][0]:
+            size, right = self.counter.pop()
+            for left_buf, right_buf in zip(self.counter[-1][1], right, strict=True):
+                left_buf.add_(right_buf)  # left + right: the same two operands at every ep size
+            self.counter[-1] = (2 * size, self.counter[-1][1])
 
     def result(self) -> list[torch.Tensor]:
-        if self.seen != self.microbatches:
+        if self.tree is None:
+            if self.seen & (self.seen - 1) or not self.seen:
+                raise UsageError(f"the experts took part in {self.seen} microbatches in a step; each rank must run "
+                                 "a power-of-two number of microbatches per optimizer step")
+            blocks = self.counter[0][1]
+        elif self.seen != self.microbatches:
             raise UsageError(f"the experts took part in {self.seen} of the {self.microbatches} microbatches of a "
                              "step: every MoE layer must take part in every microbatch's forward and backward")
+        else:
+            blocks = self.tree.result()
         # the blocks are the tree's nodes: their sums, added in the tree's order over the sources, are its top (a
         # copy of the root: it would otherwise keep the S blocks' buffer alive as the gradient)
-        blocks = self.tree.result()
         return [root.clone() for root in _tree_sum([[b[s] for b in blocks] for s in range(self.sources)])]
 
 
@@ -116,15 +138,16 @@ class FixedOrderExperts:
 
     Args:
         weights: returns the local expert weights (plain tensors; each [L, ...]) to compute with.
-        microbatches: n, the microbatches each rank computes per step (M / W).
+        microbatches: n, the microbatches each rank computes per step (M / W); None: any power of two, counted
+            until `finish` (`ExpertGradientTree`).
         group: the expert-parallel group (None: one process, no exchange; the experts run as they are).
         replicas: the group over which the experts are replicated (the dp ranks that hold the same experts), or
             None; its ranks complete the tree over their blocks.
     """
 
-    def __init__(self, weights: Callable[[], Sequence[torch.Tensor]], *, microbatches: int,
+    def __init__(self, weights: Callable[[], Sequence[torch.Tensor]], *, microbatches: int | None,
                  group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
-        if microbatches < 1:
+        if microbatches is not None and microbatches < 1:
             raise UsageError(f"microbatches per rank must be positive, not {microbatches}")
         self.weights, self.microbatches, self.group, self.replicas = weights, microbatches, group, replicas
         self.ep = dist.get_world_size(group)
@@ -139,6 +162,11 @@ class FixedOrderExperts:
     def begin(self) -> None:
         """Start a step: the next `microbatches` forwards and backwards are its leaves."""
         self.tree, self._held = ExpertGradientTree(self.ep, self.microbatches), []
+
+    @property
+    def taken(self) -> int:
+        """The microbatches whose forward ran since `begin` (pushed into the tree or held for their backward)."""
+        return (0 if self.tree is None else self.tree.seen) + len(self._held)
 
     def _hold(self, views: list[torch.Tensor]) -> None:
         """Keep one microbatch's views (one [S, ...] expand of each weight) until its backward has set their

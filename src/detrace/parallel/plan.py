@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from detrace.errors import UsageError
+from detrace.parallel.expert_parallel import ExpertParallel
 from detrace.parallel.tensor import _Column, _Row, _split, group_combine, owned_chunks
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "parallelize_module"]
@@ -215,8 +216,8 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     keys may hold torch's wildcards). Refuses any other style in one sentence."""
     styles = parallelize_plan.values() if isinstance(parallelize_plan, dict) else [parallelize_plan]
     for style in styles:
-        if style is not None and not isinstance(style, ColwiseParallel | RowwiseParallel):
-            raise UsageError(f"detrace.parallel.parallelize_module takes detrace's ColwiseParallel and "
-                             f"RowwiseParallel, not {type(style).__module__}.{type(style).__name__} (its reductions "
-                             "add in an order that depends on the tensor-parallel size)")
+        if style is not None and not isinstance(style, ColwiseParallel | RowwiseParallel | ExpertParallel):
+            raise UsageError(f"detrace.parallel.parallelize_module takes detrace's ColwiseParallel, "
+                             f"RowwiseParallel and ExpertParallel, not {type(style).__module__}."
+                             f"{type(style).__name__} (its reductions add in an order that depends on the mesh)")
     return torch_parallelize_module(module, device_mesh, parallelize_plan, src_data_rank=src_data_rank)
