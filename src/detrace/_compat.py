@@ -556,6 +556,30 @@ def initialize_pipeline_stage(schedule: Any, args: tuple[Any, ...], kwargs: dict
         initialize(args, kwargs)
 
 
+@_private("torch.distributed.pipelining.schedules._ComputationType")
+def pipeline_backward_orders(schedule: Any) -> dict[int, tuple[list[int], bool]]:
+    """For each stage this rank holds in a multi-stage schedule (ScheduleInterleaved1F1B, ScheduleLoopedBFS, the
+    zero-bubble ones): the microbatches of the actions that give its parameters their gradients (a full backward, or
+    a split backward's weight step), in the order this rank runs them, and whether its backward is split.
+
+    Why: a stage's gradients are summed in the tree by microbatch, and which microbatch each one is follows from the
+    schedule's actions (`pipeline_order_with_comms`, of the private `_Action` and `_ComputationType`). Replace with:
+    a public view of a schedule's actions, if torch adds one."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    gives = (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_WEIGHT)
+    orders: dict[int, tuple[list[int], bool]] = {stage.stage_index: ([], False) for stage in schedule._stages}
+    for action in schedule.pipeline_order_with_comms[schedule.rank]:
+        for one in (action.sub_actions or (action,)) if action is not None else ():
+            if one.stage_index not in orders:
+                continue
+            order, split = orders[one.stage_index]
+            if one.computation_type in gives:
+                order.append(one.microbatch_index)
+            orders[one.stage_index] = (order, split or one.computation_type == _ComputationType.BACKWARD_INPUT)
+    return orders
+
+
 @_private("torch.distributed.pipelining._backward.stage_backward")
 def reducing_pipeline_stage(before_backward: Callable[[], None], **stage: Any) -> Any:
     """A `PipelineStage(**stage)` whose fully_shard stage reduce-scatters every microbatch's gradients as that

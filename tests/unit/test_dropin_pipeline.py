@@ -1,5 +1,5 @@
-"""detrace.parallel's pipeline schedules as drop-ins for torch's: in process, at one stage (the tree over the
-microbatches, the refusals); tests/e2e/test_dropin_llama.py runs pp2 for real."""
+"""detrace.parallel's pipeline schedules as drop-ins for torch's: in process, at one stage and at two stages on one
+process (the tree over the microbatches, the refusals); tests/e2e/test_dropin_pipeline_llama.py runs them for real."""
 
 from __future__ import annotations
 
@@ -14,7 +14,17 @@ from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
 
 from detrace.errors import UsageError
-from detrace.parallel import PipelineStage, Schedule1F1B, ScheduleGPipe
+from detrace.parallel import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    TreeGradients,
+)
+from detrace.parallel.data import _tree_sum
 
 M, B = 4, 2
 
@@ -116,3 +126,93 @@ def test_schedule_leaves_a_sharded_modules_gradients_to_fully_shard(one_rank: No
         assert got is not None and want is not None
         got = got.full_tensor() if isinstance(got, DTensor) else got
         assert torch.equal(got, want.full_tensor() if isinstance(want, DTensor) else want), name
+
+
+def _deep_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 3))
+
+
+def _tree_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """One process: each of the m microbatches' gradient of its loss / m alone, summed in data.py's fixed tree."""
+    per = []
+    for i in range(m):
+        loss = _loss(model(x[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]) / m
+        per.append(list(torch.autograd.grad(loss, list(model.parameters()))))
+    return _tree_sum(per)
+
+
+@pytest.mark.parametrize("schedule", [ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+                                      ScheduleZBVZeroBubble])
+def test_multi_stage_schedules_sum_each_stages_microbatches_in_the_tree(one_rank: None, schedule: Any) -> None:
+    """Two stages on one process (the V of ZBV puts both on a rank), M = 3 (a tree that reversing changes: LoopedBFS
+    runs a stage's backwards 2, 1, 0), the zero-bubble ones splitting each backward into input and weight steps:
+    every gradient is the one process's tree, the losses the loss function's own; torch's schedule differs."""
+    torch_schedule = getattr(torch.distributed.pipelining, schedule.__name__)
+    m, differs = 3, False
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(m * B, 8, generator=g) * 10, torch.randint(0, 3, (m * B,), generator=g)
+        want = _tree_of(_deep_model(), x, y, m)
+        model, losses = _deep_model(), []
+        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((model[0:2], model[2:5]))]
+        schedule(stages, n_microbatches=m, loss_fn=_loss).step(x, target=y, losses=losses)
+        reference = _deep_model()
+        assert [loss.item() for loss in losses] == [_loss(reference(x[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]).item()
+                                                    for i in range(m)]
+        for p, w in zip(model.parameters(), want, strict=True):
+            assert torch.equal(p.grad, w)
+        theirs = _deep_model()
+        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((theirs[0:2], theirs[2:5]))]
+        torch_schedule(stages, n_microbatches=m, loss_fn=_loss).step(x, target=y)
+        differs |= any(not torch.equal(p.grad, w) for p, w in zip(theirs.parameters(), want, strict=True))
+    assert differs
+
+
+def test_interleaved_stages_leave_fully_shard_to_its_tree_and_zero_bubble_refuses_it(one_rank: None) -> None:
+    """Stages whose blocks are given to detrace's fully_shard: ScheduleInterleaved1F1B gives the loop's bits on the
+    model sharded whole; a zero-bubble schedule's split backward cannot run on them, refused in one sentence."""
+    from torch.distributed.tensor import DTensor
+
+    from detrace.parallel import fully_shard
+
+    x, y = _batch(2)
+    loop = _deep_model()
+    for i in (0, 2, 4):
+        fully_shard(loop[i])
+    fully_shard(loop)
+    for i in range(M):
+        (_loss(loop(x[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]) / M).backward()
+    staged = _deep_model()
+    for i in (0, 2, 4):
+        fully_shard(staged[i])
+    stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((staged[0:2], staged[2:5]))]
+    with pytest.raises(UsageError, match=r"ScheduleZBVZeroBubble splits stage \d's backward .* fully_shard"):
+        ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=_loss)
+    ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=_loss).step(x, target=y)
+    wants = dict(loop.named_parameters())
+    for name, p in staged.named_parameters():
+        got, want = p.grad, wants[name].grad
+        assert got is not None and want is not None
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        assert torch.equal(got, want.full_tensor() if isinstance(want, DTensor) else want), name
+
+
+@pytest.mark.parametrize("leaves", range(1, 10))
+def test_tree_gradients_sum_any_backward_order_in_the_one_tree(leaves: int) -> None:
+    """Each microbatch's gradient takes its own leaf, in whatever order a schedule delivers them: the bits of
+    data.py's tree over the microbatches in order, and a backward order that is not each microbatch once is refused."""
+    g = torch.Generator().manual_seed(leaves)
+    grads = [torch.randn(5, generator=g) * 10 ** torch.randint(-3, 4, (5,), generator=g) for _ in range(leaves)]
+    want = _tree_sum([[t.clone()] for t in grads])[0]
+    for order in (list(range(leaves)), list(range(leaves))[::-1],
+                  torch.randperm(leaves, generator=g).tolist()):
+        param = nn.Parameter(torch.zeros(5))
+        tree = TreeGradients([param], leaves, order=order)
+        tree.begin()
+        for k in order:
+            (param * grads[k]).sum().backward()
+        tree.finish()
+        assert torch.equal(param.grad, want), order
+    with pytest.raises(UsageError, match="each of its 3 microbatches once"):
+        TreeGradients([nn.Parameter(torch.zeros(1))], 3, order=[0, 0, 2])

@@ -7,7 +7,8 @@ the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert paral
 source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
 (`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`). Drop-in replacements for
 torch's APIs, with torch's signatures: `shard`, `fully_shard`; `plan`, `parallelize_module`, `ColwiseParallel`,
-`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B` (and torch's `PipelineStage`); `expert_parallel`,
+`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`,
+`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` (and torch's `PipelineStage`); `expert_parallel`,
 `ExpertParallel` (torchtitan's style for an all-to-all MoE).
 See docs/topology.md."""
 
@@ -39,7 +40,8 @@ __all__ = [
 _PLAN = ("ColwiseParallel", "RowwiseParallel", "parallelize_module")
 """detrace.parallel.plan's drop-ins, imported on first use: torch.distributed.tensor.parallel costs a second of a
 rank's start-up, and every traced process imports detrace.parallel."""
-_SCHEDULE = ("PipelineStage", "Schedule1F1B", "ScheduleGPipe")
+_SCHEDULE = ("PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+             "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble")
 """detrace.parallel.schedule's drop-ins (torch's PipelineStage re-exported), imported on first use as the plan's."""
 _EXPERT = ("ExpertParallel",)
 """detrace.parallel.expert_parallel's drop-in (torchtitan's style), imported on first use as the plan's."""

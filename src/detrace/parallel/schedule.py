@@ -1,29 +1,35 @@
-"""`ScheduleGPipe` and `Schedule1F1B` as drop-ins: torch.distributed.pipelining's schedules, whose gradients are
-the bits of one process that runs the same microbatches, whatever the number of stages.
+"""torch.distributed.pipelining's schedules as drop-ins (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
+`ScheduleLoopedBFS`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`): each stage's gradients are the bits of
+one process that runs the same microbatches through the whole model, whatever the number of stages and of stages
+per rank.
 
     from detrace.parallel import PipelineStage, Schedule1F1B     # instead of torch.distributed.pipelining's
 
     stage = PipelineStage(stage_module, rank, stages, device)   # torch's own class, re-exported
     schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
+    # several stages per rank: ScheduleInterleaved1F1B([stage_a, stage_b], n_microbatches=M, loss_fn=loss_fn)
     for step in range(steps):
         schedule.step(x, target=y)                               # first stage x, last stage target=y
         optimizer.step()
         optimizer.zero_grad()
 
 What differs with torch's schedules: nothing in a stage's forward or backward (a stage runs the whole model's ops on
-its layers; the activation's gradient crosses the cut unchanged), and the backwards of one stage run in microbatch
-order 0..M-1 in both schedules, so each `.grad` is added in the order of a plain loop of M backwards. So torch's
-schedules give the bits of that loop with torch's own per-module accumulation; with detrace's parallel APIs (whose
-`fully_shard` sums a step's microbatches in the fixed balanced tree at every number of shards, one process
-included), a stage must sum its microbatches in the same tree, which these schedules do (`TreeGradients`). And
-torch's `scale_grads=True` divides the sum by M after the last backward, where the loop of torchtitan's contract
-divides each microbatch's loss by M before its backward (`(loss / n).backward()`): the same bits only when M is a
-power of two, and a different loss at the backward's root either way. Here `scale_grads=True` divides each loss by M
-before its backward, as that loop does; the `losses` a step fills are still the loss function's own, unscaled.
+its layers; the activation's gradient crosses the cut unchanged; a zero-bubble schedule's weight step computes the
+same weight gradient as the full backward), and autograd adds each microbatch's gradient into `.grad` in the order
+the schedule runs a stage's backwards: 0..M-1 in every schedule but ScheduleLoopedBFS, which runs them M-1..0. So
+torch's schedules give the bits of a plain loop of M backwards (ScheduleLoopedBFS not even those); with detrace's
+parallel APIs (whose `fully_shard` sums a step's microbatches in the fixed balanced tree at every number of shards,
+one process included), a stage must sum its microbatches in the same tree, which these schedules do
+(`TreeGradients`, told each stage's order from the schedule's actions). And torch's `scale_grads=True` divides the
+sum by M after the last backward, where the loop of torchtitan's contract divides each microbatch's loss by M before
+its backward (`(loss / n).backward()`): the same bits only when M is a power of two, and a different loss at the
+backward's root either way. Here `scale_grads=True` divides each loss by M before its backward, as that loop does;
+the `losses` a step fills are still the loss function's own, unscaled.
 
 What it cannot keep, refused in one sentence: gradients left in `.grad` from before the step (they would be added
-outside the tree: call `optimizer.zero_grad()`), and a stage with active dropout (its draws come from the stage's
-process in the schedule's order, not from the one process's).
+outside the tree: call `optimizer.zero_grad()`), a stage with active dropout (its draws come from the stage's
+process in the schedule's order, not from the one process's), and a zero-bubble schedule's split backward on a
+stage that holds `fully_shard` modules (torch's weight step does not find their unsharded parameters).
 
 A stage's modules given to `fully_shard` keep their own sum (detrace's `fully_shard` is the same tree); the stage's
 module itself must not be one (torch's stage turns its gradient sync off between microbatches, which detrace's
@@ -32,8 +38,9 @@ module itself must not be one (torch's stage turns its gradient sync off between
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,30 +48,65 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import Schedule1F1B as TorchSchedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
+from torch.distributed.pipelining import ScheduleInterleaved1F1B as TorchScheduleInterleaved1F1B
+from torch.distributed.pipelining import ScheduleInterleavedZeroBubble as TorchScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import ScheduleLoopedBFS as TorchScheduleLoopedBFS
+from torch.distributed.pipelining import ScheduleZBVZeroBubble as TorchScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from detrace._compat import pipeline_backward_orders
 from detrace.errors import UsageError
 from detrace.parallel.pipeline import TreeGradients
 
-__all__ = ["PipelineStage", "Schedule1F1B", "ScheduleGPipe"]
+__all__ = ["PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+           "ScheduleLoopedBFS", "ScheduleZBVZeroBubble"]
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 class _TreeSchedule:
-    """The step of a single-stage schedule whose stage sums its microbatches' gradients in the fixed tree."""
+    """torch's schedule (the next class in the MRO, whose constructor arguments it takes) whose stages sum their
+    microbatches' gradients in the fixed tree."""
 
-    _stage: Any
     _n_microbatches: int
 
-    def _tree_init(self, name: str) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        torch_init = cast(Any, super()).__init__
+        # Bound to torch's own signature (each schedule has its own), so that loss_fn and scale_grads are read
+        # wherever the caller put them, by position or by name.
+        bound = inspect.signature(torch_init).bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
         self._unscaled: list[torch.Tensor] = []
-        module: nn.Module = self._stage.submod
-        # fully_shard's modules sum their own gradients (detrace's in the same tree); the tree here takes the rest
-        sharded = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
-        self._params = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
-        self._dropouts = [d for d in module.modules() if isinstance(d, _DROPOUTS) and d.p > 0]
-        self._grads = TreeGradients(self._params, self._n_microbatches)
-        self._name = name
+        given["loss_fn"] = self._scaled(given["loss_fn"], given["n_microbatches"], given["scale_grads"])
+        given["scale_grads"] = False  # `_scaled` divides each loss instead
+        torch_init(*bound.args, **bound.kwargs)
+        self._tree_init()
+
+    def _tree_init(self) -> None:
+        name = type(self).__name__
+        stages = list(self._stages) if isinstance(self, PipelineScheduleMulti) else [cast(Any, self)._stage]
+        # GPipe and 1F1B run a stage's backwards in microbatch order; the multi-stage schedules say theirs
+        orders = (pipeline_backward_orders(self) if isinstance(self, PipelineScheduleMulti)
+                  else {stages[0].stage_index: (list(range(self._n_microbatches)), False)})
+        self._trees: list[TreeGradients] = []
+        self._dropouts: list[nn.Module] = []
+        for stage in stages:
+            module: nn.Module = stage.submod
+            # fully_shard's modules sum their own gradients (detrace's in the same tree); the tree here takes the rest
+            sharded = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+            order, split = orders[stage.stage_index]
+            if split and sharded:
+                raise UsageError(f"detrace.parallel.{name} splits stage {stage.stage_index}'s backward into input "
+                                 "and weight steps, which a stage holding fully_shard modules cannot run (torch's "
+                                 "weight step does not find their unsharded parameters): use "
+                                 "ScheduleInterleaved1F1B")
+            tree = TreeGradients((p for p in module.parameters() if id(p) not in sharded), self._n_microbatches,
+                                 order=order)
+            if split:
+                _take_after_weight_step(stage, tree)
+            self._trees.append(tree)
+            self._dropouts += [d for d in module.modules() if isinstance(d, _DROPOUTS) and d.p > 0]
 
     def _scaled(self, loss_fn: Callable[..., Any] | None, microbatches: int, scale_grads: bool
                 ) -> Callable[..., Any] | None:
@@ -78,48 +120,67 @@ class _TreeSchedule:
             return loss / microbatches  # the loop's `(loss / n).backward()`, not the sum's division after it
         return scaled
 
-    def _tree_step(self, run: Callable[[], Any], losses: list[Any] | None) -> Any:
+    def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """torch's `step`, each stage's gradients summed in the tree over the step's microbatches."""
+        name = type(self).__name__
         if any(d.training for d in self._dropouts):
-            raise UsageError(f"detrace.parallel.{self._name} does not support dropout in a stage (its draws depend "
-                             "on the stage's process): set the dropout's p to 0 or call eval()")
-        if any(p.grad is not None and bool(p.grad.any()) for p in self._params):
-            raise UsageError(f"detrace.parallel.{self._name}.step found gradients from before the step; call "
+            raise UsageError(f"detrace.parallel.{name} does not support dropout in a stage (its draws depend on the "
+                             "stage's process): set the dropout's p to 0 or call eval()")
+        if any(p.grad is not None and bool(p.grad.any()) for tree in self._trees for p in tree.params):
+            raise UsageError(f"detrace.parallel.{name}.step found gradients from before the step; call "
                              "optimizer.zero_grad() before each step (a step's microbatches are summed in a tree)")
-        self._grads.begin()
+        for tree in self._trees:
+            tree.begin()
         self._unscaled = []
-        result = run()
-        self._grads.finish()
+        result = cast(Any, super()).step(*args, losses=losses, **kwargs)
+        for tree in self._trees:
+            tree.finish()
         if losses is not None and self._unscaled:
             losses[:] = self._unscaled[-self._n_microbatches:]  # the loss function's values (the first step's
             # shape inference computes one more before them)
         return result
 
 
-class ScheduleGPipe(TorchScheduleGPipe, _TreeSchedule):
+def _take_after_weight_step(stage: Any, tree: TreeGradients) -> None:
+    """Make `tree` take the weight gradients that `stage`'s weight step (a split backward's) assigns to `.grad`
+    (torch computes them with `torch.autograd.grad`, so no accumulation hook runs), after each microbatch's step."""
+    weight_step = stage.backward_weight_one_chunk
+
+    def weight_step_then_take(*args: Any, **kwargs: Any) -> None:
+        weight_step(*args, **kwargs)
+        tree.take_assigned()
+
+    stage.backward_weight_one_chunk = weight_step_then_take
+
+
+class ScheduleGPipe(_TreeSchedule, TorchScheduleGPipe):
     """torch.distributed.pipelining.ScheduleGPipe(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
     stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
 
-    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None,
-                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
-                 scale_grads: bool = True) -> None:
-        super().__init__(stage, n_microbatches, self._scaled(loss_fn, n_microbatches, scale_grads), args_chunk_spec,
-                         kwargs_chunk_spec, output_merge_spec, scale_grads=False)
-        self._tree_init("ScheduleGPipe")
 
-    def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
-        return self._tree_step(lambda: super(ScheduleGPipe, self).step(*args, losses=losses, **kwargs), losses)
-
-
-class Schedule1F1B(TorchSchedule1F1B, _TreeSchedule):
+class Schedule1F1B(_TreeSchedule, TorchSchedule1F1B):
     """torch.distributed.pipelining.Schedule1F1B(stage, n_microbatches, loss_fn, ..., scale_grads=True), whose
     stage's gradients are the fixed tree over the microbatches (see the module's docstring)."""
 
-    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Callable[..., Any] | None = None,
-                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
-                 scale_grads: bool = True) -> None:
-        super().__init__(stage, n_microbatches, self._scaled(loss_fn, n_microbatches, scale_grads), args_chunk_spec,
-                         kwargs_chunk_spec, output_merge_spec, scale_grads=False)
-        self._tree_init("Schedule1F1B")
 
-    def step(self, *args: Any, losses: list[Any] | None = None, **kwargs: Any) -> Any:
-        return self._tree_step(lambda: super(Schedule1F1B, self).step(*args, losses=losses, **kwargs), losses)
+class ScheduleInterleaved1F1B(_TreeSchedule, TorchScheduleInterleaved1F1B):
+    """torch.distributed.pipelining.ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn, ..., scale_grads=True),
+    whose stages' gradients are each the fixed tree over the microbatches (see the module's docstring)."""
+
+
+class ScheduleLoopedBFS(_TreeSchedule, TorchScheduleLoopedBFS):
+    """torch.distributed.pipelining.ScheduleLoopedBFS(stages, n_microbatches, loss_fn, ..., scale_grads=True), whose
+    stages' gradients are each the fixed tree over the microbatches, though it runs their backwards in reverse
+    order (see the module's docstring)."""
+
+
+class ScheduleInterleavedZeroBubble(_TreeSchedule, TorchScheduleInterleavedZeroBubble):
+    """torch.distributed.pipelining.ScheduleInterleavedZeroBubble(stages, n_microbatches, loss_fn, ...,
+    scale_grads=True), whose stages' weight gradients are each the fixed tree over the microbatches (see the
+    module's docstring)."""
+
+
+class ScheduleZBVZeroBubble(_TreeSchedule, TorchScheduleZBVZeroBubble):
+    """torch.distributed.pipelining.ScheduleZBVZeroBubble(stages, n_microbatches, loss_fn, ..., scale_grads=True),
+    whose two stages per rank have their weight gradients each summed in the fixed tree over the microbatches (see
+    the module's docstring)."""
