@@ -35,8 +35,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(M, 3, 8, generator=g), torch.randn(M, 3, 1, generator=g)
 
 
-def _shard(model: torch.nn.Sequential, fully_shard: Callable[..., Any], world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+def _shard(model: torch.nn.Sequential, fully_shard: Callable[..., Any], world: int, replicas: int = 0) -> None:
+    """fully_shard on a 1-D mesh of `world` ranks, or with `replicas`, on HSDP's 2-D mesh (replicas, world /
+    replicas)."""
+    if replicas:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for block in (model[0], model[2]):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -103,17 +108,50 @@ def test_fully_shard_at_one_process_leaves_the_tree_over_the_microbatches(one_ra
             model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("skip_sync", ["set_requires_gradient_sync", "set_requires_all_reduce"])
+def test_fully_shard_on_hsdps_mesh_with_sync_skipped_between_microbatches_leaves_the_tree(
+        one_rank: None, skip_sync: str) -> None:
+    """HSDP's 2-D mesh (replicate, shard) at one process, in torch's gradient accumulation without communication
+    (sync off but for the last microbatch): the parameters are torch's HSDP placements and the gradients the
+    balanced tree over the M microbatches, as on a 1-D mesh; torch's own fully_shard adds them in running order."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+
+    from detrace.parallel import fully_shard
+
+    plain = _model()
+    ours, theirs = copy.deepcopy(plain), copy.deepcopy(plain)
+    _shard(ours, fully_shard, 1, replicas=1)
+    _shard(theirs, torch_fully_shard, 1, replicas=1)
+    assert ours[0].weight.placements == (Replicate(), Shard(0))  # type: ignore[union-attr]
+    x, y = _batch(0)
+    leaves = []
+    for i in range(M):
+        plain.zero_grad(set_to_none=True)
+        (torch.nn.functional.mse_loss(plain(x[i]), y[i]) / M).backward()
+        leaves.append([p.grad.clone() for p in plain.parameters()])  # type: ignore[union-attr]
+    expected = _tree_sum(leaves)
+    for model in (ours, theirs):
+        for i in range(M):
+            getattr(model, skip_sync)(i == M - 1)
+            (torch.nn.functional.mse_loss(model(x[i]), y[i]) / M).backward()
+    got = [p.grad.to_local() for p in ours.parameters()]  # type: ignore[union-attr]
+    running = [p.grad.to_local() for p in theirs.parameters()]  # type: ignore[union-attr]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert not all(torch.equal(g, e) for g, e in zip(running, expected, strict=True))  # the check can fail
+
+
 def test_fully_shard_refuses_what_it_cannot_keep_in_one_sentence(one_rank: None) -> None:
     from detrace.parallel import fully_shard
 
     model = _model()
     with pytest.raises(UsageError, match="one module, not a list"):
         fully_shard([model[0], model[2]])  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="1-D mesh"):
-        fully_shard(model[0], mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "fsdp")))
+    with pytest.raises(UsageError, match=r"a 1-D mesh, or a 2-D one for HSDP \(replicate, shard\), not a 3-D one"):
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "fsdp", "tp")))
+    with pytest.raises(UsageError, match="does not support dp_mesh_dims"):
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)), dp_mesh_dims=object())
     _shard(model, fully_shard, 1)
-    with pytest.raises(UsageError, match=r"set_requires_gradient_sync\(False\)"):
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
     with pytest.raises(UsageError, match="custom reduce-scatter"):
         model.set_custom_reduce_scatter(object())  # type: ignore[operator]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -136,18 +174,22 @@ def _ranks(rank: int, world: int, out: str, api: str, port: int) -> None:
             from detrace.parallel import fully_shard
         else:
             from torch.distributed.fsdp import fully_shard
-        model = _model()
-        _shard(model, fully_shard, world)
-        params = _train(model, rank, world, steps=2)
-        if rank == 0:
-            (Path(out) / f"{api}{world}").write_text(_digest(params))
+        # HSDP in the same ranks: (2, 2) with either import, and (4, 1), where torch never calls the reduce-scatter
+        meshes = [0] + ([2, 4] if api == "detrace" and world == 4 else [2] if world == 4 else [])
+        for replicas in meshes:
+            model = _model()
+            _shard(model, fully_shard, world, replicas)
+            params = _train(model, rank, world, steps=2)  # rank (r, s) runs data index r S + s: the global rank
+            if rank == 0:
+                (Path(out) / f"{api}{world}{f'-dp{replicas}' if replicas else ''}").write_text(_digest(params))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_fully_shard_gives_one_process_bits_at_two_and_four_shards(tmp_path: Path, one_rank: None) -> None:
-    """The same loop, the same bits at 1, 2 and 4 shards with detrace's import; torch's own differs (the control)."""
+    """The same loop, the same bits at 1, 2 and 4 shards and on HSDP's (2, 2) and (4, 1) meshes with detrace's
+    import; torch's own differs (the control), on HSDP's (2, 2) mesh too."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from detrace.parallel import fully_shard
@@ -164,6 +206,9 @@ def test_fully_shard_gives_one_process_bits_at_two_and_four_shards(tmp_path: Pat
     for world in (2, 4):
         assert (tmp_path / f"detrace{world}").read_text() == reference, world
         assert (tmp_path / f"torch{world}").read_text() != reference, world
+    assert (tmp_path / "detrace4-dp2").read_text() == reference
+    assert (tmp_path / "detrace4-dp4").read_text() == reference
+    assert (tmp_path / "torch4-dp2").read_text() != reference
 
 
 class _MLP(torch.nn.Module):
