@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from _ranks import free_port as _free_port
 from _scenarios import STEADY, traced_runs
-from _tiers import is_quick
+from _tiers import is_quick, run_order
 from _tools import CHROMIUM, missing_browser
 
 # A forked child (a DataLoader worker) must not inherit garbage that holds a gloo process group: a test that ran one in
@@ -54,7 +54,8 @@ _INDUCTOR_OPTIONS = ("deterministic", "max_autotune", "coordinate_descent_tuning
 # `race` asserts that a real CPU race strikes: its two threads must overlap in time, which a busy second core delays
 # by a step or more (the first divergence that docs quote moves). Such a test runs alone on the machine: it holds the
 # machine lock exclusively, every other test holds it shared. They run first, together, so that no worker waits long;
-# then the rest, the slowest tier first, so that the last tests to run are short ones.
+# then the real-process tests, the slowest tier first, then the in-process ones, so that the last tests to run are
+# short ones (tests/support/_tiers.run_order).
 # Each test of the quick tier (tests/support/_tiers.py) is marked `quick` here, before `-m` selects: first.
 
 @pytest.hookimpl(tryfirst=True)
@@ -66,9 +67,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if browser is not None and not browser[0] and item.get_closest_marker("browser") is not None:
             # a skip mark, not pytest.skip() in a hook: the summary then names the test, not this file's line
             item.add_marker(pytest.mark.skip(reason=f"{item.name} {browser[1]}"))
-    tiers = ("e2e", "integration", "unit")
-    items.sort(key=lambda item: (item.get_closest_marker("race") is None,
-                                 next((i for i, tier in enumerate(tiers) if tier in item.path.parts), len(tiers))))
+    items.sort(key=lambda item: run_order(item.path.parts, (mark.name for mark in item.iter_markers())))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:

@@ -1,4 +1,5 @@
-"""The test tiers: which tests the README's quick command (`python -m pytest -q -m quick`) runs.
+"""The test tiers: which tests the README's quick command (`python -m pytest -q -m quick`) runs, and in which order a
+run takes its tests (run_order).
 
 The quick tier is the unit and integration tiers, but for their tests marked `slow` (real multi-process jobs) or
 `race` (they want the machine to themselves), and, on top, one test per command and per framework integration
@@ -10,7 +11,7 @@ tests/e2e, stays out of the quick tier unless this table names it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 QUICK_TIERS = ("tests/unit/", "tests/integration/")
 """The tiers whose tests are quick unless marked `slow` or `race`."""
@@ -56,3 +57,18 @@ def is_quick(nodeid: str, markers: Iterable[str]) -> bool:
     function = nodeid.partition("[")[0]  # a parametrized test's every case
     marks = set(markers)
     return function in CHOSEN or (nodeid.startswith(QUICK_TIERS) and not marks & {"slow", "race"})
+
+
+TIERS = ("e2e", "integration", "unit")
+"""The tiers, the slowest first."""
+
+
+def run_order(parts: Sequence[str], markers: Iterable[str]) -> tuple[bool, bool, int]:
+    """Where a test in the folders `parts` (its path's), marked `markers`, runs in a pytest run (a sort key): the racing
+    tests first (they hold the machine alone: one after the other, at once), then the real-process tests (`slow`),
+    the slowest tier first, then the in-process ones. The last tests to start are short: a worker that takes a long
+    one last holds the run that long while the other idles (a unit test that spawns ranks, tens of seconds, ran last
+    of all when the tier alone decided)."""
+    marks = set(markers)
+    tier = next((i for i, name in enumerate(TIERS) if name in parts), len(TIERS))
+    return "race" not in marks, "slow" not in marks, tier

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _tiers import CHOSEN, COMMANDS, INTEGRATIONS, is_quick
+from _tiers import CHOSEN, COMMANDS, INTEGRATIONS, is_quick, run_order
 
 from detrace.cli import COMMANDS as CLI_COMMANDS
 
@@ -50,6 +50,23 @@ def test_each_chosen_test_exists_and_is_no_racing_test(nodeid: str) -> None:
 ])
 def test_the_quick_tier(nodeid: str, markers: list[str], quick: bool) -> None:
     assert is_quick(nodeid, markers) is quick
+
+
+def test_a_run_takes_the_racing_then_the_real_process_tests_and_ends_with_in_process_ones() -> None:
+    # `-m "not quick"` holds the e2e tier's in-process tests and real-process unit tests (ranks spawned, tens of
+    # seconds): those must not start last, where one worker holds the run while the other idles
+    tests = {
+        "in-process e2e": (("tests", "e2e", "test_x.py"), []),
+        "spawned unit": (("tests", "unit", "test_x.py"), ["slow"]),
+        "in-process unit": (("tests", "unit", "test_x.py"), []),
+        "torchrun e2e": (("tests", "e2e", "test_x.py"), ["slow"]),
+        "racing integration": (("tests", "integration", "test_x.py"), ["race"]),
+        "slow integration": (("tests", "integration", "test_x.py"), ["parametrize", "slow"]),
+        "racing e2e": (("tests", "e2e", "test_x.py"), ["slow", "race"]),
+    }
+    assert sorted(tests, key=lambda name: run_order(*tests[name])) == [
+        "racing e2e", "racing integration", "torchrun e2e", "slow integration", "spawned unit", "in-process e2e",
+        "in-process unit"]
 
 
 def _readme_test_commands() -> list[str]:
