@@ -160,7 +160,7 @@ def test_expert_parallel_refuses_what_it_cannot_keep_in_one_sentence(one_rank: N
     model = GroupedExperts()
     optimizer = parallel(model)
     _step(model, optimizer, 4)  # a complete step
-    with pytest.raises(UsageError, match="hold gradients from before this step; call optimizer.zero_grad"):
+    with pytest.raises(UsageError, match=r"hold gradients from before this step; call optimizer\.zero_grad"):
         _step(model, optimizer, 4)
     optimizer.zero_grad()
     with pytest.raises(UsageError, match="took part in 3 microbatches in a step; each rank must run a power-of-two"):
@@ -174,3 +174,25 @@ def test_expert_parallel_refuses_what_it_cannot_keep_in_one_sentence(one_rank: N
     (second(second(rows, counts), counts) * back).sum().backward()
     with pytest.raises(UsageError, match=r"took part in \[1, 2\] microbatches in one step"):
         optimizer.step()
+
+
+def test_the_experts_modules_close_their_steps_in_the_order_they_were_parallelized(
+        one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each close is a collective over the experts' dp replicas: every rank must close the modules in one order, the
+    program's, not a WeakSet's (which follows addresses: at dp2xep2 two ranks exchanged block 0's sums with block
+    1's, and the replicas of one expert shard parted)."""
+    from detrace.parallel import ExpertParallel, parallelize_module
+    from detrace.parallel.expert_parallel import _Experts
+
+    closed: list[int] = []
+    modules = [GroupedExperts() for _ in range(16)]
+    for module in modules:
+        parallelize_module(module, _ep_mesh(), ExpertParallel())
+    close = _Experts.close
+    monkeypatch.setattr(_Experts, "close", lambda self: (closed.append(self.order), close(self))[1])
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.0)
+    rows, counts, back = _microbatch(0)
+    for module in modules:
+        (module(rows, counts) * back).sum().backward()
+    optimizer.step()
+    assert len(closed) == 16 and closed == sorted(closed)

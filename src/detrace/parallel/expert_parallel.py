@@ -36,6 +36,7 @@ module with parameters of its submodules, and gradients left in the experts from
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -62,6 +63,9 @@ class _Experts:
     """One experts module's exchange and step: its FixedOrderExperts, and what closing a step needs."""
 
     def __init__(self, module: nn.Module, mesh: Any, replicas: dist.ProcessGroup | None, data: int) -> None:
+        self.order = next(_CREATED)
+        """The modules' order of parallelization, the same on every rank: their steps close in it, since each
+        close is a collective over the replicas (a WeakSet's order follows addresses, which differ by rank)."""
         self.module = weakref.ref(module)
         self.mesh, self.data = mesh, data
         self.names = [name for name, _ in module.named_parameters(recurse=False)]
@@ -84,6 +88,7 @@ class _Experts:
 
 
 _STEPS: weakref.WeakSet[_Experts] = weakref.WeakSet()
+_CREATED = itertools.count()
 _HOOKED = False
 
 
@@ -91,7 +96,8 @@ def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """A global optimizer pre-hook: the optimizer's experts get their step's gradients, and the next forward starts
     a new step."""
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    steps = [s for s in _STEPS if s.exchange.tree is not None and any(id(p) in owned for p in s.params())]
+    steps = sorted((s for s in _STEPS if s.exchange.tree is not None and any(id(p) in owned for p in s.params())),
+                   key=lambda s: s.order)
     counts = {s.exchange.taken for s in steps}
     # zero_grad(set_to_none=False) leaves zeros, which the step's gradient may replace as torch would add to them
     left = [s for s in steps if any(p.grad is not None and bool(p.grad.to_local().any()) for p in s.params())]
