@@ -1,7 +1,7 @@
 """The tracer never breaks the program it traces: tensors without data (meta tensors, a FakeTensorMode) are not
 recorded, and a record that cannot be made is a note in the trace (the footer's warnings, which the verdicts
-repeat), never an exception in the program. In this process; the meta-tensor program through `detrace check` is in
-tests/e2e/test_tracer_never_breaks_e2e.py."""
+repeat), never an exception in the program. In this process; a meta-tensor program through `detrace check` is in
+tests/e2e/test_loops_e2e.py (examples/loops/meta_flops.py)."""
 
 from __future__ import annotations
 
