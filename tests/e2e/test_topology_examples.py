@@ -67,3 +67,14 @@ def test_the_expert_parallel_script_with_the_ordinary_all_to_all_differs_on_two_
     # outputs reaching the dense layers)
     assert first["kind"] == "param" and first["name"] in ("head.weight", "head.bias", "inp.weight", "inp.bias",
                                                           "moe.router.weight", "moe.w1", "moe.w2"), report
+
+
+@pytest.mark.slow
+def test_the_moe_dropin_script_gives_the_same_bits_on_one_and_two_expert_ranks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # torchtitan's all-to-all MoE with detrace's ExpertParallel, parallelize_module and fully_shard: the experts
+    # (DTensors sharded over ep) and the dense layers (fully_shard over every rank) compared after every step
+    code, report = _check(capsys, tmp_path, "--layouts", "ep1,ep2", "--", sys.executable,
+                          str(EXAMPLES / "moe_dropin.py"), "--api", "detrace", "--steps", "2")
+    assert code == 0, report
+    assert report["steps"] == 2 and report["tensors"] == 27
