@@ -175,13 +175,19 @@ def _ranks(rank: int, world: int, out: str, api: str, port: int) -> None:
         else:
             from torch.distributed.fsdp import fully_shard
         # HSDP in the same ranks: (2, 2) with either import, and (4, 1), where torch never calls the reduce-scatter
-        meshes = [0] + ([2, 4] if api == "detrace" and world == 4 else [2] if world == 4 else [])
-        for replicas in meshes:
+        # (with force-sum reductions too: torch then divides after the all-reduce hook, not in its collectives)
+        meshes = [(0, False)] + ([(2, False), (4, False), (4, True)] if api == "detrace" and world == 4
+                                 else [(2, False)] if world == 4 else [])
+        for replicas, force_sum in meshes:
             model = _model()
             _shard(model, fully_shard, world, replicas)
+            if force_sum:
+                for module in (model[0], model[2], model):
+                    module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
             params = _train(model, rank, world, steps=2)  # rank (r, s) runs data index r S + s: the global rank
             if rank == 0:
-                (Path(out) / f"{api}{world}{f'-dp{replicas}' if replicas else ''}").write_text(_digest(params))
+                name = f"{api}{world}{f'-dp{replicas}' if replicas else ''}{'-sum' if force_sum else ''}"
+                (Path(out) / name).write_text(_digest(params))
     finally:
         dist.destroy_process_group()
 
@@ -208,6 +214,7 @@ def test_fully_shard_gives_one_process_bits_at_two_and_four_shards(tmp_path: Pat
         assert (tmp_path / f"torch{world}").read_text() != reference, world
     assert (tmp_path / "detrace4-dp2").read_text() == reference
     assert (tmp_path / "detrace4-dp4").read_text() == reference
+    assert (tmp_path / "detrace4-dp4-sum").read_text() == reference
     assert (tmp_path / "torch4-dp2").read_text() != reference
 
 
