@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import detrace
-from detrace.analyze import diff
+from detrace.analyze import certify, diff
 from detrace.record import set_step
 from detrace.tracefile import read_rank
 
@@ -155,3 +155,77 @@ def test_a_frozen_copy_evaluated_after_the_step_is_an_evaluation(tmp_path: Path,
         (1, "input"), (1, "output"), (3, "input"), (3, "output")]
     assert {r["step"] for r in rows} == {0, 1, 2, 3}
     assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2, 3]
+
+
+def _distill(out: Path, *, teacher_from: int, resume_at: int | None = None, rung: str = "semantic",
+             steps: str = "all") -> Path:
+    """4 steps of a student; from step `teacher_from` (counted from 1) on, a frozen teacher in eval mode runs under
+    no_grad on the step's batch before the student (a distillation switched on late); `resume_at`: a process that
+    starts at that global step from the continuous run's state there, its teacher's first call before any step."""
+    data = _data()
+    torch.manual_seed(0)
+    teacher, student = Model().eval().requires_grad_(False), Model()
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def step(i: int) -> None:
+        target = torch.zeros(8, 1)
+        if i + 1 >= teacher_from:
+            with torch.no_grad():
+                target = teacher(data[i])
+        nn.functional.mse_loss(student(data[i]), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    first = resume_at or 0
+    for i in range(first):  # the state at the stop step, untraced, as a checkpoint would bring it
+        step(i)
+    with detrace.trace(out, rung=rung, steps=steps):
+        if resume_at is not None:
+            set_step(resume_at)
+        for i in range(first, 4):
+            step(i)
+    return out
+
+
+@pytest.mark.parametrize("rung", ["semantic", "op"])
+def test_a_teacher_switched_on_after_a_step_is_the_steps_work(tmp_path: Path, rung: str) -> None:
+    """A teacher first called after an optimizer step is taken for an evaluation until the student's forward on the
+    same batch shows it was the step's work: its records move into that step, as a process resumed there (whose
+    teacher runs before any step) records them, and the two runs compare identical (before: a structural
+    divergence at the resumed run's first step, and check-resume said resume-changed-the-run)."""
+    a = _distill(tmp_path / "a", teacher_from=3, rung=rung)
+    rows = read_rank(a, 0).table.to_pylist()
+    assert not [r for r in rows if r["phase"] == "evaluation"]
+    assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2, 2, 3, 3]  # the teacher's batch, the student's
+    assert certify(a).ok  # the records moved keep the sequence numbers dense
+    for resume_at in (2, 3):
+        result = diff(a, _distill(tmp_path / f"b{resume_at}", teacher_from=3, resume_at=resume_at, rung=rung))
+        assert result.verdict == "identical", result.first
+    # Recorded from the teacher's first step on (check-resume's window): its forward, made in the step before, is
+    # kept by the window of the step it belongs to.
+    windowed = _distill(tmp_path / "w", teacher_from=3, rung=rung, steps="2-3")
+    assert [r["step"] for r in read_rank(windowed, 0).table.to_pylist() if r["phase"] == "data"] == [2, 2, 3, 3]
+    result = diff(windowed, _distill(tmp_path / "wb", teacher_from=3, resume_at=2, rung=rung, steps="2-3"))
+    assert result.verdict == "identical", result.first
+
+
+def test_a_frozen_copy_evaluated_on_another_batch_stays_an_evaluation(tmp_path: Path) -> None:
+    """An EMA copy evaluated after a step on a validation batch, then the next step's training forward on its own:
+    the held evaluation is let go as one (not moved into the training), its outputs included."""
+    torch.manual_seed(0)
+    model = Model()
+    ema = copy.deepcopy(model).requires_grad_(False).eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = _data()
+    with detrace.trace(tmp_path / "t", rung="semantic"):
+        for i in range(3):
+            nn.functional.mse_loss(model(data[i]), torch.zeros(8, 1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                ema(data[5])
+                ema(data[4])  # a second validation batch: the loop of an evaluation
+    rows = read_rank(tmp_path / "t", 0).table.to_pylist()
+    assert [(r["step"], r["role"]) for r in rows if r["phase"] == "evaluation"] == [
+        (step, role) for step in range(3) for role in ("input", "output") * 2]
+    assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2]

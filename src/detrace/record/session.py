@@ -94,6 +94,9 @@ class Tracer:
         self._seq = 0
         self._records: list[Record] = []
         """Buffered records; columns are made of them when a batch is written."""
+        self._held: tuple[int, list[int]] | None = None
+        """Where in `_records` the records of an evaluation that may turn out to be the next step's work begin, and
+        `_recorded` then (`hold`): until it is known which step they belong to, nothing is written."""
         self._last_flush = time.monotonic()
         self._flush_at = FLUSH_RECORDS
         """Buffered records at which the next flush is tried (further on while the rank is still unknown)."""
@@ -115,10 +118,12 @@ class Tracer:
         """Call `listener()` whenever the rungs recording in this step change (rungs switch their hooks)."""
         self._listeners.append(listener)
 
-    def _update_windows(self) -> None:
+    def _update_windows(self, *, also: int | None = None) -> None:
+        """Switch on the rungs whose windows hold the current step (or step `also`)."""
         top = RUNGS.index(self.config.rung)
         rank_ok = self.enabled and (self.rank is None or self.rank in self.config.rank_window)
-        on = {rung: rank_ok and i <= top and self.clock.step in self.config.step_windows[rung]
+        steps = [self.clock.step] if also is None else [self.clock.step, also]
+        on = {rung: rank_ok and i <= top and any(step in self.config.step_windows[rung] for step in steps)
               for i, rung in enumerate(RUNGS)}
         changed = on != self.on
         self.on = on
@@ -184,13 +189,67 @@ class Tracer:
             if self.phase == "forward":
                 self.phase = "evaluation"
 
-    def training_begins(self) -> None:
+    def training_begins(self, *, held_was_work: bool = False) -> None:
         """The training's work begins (a training forward, a backward, an optimizer's closure): an evaluation is
-        over, and so is the trailing work of the step before (`StepClock.work_begins`)."""
+        over, and so is the trailing work of the step before (`StepClock.work_begins`). `held_was_work`: the
+        records held since `hold` were this work's beginning, not an evaluation (`_settle`)."""
         with self._lock:
             if self.phase == "evaluation":
                 self.phase = "forward"
             self.clock.work_begins()
+            self._settle(work=held_was_work)
+
+    def hold(self) -> None:
+        """The evaluation beginning now may be the next step's work instead: a frozen model's forward after an
+        optimizer step is a distillation teacher's when the training forward that follows takes the same batch
+        (detrace.record.rungs.batch). Its records are kept back until `training_begins` says which it was (or the
+        step ends, or the trace closes: an evaluation), and made under the windows of this step and the next: the
+        window of the step they turn out to belong to decides which are kept."""
+        with self._lock:
+            if self._held is None:
+                self._held = (len(self._records), list(self._recorded))
+                self._update_windows(also=self.clock.upcoming)
+
+    @property
+    def holding(self) -> bool:
+        """Whether records are held (`hold`)."""
+        return self._held is not None
+
+    def let_go(self) -> None:
+        """The held records were an evaluation's after all: they stay in the step they were made in."""
+        with self._lock:
+            self._settle(work=False)
+
+    def _settle(self, *, work: bool) -> None:
+        """Write the held records (`hold`) into the step they belong to, those its windows record, with dense
+        sequence numbers. `work`: they were the work of the step that begins now (a teacher's forward), and move
+        into it as a process that ran no step before records them (a resumed one: its teacher's first forward is
+        the step's work): phase "forward", "data" for the batch entering the model (whose outputs only an
+        evaluation records), numbered in the new step in their order. A continuous run and one resumed after the
+        teacher came in thus hold the same records."""
+        if self._held is None:
+            return
+        (start, self._recorded), self._held = self._held, None
+        held = self._records[start:]
+        del self._records[start:]
+        if held:
+            self._seq = held[0][0]
+        batches = {id(call) for _, call, *_ in held if call.rung == "semantic" and call.name == "batch"
+                   and call.phase == "evaluation"}
+        moved: set[int] = set()
+        for _, call, role, index, snap, value, _, extra in held:
+            if work and id(call) in batches and (role == "output" or (
+                    role == "component" and extra is not None and json.loads(extra).get("of") == "output")):
+                continue
+            if work and id(call) not in moved:
+                moved.add(id(call))
+                if call.phase == "evaluation":
+                    call.phase = "data" if id(call) in batches else "forward"
+                call.step, call.event = self.clock.step, None
+                call.occurrence = self.clock.occurrence(call.phase, call.module, call.name)
+            if call.step in self.config.step_windows[call.rung]:
+                self._add(call, role, index, snap, value, extra)
+        self._update_windows()
 
     def end_step(self) -> None:
         """The step is over: move the clock on and write the step's records."""
@@ -333,6 +392,10 @@ class Tracer:
         with self._lock:
             self._last_flush = time.monotonic()
             self._flush_at = len(self._records) + FLUSH_RECORDS
+            if self._held is not None:
+                if not step_ended:
+                    return  # not yet known in which step and phase the held records belong
+                self._settle(work=False)  # the step ended (or the trace closes) with no training forward
             if not self._records or not self.enabled:
                 return
             if self._in_dataloader_worker():
@@ -397,6 +460,7 @@ class Tracer:
 
     def _drop(self) -> None:
         self._records = []
+        self._held = None
         self.snapshots.drop()
 
     def abandon(self) -> None:

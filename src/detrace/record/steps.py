@@ -94,12 +94,16 @@ class StepClock:
         checkpoint is saved or loaded, every call is in phase "checkpoint"."""
         if self.checkpoint_depth:
             phase = "checkpoint"
+        return Call(rung=rung, phase=phase, name=name, module=module, occurrence=self.occurrence(phase, module, name),
+                    step=self.step, group=group, group_seq=group_seq, peer=peer, extra=extra)
+
+    def occurrence(self, phase: str, module: str | None, name: str) -> int:
+        """Count one more call of (phase, module, name) in this step; returns its occurrence (0 for the first)."""
         key = (phase, module, name)
         with self.lock:
             occurrence = self._occurrences.get(key, 0)
             self._occurrences[key] = occurrence + 1
-        return Call(rung=rung, phase=phase, name=name, module=module, occurrence=occurrence, step=self.step,
-                    group=group, group_seq=group_seq, peer=peer, extra=extra)
+        return occurrence
 
     def _move(self, step: int) -> None:
         with self.lock:
@@ -161,12 +165,17 @@ class StepClock:
                 self._first_step = self.step
             self.trailing = True
 
+    @property
+    def upcoming(self) -> int:
+        """The global step the next step gets when it begins."""
+        return self.step + 1 if self._next is None else self._next
+
     def work_begins(self) -> None:
         """The next step's work begins (its forward, its backward): a trailing step is over."""
         if self.trailing:
             with self.lock:
                 if self.trailing:
-                    self._move(self.step + 1 if self._next is None else self._next)
+                    self._move(self.upcoming)
 
     def optimizer_begins(self, optimizer: object) -> None:
         """An optimizer's step() starts. A second optimizer stepping right after the first (no forward or backward

@@ -49,6 +49,41 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _trained(module: nn.Module) -> bool:
+    """Whether `module` has a parameter that requires grad (a frozen one has none: an EMA copy, a teacher)."""
+    return any(parameter.requires_grad for parameter in module.parameters())
+
+
+def _storages(tensors: list[Any]) -> set[int]:
+    """The data pointers of the storages of `tensors` (0 and those it cannot tell left out: meta tensors,
+    wrappers)."""
+    pointers = set()
+    for tensor in tensors:
+        try:
+            pointers.add(tensor.untyped_storage().data_ptr())
+        except Exception:  # a tensor without a plain storage shares none that we can see
+            continue
+    return pointers - {0}
+
+
+class _Teacher:
+    """A frozen model's call with grad disabled after an optimizer step, which `frozen_evaluates` takes for an
+    evaluation (its records held by the tracer, `Tracer.hold`): it was the next step's work after all when the
+    training forward that follows takes one of its input tensors, as a distillation teacher's does
+    (`teacher(x)`, then `student(x)`); an EMA copy's evaluation takes a validation batch."""
+
+    def __init__(self, module: nn.Module, tensors: list[Any]) -> None:
+        self.modules = [module]
+        self.tensors = list(tensors)
+        """Kept alive until the training forward (one step's gap), so that an identity is never another's."""
+
+    def shares(self, tensors: list[Any]) -> bool:
+        """Whether `tensors` include one of the held call's inputs, or a view of the same storage."""
+        if any(tensor is mine for tensor in tensors for mine in self.tensors):
+            return True
+        return bool(_storages(tensors) & _storages(self.tensors))
+
+
 def evaluates(module: nn.Module) -> bool:
     """Whether an outermost call of `module` is an evaluation: the trained model (a parameter that requires grad)
     in eval mode with grad disabled (`torch.no_grad`, `torch.inference_mode`), as HF Trainer's `evaluate`,
@@ -58,7 +93,7 @@ def evaluates(module: nn.Module) -> bool:
     trains in eval mode."""
     if torch.is_grad_enabled() or module.training:
         return False
-    return any(parameter.requires_grad for parameter in module.parameters())
+    return _trained(module)
 
 
 def frozen_evaluates(module: nn.Module) -> bool:
@@ -67,10 +102,12 @@ def frozen_evaluates(module: nn.Module) -> bool:
     was a step's work before (the caller's `stepping` tells): a teacher runs in the first step's work, before any
     optimizer step, and again, in the same place, at the start of each later step's; an EMA copy evaluated after the
     checkpoint steps never does, and counting its forward as the next step's work would make one step more at the
-    end of the run and take its batch for a training one."""
+    end of the run and take its batch for a training one. A teacher first called after an optimizer step (switched
+    on at step N) is taken for an evaluation until the training forward that follows shows otherwise (`_Teacher`):
+    a run resumed after N, whose process calls it before any step, counts it as the step's work from the start."""
     if torch.is_grad_enabled():
         return False
-    return not any(parameter.requires_grad for parameter in module.parameters())
+    return not _trained(module)
 
 
 def record(tracer: Tracer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -107,6 +144,8 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
     local = threading.local()
     stepping: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     """The models whose outermost forward was a step's work: a frozen one among them is a teacher (`evaluates`)."""
+    held: list[_Teacher] = []
+    """The frozen model's call whose records the tracer holds (`_Teacher`), while it may be a teacher's."""
 
     def begins(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
         """An outermost module call in the forward: a model's begins the step's work (or an evaluation), and its
@@ -115,14 +154,30 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         if tracer.busy or not _has_parameters(module):
             return None
         samples = None
-        if (evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled())
-                or (tracer.clock.trailing and module not in stepping and frozen_evaluates(module))):
+        teacher = held.pop() if held and tracer.holding else None
+        held.clear()
+        frozen = tracer.clock.trailing and module not in stepping and frozen_evaluates(module)
+        tensors = recorded_leaves((args, kwargs)) if teacher is not None or frozen else []
+        if evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled()) or frozen:
+            if teacher is not None:
+                if teacher.shares(tensors):  # another model on the same batch (a second teacher)
+                    teacher.modules.append(module)
+                    held.append(teacher)
+                else:  # another batch: an evaluation's loop
+                    tracer.let_go()
+            elif frozen and tracer.phase != "evaluation":
+                tracer.hold()
+                held.append(_Teacher(module, tensors))
             tracer.evaluation_begins()
             loader_samples.evaluation_takes()
         else:
+            was_work = teacher is not None and teacher.shares(tensors)
+            if was_work:
+                stepping.update(teacher.modules)
             stepping.add(module)
-            tracer.training_begins()
-            samples = _events.next_samples()  # taken at every training forward: the next one takes the next batch
+            tracer.training_begins(held_was_work=was_work)
+            if _trained(module) or torch.is_grad_enabled():  # a teacher's call takes no batch: the student's does
+                samples = _events.next_samples()  # taken at every training forward: the next one, the next batch
         return record(tracer, module, args, kwargs, samples) if tracer.on["semantic"] else None
 
     outermost = Opaque(begins)
