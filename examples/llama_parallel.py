@@ -7,8 +7,9 @@ the same bits on every mesh with detrace's imports instead of torch's.
     detrace check-topology --layouts 1x1,pp2 -- python examples/llama_parallel.py --api detrace
 
 The model is a tiny `LlamaForCausalLM` built in code (no download). The layout comes from DETRACE_LAYOUT, which
-`check-topology --layouts` sets (`1x1`, `fsdp2`, `tp2`, `fsdp2xtp2`, `dp2`; unset: one process); the data
-dimensions shard the model with fully_shard, `tp` splits it with the plan. The loop is torchtitan's gradient
+`check-topology --layouts` sets (`1x1`, `fsdp2`, `tp2`, `fsdp2xtp2`, `dp2`, `dp2xfsdp2`; unset: one process);
+the data dimensions shard the model with fully_shard (`dpDxfsdpF`: HSDP, fully_shard on the 2-D mesh (dp, fsdp),
+replicated over dp), `tp` splits it with the plan. The loop is torchtitan's gradient
 accumulation: the global batch is M microbatches of a fixed size, drawn from a generator seeded by the step; the
 rank of data-parallel coordinate d runs microbatches [d n, (d + 1) n) with n = M / (data ranks), one backward each,
 each loss scaled by 1 / n (torch's averaging does the rest). The only difference between `--api detrace` and
@@ -75,12 +76,24 @@ def build(api: str, mesh: DeviceMesh, stages: int = 1) -> LlamaForCausalLM:
     })
     if stages > 1:
         keep_stage(model, mesh.get_local_rank("pp"), stages)
+    shards = data_mesh(mesh)
     for layer in model.model.layers:
         if not isinstance(layer, torch.nn.Identity):
-            fully_shard(layer, mesh=mesh["data"])
+            fully_shard(layer, mesh=shards)
     if stages == 1:  # a pipeline stage's root stays unsharded: torch's stage turns its gradient sync off between
-        fully_shard(model, mesh=mesh["data"])  # microbatches, which detrace's fully_shard refuses
+        fully_shard(model, mesh=shards)  # microbatches, which detrace's fully_shard refuses
     return model
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """fully_shard's mesh: the data ranks, or on a dpDxfsdpF layout HSDP's 2-D mesh (replicate D, shard F) over the
+    same ranks, data rank d at (d // F, d % F), so that each rank keeps its block of microbatches."""
+    layout = Layout.parse(os.environ.get(LAYOUT_ENV, "1x1"))
+    replicas, shard = layout.size("dp"), layout.size("fsdp")
+    if replicas == 1 or shard == 1:
+        return mesh["data"]
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    return init_device_mesh("cpu", (pp, replicas, shard, tp), mesh_dim_names=("pp", "dp", "fsdp", "tp"))["dp", "fsdp"]
 
 
 def keep_stage(model: LlamaForCausalLM, stage: int, stages: int) -> None:
