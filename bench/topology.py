@@ -47,8 +47,10 @@ dp x ep blocks), the reference model's whole step over the global batch of M mic
 Drop-ins (`--part dropin`): examples/llama_parallel.py's tiny Llama and loop (torchtitan's plan, fully_shard per
 decoder layer, the global batch of M microbatches) built twice on one set of ranks, once with detrace's
 `fully_shard`, `parallelize_module` and styles and once with torch's, timed interleaved on each mesh of
---dropin-layouts (default fsdp2, tp2 and fsdp2xtp2). Figures: the median of detrace / torch with the IQR, and a 95%
-confidence interval of the median (bootstrap over the pairs).
+--dropin-layouts (default fsdp2, tp2 and fsdp2xtp2; empty: none); and examples/topology/moe_dropin.py's MoE
+(torchtitan's all-to-all experts: detrace's ExpertParallel, parallelize_module and fully_shard against torch's and
+the example's ordinary style) on each dp x ep mesh of --moe-layouts (default ep2 and dp2xep2). Figures: the median
+of detrace / torch with the IQR, and a 95% confidence interval of the median (bootstrap over the pairs).
 
 Every timed pair also gives the ratio of the CPU time summed over the ranks (`time.process_time` of the step on
 each rank, all-reduced): the work, which the scheduling of more ranks than cores (4 on the project's 2) spreads far
@@ -66,7 +68,7 @@ new.
 
     python bench/topology.py [--part dp|tp|fsdp|pp|ep|dropin|all] [--preset tiny] [--microbatches 4] [--steps 8]
         [--worlds 2,4] [--threads 1] [--tp-sizes 2,4] [--width 512] [--tokens 1024] [--chunk 64] [--step-only]
-        [--dropin-layouts fsdp2,tp2,fsdp2xtp2]
+        [--dropin-layouts fsdp2,tp2,fsdp2xtp2] [--moe-layouts ep2,dp2xep2]
 """
 
 from __future__ import annotations
@@ -379,6 +381,42 @@ def _dropin_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[
     dist.destroy_process_group()
 
 
+def _moe_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str, int], out: str,
+                rendezvous: str) -> None:
+    """examples/topology/moe_dropin.py's step with detrace's ExpertParallel, parallelize_module and fully_shard
+    ("invariant") and with torch's and the example's ordinary all-to-all style ("plain"), interleaved on one set of
+    ranks, on the (dp, ep) mesh of `sizes`."""
+    import importlib.util
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _setup(rank, world, rendezvous, args.threads)
+    torch.use_deterministic_algorithms(True)  # as the example: index_add's backward on CPU
+    spec = importlib.util.spec_from_file_location("moe_dropin", EXAMPLES / "topology" / "moe_dropin.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    mesh = init_device_mesh("cpu", (sizes["dp"], sizes["ep"]), mesh_dim_names=("dp", "ep"))
+    data = init_device_mesh("cpu", (world,), mesh_dim_names=("data",))
+    steps, count = {}, [0]
+    for method, api in (("invariant", "detrace"), ("plain", "torch")):
+        model = example.build(api, mesh, data)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            count[0] += 1
+            example.train_step(model, opt, count[0], args.microbatches)
+
+        steps[method] = step
+    for fn in steps.values():  # warm-up
+        fn()
+    result = _interleaved(steps, args.steps)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
     """A 95% confidence interval of the median of `values`: the percentile bootstrap (seeded: the same figures
     from the same ratios)."""
@@ -416,6 +454,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--part", default="all", choices=("dp", "tp", "fsdp", "pp", "ep", "dropin", "all"))
     p.add_argument("--dropin-layouts", default="fsdp2,tp2,fsdp2xtp2", help="dropin: the meshes, data x tp")
+    p.add_argument("--moe-layouts", default="ep2,dp2xep2", help="dropin: the MoE's meshes, dp x ep")
     p.add_argument("--tp-sizes", default="2,4")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=1024)
@@ -462,13 +501,24 @@ def main() -> None:
                                                                  ("plain", "ep-plain")), path)
             figures += _figures(f"pp2xep2 1F1B ({args.preset}, M={args.microbatches}) ep-invariant/torch stage with "
                                 "the all-to-all MoE", json.loads(Path(path).read_text()))
-        for name in args.dropin_layouts.split(",") if args.part in ("dropin", "all") else []:
+        for name in [n for n in args.dropin_layouts.split(",") if n] if args.part in ("dropin", "all") else []:
             layout = NamedLayout.parse(name)
             sizes = {"data": layout.data, "tp": layout.size("tp")}
             path = f"{tmp}/dropin-{layout.name}.json"
             _spawn(_dropin_timing, layout.world, args, sizes, path)
             data = json.loads(Path(path).read_text())
             label = f"{layout.name} (Llama, M={args.microbatches}) detrace/torch APIs"
+            figures += _figures(label, data)
+            for what, title in (("step", "step time"), ("cpu", "CPU time over the ranks")):
+                low, high = _median_ci(data[what])
+                figures.append(f"{title} {label}: 95% CI of the median [{low:.3f}, {high:.3f}]")
+        for name in [n for n in args.moe_layouts.split(",") if n] if args.part in ("dropin", "all") else []:
+            layout = NamedLayout.parse(name)
+            sizes = {"dp": layout.size("dp"), "ep": layout.size("ep")}
+            path = f"{tmp}/moe-{layout.name}.json"
+            _spawn(_moe_timing, layout.world, args, sizes, path)
+            data = json.loads(Path(path).read_text())
+            label = f"{layout.name} (MoE, M={args.microbatches}) detrace/torch APIs"
             figures += _figures(label, data)
             for what, title in (("step", "step time"), ("cpu", "CPU time over the ranks")):
                 low, high = _median_ci(data[what])

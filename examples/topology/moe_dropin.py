@@ -136,10 +136,11 @@ class TorchExpertParallel(ParallelStyle):
         # torchtitan averages the experts' gradients over the W data ranks (FSDP's gradient divide factor there):
         # here an all-reduce over the dp replicas, in the collective's order, and a division, before each step
         def average(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for w in module.parameters(recurse=False):
-                if w.grad is not None:
+                if w.grad is not None and id(w) in owned:
                     local = w.grad.to_local()
-                    dist.all_reduce(local, group=REPLICAS[0])
+                    dist.all_reduce(local, group=REPLICAS[0])  # the replicas of the last model built
                     local.div_(dist.get_world_size())
 
         register_optimizer_step_pre_hook(average)
@@ -170,13 +171,43 @@ def imports(api: str) -> tuple[Any, Any, Any]:
     return ExpertParallel, parallelize_module, fully_shard
 
 
+def build(api: str, mesh: DeviceMesh, data: DeviceMesh) -> Model:
+    """The model, the same whole one on every rank, its experts given to ExpertParallel over mesh["ep"] and the rest
+    to fully_shard over `data` (every rank)."""
+    ExpertParallel, parallelize_module, fully_shard = imports(api)
+    REPLICAS[:] = [mesh.get_group("dp")]
+    torch.manual_seed(0)  # the same whole model on every rank; the styles keep their shards
+    model = Model()
+    experts = []
+    for block in model.blocks:
+        parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
+        experts += list(block.moe.experts.parameters())
+        fully_shard(block, mesh=data, ignored_params=set(block.moe.experts.parameters()))
+    fully_shard(model, mesh=data, ignored_params=set(experts))
+    return model
+
+
+def train_step(model: Model, optimizer: torch.optim.Optimizer, step: int, microbatches: int) -> None:
+    """torchtitan's gradient accumulation over the step's global batch of `microbatches`: this rank's share (data
+    rank d E + e, rank (d, e) of the (dp, ep) mesh: the global rank), one backward each, each loss scaled by 1 / n."""
+    n = microbatches // dist.get_world_size()
+    rank = dist.get_rank()
+    batch = torch.randint(0, VOCAB, (microbatches, 4, 9), generator=torch.Generator().manual_seed(step))
+    for i in range(rank * n, (rank + 1) * n):
+        tokens = batch[i]
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        (loss / n).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--api", choices=("detrace", "torch", "torch-experts"), default="detrace")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    ExpertParallel, parallelize_module, fully_shard = imports(args.api)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)  # index_add's backward on CPU
     if "WORLD_SIZE" not in os.environ:  # one process without torchrun
@@ -188,30 +219,12 @@ def main() -> None:
     if dp * ep != world or layout.dims - {"dp", "ep"}:
         raise SystemExit(f"layout {layout.name} is not a dp x ep mesh of {world} ranks")
     mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))  # ep inside: torchtitan's order
-    REPLICAS.append(mesh.get_group("dp"))
     data = init_device_mesh("cpu", (world,), mesh_dim_names=("data",))  # every rank: the dense layers' data ranks
-    torch.manual_seed(0)  # the same whole model on every rank; the styles keep their shards
-    model = Model()
-    experts = []
-    for block in model.blocks:
-        parallelize_module(block.moe.experts, mesh["ep"], ExpertParallel())
-        experts += list(block.moe.experts.parameters())
-        fully_shard(block, mesh=data, ignored_params=set(block.moe.experts.parameters()))
-    fully_shard(model, mesh=data, ignored_params=set(experts))
+    model = build(args.api, mesh, data)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    n = args.microbatches // world
-    rank = dist.get_rank()  # (d, e) of the (dp, ep) mesh: data rank d E + e
     for step in range(args.steps):
-        batch = torch.randint(0, VOCAB, (args.microbatches, 4, 9), generator=torch.Generator().manual_seed(step))
-        for i in range(rank * n, (rank + 1) * n):
-            tokens = batch[i]
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-            (loss / n).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer, step, args.microbatches)
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

@@ -100,7 +100,8 @@ def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                    key=lambda s: s.order)
     counts = {s.exchange.taken for s in steps}
     # zero_grad(set_to_none=False) leaves zeros, which the step's gradient may replace as torch would add to them
-    left = [s for s in steps if any(p.grad is not None and bool(p.grad.to_local().any()) for p in s.params())]
+    left = [s for s in steps if any(isinstance(p.grad, DTensor) and bool(p.grad.to_local().any())
+                                    for p in s.params())]
     if len(counts) > 1 or left:
         for s in steps:
             s.exchange.tree = None
@@ -122,7 +123,7 @@ def _replicas(mesh: Any) -> tuple[dist.ProcessGroup | None, int]:
                          "slice it from the mesh of the whole job (dp outside, ep inside)")
     if root.ndim == 1:
         return None, mesh.size()
-    names = root.mesh_dim_names or ()
+    names: tuple[str, ...] = root.mesh_dim_names or ()
     if root.ndim != 2 or names[1] != mesh.mesh_dim_names[0] or names[0] not in DATA_DIMS:
         raise UsageError(f"ExpertParallel takes an ep mesh sliced from a (dp, ep) mesh, not from {names or root}: "
                          "the other dimension must be data parallelism, outside ep")
