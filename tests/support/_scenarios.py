@@ -7,6 +7,7 @@ change a run copies it first.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from detrace.launch.launcher import run_traced
@@ -19,10 +20,11 @@ STEADY = ["3", "--small", "--deterministic"]
 
 
 def traced_runs(folder: Path, *variants: tuple[str, list[str]], rung: str = "semantic") -> dict[str, Path]:
-    """Each variant (name, train_gather.py arguments) traced into folder/name."""
-    out = {}
-    for name, args in variants:
-        result = run_traced([sys.executable, str(GATHER), *args], folder / name, rung=rung, quiet=True, timeout=300)
-        assert result.returncode == 0, result.output_tail
-        out[name] = folder / name
-    return out
+    """Each variant (name, train_gather.py arguments) traced into folder/name, all at once: the other pytest workers
+    that need them wait for them (conftest.steady_runs), with their cores idle."""
+    with ThreadPoolExecutor(len(variants)) as pool:
+        results = pool.map(lambda variant: run_traced([sys.executable, str(GATHER), *variant[1]], folder / variant[0],
+                                                      rung=rung, quiet=True, timeout=300), variants)
+        for result in results:
+            assert result.returncode == 0, result.output_tail
+    return {name: folder / name for name, _ in variants}
