@@ -216,3 +216,22 @@ def test_tree_gradients_sum_any_backward_order_in_the_one_tree(leaves: int) -> N
         assert torch.equal(param.grad, want), order
     with pytest.raises(UsageError, match="each of its 3 microbatches once"):
         TreeGradients([nn.Parameter(torch.zeros(1))], 3, order=[0, 0, 2])
+
+
+def test_a_split_backward_is_traced_as_the_backward_of_its_loss(one_rank: None, tmp_path: Path) -> None:
+    """A zero-bubble schedule's input and weight steps run through torch.autograd.grad, where the tracer looks for
+    no loss: the schedule announces them, so each microbatch's loss (the root: loss / M) is recorded as a loop's
+    would be, and the records of those steps are in phase backward."""
+    import detrace
+    from detrace.tracefile import read_rank
+
+    x, y = _batch(3)
+    model, losses = _deep_model(), []
+    with detrace.trace(tmp_path / "zbv", rung="module"):
+        stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((model[0:2], model[2:5]))]
+        ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=_loss).step(x, target=y, losses=losses)
+    rows = read_rank(tmp_path / "zbv", 0).table.to_pylist()
+    assert [r["value"] for r in rows if r["name"] == "loss"] == [(loss / M).item() for loss in losses]
+    grads = [r for r in rows if r["rung"] == "module" and r["role"] in ("grad_input", "grad_output")]
+    assert {r["module"] for r in grads} >= {"2", "4"}  # the split stage's layers, seen in the backward
+    assert all(r["phase"] == "backward" for r in grads)

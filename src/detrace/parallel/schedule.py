@@ -54,6 +54,7 @@ from torch.distributed.pipelining import ScheduleLoopedBFS as TorchScheduleLoope
 from torch.distributed.pipelining import ScheduleZBVZeroBubble as TorchScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from detrace import _events
 from detrace._compat import pipeline_backward_orders
 from detrace.errors import UsageError
 from detrace.parallel.pipeline import TreeGradients
@@ -104,7 +105,7 @@ class _TreeSchedule:
             tree = TreeGradients((p for p in module.parameters() if id(p) not in sharded), self._n_microbatches,
                                  order=order)
             if split:
-                _take_after_weight_step(stage, tree)
+                _split_backward(stage, tree)
             self._trees.append(tree)
             self._dropouts += [d for d in module.modules() if isinstance(d, _DROPOUTS) and d.p > 0]
 
@@ -141,15 +142,30 @@ class _TreeSchedule:
         return result
 
 
-def _take_after_weight_step(stage: Any, tree: TreeGradients) -> None:
-    """Make `tree` take the weight gradients that `stage`'s weight step (a split backward's) assigns to `.grad`
-    (torch computes them with `torch.autograd.grad`, so no accumulation hook runs), after each microbatch's step."""
-    weight_step = stage.backward_weight_one_chunk
+def _split_backward(stage: Any, tree: TreeGradients) -> None:
+    """Make `stage`'s split backward (a zero-bubble schedule's input and weight steps, which torch runs through
+    `torch.autograd.grad`) a backward that `tree` and detrace's tracer see: `tree` takes the weight gradients that
+    the weight step assigns to `.grad` (no accumulation hook runs), after each microbatch's step; the tracer is told
+    each step is a backward (`_events.backward`), from the loss on the last stage (no `torch.autograd.backward` call
+    shows it the loss, its phase or that training runs: a rank of middle stages makes none)."""
+    input_step, weight_step = stage.backward_one_chunk, stage.backward_weight_one_chunk
+    signature = inspect.signature(input_step)
+
+    def input_step_announced(*args: Any, **kwargs: Any) -> None:
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        if given.arguments["full_backward"]:  # torch.autograd.backward, which the tracer sees
+            input_step(*args, **kwargs)
+            return
+        with _events.backward(given.arguments["loss"]):
+            input_step(*args, **kwargs)
 
     def weight_step_then_take(*args: Any, **kwargs: Any) -> None:
-        weight_step(*args, **kwargs)
+        with _events.backward(None):
+            weight_step(*args, **kwargs)
         tree.take_assigned()
 
+    stage.backward_one_chunk = input_step_announced
     stage.backward_weight_one_chunk = weight_step_then_take
 
 

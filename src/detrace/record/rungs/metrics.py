@@ -3,7 +3,9 @@
 - loss: every scalar root of `backward()` given no gradient of its own (torch.autograd.backward is what
   Tensor.backward calls; a pipeline schedule passes `grad_tensors=[None]` for its loss), so a loop that calls
   `loss.backward()` is traced without edits. Several backward calls in a step (gradient
-  accumulation) are told apart by their occurrence.
+  accumulation) are told apart by their occurrence. A backward torch runs through `torch.autograd.grad` (a
+  zero-bubble pipeline schedule's input and weight steps) is announced by detrace's schedules (`_events.backward`)
+  and taken alike.
 - grad_norm: the 2-norm of this rank's gradients before any clipping: in a step that calls
   `torch.nn.utils.clip_grad_norm_` (Lightning does, through its precision plugins), the total norm it returns,
   computed before it scales the gradients; in one that calls `torch.nn.utils.clip_grads_with_norm_` (accelerate
@@ -18,12 +20,14 @@ phase ("backward") that module and op records carry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from detrace import _events
 from detrace._compat import without_data
 from detrace.errors import UsageError
 from detrace.record.opaque import Opaque
@@ -57,7 +61,8 @@ def _roots(tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]
 def install(tracer: Tracer) -> list[Callable[[], None]]:
     original_backward = torch.autograd.backward
 
-    def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def backward_of(tensors: Any, grad_tensors: Any) -> Iterator[None]:
         tracer.training_begins()
         if tracer.on["metrics"]:
             roots = _roots(tensors)
@@ -68,13 +73,21 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
                     record(tracer, "loss", root)
         phase, tracer.phase = tracer.phase, "backward"
         try:
-            return original_backward(tensors, grad_tensors, *args, **kwargs)
+            yield
         finally:
             tracer.phase = phase
             # DDP's reducer copied the reduced buckets into the gradients from C++ (no version bump).
             tracer.forget()
             if phase != "backward":
                 tracer.scope.clear()  # module scopes a backward left open (see rungs/module.py)
+
+    def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+        with backward_of(tensors, grad_tensors):
+            return original_backward(tensors, grad_tensors, *args, **kwargs)
+
+    def split_backward(root: Any) -> contextlib.AbstractContextManager[None]:
+        # a zero-bubble schedule's input and weight steps (torch.autograd.grad): the same backward, its root the loss
+        return backward_of([] if root is None else root, None)
 
     clipped: list[int] = []  # the step whose grad_norm clip_grad_norm_ recorded (the last one)
     original_clip = torch.nn.utils.clip_grad_norm_
@@ -105,7 +118,9 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
                 norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
             record(tracer, "grad_norm", norm)
 
+    _events.backward_running.append(split_backward)
     return [replace(torch.autograd, "backward", Opaque(backward)),
+            lambda: _events.backward_running.remove(split_backward),
             replace(torch.nn.utils, "clip_grad_norm_", Opaque(clip_grad_norm_)),
             replace(torch.nn.utils, "clip_grads_with_norm_", Opaque(clip_grads_with_norm_)),
             register_optimizer_step_pre_hook(Opaque(grad_norm, noted=tracer.could_not)).remove]
