@@ -141,6 +141,35 @@ def test_fully_shard_on_hsdps_mesh_with_sync_skipped_between_microbatches_leaves
     assert not all(torch.equal(g, e) for g, e in zip(running, expected, strict=True))  # the check can fail
 
 
+@pytest.mark.parametrize("api", ["detrace", "torch"])
+def test_a_sharded_pipeline_stage_module_gets_the_tree_from_either_schedule(one_rank: None, api: str) -> None:
+    """torch's pipeline stage runs a fully_shard stage module with gradient sync and resharding after backward off
+    between microbatches, and reduces it itself after the last: the gradients are the tree over the M microbatches
+    (scaled by 1 / M, an exact power of two). The stage's module stays unsharded from one backward to the next, so
+    its attributes are the unsharded parameters: clearing those instead of the sharded ones added each tree's
+    partial sum to the one before, silently."""
+    import torch.distributed.pipelining as torch_pipelining
+
+    import detrace.parallel as detrace_pipelining
+    from detrace.parallel import fully_shard
+
+    source: Any = detrace_pipelining if api == "detrace" else torch_pipelining
+    plain = _model()
+    model = copy.deepcopy(plain)
+    _shard(model, fully_shard, 1)
+    x, y = _batch(0)
+    leaves = []
+    for i in range(M):
+        plain.zero_grad(set_to_none=True)
+        (torch.nn.functional.mse_loss(plain(x[i]), y[i]) / M).backward()
+        leaves.append([p.grad.clone() for p in plain.parameters()])  # type: ignore[union-attr]
+    stage = source.PipelineStage(model, 0, 1, torch.device("cpu"))
+    source.ScheduleGPipe(stage, n_microbatches=M, loss_fn=torch.nn.functional.mse_loss).step(
+        x.flatten(0, 1), target=y.flatten(0, 1))
+    got = [p.grad.to_local() for p in model.parameters()]  # type: ignore[union-attr]
+    assert all(torch.equal(g, e) for g, e in zip(got, _tree_sum(leaves), strict=True))
+
+
 def test_fully_shard_refuses_what_it_cannot_keep_in_one_sentence(one_rank: None) -> None:
     from detrace.parallel import fully_shard
 

@@ -64,8 +64,10 @@ class _TreeReduceScatter(_AllToAllReduceScatter):
 
     def __init__(self, module: nn.Module, ignored: set[nn.Parameter], replicas: dist.ProcessGroup | None) -> None:
         super().__init__()
-        self.module = weakref.ref(module)
-        self.ignored = ignored
+        self.params = _managed(module, ignored)
+        """The sharded parameters this module's fully_shard manages, as they are now, right after it sharded them:
+        while the module is unsharded (reshard_after_backward=False, as torch's pipeline stage sets it) its
+        attributes are the unsharded parameters, whose gradients are not the ones torch accumulates into."""
         self.replicas = replicas
         """HSDP's replicate group (a 2-D mesh's dimension 0), whose nodes complete the tree; None on a 1-D mesh."""
         self.force_sum = False
@@ -137,27 +139,24 @@ class _TreeReduceScatter(_AllToAllReduceScatter):
             output.copy_(total)
         else:  # between two nodes: zeros, not what the allocation held (the bits of a gradient read mid-step)
             output.zero_()
-        for param in self.params():
+        for param in self.params:
             param.grad = None  # fully_shard then assigns the shard instead of adding it to the previous sum
 
-    def params(self) -> list[nn.Parameter]:
-        """The parameters this module's fully_shard manages: its subtree's, less nested FSDP modules' and the
-        ignored ones."""
-        from torch.distributed.fsdp import FSDPModule
 
-        module = self.module()
-        if module is None:
-            return []
-        found: list[nn.Parameter] = []
+def _managed(module: nn.Module, ignored: set[nn.Parameter]) -> tuple[nn.Parameter, ...]:
+    """The parameters `module`'s fully_shard manages: its subtree's, less nested FSDP modules' and the ignored ones."""
+    from torch.distributed.fsdp import FSDPModule
 
-        def walk(m: nn.Module) -> None:
-            found.extend(p for p in m.parameters(recurse=False) if p not in self.ignored)
-            for child in m.children():
-                if not isinstance(child, FSDPModule):
-                    walk(child)
+    found: list[nn.Parameter] = []
 
-        walk(module)
-        return found
+    def walk(m: nn.Module) -> None:
+        found.extend(p for p in m.parameters(recurse=False) if p not in ignored)
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                walk(child)
+
+    walk(module)
+    return tuple(found)
 
 
 _COMMS: weakref.WeakSet[_TreeReduceScatter] = weakref.WeakSet()
@@ -168,7 +167,7 @@ def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """A global optimizer pre-hook: the optimizer's sharded modules' trees are complete (or refused), and the next
     backward starts a new step."""
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    comms = [c for c in _COMMS if c.count and any(id(p) in owned for p in c.params())]
+    comms = [c for c in _COMMS if c.count and any(id(p) in owned for p in c.params)]
     counts = {c.count for c in comms}
     for comm in comms:
         comm.count, comm.stacks = 0, []
