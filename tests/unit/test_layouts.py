@@ -28,6 +28,10 @@ def test_layout_names() -> None:
     assert [Layout.parse("fsdp2xtp2").data_block(r) for r in range(4)] == [0, 0, 1, 1]
     assert [Layout.parse("pp2xdp2").data_block(r) for r in range(4)] == [0, 1, 0, 1]
     assert [Layout.parse("dp2xfsdp2").data_block(r) for r in range(4)] == [0, 1, 2, 3]
+    # HSDP is dpDxfsdpF (the reference trainer's name, and torch's 2-D mesh (replicate, shard) outermost first)
+    assert Layout.parse("fsdp2xdp4").sizes == (("dp", 4), ("fsdp", 2)) and Layout.parse("fsdp2xdp4").data == 8
+    with pytest.raises(UsageError, match="named dimensions joined by x"):
+        Layout.parse("hsdp2x2")
     for bad in ("", "fsdp", "fsdp2xfsdp2", "zz2", "tp3", "dp0", "2x", "fsdp2x", "2x2x2", "FSDP2"):
         with pytest.raises(UsageError):
             Layout.parse(bad)
