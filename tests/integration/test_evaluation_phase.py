@@ -229,3 +229,56 @@ def test_a_frozen_copy_evaluated_on_another_batch_stays_an_evaluation(tmp_path: 
     assert [(r["step"], r["role"]) for r in rows if r["phase"] == "evaluation"] == [
         (step, role) for step in range(3) for role in ("input", "output") * 2]
     assert [r["step"] for r in rows if r["phase"] == "data"] == [0, 1, 2]
+
+
+def _validate_in_train_mode(out: Path, *, resume_at: int | None = None) -> tuple[Path, list[list[int]]]:
+    """4 steps over a shuffled training DataLoader; after steps 2 and 4 a validation DataLoader iterated with grad
+    enabled, its forward under no_grad, the model left in train mode (model.eval() forgotten). `resume_at`: a
+    process that starts at that global step from the continuous run's state there. Returns the trained batches'
+    sample indices."""
+    torch.manual_seed(0)
+    train_set = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    val_set = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    loader = torch.utils.data.DataLoader(train_set, batch_size=4, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches: list[list[int]] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        batches.append([int((train_set.tensors[0] == row).all(1).nonzero()) for row in x])
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    first = resume_at or 0
+    batch_iter = iter(loader)
+    for _ in range(first):  # the state at the stop step, untraced, as a checkpoint would bring it
+        step(*next(batch_iter))
+    with detrace.trace(out, rung="semantic"):
+        if resume_at is not None:
+            set_step(resume_at)
+        for i in range(first, 4):
+            step(*next(batch_iter))
+            if (i + 1) % 2 == 0:
+                for vx, _ in torch.utils.data.DataLoader(val_set, batch_size=4):
+                    with torch.no_grad():
+                        model(vx)
+    return out, batches
+
+
+def test_a_validation_loader_read_in_train_mode_is_an_evaluation(tmp_path: Path) -> None:
+    """A forward with grad disabled on a batch of another DataLoader than the training's is an evaluation even in
+    train mode: before, each validation forward began the next step's work (a step more at the end of the run, the
+    validation's indices among the next step's samples), and a run resumed after the validation differed from the
+    continuous one in structure."""
+    from detrace.investigate.ablate import batch_samples
+
+    a, batches = _validate_in_train_mode(tmp_path / "a")
+    rows = read_rank(a, 0).table.to_pylist()
+    assert {r["step"] for r in rows if r["phase"] != "final"} == {0, 1, 2, 3}
+    assert [(r["step"], r["role"]) for r in rows if r["phase"] == "evaluation"] == [
+        (step, role) for step in (1, 3) for role in ("input", "output") * 2]
+    assert [list(batch_samples(a, 0, step)) for step in range(4)] == batches
+    result = diff(a, _validate_in_train_mode(tmp_path / "b", resume_at=2)[0])
+    assert result.verdict == "identical", result.first

@@ -90,7 +90,8 @@ def evaluates(module: nn.Module) -> bool:
     Lightning's validation loop and a loop's own `model.eval()` + `torch.no_grad()` run it. Each condition alone is
     not enough: a frozen model (a VAE encoder, a distillation teacher) runs under `no_grad` in eval mode as part of
     every training step, a policy generates under `no_grad` in train mode (RL), and a model with frozen BatchNorm
-    trains in eval mode."""
+    trains in eval mode. (A forward with grad disabled on a batch of another DataLoader than the training's is an
+    evaluation in any mode, `loader_samples.from_another_loader`: a validation loop that forgot `model.eval()`.)"""
     if torch.is_grad_enabled() or module.training:
         return False
     return _trained(module)
@@ -158,7 +159,8 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         held.clear()
         frozen = tracer.clock.trailing and module not in stepping and frozen_evaluates(module)
         tensors = recorded_leaves((args, kwargs)) if teacher is not None or frozen else []
-        if evaluates(module) or (tracer.phase == "evaluation" and not torch.is_grad_enabled()) or frozen:
+        if (evaluates(module) or frozen or (not torch.is_grad_enabled() and (
+                tracer.phase == "evaluation" or loader_samples.from_another_loader()))):
             if teacher is not None:
                 if teacher.shares(tensors):  # another model on the same batch (a second teacher)
                     teacher.modules.append(module)

@@ -8,14 +8,15 @@ batches reach the loop (also with workers that prefetch), and they are queued pe
 dispatched last is the source; an evaluation loader iterated between two training batches hands it back when it is
 exhausted. A batch dispatched with grad disabled (a loop's `with torch.no_grad(): for x, y in val_loader`) that an
 evaluation's forward takes (`evaluation_takes`) is dropped: with no training loader to hand the source back to (a
-loop that makes its own training batches), it would otherwise go to the next training forward. `check-resume`
-tells the same samples augmented otherwise from another data position with them, and `detrace ablate` names a
-spike's sample.
+loop that makes its own training batches), it would otherwise go to the next training forward; so is one that
+another loader than the training's dispatched, grad enabled or not. A forward with grad disabled on such a batch is
+an evaluation even in train mode (`from_another_loader`: a validation loop that forgot `model.eval()`).
+`check-resume` tells the same samples augmented otherwise from another data position with them, and `detrace
+ablate` names a spike's sample.
 
 Left alone: a loader whose indices are not plain integers (detrace's keyed samplers: their own source says them),
-an `IterableDataset` (no index), a loader built with `in_order=False` (batches reach the loop out of order), any
-loader while one of detrace's own samplers is the source, and an evaluation loader iterated with grad enabled in a
-loop without a training loader (its last batches' indices go to the next training forward).
+an `IterableDataset` (no index), a loader built with `in_order=False` (batches reach the loop out of order), and any
+loader while one of detrace's own samplers is the source.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ class _Handed:
         return self.batches.popleft()[0] if self.batches else None
 
 
+def _next_batch() -> _Handed | None:
+    """The indices of the loader that dispatched last, when it has a batch no forward took yet."""
+    source = _events.sample_source[0] if _events.sample_source else None
+    return source if isinstance(source, _Handed) and source.batches else None
+
+
+def from_another_loader() -> bool:
+    """Whether the batch the next forward takes was dispatched by another DataLoader than the one the last training
+    forward took from (a validation loader's), as far as the loaders' indices tell: a loop without a training
+    DataLoader has none, a process that trained no step yet cannot tell."""
+    source = _next_batch()
+    return source is not None and bool(_events.trained_from) and _events.trained_from[0] is not source
+
+
 def evaluation_takes() -> None:
     """An evaluation's forward takes the next batch of the loader that dispatched last when that batch was
     dispatched with grad disabled, or by another loader than the one the last training forward took from: its
@@ -58,11 +73,8 @@ def evaluation_takes() -> None:
     enabled is one that an evaluation on tensors of its own ran before: it stays for the training. An evaluation loop
     that iterates its loader with grad enabled and runs only its forward under no_grad, as HF `Trainer`'s does, left
     its last batch to the next training forward, which then named the evaluation's samples.)"""
-    source = _events.sample_source[0] if _events.sample_source else None
-    if not isinstance(source, _Handed) or not source.batches:
-        return
-    other = bool(_events.trained_from) and _events.trained_from[0] is not source
-    if source.batches[0][1] or other:
+    source = _next_batch()
+    if source is not None and (source.batches[0][1] or from_another_loader()):
         source.batches.popleft()
 
 
