@@ -75,15 +75,19 @@ def _plain_leaves(plain: GroupedExperts, microbatches: int) -> tuple[list[torch.
     return outs, leaves
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, microbatches: int) -> list[torch.Tensor]:
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, microbatches: int,
+          before_step: list[list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """torchtitan's accumulation: one backward per microbatch, each loss scaled by 1 / n; then the optimizer step,
-    whose pre-hook gives the experts their gradients. Returns the outputs."""
+    whose pre-hook closes the experts' step. Returns the outputs; `before_step` gets the gradients as the step
+    finds them (what a gradient clipping or detrace's tracer reads)."""
     outs = []
     for i in range(microbatches):
         rows, counts, back = _microbatch(i)
         out = model(rows, counts)
         ((out * back).sum() / microbatches).backward()
         outs.append(out.detach())
+    if before_step is not None:
+        before_step.append([p.grad.full_tensor() for p in model.parameters()])  # type: ignore[union-attr]
     optimizer.step()
     return outs
 
@@ -104,12 +108,14 @@ def test_expert_parallel_at_one_process_keeps_the_module_and_sums_its_gradients_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients are what is compared
     for microbatches in (4, 2):
         outs, leaves = _plain_leaves(plain, microbatches)
-        got = _step(model, optimizer, microbatches)
+        before: list[list[torch.Tensor]] = []
+        got = _step(model, optimizer, microbatches, before)
         for out, mine in zip(outs, got, strict=True):
             assert torch.equal(out, mine)  # the module's own forward, on the same rows
         expected = _tree_sum(leaves)  # the fixed tree over the step's microbatches
-        for p, whole in zip(model.parameters(), expected, strict=True):
+        for p, whole, found in zip(model.parameters(), expected, before[0], strict=True):
             assert p.grad is not None and torch.equal(p.grad.full_tensor(), whole)
+            assert torch.equal(found, whole)  # in place when the last backward has run, before the optimizer
         if microbatches == 2:  # the tree of two leaves is the plain module's own accumulation
             plain.zero_grad(set_to_none=True)
             for i in range(2):
@@ -178,21 +184,24 @@ def test_expert_parallel_refuses_what_it_cannot_keep_in_one_sentence(one_rank: N
 
 def test_the_experts_modules_close_their_steps_in_the_order_they_were_parallelized(
         one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each close is a collective over the experts' dp replicas: every rank must close the modules in one order, the
-    program's, not a WeakSet's (which follows addresses: at dp2xep2 two ranks exchanged block 0's sums with block
-    1's, and the replicas of one expert shard parted)."""
+    """A close may complete a tree over the experts' dp replicas (a collective: a forward whose backward never ran
+    is a zero leaf there): every rank must close the modules in one order, the program's, not a WeakSet's (which
+    follows addresses: at dp2xep2 two ranks exchanged block 0's sums with block 1's, and the replicas of one expert
+    shard parted)."""
     from detrace.parallel import ExpertParallel, parallelize_module
     from detrace.parallel.expert_parallel import _Experts
 
     closed: list[int] = []
+    write = _Experts.write
+    monkeypatch.setattr(_Experts, "write", lambda self, sums: (closed.append(self.order), write(self, sums))[1])
     modules = [GroupedExperts() for _ in range(16)]
     for module in modules:
         parallelize_module(module, _ep_mesh(), ExpertParallel())
-    close = _Experts.close
-    monkeypatch.setattr(_Experts, "close", lambda self: (closed.append(self.order), close(self))[1])
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.0)
-    rows, counts, back = _microbatch(0)
+    rows, counts, _ = _microbatch(0)
     for module in modules:
-        (module(rows, counts) * back).sum().backward()
+        module(rows, counts).sum()  # a forward whose backward never runs: zero leaves, pushed as the step closes
+    assert not closed
     optimizer.step()
     assert len(closed) == 16 and closed == sorted(closed)
+    assert all(not p.grad.to_local().any() for m in modules for p in m.parameters())  # type: ignore[union-attr]

@@ -120,7 +120,8 @@ class ExpertGradientTree:
             if self.seen & (self.seen - 1) or not self.seen:
                 raise UsageError(f"the experts took part in {self.seen} microbatches in a step; each rank must run "
                                  "a power-of-two number of microbatches per optimizer step")
-            blocks = self.counter[0][1]
+            # copies: the tree's additions go into their left operands, and the counter goes on after a result
+            blocks = [b.clone() for b in self.counter[0][1]]
         elif self.seen != self.microbatches:
             raise UsageError(f"the experts took part in {self.seen} of the {self.microbatches} microbatches of a "
                              "step: every MoE layer must take part in every microbatch's forward and backward")
@@ -143,13 +144,19 @@ class FixedOrderExperts:
         group: the expert-parallel group (None: one process, no exchange; the experts run as they are).
         replicas: the group over which the experts are replicated (the dp ranks that hold the same experts), or
             None; its ranks complete the tree over their blocks.
+        written: with `microbatches` None, called with the sums so far (completed over `replicas`: a collective)
+            each time the step's count of microbatches reaches a power of two, during the backward that completes
+            it: the gradients are in place once the last backward has run, as fully_shard's are (`end` closes the
+            step); None: the sums come from `finish`.
     """
 
     def __init__(self, weights: Callable[[], Sequence[torch.Tensor]], *, microbatches: int | None,
-                 group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None,
+                 written: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         if microbatches is not None and microbatches < 1:
             raise UsageError(f"microbatches per rank must be positive, not {microbatches}")
         self.weights, self.microbatches, self.group, self.replicas = weights, microbatches, group, replicas
+        self.written = written
         self.ep = dist.get_world_size(group)
         self.tree: ExpertGradientTree | None = None
         # The views of this step's microbatches not pushed yet, in forward order (the microbatch order), each with
@@ -162,11 +169,6 @@ class FixedOrderExperts:
     def begin(self) -> None:
         """Start a step: the next `microbatches` forwards and backwards are its leaves."""
         self.tree, self._held = ExpertGradientTree(self.ep, self.microbatches), []
-
-    @property
-    def taken(self) -> int:
-        """The microbatches whose forward ran since `begin` (pushed into the tree or held for their backward)."""
-        return (0 if self.tree is None else self.tree.seen) + len(self._held)
 
     def _hold(self, views: list[torch.Tensor]) -> None:
         """Keep one microbatch's views (one [S, ...] expand of each weight) until its backward has set their
@@ -188,6 +190,9 @@ class FixedOrderExperts:
         while self._held and self.tree is not None and (whole or self._held[0][1][0] == 0):
             views, _ = self._held.pop(0)
             self.tree.push([torch.zeros_like(v) if v.grad is None else v.grad for v in views])
+            seen = self.tree.seen
+            if self.written is not None and not seen & (seen - 1):  # a power of two: the counter is one node
+                self.written(self._complete(self.tree.result()))
 
     def __call__(self, routed: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         """routed [R, D] sorted by global expert, counts [E L] rows per global expert -> the experts' outputs [R, D],
@@ -214,9 +219,21 @@ class FixedOrderExperts:
             raise UsageError("FixedOrderExperts.finish() without begin(): no step is open")
         self._flush(whole=True)
         tree, self.tree = self.tree, None
-        sums = tree.result()
-        if self.replicas is not None and dist.get_world_size(self.replicas) > 1:
-            flats = _exchange([s.reshape(-1) for s in sums], group=self.replicas, rank=dist.get_rank(self.replicas),
-                              world=dist.get_world_size(self.replicas), how="auto", donate=True)
-            sums = [flat.view_as(s) for flat, s in zip(flats, sums, strict=True)]
-        return sums
+        return self._complete(tree.result())
+
+    def end(self) -> int:
+        """End a step whose sums went to `written`: push what is held (a forward whose backward gave the experts
+        nothing is a zero leaf) and return the number of microbatches the step took (0 with no step open)."""
+        if self.tree is None:
+            return 0
+        self._flush(whole=True)
+        tree, self.tree = self.tree, None
+        return tree.seen
+
+    def _complete(self, sums: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tree's sums completed over the replicas, in the tree's order above their blocks."""
+        if self.replicas is None or dist.get_world_size(self.replicas) == 1:
+            return sums
+        flats = _exchange([s.reshape(-1) for s in sums], group=self.replicas, rank=dist.get_rank(self.replicas),
+                          world=dist.get_world_size(self.replicas), how="auto", donate=True)
+        return [flat.view_as(s) for flat, s in zip(flats, sums, strict=True)]

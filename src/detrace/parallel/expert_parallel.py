@@ -24,9 +24,11 @@ the experts' data-parallel replicas (the other dimension of the mesh the ep mesh
 the data-parallel size dp x ep, as torchtitan's FSDP gradient divide factor averages the experts' gradients. With
 n and E powers of two, every addition has the same two operands at every ep size, one process included.
 
-A step is the backwards between two optimizer steps, as for `detrace.parallel.fully_shard`: a global optimizer
-pre-hook closes the tree, refuses a number of microbatches that is not a power of two, and assigns each expert
-weight's gradient (a DTensor like the weight).
+A step is the backwards between two optimizer steps, as for `detrace.parallel.fully_shard`: each time the step's
+count of microbatches reaches a power of two, the backward that completes it assigns each expert weight's gradient
+(a DTensor like the weight: the tree's sum so far), so the last backward leaves the step's gradients in place for
+whatever reads them before the optimizer (a gradient clipping, detrace's tracer); a global optimizer pre-hook closes
+the step and refuses a number of microbatches that is not a power of two.
 
 What it cannot keep, refused in one sentence: a mesh of more than one dimension (torchtitan's expert tensor
 parallelism), an ep size that is not a power of two or that does not divide the experts, an ep mesh that does not
@@ -70,7 +72,7 @@ class _Experts:
         self.mesh, self.data = mesh, data
         self.names = [name for name, _ in module.named_parameters(recurse=False)]
         self.exchange = FixedOrderExperts(self.local_weights, microbatches=None, group=mesh.get_group(),
-                                          replicas=replicas)
+                                          replicas=replicas, written=self.write)
 
     def params(self) -> list[nn.Parameter]:
         module = self.module()
@@ -79,12 +81,21 @@ class _Experts:
     def local_weights(self) -> list[torch.Tensor]:
         return [p.to_local() if isinstance(p, DTensor) else p for p in self.params()]
 
-    def close(self) -> None:
-        """The step's gradients: the tree's sums over the global microbatches, averaged over the data ranks."""
-        sums = self.exchange.finish()
+    def write(self, sums: list[torch.Tensor]) -> None:
+        """The gradients so far (each power-of-two count of a step's microbatches; the step's at its last): the
+        tree's sums, averaged over the data ranks. In place before the optimizer step, as fully_shard's are, for
+        what reads them first (a gradient clipping, detrace's tracer)."""
         for param, total in zip(self.params(), sums, strict=True):
             # the division by dp x ep (a power of two: exact) is torch's average over the data ranks
             param.grad = DTensor.from_local(total / self.data, self.mesh, [Shard(0)], run_check=False)
+
+    def begin(self) -> None:
+        """Open a step, at its first forward: refuse gradients left from the last (the step's replace them)."""
+        # zero_grad(set_to_none=False) leaves zeros, which the step's gradients may replace as torch would add to them
+        if any(isinstance(p.grad, DTensor) and bool(p.grad.to_local().any()) for p in self.params()):
+            raise UsageError("detrace.parallel.ExpertParallel: the experts hold gradients from before this step; "
+                             "call optimizer.zero_grad() after each optimizer step")
+        self.exchange.begin()
 
 
 _STEPS: weakref.WeakSet[_Experts] = weakref.WeakSet()
@@ -93,25 +104,18 @@ _HOOKED = False
 
 
 def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A global optimizer pre-hook: the optimizer's experts get their step's gradients, and the next forward starts
-    a new step."""
+    """A global optimizer pre-hook: the optimizer's experts close their step (refused unless every one took the same
+    power-of-two number of microbatches), and the next forward opens a new one."""
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     steps = sorted((s for s in _STEPS if s.exchange.tree is not None and any(id(p) in owned for p in s.params())),
                    key=lambda s: s.order)
-    counts = {s.exchange.taken for s in steps}
-    # zero_grad(set_to_none=False) leaves zeros, which the step's gradient may replace as torch would add to them
-    left = [s for s in steps if any(isinstance(p.grad, DTensor) and bool(p.grad.to_local().any())
-                                    for p in s.params())]
-    if len(counts) > 1 or left:
-        for s in steps:
-            s.exchange.tree = None
-        if left:
-            raise UsageError("detrace.parallel.ExpertParallel: the experts hold gradients from before this step; "
-                             "call optimizer.zero_grad() after each optimizer step")
+    counts = {s.exchange.end() for s in steps}
+    if len(counts) > 1:
         raise UsageError(f"detrace.parallel.ExpertParallel: the experts modules took part in {sorted(counts)} "
                          "microbatches in one step; every MoE layer must take part in every microbatch")
-    for s in steps:
-        s.close()
+    if any(count & (count - 1) for count in counts):
+        raise UsageError(f"detrace.parallel.ExpertParallel: the experts took part in {max(counts)} microbatches in a "
+                         "step; each rank must run a power-of-two number of microbatches per optimizer step")
 
 
 def _replicas(mesh: Any) -> tuple[dist.ProcessGroup | None, int]:
@@ -183,7 +187,7 @@ class ExpertParallel(ParallelStyle):
             if inside[0]:  # functional_call's call of the module, one source's rows
                 return plain_forward(x, num_tokens_per_expert)
             if state.exchange.tree is None and torch.is_grad_enabled():
-                state.exchange.begin()  # the first forward of a step (the optimizer's pre-hook closed the last)
+                state.begin()  # the first forward of a step (the optimizer's pre-hook closed the last)
             return state.exchange(x, num_tokens_per_expert.to(torch.int64), run)
 
         # the instance's forward shadows the class's, for this module only (as detrace's tensor-parallel styles)
