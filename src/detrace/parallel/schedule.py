@@ -31,9 +31,9 @@ outside the tree: call `optimizer.zero_grad()`), a stage with active dropout (it
 process in the schedule's order, not from the one process's), and a zero-bubble schedule's split backward on a
 stage that holds `fully_shard` modules (torch's weight step does not find their unsharded parameters).
 
-A stage's modules given to `fully_shard` keep their own sum (detrace's `fully_shard` is the same tree); the stage's
-module itself must not be one (torch's stage turns its gradient sync off between microbatches, which detrace's
-`fully_shard` refuses).
+A stage's modules given to `fully_shard` keep their own sum (detrace's `fully_shard` is the same tree), the stage's
+module itself included (torch's stage turns its gradient sync and its resharding after backward off between
+microbatches, which detrace's `fully_shard` accepts: it still reduces each microbatch into its tree).
 """
 
 from __future__ import annotations
