@@ -173,9 +173,16 @@ def test_expert_parallel_refuses_what_it_cannot_keep_in_one_sentence(one_rank: N
         _step(model, optimizer, 3)
     optimizer.zero_grad()
     _step(model, optimizer, 2)  # the refused step left nothing behind
+    model = GroupedExperts()
+    optimizer = parallel(model)
+    rows, counts, back = _microbatch(0)
+    out = torch.utils.checkpoint.checkpoint(model, rows.requires_grad_(True), counts, use_reentrant=False)
+    with pytest.raises(UsageError, match="does not support recomputing the experts' forward in a backward"):
+        (out * back).sum().backward()
     first, second = GroupedExperts(), GroupedExperts()
     optimizer = parallel(first, second)
     rows, counts, back = _microbatch(0)
+    rows = rows.detach()
     (first(rows, counts) * back).sum().backward()
     (second(second(rows, counts), counts) * back).sum().backward()
     with pytest.raises(UsageError, match=r"took part in \[1, 2\] microbatches in one step"):

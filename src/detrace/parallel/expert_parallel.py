@@ -33,7 +33,8 @@ the step and refuses a number of microbatches that is not a power of two.
 What it cannot keep, refused in one sentence: a mesh of more than one dimension (torchtitan's expert tensor
 parallelism), an ep size that is not a power of two or that does not divide the experts, an ep mesh that does not
 cover every rank or is sliced from a mesh whose other dimension is not data parallelism (dp) or lies inside ep, a
-module with parameters of its submodules, and gradients left in the experts from before a step.
+module with parameters of its submodules, gradients left in the experts from before a step, and a forward of the
+experts recomputed in a backward (activation checkpointing around them: each forward is a microbatch's leaf).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.func import functional_call
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from detrace._compat import root_mesh
+from detrace._compat import current_graph_task_id, root_mesh
 from detrace.errors import UsageError
 from detrace.parallel.expert import FixedOrderExperts
 
@@ -66,8 +67,8 @@ class _Experts:
 
     def __init__(self, module: nn.Module, mesh: Any, replicas: dist.ProcessGroup | None, data: int) -> None:
         self.order = next(_CREATED)
-        """The modules' order of parallelization, the same on every rank: their steps close in it, since each
-        close is a collective over the replicas (a WeakSet's order follows addresses, which differ by rank)."""
+        """The modules' order of parallelization, the same on every rank: their steps close in it, since a close may
+        complete a tree over the replicas, a collective (a WeakSet's order follows addresses, which differ by rank)."""
         self.module = weakref.ref(module)
         self.mesh, self.data = mesh, data
         self.names = [name for name, _ in module.named_parameters(recurse=False)]
@@ -186,6 +187,10 @@ class ExpertParallel(ParallelStyle):
         def forward(x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
             if inside[0]:  # functional_call's call of the module, one source's rows
                 return plain_forward(x, num_tokens_per_expert)
+            if torch.is_grad_enabled() and current_graph_task_id() != -1:
+                raise UsageError("detrace.parallel.ExpertParallel does not support recomputing the experts' forward "
+                                 "in a backward (activation checkpointing around them): each forward is a "
+                                 "microbatch's leaf of the tree")
             if state.exchange.tree is None and torch.is_grad_enabled():
                 state.begin()  # the first forward of a step (the optimizer's pre-hook closed the last)
             return state.exchange(x, num_tokens_per_expert.to(torch.int64), run)
