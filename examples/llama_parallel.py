@@ -4,7 +4,8 @@ the same bits on every mesh with detrace's imports instead of torch's.
     detrace check-topology --layouts 1x1,fsdp2,tp2,fsdp2xtp2 -- python examples/llama_parallel.py --api detrace
     detrace check-topology --layouts 1x1,tp2 -- python examples/llama_parallel.py --api torch     # differs
     detrace check-topology --layouts fsdp2xtp2,1x1,tp2 --resume-at 1 -- python examples/llama_parallel.py
-    detrace check-topology --layouts 1x1,pp2 -- python examples/llama_parallel.py --api detrace
+    detrace check-topology --layouts 1x1,pp2,pp2xtp2,pp2xfsdp2 -- python examples/llama_parallel.py --api detrace
+    detrace check-topology --layouts 1x1,pp2 -- python examples/llama_parallel.py --schedule interleaved-1f1b
 
 The model is a tiny `LlamaForCausalLM` built in code (no download). The layout comes from DETRACE_LAYOUT, which
 `check-topology --layouts` sets (`1x1`, `fsdp2`, `tp2`, `fsdp2xtp2`, `dp2`, `dp2xfsdp2`; unset: one process);
@@ -15,16 +16,22 @@ rank of data-parallel coordinate d runs microbatches [d n, (d + 1) n) with n = M
 each loss scaled by 1 / n (torch's averaging does the rest). The only difference between `--api detrace` and
 `--api torch` is where `fully_shard`, `parallelize_module`, `ColwiseParallel` and `RowwiseParallel` come from.
 
-Layout `pp2` pipelines the model instead: after the plan (at T = 1), stage 0 keeps the embedding and the first half
-of the decoder layers, stage 1 the rest, the norm and the head, each under the whole model's names (a layer another
-stage holds is an nn.Identity); each decoder layer is given to fully_shard (one shard), and `Schedule1F1B` (from
-detrace or from torch, with `PipelineStage`) runs the same M microbatches with the loss averaged by the schedule.
+Layouts with `pp` (`pp2`, `pp2xtp2`, `pp2xfsdp2`) pipeline the model: after the plan, the model's pieces (the
+embedding, each decoder layer, the norm with the head) are cut into contiguous stages, each rank keeping its
+stages' pieces under the whole model's names (a layer another rank holds is an nn.Identity); with data ranks, each
+piece is given to fully_shard over them (its tree sums the microbatches; with one, the schedule's does), and the
+schedule (`--schedule`, from detrace or from torch, with `PipelineStage`) runs the data rank's block of the M
+microbatches with the loss averaged by the schedule. `gpipe` and `1f1b` run one stage per rank; `interleaved-1f1b`,
+`looped-bfs`, `interleaved-zb` and `zbv` two (four stages at pp2: the embedding, each decoder layer, the head), as
+torchtitan's multi-stage schedules do. The zero-bubble ones split each backward into input and weight steps, which
+a stage of fully_shard modules cannot run (refused in one sentence): they run on `pp2` and `pp2xtp2`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,9 +60,9 @@ def imports(api: str) -> tuple[Any, Any, Any, Any]:
     return fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel
 
 
-def build(api: str, mesh: DeviceMesh, stages: int = 1) -> LlamaForCausalLM:
+def build(api: str, mesh: DeviceMesh, stages: tuple[int, ...] = (), total: int = 1) -> LlamaForCausalLM:
     """The tiny Llama, the same whole model on every rank, parallelized on `mesh` (dimensions data, tp); with
-    `stages` > 1, this rank's stage of it (mesh dimension pp)."""
+    `stages` (of `total` pipeline stages), only this rank's stages of it (mesh dimension pp)."""
     fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel = imports(api)
     torch.manual_seed(0)  # the same whole model on every rank; the plan and fully_shard keep their shards
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -74,14 +81,19 @@ def build(api: str, mesh: DeviceMesh, stages: int = 1) -> LlamaForCausalLM:
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     })
-    if stages > 1:
-        keep_stage(model, mesh.get_local_rank("pp"), stages)
+    if stages:
+        keep_stages(model, stages, total)
     shards = data_mesh(mesh)
-    for layer in model.model.layers:
-        if not isinstance(layer, torch.nn.Identity):
+    if not stages:
+        for layer in model.model.layers:
             fully_shard(layer, mesh=shards)
-    if stages == 1:  # a pipeline stage's root stays unsharded: torch's stage turns its gradient sync off between
-        fully_shard(model, mesh=shards)  # microbatches, which detrace's fully_shard refuses
+        fully_shard(model, mesh=shards)
+    elif mesh["data"].size() > 1:  # a pipeline stage's root stays unsharded (torch's stage turns its gradient sync
+        # off between microbatches, which detrace's fully_shard refuses): each of its pieces is sharded alone
+        for piece in (model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head):
+            if piece is not None and not isinstance(piece, torch.nn.Identity):
+                fully_shard(piece, mesh=shards)
+    # (one pipeline per data rank: the schedule sums each stage's microbatches itself)
     return model
 
 
@@ -96,32 +108,65 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return init_device_mesh("cpu", (pp, replicas, shard, tp), mesh_dim_names=("pp", "dp", "fsdp", "tp"))["dp", "fsdp"]
 
 
-def keep_stage(model: LlamaForCausalLM, stage: int, stages: int) -> None:
-    """Cut `model` down to pipeline stage `stage` of `stages` (contiguous decoder layers, the embedding first, the
-    norm and head last), the whole model's names kept, and make its forward the stage's: input ids or the previous
-    stage's hidden states in, hidden states or logits out."""
-    inner, layers = model.model, model.config.num_hidden_layers
-    per = layers // stages
-    for i in range(layers):
-        if not stage * per <= i < (stage + 1) * per:
+def pieces(model: LlamaForCausalLM, stage: int, total: int) -> range:
+    """The pieces of pipeline stage `stage` of `total`, contiguous: 0 the embedding, 1..L the decoder layers, L + 1
+    the norm with the head (at L = 2: two stages of two pieces each, or four of one)."""
+    count = model.config.num_hidden_layers + 2
+    if not 1 < total <= count:
+        raise SystemExit(f"the Llama's {count} pieces make 2 to {count} pipeline stages, not {total}")
+    return range(stage * count // total, (stage + 1) * count // total)
+
+
+def keep_stages(model: LlamaForCausalLM, stages: tuple[int, ...], total: int) -> None:
+    """Cut `model` down to the pieces of this rank's pipeline `stages` (of `total`), the whole model's names kept (a
+    layer another rank holds is an nn.Identity, the embedding or head None)."""
+    inner, kept = model.model, {i for stage in stages for i in pieces(model, stage, total)}
+    for i in range(len(inner.layers)):
+        if i + 1 not in kept:
             inner.layers[i] = torch.nn.Identity()
-    if stage > 0:
+    if 0 not in kept:
         inner.embed_tokens = None
-    if stage < stages - 1:
+    if len(inner.layers) + 1 not in kept:
         inner.norm, model.lm_head = None, None
 
+
+def stage_forward(model: LlamaForCausalLM, span: range) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The forward of the pipeline stage of pieces `span` of a cut Llama: input ids or the previous stage's hidden
+    states in, hidden states or logits out."""
+    inner = model.model
+    last = len(inner.layers) + 1
+    layers = [inner.layers[i - 1] for i in span if 0 < i < last]
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        hidden = inner.embed_tokens(x) if inner.embed_tokens is not None else x
+        hidden = inner.embed_tokens(x) if 0 in span else x
         positions = torch.arange(hidden.shape[1]).unsqueeze(0)
         mask = create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
         rotary = inner.rotary_emb(hidden, position_ids=positions)
-        for layer in inner.layers:
-            if not isinstance(layer, torch.nn.Identity):
-                hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        return model.lm_head(inner.norm(hidden)) if model.lm_head is not None else hidden
+        for layer in layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        return model.lm_head(inner.norm(hidden)) if last in span else hidden
+    return forward
 
-    object.__setattr__(model, "forward", forward)  # nn.Module calls self.forward: this instance's stage
+
+def stage_modules(model: LlamaForCausalLM, stages: tuple[int, ...], total: int) -> list[torch.nn.Module]:
+    """The module of each of this rank's pipeline stages. One stage per rank: the cut model itself, its forward the
+    stage's. Several: a module per stage holding the model's own pieces, so that each stage's parameters are its own
+    and the model, which holds more than any stage, keeps naming them (detrace names a parameter by the root module
+    holding the most parameters)."""
+    if len(stages) == 1:
+        object.__setattr__(model, "forward", stage_forward(model, pieces(model, stages[0], total)))
+        return [model]
+    modules = []
+    for stage in stages:
+        inner, span = model.model, pieces(model, stage, total)
+        module = torch.nn.Module()
+        module.pieces = torch.nn.ModuleList(  # type: ignore[assignment]
+            [inner.embed_tokens] * (0 in span) + [inner.layers[i - 1] for i in span if 0 < i <= len(inner.layers)]
+            + [inner.norm, model.lm_head] * (len(inner.layers) + 1 in span))
+        object.__setattr__(module, "forward", stage_forward(model, span))  # nn.Module calls self.forward
+        modules.append(module)
+    return modules
 
 
 def train_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, mesh: DeviceMesh, step: int,
@@ -140,19 +185,31 @@ def train_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, mesh: 
     optimizer.zero_grad()
 
 
-def pipeline_step(schedule: Any, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
-                  step: int, microbatches: int) -> None:
-    """One step of the same global batch through the pipeline: the first stage feeds the M microbatches (2 rows
-    each), the last computes each one's loss (the model's own), and the schedule averages over them."""
-    batch = torch.randint(0, model.config.vocab_size, (microbatches, 2, 16),
-                          generator=torch.Generator().manual_seed(step)).view(-1, 16)
-    stage, last = mesh.get_local_rank("pp"), mesh["pp"].size() - 1
-    if stage == 0:
-        schedule.step(batch)
-    elif stage == last:
-        schedule.step(target=batch)
-    else:
-        schedule.step()
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+             "looped-bfs": "ScheduleLoopedBFS", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+             "zbv": "ScheduleZBVZeroBubble"}
+"""`--schedule`: torch.distributed.pipelining's schedule classes (the first two one stage per rank, the others two)."""
+
+
+def rank_stages(schedule: str, rank: int, pp: int) -> tuple[tuple[int, ...], int]:
+    """(this pp rank's stages, the number of stages): one per rank, or two placed as torch's schedule expects them
+    (looped: stages r and r + pp; ZBV's V: stages r and 2 pp - 1 - r)."""
+    if schedule in ("gpipe", "1f1b"):
+        return (rank,), pp
+    return (rank, 2 * pp - 1 - rank if schedule == "zbv" else rank + pp), 2 * pp
+
+
+def pipeline_step(schedule: Any, stages: tuple[int, ...], total: int, optimizer: torch.optim.Optimizer,
+                  mesh: DeviceMesh, step: int, microbatches: int, vocab: int) -> None:
+    """One step of the same global batch through the pipelines: the data rank's block of the M microbatches (2 rows
+    each, as `train_step`'s), fed by the rank of the first stage; the rank of the last computes each one's loss (the
+    model's own), and the schedule averages over the block."""
+    data = mesh["data"].size()
+    block, n = mesh.get_local_rank("data"), microbatches // data
+    batch = torch.randint(0, vocab, (microbatches, 2, 16), generator=torch.Generator().manual_seed(step))
+    rows = batch[block * n:(block + 1) * n].reshape(-1, 16)
+    args = (rows,) if 0 in stages else ()
+    schedule.step(*args, **({"target": rows} if total - 1 in stages else {}))
     optimizer.step()
     optimizer.zero_grad()
 
@@ -162,11 +219,13 @@ def main() -> None:
     p.add_argument("--api", choices=("detrace", "torch"), default="detrace")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                   help="the pipeline schedule of the pp layouts (default 1f1b)")
     args = p.parse_args()
     torch.set_num_threads(1)
     layout = Layout.parse(os.environ.get(LAYOUT_ENV, "1x1"))
-    if layout.dims - {"dp", "fsdp", "tp", "pp"} or ("pp" in layout.dims and len(layout.dims) > 1):
-        raise SystemExit(f"this example runs data and tensor parallelism, or pipelining alone, not {layout.name}")
+    if layout.dims - {"dp", "fsdp", "tp", "pp"}:
+        raise SystemExit(f"this example runs pipeline, data and tensor parallelism, not {layout.name}")
     data, tp, pp = layout.data, layout.size("tp"), layout.size("pp")
     if "WORLD_SIZE" not in os.environ:  # one process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
@@ -174,15 +233,17 @@ def main() -> None:
     if dist.get_world_size() != pp * data * tp:
         raise SystemExit(f"layout {layout.name} takes {pp * data * tp} processes, not {dist.get_world_size()}")
     mesh = init_device_mesh("cpu", (pp, data, tp), mesh_dim_names=("pp", "data", "tp"))
-    model = build(args.api, mesh, stages=pp)
+    stages, total = rank_stages(args.schedule, mesh.get_local_rank("pp"), pp) if pp > 1 else ((), 1)
+    model = build(args.api, mesh, stages, total)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    schedule = pipeline(args.api, model, mesh, args.microbatches) if pp > 1 else None
+    schedule = (pipeline(args.api, args.schedule, model, mesh, stages, total, args.microbatches // data)
+                if pp > 1 else None)
     # check-topology --resume-at K's contract: stop after step K with a checkpoint, or resume from it
     ckpt, stop_at = os.environ.get("DETRACE_CKPT_DIR"), int(os.environ.get("DETRACE_STOP_AT", "0"))
     first = resume(model, optimizer, ckpt) if ckpt and os.environ.get("DETRACE_RESUME") == "1" else 0
     for step in range(first, args.steps):
         if schedule is not None:
-            pipeline_step(schedule, model, optimizer, mesh, step, args.microbatches)
+            pipeline_step(schedule, stages, total, optimizer, mesh, step, args.microbatches, model.config.vocab_size)
         else:
             train_step(model, optimizer, mesh, step, args.microbatches)
         if ckpt and step + 1 == stop_at:
@@ -191,19 +252,24 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def pipeline(api: str, model: LlamaForCausalLM, mesh: DeviceMesh, microbatches: int) -> Any:
-    """This rank's stage in a 1F1B schedule from detrace or from torch (torch's signatures either way)."""
-    if api == "detrace":
-        from detrace.parallel import PipelineStage, Schedule1F1B
-    else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # type: ignore[assignment]
-    stage = PipelineStage(model, mesh.get_local_rank("pp"), mesh["pp"].size(), torch.device("cpu"),
-                          group=mesh["pp"].get_group())
+def pipeline(api: str, name: str, model: LlamaForCausalLM, mesh: DeviceMesh, stages: tuple[int, ...], total: int,
+             microbatches: int) -> Any:
+    """This rank's stages in schedule `name` (of `SCHEDULES`) from detrace or from torch (torch's signatures either
+    way), over this data rank's `microbatches`."""
+    import torch.distributed.pipelining as torch_pipelining
+
+    import detrace.parallel as detrace_pipelining
+
+    source: Any = detrace_pipelining if api == "detrace" else torch_pipelining
+    group = mesh["pp"].get_group()
+    built = [source.PipelineStage(module, stage, total, torch.device("cpu"), group=group)
+             for stage, module in zip(stages, stage_modules(model, stages, total), strict=True)]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
 
-    return Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    schedule = getattr(source, SCHEDULES[name])
+    return schedule(built[0] if len(built) == 1 else built, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
 def save(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, path: str, steps: int) -> None:
