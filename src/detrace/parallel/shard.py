@@ -26,9 +26,10 @@ never calls the reduce-scatter: the hook takes its input, the gradient, as the o
 HSDP, a 2-D mesh (replicate R, shard S) as torch takes it: the parameters sharded over dimension 1, replicated over
 dimension 0. The data ranks are R x S: rank (r, s) runs the microbatches of data index r S + s, so replica r's
 microbatches are the contiguous node [r S n, (r + 1) S n) of the tree, which its shard's contributions give; the
-replicas complete the tree above their nodes with `detrace.parallel.data`'s fixed-order exchange, and the shard is
-divided by R S as torch's average. torch's own all-reduce over the replicas still runs before the hook: its result
-is replaced (an all-reduce's worth of communication per microbatch that the tree does not use).
+replicas complete the tree above their nodes with `detrace.parallel.data`'s fixed-order exchange (at each
+power-of-two count of microbatches, where the shard holds the tree's sum so far: log2(n) + 1 times a step), and the
+shard is divided by R S as torch's average. torch's own all-reduce over the replicas still runs before the hook:
+its result is replaced (an all-reduce's worth of communication per microbatch that the tree does not use).
 
 A step is the backwards between two optimizer steps (a global optimizer hook closes it: it refuses a step whose
 modules did not each receive the same power-of-two number of microbatches, then starts the next tree).
