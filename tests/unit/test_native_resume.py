@@ -141,6 +141,31 @@ def test_a_command_that_does_not_resume_by_itself_is_one_sentence(tmp_path: Path
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
 
 
+def test_a_resumed_run_that_loads_another_file_and_records_nothing_is_one_sentence(tmp_path: Path,
+                                                                                    work: Path) -> None:
+    """The resumed arm loads a file the stopped run did not save (the user's weights.pt) and, with no optimizer
+    count to number its steps from, records nothing after the stop step. Before: 'nothing was recorded ... the
+    tracer starts in each Python process that imports torch', which blamed the tracer."""
+
+    class WrongFile(OwnCheckpoints):
+        def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:
+            if out.name != "resumed":
+                return super().__call__(cmd, out, **kwargs)  # type: ignore[arg-type]
+            out.mkdir(parents=True)
+            write_json_atomic(run_header_path(out), {"command": list(cmd), "status": "finished"})
+            checkpoint_log_path(out, 1).write_text(json.dumps(
+                {"op": "load", "api": "torch.load", "completed": 0, "paths": ["weights.pt"], "pid": 1,
+                 "control": None}) + "\n")
+            return LaunchResult(returncode=0, out=out, command=tuple(cmd), elapsed=0.0, output_tail="")
+
+    with pytest.raises(CommandFailed, match=(
+            r"^CMD did not resume from its checkpoint: its resumed run after step 2 loaded weights\.pt, which the run "
+            r"stopped after step 2 did not save \(it saved checkpoints/step-2\.pt\), and recorded no step after step "
+            r"2; give --resume-args with the arguments that make it load checkpoints/step-2\.pt$")):
+        _check(tmp_path, WrongFile())
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]
+
+
 def test_an_arm_that_fails_leaves_no_file_behind(tmp_path: Path, work: Path) -> None:
     class Crashes(OwnCheckpoints):
         def __call__(self, cmd: list[str], out: Path, **kwargs: object) -> LaunchResult:

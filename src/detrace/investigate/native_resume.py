@@ -38,7 +38,7 @@ from pathlib import Path
 from detrace.errors import CommandFailed, TraceError, UsageError
 from detrace.investigate.check_resume import Contract, RerunArm
 from detrace.tracefile.checkpoints import CheckpointIO, read_checkpoint_log
-from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, NATIVE_CHECK_LOCK, RUNS_DIR
+from detrace.tracefile.layout import CHECKPOINT_LOG_GLOB, NATIVE_CHECK_LOCK, RUNS_DIR, rank_trace_paths
 from detrace.tracefile.lock import lock_file
 from detrace.tracefile.writer import write_json_atomic
 
@@ -188,11 +188,21 @@ class NativeContract(Contract):
             self._move_aside(self._stash(point), log)
         else:
             self._move_aside(self.aside / point.name / run.name, log)
+            given = f" even with --resume-args {' '.join(self.resume_args)}" if self.resume_args else ""
             if not any(io.op == "load" for io in log):
-                given = f" even with --resume-args {' '.join(self.resume_args)}" if self.resume_args else ""
                 raise CommandFailed(f"CMD did not resume{given}: its {run.name} run after {point.name} loaded no "
                                     "checkpoint; give --resume-args with the arguments that make it resume (such as "
                                     "--resume-args=--init_from=resume)")
+            if not rank_trace_paths(run) and not self._loaded_stopped(log, point):
+                # Nothing to compare: its steps were numbered from 0 (no checkpoint of the stopped run's, and no
+                # optimizer count, gave it the step) and fell outside the check's window, or it trained none.
+                k, saved = self.stops[point], sorted(self._relative(path) for path in self.saved.get(point, {}))
+                loaded = sorted({path for io in log if io.op == "load" for path in io.paths}) or ["a buffer"]
+                raise CommandFailed(f"CMD did not resume from its checkpoint{given}: its {run.name} run after step "
+                                    f"{k} loaded {', '.join(loaded)}, which the run stopped after step {k} "
+                                    f"did not save (it saved {', '.join(saved)}), and recorded no step after step "
+                                    f"{k}; give --resume-args with the arguments that make it load "
+                                    f"{saved[0] if saved else 'that checkpoint'}")
 
     def stop(self, k: int, point: Path) -> tuple[list[str], dict[str, str]]:
         from detrace.state.contract import ENV_NATIVE_STOP_AT  # see __init__
@@ -365,6 +375,17 @@ class NativeContract(Contract):
 
     def _stash(self, point: Path) -> Path:
         return self.aside / point.name / "stopped"
+
+    def _loaded_stopped(self, log: Sequence[CheckpointIO], point: Path) -> bool:
+        """Whether a load in `log` read a checkpoint the run stopped at `point` saved: a file it saved, or a file in
+        a folder it saved (a DCP checkpoint), as the tracer's step clock matches them."""
+        saved = self.saved.get(point, {})
+        return any(str(self._absolute(name)) in saved for io in log if io.op == "load" for path in io.paths
+                   for name in (path, os.path.dirname(path)))
+
+    def _relative(self, path: str) -> str:
+        """An absolute path as the user names it: relative to the working directory when it is inside."""
+        return os.path.relpath(path, self.root) if Path(path).is_relative_to(self.root) else path
 
     def _absolute(self, path: str | Path) -> Path:
         """The path CMD named, absolute and normalised (an absolute path stays, a link stays a link)."""
