@@ -580,6 +580,28 @@ def pipeline_backward_orders(schedule: Any) -> dict[int, tuple[list[int], bool]]
     return orders
 
 
+@_private("torch.distributed.pipelining.schedules._PipelineScheduleRuntime._prepare_schedule_with_comms")
+def backwards_in_microbatch_order(schedule: Any) -> None:
+    """Make a multi-stage schedule run each stage's full backwards in microbatch order 0..M-1, in the slots its own
+    order gives them, and lower it again with its communication (every rank does the same for every rank's order).
+
+    Why: ScheduleLoopedBFS runs a stage's backwards M-1..0, so a rank's k-th loss (recorded at its backward) would be
+    microbatch M-1-k, where `check-topology` reads microbatch k; its breadth-first shape is the same either way (a
+    stage's backwards wait only for the next stage's of the same microbatch). Its actions are the private `_Action`
+    and `_ComputationType`, lowered by a private method. Replace with: a public way to give a schedule its order."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    for actions in schedule.pipeline_order.values():
+        slots: dict[int, list[int]] = {}
+        for i, action in enumerate(actions):
+            if action is not None and action.computation_type == _ComputationType.FULL_BACKWARD:
+                slots.setdefault(action.stage_index, []).append(i)
+        for stage, positions in slots.items():
+            for microbatch, i in enumerate(positions):
+                actions[i] = _Action(stage, _ComputationType.FULL_BACKWARD, microbatch)
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
+
+
 @_private("torch.distributed.pipelining._backward.stage_backward")
 def reducing_pipeline_stage(before_backward: Callable[[], None], **stage: Any) -> Any:
     """A `PipelineStage(**stage)` whose fully_shard stage reduce-scatters every microbatch's gradients as that

@@ -145,9 +145,10 @@ def _tree_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> list
 @pytest.mark.parametrize("schedule", [ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
                                       ScheduleZBVZeroBubble])
 def test_multi_stage_schedules_sum_each_stages_microbatches_in_the_tree(one_rank: None, schedule: Any) -> None:
-    """Two stages on one process (the V of ZBV puts both on a rank), M = 3 (a tree that reversing changes: LoopedBFS
-    runs a stage's backwards 2, 1, 0), the zero-bubble ones splitting each backward into input and weight steps:
-    every gradient is the one process's tree, the losses the loss function's own; torch's schedule differs."""
+    """Two stages on one process (the V of ZBV puts both on a rank), M = 3 (not a power of two: a tree that
+    reversing changes, as torch's LoopedBFS runs a stage's backwards 2, 1, 0), the zero-bubble ones splitting each
+    backward into input and weight steps: every gradient is the one process's tree, the losses the loss function's
+    own; torch's schedule differs."""
     torch_schedule = getattr(torch.distributed.pipelining, schedule.__name__)
     m, differs = 3, False
     for seed in range(6):
@@ -218,19 +219,22 @@ def test_tree_gradients_sum_any_backward_order_in_the_one_tree(leaves: int) -> N
         TreeGradients([nn.Parameter(torch.zeros(1))], 3, order=[0, 0, 2])
 
 
-def test_a_split_backward_is_traced_as_the_backward_of_its_loss(one_rank: None, tmp_path: Path) -> None:
-    """A zero-bubble schedule's input and weight steps run through torch.autograd.grad, where the tracer looks for
-    no loss: the schedule announces them, so each microbatch's loss (the root: loss / M) is recorded as a loop's
-    would be, and the records of those steps are in phase backward."""
+@pytest.mark.parametrize("schedule", [ScheduleZBVZeroBubble, ScheduleLoopedBFS])
+def test_a_multi_stage_step_is_traced_as_the_loop_of_its_microbatches(one_rank: None, tmp_path: Path,
+                                                                      schedule: Any) -> None:
+    """Each microbatch's loss (the root: loss / M) is recorded in microbatch order as a loop's would be, and the
+    backward's records are in phase backward: a zero-bubble schedule's input and weight steps run through
+    torch.autograd.grad, where the tracer looks for no loss (the schedule announces them), and torch's LoopedBFS
+    runs a stage's backwards in reverse order (detrace's runs them in order, so that loss k is microbatch k)."""
     import detrace
     from detrace.tracefile import read_rank
 
     x, y = _batch(3)
     model, losses = _deep_model(), []
-    with detrace.trace(tmp_path / "zbv", rung="module"):
+    with detrace.trace(tmp_path / "run", rung="module"):
         stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((model[0:2], model[2:5]))]
-        ScheduleZBVZeroBubble(stages, n_microbatches=M, loss_fn=_loss).step(x, target=y, losses=losses)
-    rows = read_rank(tmp_path / "zbv", 0).table.to_pylist()
+        schedule(stages, n_microbatches=M, loss_fn=_loss).step(x, target=y, losses=losses)
+    rows = read_rank(tmp_path / "run", 0).table.to_pylist()
     assert [r["value"] for r in rows if r["name"] == "loss"] == [(loss / M).item() for loss in losses]
     grads = [r for r in rows if r["rung"] == "module" and r["role"] in ("grad_input", "grad_output")]
     assert {r["module"] for r in grads} >= {"2", "4"}  # the split stage's layers, seen in the backward

@@ -55,7 +55,7 @@ from torch.distributed.pipelining import ScheduleZBVZeroBubble as TorchScheduleZ
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from detrace import _events
-from detrace._compat import pipeline_backward_orders
+from detrace._compat import backwards_in_microbatch_order, pipeline_backward_orders
 from detrace.errors import UsageError
 from detrace.parallel.pipeline import TreeGradients
 
@@ -186,8 +186,13 @@ class ScheduleInterleaved1F1B(_TreeSchedule, TorchScheduleInterleaved1F1B):
 
 class ScheduleLoopedBFS(_TreeSchedule, TorchScheduleLoopedBFS):
     """torch.distributed.pipelining.ScheduleLoopedBFS(stages, n_microbatches, loss_fn, ..., scale_grads=True), whose
-    stages' gradients are each the fixed tree over the microbatches, though it runs their backwards in reverse
-    order (see the module's docstring)."""
+    stages' gradients are each the fixed tree over the microbatches, and whose stages run their backwards in
+    microbatch order (torch's in reverse order), so that a rank's k-th loss is microbatch k, as `check-topology`
+    reads it (see the module's docstring)."""
+
+    def _tree_init(self) -> None:
+        backwards_in_microbatch_order(self)
+        super()._tree_init()
 
 
 class ScheduleInterleavedZeroBubble(_TreeSchedule, TorchScheduleInterleavedZeroBubble):
