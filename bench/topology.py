@@ -49,7 +49,8 @@ decoder layer, the global batch of M microbatches) built twice on one set of ran
 `fully_shard`, `parallelize_module` and styles and once with torch's, timed interleaved on each mesh of
 --dropin-layouts (default fsdp2, tp2 and fsdp2xtp2; empty: none); and examples/topology/moe_dropin.py's MoE
 (torchtitan's all-to-all experts: detrace's ExpertParallel, parallelize_module and fully_shard against torch's and
-the example's ordinary style) on each dp x ep mesh of --moe-layouts (default ep2 and dp2xep2). Figures: the median
+the example's ordinary style, and against detrace's fully_shard with that style: the style's own cost) on each dp
+x ep mesh of --moe-layouts (default ep2 and dp2xep2). Figures: the median
 of detrace / torch with the IQR, and a 95% confidence interval of the median (bootstrap over the pairs).
 
 Every timed pair also gives the ratio of the CPU time summed over the ranks (`time.process_time` of the step on
@@ -384,8 +385,9 @@ def _dropin_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[
 def _moe_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str, int], out: str,
                 rendezvous: str) -> None:
     """examples/topology/moe_dropin.py's step with detrace's ExpertParallel, parallelize_module and fully_shard
-    ("invariant") and with torch's and the example's ordinary all-to-all style ("plain"), interleaved on one set of
-    ranks, on the (dp, ep) mesh of `sizes`."""
+    ("invariant") against, interleaved on one set of ranks on the (dp, ep) mesh of `sizes`: torch's APIs with the
+    example's ordinary all-to-all style ("apis"), and detrace's fully_shard with that style (the style's own cost,
+    "style")."""
     import importlib.util
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -399,7 +401,7 @@ def _moe_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str
     mesh = init_device_mesh("cpu", (sizes["dp"], sizes["ep"]), mesh_dim_names=("dp", "ep"))
     data = init_device_mesh("cpu", (world,), mesh_dim_names=("data",))
     steps, count = {}, [0]
-    for method, api in (("invariant", "detrace"), ("plain", "torch")):
+    for api in ("detrace", "torch", "torch-experts"):
         model = example.build(api, mesh, data)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -407,10 +409,11 @@ def _moe_timing(rank: int, world: int, args: argparse.Namespace, sizes: dict[str
             count[0] += 1
             example.train_step(model, opt, count[0], args.microbatches)
 
-        steps[method] = step
+        steps[api] = step
     for fn in steps.values():  # warm-up
         fn()
-    result = _interleaved(steps, args.steps)
+    result = {against: _interleaved({"invariant": steps["detrace"], "plain": steps[api]}, args.steps)
+              for against, api in (("apis", "torch"), ("style", "torch-experts"))}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -517,12 +520,13 @@ def main() -> None:
             sizes = {"dp": layout.size("dp"), "ep": layout.size("ep")}
             path = f"{tmp}/moe-{layout.name}.json"
             _spawn(_moe_timing, layout.world, args, sizes, path)
-            data = json.loads(Path(path).read_text())
-            label = f"{layout.name} (MoE, M={args.microbatches}) detrace/torch APIs"
-            figures += _figures(label, data)
-            for what, title in (("step", "step time"), ("cpu", "CPU time over the ranks")):
-                low, high = _median_ci(data[what])
-                figures.append(f"{title} {label}: 95% CI of the median [{low:.3f}, {high:.3f}]")
+            moe = json.loads(Path(path).read_text())
+            for against, what_to in (("apis", "detrace/torch APIs"), ("style", "ExpertParallel/ordinary style")):
+                label, data = f"{layout.name} (MoE, M={args.microbatches}) {what_to}", moe[against]
+                figures += _figures(label, data)
+                for what, title in (("step", "step time"), ("cpu", "CPU time over the ranks")):
+                    low, high = _median_ci(data[what])
+                    figures.append(f"{title} {label}: 95% CI of the median [{low:.3f}, {high:.3f}]")
         for world in worlds:
             path = f"{tmp}/time-{world}.json"
             _spawn(_timing, world, args, path)
