@@ -41,7 +41,9 @@ COMMANDS: dict[str, str] = {
 """For each command, one test that runs it on a real training program (a test function: all its parameters)."""
 
 INTEGRATIONS: dict[str, str] = {
-    "hf": "tests/e2e/test_integrations_hf.py::test_resume_without_workers_is_exact_too",
+    # not a test of the file's module fixture (a traced run and a resumed one, 2 HF processes), which the rest of the
+    # suite would make again
+    "hf": "tests/e2e/test_integrations_hf.py::test_a_masked_lm_collator_resumes_exactly_with_0_and_2_workers",
     "lightning": "tests/integration/test_lightning.py::"
                  "test_resume_from_any_periodic_checkpoint_is_exact_with_or_without_workers",
     "accelerate": "tests/e2e/test_integrations_accelerate.py::test_check_resume_proves_the_registered_loop_exact",

@@ -36,6 +36,13 @@ def test_each_chosen_test_exists_and_is_no_racing_test(nodeid: str) -> None:
     module_marks = [ast.unparse(node.value) for node in tree.body if isinstance(node, ast.Assign)
                     and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)]
     assert not any("race" in mark for mark in [*marks, *module_marks]), nodeid
+    # An e2e file's other tests run in the rest of the suite: a module-scoped fixture the chosen one used (real runs)
+    # would be made in both pytest runs.
+    shared = {name for name, node in functions.items() for decorator in node.decorator_list
+              if isinstance(decorator, ast.Call) and any(keyword.arg == "scope" and ast.literal_eval(keyword.value)
+                                                         == "module" for keyword in decorator.keywords)}
+    used = {arg.arg for arg in functions[name].args.args}
+    assert not (path.startswith("tests/e2e/") and used & shared), f"{nodeid} uses the module fixtures {used & shared}"
 
 
 @pytest.mark.parametrize(("nodeid", "markers", "quick"), [
