@@ -20,7 +20,9 @@ the schedule runs a stage's backwards: 0..M-1 in every schedule but ScheduleLoop
 torch's schedules give the bits of a plain loop of M backwards (ScheduleLoopedBFS not even those); with detrace's
 parallel APIs (whose `fully_shard` sums a step's microbatches in the fixed balanced tree at every number of shards,
 one process included), a stage must sum its microbatches in the same tree, which these schedules do
-(`TreeGradients`, told each stage's order from the schedule's actions). And torch's `scale_grads=True` divides the
+(`TreeGradients`, told each stage's order from the schedule's actions). detrace's ScheduleLoopedBFS runs a stage's
+backwards in microbatch order, in the same breadth-first shape, so that a rank's k-th loss (the tracer records a
+loss at its backward) is microbatch k, as `detrace check-topology` reads it. And torch's `scale_grads=True` divides the
 sum by M after the last backward, where the loop of torchtitan's contract divides each microbatch's loss by M before
 its backward (`(loss / n).backward()`): the same bits only when M is a power of two, and a different loss at the
 backward's root either way. Here `scale_grads=True` divides each loss by M before its backward, as that loop does;
