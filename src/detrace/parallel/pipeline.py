@@ -14,10 +14,10 @@ run), then optionally divides by their number. Here, on each stage:
   the layer or on when the schedule runs it.
 
 GPipe and 1F1B run the forwards, and the backwards, of one stage in microbatch order 0..M-1; a schedule that runs
-a stage's backwards in another order (torch's ScheduleLoopedBFS: M-1..0) names it (`order=`), and each gradient takes its
-microbatch's leaf of the same tree (`TreeGradients` checks the count). What it gives up: autograd adds each
-microbatch's gradient into `.grad` in place; here each is kept until its subtree completes (about log2 M gradient
-buffers per parameter, in order or in reverse order).
+a stage's backwards in another order (torch's ScheduleLoopedBFS: M-1..0) names it (`order=`), and each gradient
+takes its microbatch's leaf of the same tree (`TreeGradients` checks the count). What it gives up: autograd adds
+each microbatch's gradient into `.grad` in place; here each is kept until its subtree completes (about log2 M
+gradient buffers per parameter, in order or in reverse order).
 
     from detrace.parallel import SeededForwards, TreeGradients
     from detrace.parallel.data import step_seed
@@ -50,8 +50,8 @@ __all__ = ["SeededForwards", "TreeGradients"]
 class _IndexedTree:
     """The fixed tree over leaves 0..M-1 (`detrace.parallel.data`'s: node [a, b) splits at `_split(a, b)`), its
     leaves pushed by index in any order: a node is summed (left + right) as soon as both halves are. Leaves in order
-    (GPipe, 1F1B) or in reverse order (torch's ScheduleLoopedBFS's backwards) keep about log2 M partial sums; the sum is the
-    same bits either way (the same two operands at each node, and floating-point addition is commutative)."""
+    (GPipe, 1F1B) or in reverse order (torch's ScheduleLoopedBFS's backwards) keep about log2 M partial sums; the sum
+    is the same bits either way (the same two operands at each node, and floating-point addition is commutative)."""
 
     def __init__(self, leaves: int) -> None:
         self.leaves = leaves
