@@ -157,6 +157,19 @@ def test_expert_parallel_refuses_what_it_cannot_keep_in_one_sentence(one_rank: N
     for module, mesh, message in refusals:
         with pytest.raises(UsageError, match=message):
             parallelize_module(module, mesh, ExpertParallel())
+    from torch.distributed.fsdp import fully_shard
+
+    both = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    sharded = GroupedExperts()
+    fully_shard(sharded, mesh=both["dp"])
+    with pytest.raises(UsageError, match="cannot be given to fully_shard as well"):
+        parallelize_module(sharded, both["ep"], ExpertParallel())
+    model = GroupedExperts()
+    parallelize_module(model, both["ep"], ExpertParallel())
+    fully_shard(model, mesh=both["dp"])  # torchtitan's order: the experts' fully_shard over dp after the style
+    rows, counts, _ = _microbatch(0)
+    with pytest.raises(UsageError, match="pass their weights to fully_shard's ignored_params instead"):
+        model(rows, counts)
 
     def parallel(*modules: nn.Module) -> torch.optim.Optimizer:
         for module in modules:

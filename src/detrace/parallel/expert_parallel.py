@@ -33,8 +33,10 @@ the step and refuses a number of microbatches that is not a power of two.
 What it cannot keep, refused in one sentence: a mesh of more than one dimension (torchtitan's expert tensor
 parallelism), an ep size that is not a power of two or that does not divide the experts, an ep mesh that does not
 cover every rank or is sliced from a mesh whose other dimension is not data parallelism (dp) or lies inside ep, a
-module with parameters of its submodules, gradients left in the experts from before a step, and a forward of the
-experts recomputed in a backward (activation checkpointing around them: each forward is a microbatch's leaf).
+module with parameters of its submodules, experts given to fully_shard as well (torchtitan shards them over the dp
+mesh: here their weights go to fully_shard's `ignored_params`), gradients left in the experts from before a step,
+and a forward of the experts recomputed in a backward (activation checkpointing around them: each forward is a
+microbatch's leaf).
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ class _Experts:
             param.grad = DTensor.from_local(total / self.data, self.mesh, [Shard(0)], run_check=False)
 
     def begin(self) -> None:
-        """Open a step, at its first forward: refuse gradients left from the last (the step's replace them)."""
+        """Open a step, at its first forward: refuse gradients left from the last (the step's replace them), and
+        experts that fully_shard took over after this style."""
+        module = self.module()
+        if module is not None:
+            _refuse_sharded(module)
         # zero_grad(set_to_none=False) leaves zeros, which the step's gradients may replace as torch would add to them
         if any(isinstance(p.grad, DTensor) and bool(p.grad.to_local().any()) for p in self.params()):
             raise UsageError("detrace.parallel.ExpertParallel: the experts hold gradients from before this step; "
@@ -119,6 +125,17 @@ def _close_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                          "step; each rank must run a power-of-two number of microbatches per optimizer step")
 
 
+def _refuse_sharded(module: nn.Module) -> None:
+    """torchtitan gives the experts to fully_shard over the dp mesh too; here the style completes their gradients over
+    the dp replicas itself, and fully_shard would reduce them again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        raise UsageError("detrace.parallel.ExpertParallel's experts cannot be given to fully_shard as well: it sums "
+                         "their gradients over the dp replicas itself; pass their weights to fully_shard's "
+                         "ignored_params instead")
+
+
 def _replicas(mesh: Any) -> tuple[dist.ProcessGroup | None, int]:
     """The experts' data-parallel replicas (the group of the root mesh's other dimension, or None) and the number
     of data ranks (dp x ep), from the mesh the ep mesh was sliced from; refuses what is not a dp x ep job."""
@@ -142,6 +159,7 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         global _HOOKED
+        _refuse_sharded(module)
         if device_mesh.ndim != 1:
             raise UsageError(f"ExpertParallel takes a 1-D expert-parallel mesh, not a {device_mesh.ndim}-D one "
                              "(expert tensor parallelism is not supported)")
