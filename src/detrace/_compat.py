@@ -660,6 +660,24 @@ def dataset_fetchers() -> tuple[type, ...]:
 
 
 @_private("torch.utils.data.dataloader._BaseDataLoaderIter._next_index")
+def wrap_dataloader_next(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace `__next__` of a DataLoader's iterator (the batch it hands the loop) by `wrap(method)`; returns the
+    undo.
+
+    Why: the batch rung tells the batches a loop drew and dropped (`itertools.islice` past the batches trained
+    before a resume) from the one it trains on. Replace with: nothing public (the iterator's class is private)."""
+    from torch.utils.data import dataloader
+
+    owner = dataloader._BaseDataLoaderIter
+    original = owner.__dict__["__next__"]
+    owner.__next__ = wrap(original)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        owner.__next__ = original  # type: ignore[method-assign]
+
+    return undo
+
+
 def wrap_dataloader_next_index(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace the method a DataLoader's iterator calls, in the main process, for the dataset indices of each batch
     it loads or sends to a worker (in the order the batches reach the loop, unless the loader was built with

@@ -247,3 +247,24 @@ def test_an_evaluation_that_iterates_its_loader_with_grad_enabled_gives_no_train
                         model(held_out)
                 model.train()
     assert [batch_samples(tmp_path / "a", 0, step) for step in range(3)] == [(), (), ()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_a_plain_loop_skips_are_no_steps_samples(tmp_path: Path, workers: int) -> None:
+    """A loop resumed mid-epoch skips the batches it trained before with itertools.islice: the loader dispatched
+    and handed them out, and the first step's samples are the batch it trains on, not the first one skipped (before:
+    a run resumed this way named other samples than the continuous run, and check-resume --native called an exact
+    resume 'resume-changed-the-run', the data position differing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(Indexed(), batch_size=BATCH, shuffle=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(0))
+    everything = [[int(x) for x in batch.flatten()] for batch in loader]
+    loader.generator.manual_seed(0)  # type: ignore[union-attr]
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        for batch in itertools.islice(loader, 2, 5):
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(3)] == everything[2:5]

@@ -533,3 +533,24 @@ def test_wrap_dataloader_next_index_sees_each_batchs_indices_and_undoes() -> Non
     assert seen == [[0, 1], [2, 3], [4]]
     list(loader)
     assert len(seen) == 3
+
+
+def test_wrap_dataloader_next_sees_each_batch_handed_to_the_loop_and_undoes() -> None:
+    seen: list[list[int]] = []
+
+    def wrap(original):  # type: ignore[no-untyped-def]
+        def next_batch(iterator):  # type: ignore[no-untyped-def]
+            batch = original(iterator)
+            seen.append(batch.tolist())
+            return batch
+        return next_batch
+
+    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
+    undo = _compat.wrap_dataloader_next(wrap)
+    try:
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4]]
+    finally:
+        undo()
+    assert seen == [[0, 1], [2, 3], [4]]
+    list(loader)
+    assert len(seen) == 3

@@ -73,6 +73,25 @@ def recorded_leaves(value: Any, *, holes: bool = False) -> list[Any]:
             if isinstance(leaf, torch.Tensor) or (holes and leaf is None) or has_components(leaf)]
 
 
+def _storages(tensors: list[Any]) -> set[int]:
+    """The data pointers of the storages of `tensors` (0 and those it cannot tell left out: meta tensors,
+    wrappers)."""
+    pointers = set()
+    for tensor in tensors:
+        try:
+            pointers.add(tensor.untyped_storage().data_ptr())
+        except Exception:  # a tensor without a plain storage shares none that we can see
+            continue
+    return pointers - {0}
+
+
+def shares_data(tensors: list[Any], others: list[Any]) -> bool:
+    """Whether one of `tensors` is one of `others`, or a view of the same storage (`x` and `x[:, :-1]`)."""
+    if any(tensor is other for tensor in tensors for other in others):
+        return True
+    return bool(_storages(tensors) & _storages(others))
+
+
 def local_data(tensor: torch.Tensor) -> torch.Tensor:
     """The data this rank holds: a DTensor's local shard (never gathered: no collective). A sharded DTensor is
     recorded as its part of the global fingerprint instead where it can be (`SnapshotMemo._part`)."""

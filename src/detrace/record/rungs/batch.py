@@ -40,7 +40,7 @@ from torch import nn
 from detrace import _events
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
-from detrace.record.records import Call, recorded_leaves
+from detrace.record.records import Call, recorded_leaves, shares_data
 from detrace.record.rungs import loader_samples
 from detrace.record.session import Tracer
 
@@ -52,18 +52,6 @@ def _has_parameters(module: nn.Module) -> bool:
 def _trained(module: nn.Module) -> bool:
     """Whether `module` has a parameter that requires grad (a frozen one has none: an EMA copy, a teacher)."""
     return any(parameter.requires_grad for parameter in module.parameters())
-
-
-def _storages(tensors: list[Any]) -> set[int]:
-    """The data pointers of the storages of `tensors` (0 and those it cannot tell left out: meta tensors,
-    wrappers)."""
-    pointers = set()
-    for tensor in tensors:
-        try:
-            pointers.add(tensor.untyped_storage().data_ptr())
-        except Exception:  # a tensor without a plain storage shares none that we can see
-            continue
-    return pointers - {0}
 
 
 class _Teacher:
@@ -79,9 +67,7 @@ class _Teacher:
 
     def shares(self, tensors: list[Any]) -> bool:
         """Whether `tensors` include one of the held call's inputs, or a view of the same storage."""
-        if any(tensor is mine for tensor in tensors for mine in self.tensors):
-            return True
-        return bool(_storages(tensors) & _storages(self.tensors))
+        return shares_data(tensors, self.tensors)
 
 
 def evaluates(module: nn.Module) -> bool:
@@ -179,6 +165,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             stepping.add(module)
             tracer.training_begins(held_was_work=was_work)
             if _trained(module) or torch.is_grad_enabled():  # a teacher's call takes no batch: the student's does
+                loader_samples.training_takes(recorded_leaves((args, kwargs)))
                 samples = _events.next_samples()  # taken at every training forward: the next one, the next batch
         return record(tracer, module, args, kwargs, samples) if tracer.on["semantic"] else None
 

@@ -30,18 +30,35 @@ from typing import Any
 import torch
 
 from detrace import _compat, _events
+from detrace.record.records import recorded_leaves, shares_data
 from detrace.record.session import Tracer
 from detrace.state.loader import PENDING_BATCHES
 
 Undo = Callable[[], None]
 
 
+class _Batch:
+    """One batch a DataLoader's iterator dispatched."""
+
+    def __init__(self, indices: list[int], *, evaluation: bool) -> None:
+        self.indices = indices
+        self.evaluation = evaluation
+        """Whether it was dispatched with grad disabled (an evaluation's, likely)."""
+        self.tensors: list[weakref.ref[torch.Tensor]] | None = None
+        """The tensors of the batch once the iterator handed it to the loop (weak: the loop may drop it)."""
+
+    def taken_by(self, tensors: list[Any]) -> bool:
+        """Whether a forward on `tensors` takes this batch (one of its tensors, or a view of one)."""
+        mine = [tensor for ref in self.tensors or () if (tensor := ref()) is not None]
+        return shares_data(tensors, mine)
+
+
 class _Handed:
     """One DataLoader iterator's batches of sample indices, dispatched and not yet taken by a training forward."""
 
     def __init__(self) -> None:
-        self.batches: collections.deque[tuple[list[int], bool]] = collections.deque(maxlen=PENDING_BATCHES)
-        """Each batch's indices, and whether it was dispatched with grad disabled (an evaluation's, likely)."""
+        self.batches: collections.deque[_Batch] = collections.deque(maxlen=PENDING_BATCHES)
+        """Each batch, in the order the iterator dispatched them (and hands them to the loop)."""
         self.before: _Handed | None = None
         """The source this one took over from (a training loader's, for an evaluation's): the source again once
         this iterator is exhausted."""
@@ -49,7 +66,15 @@ class _Handed:
         """Its batch sampler has no more batches (some may still be on their way to the loop)."""
 
     def __call__(self) -> list[int] | None:
-        return self.batches.popleft()[0] if self.batches else None
+        return self.batches.popleft().indices if self.batches else None
+
+    def handed(self, value: Any) -> None:
+        """The iterator handed the loop its next batch, `value`: the first one not handed yet."""
+        for batch in self.batches:
+            if batch.tensors is None:
+                batch.tensors = [weakref.ref(leaf) for leaf in recorded_leaves(value)
+                                 if isinstance(leaf, torch.Tensor)]
+                return
 
 
 def _next_batch() -> _Handed | None:
@@ -74,8 +99,25 @@ def evaluation_takes() -> None:
     that iterates its loader with grad enabled and runs only its forward under no_grad, as HF `Trainer`'s does, left
     its last batch to the next training forward, which then named the evaluation's samples.)"""
     source = _next_batch()
-    if source is not None and (source.batches[0][1] or from_another_loader()):
+    if source is not None and (source.batches[0].evaluation or from_another_loader()):
         source.batches.popleft()
+
+
+def training_takes(tensors: list[Any]) -> None:
+    """A training forward on `tensors` is about to take the next batch: when the loop drew batches and dropped them
+    (`itertools.islice(loader, done, None)` past the batches trained before a resume, a `continue` in an
+    `enumerate`), the batch it trains on is the one whose tensors it takes, and the ones handed to the loop before
+    it are dropped. (A forward on tensors of no batch handed out, moved to a GPU: the next batch, as before.)"""
+    source = _next_batch()
+    if source is None:
+        return
+    for skipped, batch in enumerate(source.batches):
+        if batch.tensors is None:
+            return
+        if batch.taken_by(tensors):
+            for _ in range(skipped):
+                source.batches.popleft()
+            return
 
 
 def _indices(value: Any) -> list[int] | None:
@@ -99,7 +141,7 @@ def install(tracer: Tracer) -> list[Undo]:
         queue = handed.get(iterator)
         if queue is None:
             queue = handed[iterator] = _Handed()
-        queue.batches.append((batch, not torch.is_grad_enabled()))
+        queue.batches.append(_Batch(batch, evaluation=not torch.is_grad_enabled()))
         if current is not queue:
             # (a finished epoch's iterator, all of whose batches were taken, is no source to hand back to)
             queue.before = current if current is not None and (current.batches or not current.exhausted) else None
@@ -129,4 +171,18 @@ def install(tracer: Tracer) -> list[Undo]:
 
         return next_index
 
-    return [_compat.wrap_dataloader_next_index(wrap)]
+    def wrap_next(original: Callable[..., Any]) -> Callable[..., Any]:
+        def next_batch(iterator: Any) -> Any:
+            value = original(iterator)
+            queue = handed.get(iterator)
+            if queue is not None:
+                try:
+                    queue.handed(value)
+                except Exception as err:  # the program's batch is handed all the same; only its record is lost
+                    print(f"detrace: a batch's tensors were not noted ({type(err).__name__}: {err})",
+                          file=sys.stderr)
+            return value
+
+        return next_batch
+
+    return [_compat.wrap_dataloader_next_index(wrap), _compat.wrap_dataloader_next(wrap_next)]
