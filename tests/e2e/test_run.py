@@ -63,6 +63,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_python_script_by_the_cli_over_an_existing_trace_records_what_the_library_form_records(
         tmp_path: Path, script: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
@@ -94,6 +95,7 @@ def test_python_script_by_the_cli_over_an_existing_trace_records_what_the_librar
     assert trace.table.equals(read_rank(tmp_path / "library", 0).table)
 
 
+@pytest.mark.slow
 def test_a_python_module_that_crashes_keeps_its_trace_readable(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
@@ -305,6 +307,7 @@ def test_mp_spawn_discovers_ranks_and_only_the_ranks_asked_for_write(tmp_path: P
     assert read_rank(tmp_path / "run", 1).header.world_size == 2
 
 
+@pytest.mark.slow
 def test_dataloader_workers_record_nothing(tmp_path: Path) -> None:
     script = tmp_path / "loader.py"
     script.write_text(textwrap.dedent("""
