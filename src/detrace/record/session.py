@@ -247,7 +247,7 @@ class Tracer:
                     call.phase = "data" if id(call) in batches else "forward"
                 call.step, call.event = self.clock.step, None
                 call.occurrence = self.clock.occurrence(call.phase, call.module, call.name)
-            if call.step in self.config.step_windows[call.rung]:
+            if snap is not None and call.step in self.config.step_windows[call.rung]:  # (buffered: never None)
                 self._add(call, role, index, snap, value, extra)
         self._update_windows()
 

@@ -159,8 +159,9 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             tracer.evaluation_begins()
             loader_samples.evaluation_takes()
         else:
-            was_work = teacher is not None and teacher.shares(tensors)
-            if was_work:
+            was_work = False
+            if teacher is not None and teacher.shares(tensors):
+                was_work = True
                 stepping.update(teacher.modules)
             stepping.add(module)
             tracer.training_begins(held_was_work=was_work)
