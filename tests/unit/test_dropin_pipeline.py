@@ -239,3 +239,27 @@ def test_a_multi_stage_step_is_traced_as_the_loop_of_its_microbatches(one_rank: 
     grads = [r for r in rows if r["rung"] == "module" and r["role"] in ("grad_input", "grad_output")]
     assert {r["module"] for r in grads} >= {"2", "4"}  # the split stage's layers, seen in the backward
     assert all(r["phase"] == "backward" for r in grads)
+
+
+def test_schedules_read_torchs_arguments_where_torchs_signature_puts_them(one_rank: None) -> None:
+    """scale_grads=False given by position (GPipe's seventh argument, LoopedBFS's fifth: their signatures differ) or
+    by name is torch's meaning: the loss function's value is the root, each microbatch's gradient not divided by M."""
+    x, y = _batch(4)
+
+    def grads(make: Any) -> list[torch.Tensor]:
+        model = _deep_model()
+        make(model).step(x, target=y)
+        return [p.grad for p in model.parameters()]
+
+    def two(model: nn.Sequential) -> list[Any]:
+        return [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((model[0:2], model[2:5]))]
+
+    summed = grads(lambda m: ScheduleGPipe(_stage(m), M, _loss, None, None, None, False))
+    assert all(torch.equal(a, b) for a, b in zip(
+        summed, grads(lambda m: ScheduleGPipe(_stage(m), M, _loss, scale_grads=False)), strict=True))
+    averaged = grads(lambda m: ScheduleGPipe(_stage(m), M, _loss))
+    assert not any(torch.equal(a, b) for a, b in zip(summed, averaged, strict=True))
+    looped = grads(lambda m: ScheduleLoopedBFS(two(m), M, _loss, None, False))
+    assert all(torch.equal(a, b) for a, b in zip(
+        looped, grads(lambda m: ScheduleLoopedBFS(two(m), M, loss_fn=_loss, scale_grads=False)), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(looped, summed, strict=True))  # one tree, whatever the schedule
