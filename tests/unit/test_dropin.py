@@ -298,7 +298,8 @@ def test_parallelize_module_keeps_the_models_names_and_shapes_and_refuses_in_one
     model = copy.deepcopy(plain)
     mesh = init_device_mesh("cpu", (1,))
     for plan in ({"up": TorchColwise()}, {"up": SequenceParallel()}):
-        with pytest.raises(UsageError, match="takes detrace's ColwiseParallel, RowwiseParallel and ExpertParallel, not torch"):
+        with pytest.raises(UsageError,
+                           match="takes detrace's ColwiseParallel, RowwiseParallel and ExpertParallel, not torch"):
             parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="replicated input"):
         ColwiseParallel(input_layouts=Shard(1))
