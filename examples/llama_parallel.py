@@ -88,8 +88,8 @@ def build(api: str, mesh: DeviceMesh, stages: tuple[int, ...] = (), total: int =
         for layer in model.model.layers:
             fully_shard(layer, mesh=shards)
         fully_shard(model, mesh=shards)
-    elif mesh["data"].size() > 1:  # a pipeline stage's root stays unsharded (torch's stage turns its gradient sync
-        # off between microbatches, which detrace's fully_shard refuses): each of its pieces is sharded alone
+    elif mesh["data"].size() > 1:  # each piece of a stage is sharded alone: a rank's stages (two under the
+        # multi-stage schedules) are modules of their own, and the pieces are what they share with the model
         for piece in (model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head):
             if piece is not None and not isinstance(piece, torch.nn.Identity):
                 fully_shard(piece, mesh=shards)
