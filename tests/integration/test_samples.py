@@ -268,3 +268,23 @@ def test_batches_a_plain_loop_skips_are_no_steps_samples(tmp_path: Path, workers
             optimizer.step()
             optimizer.zero_grad()
     assert [list(batch_samples(tmp_path / "a", 0, step)) for step in range(3)] == everything[2:5]
+
+
+def test_a_teachers_forward_leaves_the_batchs_samples_to_the_student(tmp_path: Path) -> None:
+    """A frozen teacher called under no_grad on the batch before the student: the samples follow the student's
+    batch, the one the step trains on (before, the teacher's call took them and the student's had none)."""
+    from detrace.tracefile import read_rank
+
+    torch.manual_seed(0)
+    teacher, student = torch.nn.Linear(1, 1).requires_grad_(False), torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    with detrace.trace(tmp_path / "a", rung="semantic"):
+        for batch in DataLoader(Indexed(), batch_size=BATCH):
+            with torch.no_grad():
+                target = teacher(batch)
+            torch.nn.functional.mse_loss(student(batch), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    rows = [r for r in read_rank(tmp_path / "a", 0).table.to_pylist() if r["phase"] == "data" and r["step"] == 0]
+    assert [(r["name"], r["occurrence"]) for r in rows] == [("batch", 0), ("batch", 1), ("samples", 0)]
+    assert list(batch_samples(tmp_path / "a", 0, 0)) == [0, 1, 2]
