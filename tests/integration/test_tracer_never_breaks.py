@@ -63,6 +63,18 @@ def test_a_model_run_on_meta_tensors_is_not_recorded(tmp_path: Path, rung: str) 
     assert not _warnings(tmp_path / "run")
 
 
+def test_a_model_run_on_meta_tensors_numbers_no_batch(tmp_path: Path) -> None:
+    """litgpt's pretrain counts FLOPs on a meta copy of the model at the start of each process: the resumed run's
+    does it in the step where it resumes. That forward is no batch of the step: its real batch is the step's first
+    call, as in the continuous run (before, it was call #1, and check-resume --native called litgpt's exact resume
+    resume-changed-the-run, 'the sequence of calls changed' at the resumed run's first step)."""
+    with detrace.trace(tmp_path / "run", rung="semantic"):
+        _flop_count_on_meta()
+        _train(2)
+    rows = read_rank(tmp_path / "run", 0).table.to_pylist()
+    assert [(r["step"], r["occurrence"]) for r in rows if r["name"] == "batch"] == [(0, 0), (1, 0)]
+
+
 def test_a_fake_tensor_mode_is_not_recorded(tmp_path: Path) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from detrace import _events
+from detrace._compat import without_data
 from detrace.record.opaque import Opaque, skip_frames
 from detrace.record.patch import replace
 from detrace.record.records import Call, recorded_leaves, shares_data
@@ -138,7 +139,9 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         """An outermost module call in the forward: a model's begins the step's work (or an evaluation), and its
         tensors are recorded. During an evaluation, any model called with grad disabled (a frozen decoder it uses)
         is part of it."""
-        if tracer.busy or not _has_parameters(module):
+        if tracer.busy or not _has_parameters(module) or without_data(next(module.parameters())):
+            # (a model on the meta device, whose forward counts FLOPs, as litgpt's does before its first step: no
+            # batch, no step's work, and no call numbered in the step it runs in, which differs on resume)
             return None
         samples = None
         teacher = held.pop() if held and tracer.holding else None
