@@ -662,6 +662,15 @@ def dataset_fetchers() -> tuple[type, ...]:
 
 
 @_private("torch.utils.data.dataloader._BaseDataLoaderIter._next_index")
+def dataloader_iterator_sampler(iterator: Any) -> Any:
+    """The batch sampler (or sampler) a DataLoader's iterator draws its indices from: the same object for every
+    epoch's iterator of one DataLoader; None when the iterator has none.
+
+    Why: the batch rung tells a validation loader's batch from the training loader's next epoch. Replace with:
+    nothing public (the iterator keeps no reference to its DataLoader)."""
+    return getattr(iterator, "_index_sampler", None)
+
+
 def wrap_dataloader_next(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace `__next__` of a DataLoader's iterator (the batch it hands the loop) by `wrap(method)`; returns the
     undo.

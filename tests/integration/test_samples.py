@@ -272,19 +272,25 @@ def test_batches_a_plain_loop_skips_are_no_steps_samples(tmp_path: Path, workers
 
 def test_a_teachers_forward_leaves_the_batchs_samples_to_the_student(tmp_path: Path) -> None:
     """A frozen teacher called under no_grad on the batch before the student: the samples follow the student's
-    batch, the one the step trains on (before, the teacher's call took them and the student's had none)."""
+    batch, the one the step trains on (before, the teacher's call took them and the student's had none), in each
+    epoch (the next epoch's iterator of the same DataLoader is no other loader: the teacher's first forward there is
+    no evaluation)."""
     from detrace.tracefile import read_rank
 
     torch.manual_seed(0)
     teacher, student = torch.nn.Linear(1, 1).requires_grad_(False), torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    loader = DataLoader(Indexed(), batch_size=BATCH)
     with detrace.trace(tmp_path / "a", rung="semantic"):
-        for batch in DataLoader(Indexed(), batch_size=BATCH):
+        for batch in itertools.chain(loader, loader):
             with torch.no_grad():
                 target = teacher(batch)
             torch.nn.functional.mse_loss(student(batch), target).backward()
             optimizer.step()
             optimizer.zero_grad()
-    rows = [r for r in read_rank(tmp_path / "a", 0).table.to_pylist() if r["phase"] == "data" and r["step"] == 0]
-    assert [(r["name"], r["occurrence"]) for r in rows] == [("batch", 0), ("batch", 1), ("samples", 0)]
-    assert list(batch_samples(tmp_path / "a", 0, 0)) == [0, 1, 2]
+    rows = read_rank(tmp_path / "a", 0).table.to_pylist()
+    assert not [r for r in rows if r["phase"] == "evaluation"]
+    for step in (0, 7):  # the first step of each epoch
+        data = [(r["name"], r["occurrence"]) for r in rows if r["phase"] == "data" and r["step"] == step]
+        assert data == [("batch", 0), ("batch", 1), ("samples", 0)]
+        assert list(batch_samples(tmp_path / "a", 0, step)) == [0, 1, 2]

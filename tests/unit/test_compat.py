@@ -554,3 +554,10 @@ def test_wrap_dataloader_next_sees_each_batch_handed_to_the_loop_and_undoes() ->
     assert seen == [[0, 1], [2, 3], [4]]
     list(loader)
     assert len(seen) == 3
+
+
+def test_dataloader_iterator_sampler_is_the_loaders_for_every_epoch() -> None:
+    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2, shuffle=True)
+    first, second = iter(loader), iter(loader)
+    assert _compat.dataloader_iterator_sampler(first) is _compat.dataloader_iterator_sampler(second)
+    assert _compat.dataloader_iterator_sampler(first) is loader.batch_sampler

@@ -60,6 +60,7 @@ def _start(config: TraceConfig, *, check_out_dir: bool) -> object:
     _undo[:] = install(tracer)
     # A sampler registers itself as its iteration starts under this tracer: one of a finished trace has no say.
     _events.sample_source.clear()
+    _events.trained_from.clear()
     _tracer, _events.recording = tracer, True
     return tracer
 
@@ -70,6 +71,7 @@ def _stop() -> None:
     if tracer is None:
         return
     _events.sample_source.clear()
+    _events.trained_from.clear()
     try:
         tracer.close()
     finally:

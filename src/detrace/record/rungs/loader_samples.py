@@ -56,7 +56,9 @@ class _Batch:
 class _Handed:
     """One DataLoader iterator's batches of sample indices, dispatched and not yet taken by a training forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        """The batch sampler its indices come from: the same for each epoch's iterator of one DataLoader."""
         self.batches: collections.deque[_Batch] = collections.deque(maxlen=PENDING_BATCHES)
         """Each batch, in the order the iterator dispatched them (and hands them to the loop)."""
         self.before: _Handed | None = None
@@ -88,7 +90,11 @@ def from_another_loader() -> bool:
     forward took from (a validation loader's), as far as the loaders' indices tell: a loop without a training
     DataLoader has none, a process that trained no step yet cannot tell."""
     source = _next_batch()
-    return source is not None and bool(_events.trained_from) and _events.trained_from[0] is not source
+    if source is None or not _events.trained_from:
+        return False
+    trained = _events.trained_from[0]
+    return trained is not source and not (isinstance(trained, _Handed) and trained.sampler is not None
+                                          and trained.sampler is source.sampler)  # (the next epoch's iterator)
 
 
 def evaluation_takes() -> None:
@@ -140,7 +146,7 @@ def install(tracer: Tracer) -> list[Undo]:
             return
         queue = handed.get(iterator)
         if queue is None:
-            queue = handed[iterator] = _Handed()
+            queue = handed[iterator] = _Handed(_compat.dataloader_iterator_sampler(iterator))
         queue.batches.append(_Batch(batch, evaluation=not torch.is_grad_enabled()))
         if current is not queue:
             # (a finished epoch's iterator, all of whose batches were taken, is no source to hand back to)
