@@ -553,7 +553,9 @@ def test_sharded_layouts_compare_losses_and_final_params(tmp_path: Path) -> None
                        layouts="fsdp1,fsdp2")
     assert result.first is not None and result.first.kind == "final params"
     assert result.first_param is not None and (result.first_param.name, result.first_param.step) == ("b", -1)
-    with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2"):
+    # the sentence names the first parameter the sharded run did not record by its global bits
+    with pytest.raises(CommandFailed, match="no `final params HEX` line in every run: on layout fsdp2 each rank "
+                                            r"holds its own shard of parameter a\.chunks\.0 "):
         _topology(tmp_path, _Fake(final={"layout-fsdp2": "none"}), layouts="fsdp1,fsdp2")
     # one job of sharded and unsharded layouts: the unsharded runs' parameters are still compared step by step
     # against an unsharded reference (one that prints no final params line too: a CMD need not), the sharded

@@ -520,14 +520,16 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         finals[run.label] = found[-1] if found else None
         by_name[run.label] = dict(FINAL_PARAM.findall(result.output_tail))
     runs = tuple(run for run, _ in plan)
-    inner, compared, steps, tensors, whole = compare(runs)
+    inner, compared, steps, tensors, partial = compare(runs)
     ended = [r for r in runs if r.until_step is None]  # the stopped run's last line is not the end's
     # a sharded run whose parameters were not all recorded globally is compared through its final params line
-    lined = [r for r in ended if r.mesh.shards and r.label not in whole]
+    lined = [r for r in ended if r.mesh.shards and r.label in partial]
     sharded = next(iter(lined), None)
     if sharded is not None and not all(finals[r.label] for r in ended if r in lined or r is ended[0]):
         raise CommandFailed(f"CMD printed no `final params HEX` line in every run: on {sharded.label} each rank "
-                            "holds a shard of the parameters, which are compared through that line")
+                            f"holds its own shard of parameter {partial[sharded.label]} (a plain tensor, or a "
+                            "DTensor shard that splits an 8-byte word, as a float32 tensor of odd length per "
+                            "rank), which is compared through that line only")
     reference = finals[ended[0].label]
     verdicts = []
     for run, (first, first_param) in zip(runs[1:], compared, strict=True):
@@ -544,7 +546,7 @@ def check_topology(cmd: list[str], *, meshes: tuple[Mesh, ...], out: Path, threa
         (odd.first, odd.first_param)
     return TopologyResult(runs=runs, steps=steps, tensors=tensors, finals=finals, first=first,
                           first_param=first_param, resume_at=resume_at, verdicts=tuple(verdicts),
-                          partial=tuple(r.label for r in runs if r.mesh.shards and r.label not in whole))
+                          partial=tuple(r.label for r in runs if r.mesh.shards and r.label in partial))
 
 
 def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> Mismatch | None:
@@ -558,11 +560,12 @@ def _final_param(reference: dict[str, str], other: dict[str, str], run: Run) -> 
 
 
 def compare(runs: tuple[Run, ...]
-            ) -> tuple[Mismatch | None, list[tuple[Mismatch | None, Mismatch | None]], int, int, set[str]]:
+            ) -> tuple[Mismatch | None, list[tuple[Mismatch | None, Mismatch | None]], int, int, dict[str, str]]:
     """Compare traced runs of one command (the first the reference, run to the end from step 0): (the reference's
     own ranks' first disagreement or None; for each other run, its first mismatch or None and its first differing
-    parameter when the mismatch is another record; steps compared, parameters per step; the runs whose every
-    parameter was recorded by its global name and bits, a sharded DTensor's through its shards' parts). A run resumed
+    parameter when the mismatch is another record; steps compared, parameters per step; by label, the first
+    parameter of each run that did not record every parameter by its global name and bits, a sharded DTensor's
+    through its shards' parts). A run resumed
     after step K is compared from K on, a run stopped after step K up to K."""
     grad_norm = not any(r.mesh.local_norms for r in runs)
     records: dict[str, dict[Key, str]] = {}
@@ -582,7 +585,8 @@ def compare(runs: tuple[Run, ...]
     # its shards' parts; a replica); the others (each rank's own shard under one name: the reference trainer's
     # experts and flat shards) are not.
     names = {label: {name for _, kind, name in recorded if kind == "param"} for label, recorded in records.items()}
-    whole = {run.label for run in runs if names[run.label] >= set(shapes[run.label])}
+    partial = {run.label: min(set(shapes[run.label]) - names[run.label]) for run in runs
+               if not names[run.label] >= set(shapes[run.label])}
     if not runs[0].mesh.shards and not names[runs[0].label]:
         raise CommandFailed(f"CMD recorded no parameters after an optimizer step ({runs[0].label}): does it "
                             "step a torch.optim optimizer?")
@@ -607,7 +611,7 @@ def compare(runs: tuple[Run, ...]
                 first_param = next((m for m in differences if m.kind == "param"), None)
         compared.append((first, first_param))
     steps = {step for step, kind, _ in reference if kind not in ("scaled", "final")}
-    return inner[runs[0].label], compared, len(steps), len(tensors), whole
+    return inner[runs[0].label], compared, len(steps), len(tensors), partial
 
 
 def compare_runs(runs: dict[int, Path]) -> tuple[Mismatch | None, int, int]:
