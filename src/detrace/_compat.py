@@ -84,6 +84,7 @@ Importable only from torch.utils._python_dispatch. Replace with: its public home
 __all__ = [
     "CHECKED_TORCH",
     "DDP_BUILTIN_HOOK_REGISTRAR",
+    "PIPELINE_STAGE_MODULE",
     "MissingTorchAPI",
     "OpOverload",
     "TorchDispatchMode",
@@ -111,6 +112,7 @@ __all__ = [
     "op_schema",
     "pin_ddp_bucket_order",
     "pipeline_backward_orders",
+    "pipeline_stage_base",
     "pop_mode",
     "push_mode",
     "pytree",
@@ -556,6 +558,25 @@ def initialize_pipeline_stage(schedule: Any, args: tuple[Any, ...], kwargs: dict
         initialize(args, kwargs, target)
     else:
         initialize(args, kwargs)
+
+
+PIPELINE_STAGE_MODULE = "torch.distributed.pipelining.stage"
+"""The module of `pipeline_stage_base`: the tracer wraps the class once it is imported."""
+
+
+@_private("torch.distributed.pipelining.stage._PipelineStageBase")
+def pipeline_stage_base() -> Any:
+    """The base class of torch.distributed.pipelining's stages, whose `backward_one_chunk(bwd_chunk_id, loss=None,
+    full_backward=True, last_backward=False)` runs a microbatch's backward (with `full_backward=False`, its input
+    step through `torch.autograd.grad`) and `backward_weight_one_chunk(bwd_chunk_id, last_backward=False)` its
+    weight step.
+
+    Why: a zero-bubble schedule's split backward never calls `torch.autograd.backward`, where the tracer sees a
+    backward and its loss; its two steps are these methods of the private base class of `PipelineStage`. Replace
+    with: a public hook on a stage's backward, if torch adds one."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return _PipelineStageBase
 
 
 @_private("torch.distributed.pipelining.schedules._ComputationType")

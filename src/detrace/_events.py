@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 step_restored: list[Callable[[int], None]] = []
 """Called with `n` when a training state was restored from a checkpoint taken after step n-1 (TrainState.load):
@@ -76,19 +75,3 @@ def next_samples() -> list[int] | None:
     """The sample indices of the batch the training's forward about to run takes, when a sampler knows them."""
     trained_from[:] = [sample_source[0] if sample_source else None]
     return sample_source[0]() if sample_source else None
-
-
-backward_running: list[Callable[[Any], contextlib.AbstractContextManager[None]]] = []
-"""Entered around a backward that torch runs through `torch.autograd.grad` instead of `torch.autograd.backward` (a
-zero-bubble pipeline schedule's input and weight steps), with its root when that is the loss (else None): a recording
-tracer takes it for the backward it sees in `torch.autograd.backward` (its phase, and the loss as the step's loss;
-detrace.record registers its listener while it records)."""
-
-
-@contextlib.contextmanager
-def backward(root: Any) -> Iterator[None]:
-    """Announce a backward from `root` (the loss, or None) that does not go through `torch.autograd.backward`."""
-    with contextlib.ExitStack() as stack:
-        for listener in backward_running:
-            stack.enter_context(listener(root))
-        yield

@@ -561,3 +561,12 @@ def test_dataloader_iterator_sampler_is_the_loaders_for_every_epoch() -> None:
     first, second = iter(loader), iter(loader)
     assert _compat.dataloader_iterator_sampler(first) is _compat.dataloader_iterator_sampler(second)
     assert _compat.dataloader_iterator_sampler(first) is loader.batch_sampler
+
+
+def test_pipeline_stage_base_holds_the_two_backward_steps_of_every_stage() -> None:
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = _compat.pipeline_stage_base()
+    assert issubclass(PipelineStage, stage)
+    assert {"bwd_chunk_id", "loss", "full_backward"} <= set(inspect.signature(stage.backward_one_chunk).parameters)
+    assert "bwd_chunk_id" in inspect.signature(stage.backward_weight_one_chunk).parameters

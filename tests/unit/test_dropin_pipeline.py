@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
+from torch.distributed.pipelining import ScheduleInterleavedZeroBubble as TorchScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import ScheduleZBVZeroBubble as TorchScheduleZBVZeroBubble
 
 from detrace.errors import UsageError
 from detrace.parallel import (
@@ -219,13 +221,16 @@ def test_tree_gradients_sum_any_backward_order_in_the_one_tree(leaves: int) -> N
         TreeGradients([nn.Parameter(torch.zeros(1))], 3, order=[0, 0, 2])
 
 
-@pytest.mark.parametrize("schedule", [ScheduleZBVZeroBubble, ScheduleLoopedBFS])
+@pytest.mark.parametrize("schedule", [ScheduleZBVZeroBubble, ScheduleLoopedBFS, TorchScheduleZBVZeroBubble,
+                                      TorchScheduleInterleavedZeroBubble])
 def test_a_multi_stage_step_is_traced_as_the_loop_of_its_microbatches(one_rank: None, tmp_path: Path,
                                                                       schedule: Any) -> None:
-    """Each microbatch's loss (the root: loss / M) is recorded in microbatch order as a loop's would be, and the
-    backward's records are in phase backward: a zero-bubble schedule's input and weight steps run through
-    torch.autograd.grad, where the tracer looks for no loss (the schedule announces them), and torch's LoopedBFS
-    runs a stage's backwards in reverse order (detrace's runs them in order, so that loss k is microbatch k)."""
+    """Each microbatch's loss (the root: loss / M for detrace's schedules, the loss for torch's, which divide the
+    gradients after) is recorded in microbatch order as a loop's would be, and the backward's records are in phase
+    backward: a zero-bubble schedule's input and weight steps run through torch.autograd.grad, where the tracer
+    sees no backward of its own (it wraps the stage's two steps, torch's schedules' as detrace's), and torch's
+    LoopedBFS runs a stage's backwards in reverse order (detrace's runs them in order, so that loss k is microbatch
+    k)."""
     import detrace
     from detrace.tracefile import read_rank
 
@@ -235,7 +240,8 @@ def test_a_multi_stage_step_is_traced_as_the_loop_of_its_microbatches(one_rank: 
         stages = [PipelineStage(part, i, 2, torch.device("cpu")) for i, part in enumerate((model[0:2], model[2:5]))]
         schedule(stages, n_microbatches=M, loss_fn=_loss).step(x, target=y, losses=losses)
     rows = read_rank(tmp_path / "run", 0).table.to_pylist()
-    assert [r["value"] for r in rows if r["name"] == "loss"] == [(loss / M).item() for loss in losses]
+    scale = 1 if schedule.__module__.startswith("torch.") else M
+    assert [r["value"] for r in rows if r["name"] == "loss"] == [(loss / scale).item() for loss in losses]
     grads = [r for r in rows if r["rung"] == "module" and r["role"] in ("grad_input", "grad_output")]
     assert {r["module"] for r in grads} >= {"2", "4"}  # the split stage's layers, seen in the backward
     assert all(r["phase"] == "backward" for r in grads)

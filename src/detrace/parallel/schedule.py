@@ -56,7 +56,6 @@ from torch.distributed.pipelining import ScheduleLoopedBFS as TorchScheduleLoope
 from torch.distributed.pipelining import ScheduleZBVZeroBubble as TorchScheduleZBVZeroBubble
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from detrace import _events
 from detrace._compat import backwards_in_microbatch_order, pipeline_backward_orders
 from detrace.errors import UsageError
 from detrace.parallel.pipeline import TreeGradients
@@ -145,29 +144,15 @@ class _TreeSchedule:
 
 
 def _split_backward(stage: Any, tree: TreeGradients) -> None:
-    """Make `stage`'s split backward (a zero-bubble schedule's input and weight steps, which torch runs through
-    `torch.autograd.grad`) a backward that `tree` and detrace's tracer see: `tree` takes the weight gradients that
-    the weight step assigns to `.grad` (no accumulation hook runs), after each microbatch's step; the tracer is told
-    each step is a backward (`_events.backward`), from the loss on the last stage (no `torch.autograd.backward` call
-    shows it the loss, its phase or that training runs: a rank of middle stages makes none)."""
-    input_step, weight_step = stage.backward_one_chunk, stage.backward_weight_one_chunk
-    signature = inspect.signature(input_step)
-
-    def input_step_announced(*args: Any, **kwargs: Any) -> None:
-        given = signature.bind(*args, **kwargs)
-        given.apply_defaults()
-        if given.arguments["full_backward"]:  # torch.autograd.backward, which the tracer sees
-            input_step(*args, **kwargs)
-            return
-        with _events.backward(given.arguments["loss"]):
-            input_step(*args, **kwargs)
+    """Make `tree` take the weight gradients of `stage`'s split backward (a zero-bubble schedule's weight step, which
+    torch runs through `torch.autograd.grad` and assigns to `.grad`: no accumulation hook runs), after each
+    microbatch's weight step. (Detrace's tracer sees such a backward, and its loss, by wrapping the stage class's two
+    steps: record/rungs/metrics.py.)"""
 
     def weight_step_then_take(*args: Any, **kwargs: Any) -> None:
-        with _events.backward(None):
-            weight_step(*args, **kwargs)
+        type(stage).backward_weight_one_chunk(stage, *args, **kwargs)  # the class's, as wrapped when this runs
         tree.take_assigned()
 
-    stage.backward_one_chunk = input_step_announced
     stage.backward_weight_one_chunk = weight_step_then_take
 
 

@@ -4,8 +4,8 @@
   Tensor.backward calls; a pipeline schedule passes `grad_tensors=[None]` for its loss), so a loop that calls
   `loss.backward()` is traced without edits. Several backward calls in a step (gradient
   accumulation) are told apart by their occurrence. A backward torch runs through `torch.autograd.grad` (a
-  zero-bubble pipeline schedule's input and weight steps) is announced by detrace's schedules (`_events.backward`)
-  and taken alike.
+  zero-bubble pipeline schedule's input and weight steps, torch's or detrace's) is taken alike: the tracer wraps the
+  two steps of torch.distributed.pipelining's stages, the input step's root being the loss on the last stage.
 - grad_norm: the 2-norm of this rank's gradients before any clipping: in a step that calls
   `torch.nn.utils.clip_grad_norm_` (Lightning does, through its precision plugins), the total norm it returns,
   computed before it scales the gradients; in one that calls `torch.nn.utils.clip_grads_with_norm_` (accelerate
@@ -21,17 +21,18 @@ phase ("backward") that module and op records carry.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from detrace import _events
-from detrace._compat import without_data
+from detrace._compat import PIPELINE_STAGE_MODULE, pipeline_stage_base, without_data
 from detrace.errors import UsageError
 from detrace.record.opaque import Opaque
-from detrace.record.patch import replace
+from detrace.record.patch import after_import, replace
 from detrace.record.records import local_data
 from detrace.record.session import Tracer
 
@@ -85,9 +86,36 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         with backward_of(tensors, grad_tensors):
             return original_backward(tensors, grad_tensors, *args, **kwargs)
 
-    def split_backward(root: Any) -> contextlib.AbstractContextManager[None]:
-        # a zero-bubble schedule's input and weight steps (torch.autograd.grad): the same backward, its root the loss
-        return backward_of([] if root is None else root, None)
+    stage_steps: list[Callable[[], None]] = []  # undoes the wrapping of the stages' backward steps
+
+    def wrap_stages() -> None:
+        # A zero-bubble schedule's input and weight steps (torch.autograd.grad, no torch.autograd.backward call): the
+        # same backward, its root the loss the input step is given on the last stage (None on the others).
+        if stage_steps or PIPELINE_STAGE_MODULE not in sys.modules:
+            return
+        stage = pipeline_stage_base()
+        input_step, weight_step = stage.backward_one_chunk, stage.backward_weight_one_chunk
+        given = inspect.signature(input_step)
+
+        def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+            bound = given.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if bound.arguments["full_backward"]:  # through torch.autograd.backward, which the tracer sees
+                return input_step(*args, **kwargs)
+            loss = bound.arguments["loss"]
+            with backward_of([] if loss is None else loss, None):
+                return input_step(*args, **kwargs)
+
+        def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
+            with backward_of([], None):
+                return weight_step(*args, **kwargs)
+
+        stage_steps.extend((replace(stage, "backward_one_chunk", backward_one_chunk),
+                            replace(stage, "backward_weight_one_chunk", backward_weight_one_chunk)))
+
+    def unwrap_stages() -> None:
+        while stage_steps:
+            stage_steps.pop()()
 
     clipped: list[int] = []  # the step whose grad_norm clip_grad_norm_ recorded (the last one)
     original_clip = torch.nn.utils.clip_grad_norm_
@@ -118,9 +146,9 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
                 norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
             record(tracer, "grad_norm", norm)
 
-    _events.backward_running.append(split_backward)
-    return [replace(torch.autograd, "backward", Opaque(backward)),
-            lambda: _events.backward_running.remove(split_backward),
+    wrap_stages()
+    watch = after_import([PIPELINE_STAGE_MODULE], wrap_stages)  # a program that imports torch's pipelining later
+    return [replace(torch.autograd, "backward", Opaque(backward)), watch, unwrap_stages,
             replace(torch.nn.utils, "clip_grad_norm_", Opaque(clip_grad_norm_)),
             replace(torch.nn.utils, "clip_grads_with_norm_", Opaque(clip_grads_with_norm_)),
             register_optimizer_step_pre_hook(Opaque(grad_norm, noted=tracer.could_not)).remove]
