@@ -135,7 +135,7 @@ def test_only_the_checkpoint_folders_are_looked_into(tmp_path: Path, work: Path,
 
 
 def test_a_command_that_does_not_resume_by_itself_is_one_sentence(tmp_path: Path, work: Path) -> None:
-    with pytest.raises(CommandFailed, match=r"^CMD did not resume: its resumed run after at-2 loaded no checkpoint; "
+    with pytest.raises(CommandFailed, match=r"^CMD did not resume: its resumed run after step 2 loaded no checkpoint; "
                                             r"give --resume-args"):
         _check(tmp_path, OwnCheckpoints(resumes=False))
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-2.pt", "step-4.pt", "step-6.pt"]

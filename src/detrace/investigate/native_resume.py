@@ -190,9 +190,9 @@ class NativeContract(Contract):
             self._move_aside(self.aside / point.name / run.name, log)
             given = f" even with --resume-args {' '.join(self.resume_args)}" if self.resume_args else ""
             if not any(io.op == "load" for io in log):
-                raise CommandFailed(f"CMD did not resume{given}: its {run.name} run after {point.name} loaded no "
-                                    "checkpoint; give --resume-args with the arguments that make it resume (such as "
-                                    "--resume-args=--init_from=resume)")
+                raise CommandFailed(f"CMD did not resume{given}: its {run.name} run after step {self.stops[point]} "
+                                    "loaded no checkpoint; give --resume-args with the arguments that make it resume "
+                                    "(such as --resume-args=--init_from=resume)")
             if not rank_trace_paths(run) and not self._loaded_stopped(log, point):
                 # Nothing to compare: its steps were numbered from 0 (no checkpoint of the stopped run's, and no
                 # optimizer count, gave it the step) and fell outside the check's window, or it trained none.
