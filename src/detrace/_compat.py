@@ -688,7 +688,7 @@ def dataset_fetchers() -> tuple[type, ...]:
     return fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher
 
 
-@_private("torch.utils.data.dataloader._BaseDataLoaderIter._next_index")
+@_private("torch.utils.data.dataloader._BaseDataLoaderIter._index_sampler")
 def dataloader_iterator_sampler(iterator: Any) -> Any:
     """The batch sampler (or sampler) a DataLoader's iterator draws its indices from: the same object for every
     epoch's iterator of one DataLoader; None when the iterator has none.
@@ -698,24 +698,29 @@ def dataloader_iterator_sampler(iterator: Any) -> Any:
     return getattr(iterator, "_index_sampler", None)
 
 
+def _wrap_dataloader_iterator(name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+                              ) -> Callable[[], None]:
+    """Replace the method `name` of DataLoader iterators (their private base class's) by `wrap(method)`; returns
+    the undo."""
+    from torch.utils.data import dataloader
+
+    owner = dataloader._BaseDataLoaderIter
+    original = owner.__dict__[name]
+    setattr(owner, name, wrap(original))
+    return lambda: setattr(owner, name, original)
+
+
+@_private("torch.utils.data.dataloader._BaseDataLoaderIter.__next__")
 def wrap_dataloader_next(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace `__next__` of a DataLoader's iterator (the batch it hands the loop) by `wrap(method)`; returns the
     undo.
 
     Why: the batch rung tells the batches a loop drew and dropped (`itertools.islice` past the batches trained
     before a resume) from the one it trains on. Replace with: nothing public (the iterator's class is private)."""
-    from torch.utils.data import dataloader
-
-    owner = dataloader._BaseDataLoaderIter
-    original = owner.__dict__["__next__"]
-    owner.__next__ = wrap(original)  # type: ignore[method-assign]
-
-    def undo() -> None:
-        owner.__next__ = original  # type: ignore[method-assign]
-
-    return undo
+    return _wrap_dataloader_iterator("__next__", wrap)
 
 
+@_private("torch.utils.data.dataloader._BaseDataLoaderIter._next_index")
 def wrap_dataloader_next_index(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace the method a DataLoader's iterator calls, in the main process, for the dataset indices of each batch
     it loads or sends to a worker (in the order the batches reach the loop, unless the loader was built with
@@ -723,13 +728,4 @@ def wrap_dataloader_next_index(wrap: Callable[[Callable[..., Any]], Callable[...
 
     Why: the batch rung records which samples each training step took from any DataLoader, without replacing the
     user's sampler. Replace with: nothing public (the batch sampler's iterator is private to the DataLoader's)."""
-    from torch.utils.data import dataloader
-
-    owner = dataloader._BaseDataLoaderIter
-    original = owner.__dict__["_next_index"]
-    owner._next_index = wrap(original)  # type: ignore[method-assign]
-
-    def undo() -> None:
-        owner._next_index = original  # type: ignore[method-assign]
-
-    return undo
+    return _wrap_dataloader_iterator("_next_index", wrap)
