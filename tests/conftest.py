@@ -194,3 +194,16 @@ def steady_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         runs = traced_runs(folder, ("a", STEADY), ("b", STEADY), ("lr", [*STEADY, "--lr=0.02"]))
         (folder / "made").touch()
         return runs
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A default process group of one gloo rank (this process), destroyed after the test: what torch's FSDP,
+    DTensor and pipeline APIs need to run in process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

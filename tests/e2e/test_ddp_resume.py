@@ -10,12 +10,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -46,13 +44,6 @@ def _continuous_and_resumed(tmp_path: Path) -> dict[tuple[str, bool], set[str]]:
     for row in rows:
         found.setdefault((row["arm"], row["resumed"]), set()).add(row["params"])
     return found
-
-
-@pytest.fixture(name="one_rank")
-def one_rank_fixture(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _buckets(ddp: DDP) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +64,6 @@ def _train(model: torch.nn.Module, rank: int, world: int, steps: int) -> list[to
 
 def _digest(params: list[torch.Tensor]) -> str:
     return hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fully_shard_at_one_process_leaves_the_tree_over_the_microbatches(one_rank: None) -> None:

@@ -3,13 +3,11 @@ process (the tree over the microbatches, the refusals); tests/e2e/test_dropin_pi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe as TorchScheduleGPipe
 from torch.distributed.pipelining import ScheduleInterleavedZeroBubble as TorchScheduleInterleavedZeroBubble
@@ -29,15 +27,6 @@ from detrace.parallel import (
 from detrace.parallel.data import _tree_sum
 
 M, B = 4, 2
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model(dropout: float = 0.0) -> nn.Sequential:

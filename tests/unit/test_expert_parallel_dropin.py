@@ -6,13 +6,10 @@ ep1, ep2 check of a whole script runs in tests/e2e/test_topology_examples.py."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -47,15 +44,6 @@ def _microbatch(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = torch.tensor([3 + i, 0, 5, 2 * i + 1])
     rows = int(counts.sum())
     return torch.randn(rows, D, generator=g), counts, torch.randn(rows, D, generator=g)
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ep_mesh(names: tuple[str, str] = ("dp", "ep")) -> Any:
