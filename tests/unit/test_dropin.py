@@ -250,6 +250,83 @@ class _MLP(torch.nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
+class _RMSNorm(torch.nn.Module):
+    """Llama's norm: per token, its weight times x / rms(x)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_sequence_parallel_sums_a_norms_gradients_in_the_tree_over_fixed_sequence_chunks(one_rank: None,
+                                                                                          norm: str) -> None:
+    """At one process the style runs the norm on each of its 8 chunks of the sequence alone and adds the chunks'
+    parameter gradients in the balanced tree: by hand, the plain norm on each chunk and the tree of its gradients
+    (torch's sums the 64 tokens at once). The output and the input gradient are the plain norm's, token by token."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from detrace.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain = torch.nn.LayerNorm(16) if norm == "layer" else _RMSNorm(16)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_()
+    model = copy.deepcopy(plain)
+    parallelize_module(model, init_device_mesh("cpu", (1,)), {"": SequenceParallel()})
+    x, g = torch.randn(2, 32, 16, requires_grad=True), torch.randn(2, 32, 16)
+    y = model(x)
+    assert isinstance(y, DTensor) and y.placements == (Shard(1),)
+    y.to_local().backward(g)
+    outs, input_grads, chunk_grads = [], [], []
+    for xj, gj in zip(x.detach().split(4, dim=1), g.split(4, dim=1), strict=True):
+        xj = xj.clone().requires_grad_()
+        plain.zero_grad()
+        out = plain(xj)
+        out.backward(gj.clone())
+        outs.append(out.detach())
+        input_grads.append(xj.grad)
+        chunk_grads.append([p.grad.clone() for p in plain.parameters()])  # type: ignore[union-attr]
+    for k, p in enumerate(model.parameters()):
+        leaves = [grads[k] for grads in chunk_grads]
+        while len(leaves) > 1:  # ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))
+            leaves = [a + b for a, b in zip(leaves[::2], leaves[1::2], strict=True)]
+        assert torch.equal(p.grad.to_local(), leaves[0])  # type: ignore[union-attr]
+    assert torch.equal(y.to_local(), torch.cat(outs, dim=1))
+    assert torch.equal(x.grad, torch.cat(input_grads, dim=1))  # type: ignore[arg-type]
+
+
+def test_sequence_parallel_layouts_refuse_what_they_cannot_keep_in_one_sentence(one_rank: None) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from detrace.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,))
+    norm = parallelize_module(torch.nn.LayerNorm(8), mesh, SequenceParallel())
+    with pytest.raises(UsageError, match=r"SequenceParallel\(chunks=8\) must divide the sequence length \(12\)"):
+        norm(torch.randn(2, 12, 8))
+    with pytest.raises(UsageError, match=r"shards the sequence on dimension 1 .*, not 0"):
+        SequenceParallel(sequence_dim=0)
+    with pytest.raises(UsageError, match="whose parameters are its own"):
+        parallelize_module(torch.nn.Sequential(torch.nn.LayerNorm(8)), mesh, SequenceParallel())
+    layer = parallelize_module(torch.nn.Linear(8, 8), mesh, ColwiseParallel(input_layouts=Shard(1)))
+    replicated = DTensor.from_local(torch.randn(2, 8, 8), mesh, [Replicate()], run_check=False)
+    with pytest.raises(UsageError, match=r"takes its input as Shard\(dim=1\), not as a DTensor placed Replicate\(\)$"):
+        layer(replicated)
+    # at T = 1 the sequence-parallel layouts are the replicated ones: a gather and a slice of one rank
+    x = torch.randn(2, 8, 8)
+    sharded = copy.deepcopy(_MLP())
+    parallelize_module(sharded, mesh, {"up": ColwiseParallel(input_layouts=Shard(1)),
+                                       "down": RowwiseParallel(output_layouts=Shard(1))})
+    whole = copy.deepcopy(_MLP())
+    parallelize_module(whole, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    assert torch.equal(sharded(x), whole(x))
+
+
 def _parallelize(model: torch.nn.Module, api: str, fsdp: int, tp: int) -> None:
     if api == "detrace":
         from detrace.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
@@ -279,21 +356,24 @@ def _train_2d(model: torch.nn.Module, block: int, blocks: int) -> str:
 
 
 def test_parallelize_module_keeps_the_models_names_and_shapes_and_refuses_in_one_sentence(one_rank: None) -> None:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
-    from torch.distributed.tensor.parallel import SequenceParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
     from detrace.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plain = _MLP()
     model = copy.deepcopy(plain)
     mesh = init_device_mesh("cpu", (1,))
-    for plan in ({"up": TorchColwise()}, {"up": SequenceParallel()}):
-        with pytest.raises(UsageError,
-                           match="takes detrace's ColwiseParallel, RowwiseParallel and ExpertParallel, not torch"):
+    for plan in ({"up": TorchColwise()}, {"up": SequenceParallel()},
+                 {"up": PrepareModuleInput(input_layouts=Partial(), desired_input_layouts=Replicate())}):
+        with pytest.raises(UsageError, match=r"takes detrace's ColwiseParallel, RowwiseParallel, SequenceParallel "
+                                             r"and ExpertParallel .*, not torch"):
             parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match="replicated input"):
-        ColwiseParallel(input_layouts=Shard(1))
+    with pytest.raises(UsageError, match=r"takes a Replicate or a Shard\(1\) \(sequence-parallel\) input, not S"):
+        ColwiseParallel(input_layouts=Shard(0))
+    with pytest.raises(UsageError, match=r"gives a Replicate or a Shard\(1\) \(sequence-parallel\) output, not S"):
+        RowwiseParallel(output_layouts=Shard(0))
     for style in (ColwiseParallel, RowwiseParallel):
         with pytest.raises(UsageError, match="chunks must be positive, not 0"):
             style(chunks=0)

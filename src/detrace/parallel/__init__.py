@@ -7,9 +7,9 @@ the number of stages (`TreeGradients`, `SeededForwards`); `expert`, expert paral
 source rank's tokens apart and sum their weight gradients in that tree, whatever the number of expert-parallel ranks
 (`FixedOrderExperts`); `layout`, layouts by name (`Layout.parse("fsdp2xtp2")`). Drop-in replacements for
 torch's APIs, with torch's signatures: `shard`, `fully_shard`; `plan`, `parallelize_module`, `ColwiseParallel`,
-`RowwiseParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`,
-`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` (and torch's `PipelineStage`); `expert_parallel`,
-`ExpertParallel` (torchtitan's style for an all-to-all MoE).
+`RowwiseParallel`, `SequenceParallel`; `schedule`, `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`,
+`ScheduleLoopedBFS`, `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble` (and torch's `PipelineStage`);
+`expert_parallel`, `ExpertParallel` (torchtitan's style for an all-to-all MoE).
 See docs/topology.md."""
 
 from detrace.parallel.data import InvariantDataParallel, invariant_backward, owned_microbatches, parameters_fingerprint
@@ -37,7 +37,7 @@ __all__ = [
     "shard_invariantly",
 ]
 
-_PLAN = ("ColwiseParallel", "RowwiseParallel", "parallelize_module")
+_PLAN = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "parallelize_module")
 """detrace.parallel.plan's drop-ins, imported on first use: torch.distributed.tensor.parallel costs a second of a
 rank's start-up, and every traced process imports detrace.parallel."""
 _SCHEDULE = ("PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",

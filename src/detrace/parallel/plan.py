@@ -19,10 +19,18 @@ every T, one included).
 An `nn.Embedding` is given to torch's own style: its row-wise lookup adds only zeros to one rank's rows, and its
 column-wise one concatenates, so torch's reduction changes no bit there.
 
+Sequence parallelism, torchtitan's: `SequenceParallel` on the norms (activations sharded on the sequence, Shard(1)),
+a column-wise layer taking a Shard(1) input (gathered: no arithmetic) and a row-wise one giving a Shard(1) output
+(the whole fixed-tree sum, then this rank's block: torch's reduce-scatter adds in an order that depends on T), and
+torch's own `PrepareModuleInput` / `PrepareModuleOutput` between them (a gather or a slice). A norm's parameter
+gradients, sums over tokens that torch takes over each rank's tokens and all-reduces, are the fixed tree over
+`chunks` fixed chunks of the sequence (see `SequenceParallel`).
+
 What it cannot keep, refused in one sentence: torch's own styles in the plan (their all-reduce adds in an order that
-depends on T), sequence-parallel layouts (`SequenceParallel`, `Shard(1)` inputs or outputs: the norms' weight
-gradients would be summed over the ranks' tokens), a row-wise linear layer whose input is replicated, and modules
-other than nn.Linear and nn.Embedding.
+depends on T), a Partial layout in torch's PrepareModuleInput / PrepareModuleOutput (an all-reduce), a sequence
+dimension other than 1 or a sequence length the chunks do not divide, an input given as a DTensor placed otherwise
+than the style's input layout, a row-wise linear layer whose input is replicated, and modules other than nn.Linear
+and nn.Embedding (a norm's for SequenceParallel).
 """
 
 from __future__ import annotations
@@ -32,20 +40,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceParallel
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.func import functional_call
 
 from detrace.errors import UsageError
 from detrace.parallel.expert_parallel import ExpertParallel
-from detrace.parallel.tensor import _Column, _Row, _split, group_combine, owned_chunks
+from detrace.parallel.tensor import Combine, _Column, _Row, _split, _tree, group_combine, owned_chunks
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "parallelize_module"]
+__all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "parallelize_module"]
 
 CHUNKS = 8
 """The default number of fixed chunks of a layer's sharded dimension: the largest T it allows."""
+
+
+SEQUENCE = Shard(1)
+"""The sequence-parallel layout of activations [batch, sequence, ...]: torchtitan's, the only one taken."""
 
 
 def _is_last_dim_shard(placement: Any) -> bool:
@@ -67,29 +82,59 @@ class _Bias(torch.autograd.Function):
         return grad, torch.cat(parts), None
 
 
-def _local(x: Any) -> torch.Tensor:
+def _local(x: Any, layout: Any) -> torch.Tensor:
+    """The local tensor of a module's input, which must be in the style's input `layout` (taking another DTensor's
+    local shard as this layout's would compute on the wrong rows)."""
     if isinstance(x, DTensor):
+        if isinstance(layout, Shard) and layout.dim < 0:
+            layout = Shard(layout.dim + x.ndim)  # DTensor keeps Shard(-1) as Shard(ndim - 1)
+        if tuple(x.placements) != (layout,):
+            raise UsageError(f"a detrace tensor-parallel style takes its input as {layout!r}, not as a DTensor "
+                             f"placed {', '.join(map(repr, x.placements))}")
         return x.to_local()
     if not isinstance(x, torch.Tensor):
-        raise UsageError(f"a tensor-parallel linear layer takes one tensor, not {type(x).__name__}")
+        raise UsageError(f"a tensor-parallel style takes one tensor, not {type(x).__name__}")
     return x
 
 
+def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int, dim: int) -> torch.Tensor:
+    pieces = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(pieces, t.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
 class _Gather(torch.autograd.Function):
-    """The column-wise output's shards concatenated along the last dimension (no arithmetic); backward: this
-    rank's block of the gradient, which is whole and the same on every rank."""
+    """The ranks' shards concatenated along `dim` (no arithmetic); backward: this rank's block of the gradient,
+    which is whole and the same on every rank."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-        ctx.rank, ctx.width = rank, y.shape[-1]
-        pieces = [torch.empty_like(y) for _ in range(size)]
-        dist.all_gather(pieces, y.contiguous(), group=group)
-        return torch.cat(pieces, dim=-1)
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int,
+                dim: int) -> torch.Tensor:
+        ctx.rank, ctx.width, ctx.dim = rank, y.shape[dim], dim
+        return _all_gather(y, group, size, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        start = ctx.rank * ctx.width
-        return grad[..., start:start + ctx.width].contiguous(), None, None, None
+        return grad.narrow(ctx.dim, ctx.rank * ctx.width, ctx.width).contiguous(), None, None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    """This rank's block along `dim` of a tensor that is whole and the same on every rank (torch's reduce-scatter
+    once the sum is complete: no arithmetic); backward: the ranks' blocks of the gradient gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int,
+                dim: int) -> torch.Tensor:
+        if y.shape[dim] % size:
+            raise UsageError(f"a sequence-parallel output's dimension {dim} ({y.shape[dim]}) must split evenly "
+                             f"over {size} tensor-parallel ranks")
+        ctx.group, ctx.size, ctx.dim = group, size, dim
+        width = y.shape[dim] // size
+        return y.narrow(dim, rank * width, width).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _all_gather(grad, ctx.group, ctx.size, ctx.dim), None, None, None, None
 
 
 class _Style:
@@ -105,16 +150,21 @@ class _Style:
             raise UsageError(f"chunks must be positive, not {chunks}")
         self.chunks = chunks
 
-    def _shard_linear(self, module: nn.Linear, mesh: Any) -> tuple[int, dist.ProcessGroup, int, int]:
+    def _group(self, mesh: Any) -> tuple[dist.ProcessGroup, int, int]:
+        """The tensor-parallel group of a 1-D `mesh`, this rank in it and its size (T), checked against the chunks."""
         if mesh.ndim != 1:
             raise UsageError(f"parallelize_module takes a 1-D tensor-parallel mesh, not a {mesh.ndim}-D one")
         group = mesh.get_group()
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        owned_chunks(self.chunks, size, rank)  # refuses a T that is not a power of two dividing the chunks
+        return group, rank, size
+
+    def _shard_linear(self, module: nn.Linear, mesh: Any) -> tuple[int, dist.ProcessGroup, int, int]:
+        group, rank, size = self._group(mesh)
         length = module.weight.shape[self.dim]
         if length % self.chunks:
             raise UsageError(f"{type(self).__name__}(chunks={self.chunks}) must divide the layer's "
                              f"{'output' if self.dim == 0 else 'input'} features ({length})")
-        owned_chunks(self.chunks, size, rank)  # refuses a T that is not a power of two dividing the chunks
         source = getattr(self, "src_data_rank", 0)
         module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(self.dim)],
                                                        src_data_rank=source))
@@ -129,8 +179,9 @@ class _Style:
 
 
 class ColwiseParallel(TorchColwise, _Style):
-    """torch's ColwiseParallel (same arguments; input Replicate, output Shard(-1) or Replicate), computed in
-    `chunks` fixed chunks of output features, whose input gradient is the fixed tree over them."""
+    """torch's ColwiseParallel (same arguments; input Replicate or sequence-parallel Shard(1), output Shard(-1) or
+    Replicate), computed in `chunks` fixed chunks of output features, whose input gradient is the fixed tree over
+    them (with a Shard(1) input: gathered first, the whole input gradient sliced after, no other arithmetic)."""
 
     dim = 0
 
@@ -139,9 +190,9 @@ class ColwiseParallel(TorchColwise, _Style):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
         self._take_chunks(chunks)
-        if not isinstance(self.input_layouts[0], Replicate):
-            raise UsageError("detrace's ColwiseParallel takes a replicated input (sequence parallelism is not "
-                             "supported)")
+        if not (isinstance(self.input_layouts[0], Replicate) or self.input_layouts[0] == SEQUENCE):
+            raise UsageError("detrace's ColwiseParallel takes a Replicate or a Shard(1) (sequence-parallel) input, "
+                             f"not {self.input_layouts[0]}")
         if not (_is_last_dim_shard(self.output_layouts[0]) or isinstance(self.output_layouts[0], Replicate)):
             raise UsageError("detrace's ColwiseParallel gives a Shard(-1) or a Replicate output, not "
                              f"{self.output_layouts[0]}")
@@ -154,16 +205,20 @@ class ColwiseParallel(TorchColwise, _Style):
         chunk, group, rank, size = self._shard_linear(module, device_mesh)
         combine = group_combine(group, "invariant")
         gather = isinstance(self.output_layouts[0], Replicate)
+        layout = self.input_layouts[0]
 
         def forward(x: Any) -> Any:
             weight = module.weight.to_local()  # type: ignore[attr-defined]
             # each chunk in an allocation of its own: the same layout at every T (see tensor._split)
             parts = [w.clone() for w in weight.split(chunk, dim=0)]
-            y = _Column.apply(_local(x), combine, False, *parts)
+            x = _local(x, layout)
+            if layout == SEQUENCE and size > 1:  # the whole sequence, as at T = 1
+                x = _Gather.apply(x, group, rank, size, 1)
+            y = _Column.apply(x, combine, False, *parts)
             if module.bias is not None:
                 y = _Bias.apply(y, module.bias.to_local(), chunk)  # type: ignore[attr-defined]
             if gather and size > 1:
-                y = _Gather.apply(y, group, rank, size)
+                y = _Gather.apply(y, group, rank, size, -1)
             return self._output(y, device_mesh, Replicate() if gather else Shard(-1))
 
         # the instance's forward shadows nn.Linear's, for this module only
@@ -172,8 +227,10 @@ class ColwiseParallel(TorchColwise, _Style):
 
 
 class RowwiseParallel(TorchRowwise, _Style):
-    """torch's RowwiseParallel (same arguments; input Shard(-1), output Replicate), computed in `chunks` fixed
-    chunks of input features whose partial products are summed in the fixed tree over them."""
+    """torch's RowwiseParallel (same arguments; input Shard(-1), output Replicate or sequence-parallel Shard(1)),
+    computed in `chunks` fixed chunks of input features whose partial products are summed in the fixed tree over
+    them; a Shard(1) output is this rank's block of the whole sum (torch's reduce-scatter as the same tree as its
+    all-reduce, then the slice)."""
 
     dim = 1
 
@@ -182,9 +239,9 @@ class RowwiseParallel(TorchRowwise, _Style):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
                          use_local_output=use_local_output)
         self._take_chunks(chunks)
-        if not isinstance(self.output_layouts[0], Replicate):
-            raise UsageError("detrace's RowwiseParallel gives a replicated output (sequence parallelism is not "
-                             "supported)")
+        if not (isinstance(self.output_layouts[0], Replicate) or self.output_layouts[0] == SEQUENCE):
+            raise UsageError("detrace's RowwiseParallel gives a Replicate or a Shard(1) (sequence-parallel) output, "
+                             f"not {self.output_layouts[0]}")
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if isinstance(module, nn.Embedding):
@@ -194,19 +251,126 @@ class RowwiseParallel(TorchRowwise, _Style):
         if not _is_last_dim_shard(self.input_layouts[0]):
             raise UsageError("detrace's RowwiseParallel takes a linear layer's input sharded on its last "
                              "dimension (the output of a ColwiseParallel layer), not a replicated one")
-        chunk, group, _, _ = self._shard_linear(module, device_mesh)
+        chunk, group, rank, size = self._shard_linear(module, device_mesh)
         combine = group_combine(group, "invariant")
+        layout = self.output_layouts[0]
 
         def forward(x: Any) -> Any:
             weight = module.weight.to_local()  # type: ignore[attr-defined]
             parts = [w.clone() for w in weight.split(chunk, dim=1)]
-            y = _Row.apply(_local(x), combine, False, *parts)
+            y = _Row.apply(_local(x, Shard(-1)), combine, False, *parts)
             if module.bias is not None:
                 y = y + module.bias.to_local()  # type: ignore[attr-defined]  # whole on every rank: as at T = 1
-            return self._output(y, device_mesh, Replicate())
+            if layout == SEQUENCE:
+                y = _Slice.apply(y, group, rank, size, 1)
+            return self._output(y, device_mesh, layout)
 
         object.__setattr__(module, "forward", forward)
         return module
+
+
+class _Copies(torch.autograd.Function):
+    """`count` copies of each of a module's parameters (one per sequence chunk, so that each chunk's gradient is a
+    leaf of its own: autograd would add them as they come); backward: each parameter's chunk gradients summed in
+    the fixed tree over the chunks, completed across the ranks by `combine`."""
+
+    @staticmethod
+    def forward(ctx: Any, combine: Combine, count: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.combine, ctx.params = combine, len(params)
+        return tuple(p.clone() for _ in range(count) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # (a copy no chunk used comes as zeros: autograd materializes a Function's missing gradients)
+        # the leaves copied: the tree adds into its left operands, which autograd may still hold
+        sums = [ctx.combine(_tree([g.clone() for g in grads[k::ctx.params]])) for k in range(ctx.params)]
+        return (None, None, *sums)
+
+
+class _Join(torch.autograd.Function):
+    """The chunks' outputs concatenated along `dim` (no arithmetic); backward: each chunk's gradient in an
+    allocation of its own, as its input was (see tensor._split)."""
+
+    @staticmethod
+    def forward(ctx: Any, dim: int, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.dim, ctx.width = dim, outs[0].shape[dim]
+        return torch.cat(outs, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *_split(grad, ctx.width, ctx.dim))
+
+
+class SequenceParallel(TorchSequenceParallel, _Style):
+    """torch's SequenceParallel (same arguments; a norm's input and output sharded on `sequence_dim`, its
+    parameters replicated), whose parameters' gradients do not depend on T: the whole sequence is cut into
+    `chunks` fixed chunks (8 by default: the sequence length a multiple of it, T dividing it), rank t runs the
+    module's own forward on each of its chunks alone, in an allocation of its own, with a copy of the parameters,
+    and each parameter's chunk gradients are summed in the fixed tree over the chunks, its top levels completed
+    across ranks as the linear styles' sums, where torch sums each rank's tokens and all-reduces the ranks'
+    partial sums. Per-token arithmetic (a norm's output and input gradient) is the same on a chunk as on the
+    whole sequence."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False, chunks: int = CHUNKS) -> None:
+        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
+        self._take_chunks(chunks)
+        if sequence_dim != SEQUENCE.dim:
+            raise UsageError(f"detrace's SequenceParallel shards the sequence on dimension 1 (torchtitan's), not "
+                             f"{sequence_dim}")
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if any(True for child in module.children() for _ in child.parameters()):
+            raise UsageError(f"SequenceParallel takes a module whose parameters are its own (a norm), not "
+                             f"{type(module).__name__} with submodules' parameters")
+        group, _, size = self._group(device_mesh)
+        count = self.chunks // size  # this rank's chunks of the sequence
+        combine = group_combine(group, "invariant")
+        source = getattr(self, "src_data_rank", 0)
+        params = dict(module.named_parameters(recurse=False))
+        for name, param in params.items():
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=source),
+                requires_grad=param.requires_grad))
+        plain_forward = module.forward  # the class's, bound: run on each chunk with its copies
+        inside = [False]
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if inside[0]:  # functional_call's call of the module, one chunk
+                return plain_forward(x, *args, **kwargs)
+            x = _local(x, SEQUENCE)
+            if x.shape[1] % count:
+                raise UsageError(f"SequenceParallel(chunks={self.chunks}) must divide the sequence length "
+                                 f"({x.shape[1] * size})")
+            width = x.shape[1] // count
+            copies = _Copies.apply(combine, count, *(module.get_parameter(n).to_local() for n in params))
+            outs = []
+            inside[0] = True
+            try:
+                for j, part in enumerate(_split(x, width, 1)):
+                    views = dict(zip(params, copies[j * len(params):(j + 1) * len(params)], strict=True))
+                    outs.append(functional_call(module, views, (part, *args), kwargs))
+            finally:
+                inside[0] = False
+            y = _Join.apply(1, *outs)
+            return y if self.use_local_output else DTensor.from_local(y, device_mesh, [SEQUENCE], run_check=False)
+
+        # the instance's forward shadows the class's, for this module only (as the linear styles')
+        object.__setattr__(module, "forward", forward)
+        return module
+
+
+def _keeps_bits(style: Any) -> bool:
+    """Whether `style` is one of detrace's, or torch's PrepareModuleInput / PrepareModuleOutput moving no Partial
+    (a redistribution between Shard and Replicate is a gather or a slice: no arithmetic)."""
+    if isinstance(style, ColwiseParallel | RowwiseParallel | SequenceParallel | ExpertParallel):
+        return True
+    if not isinstance(style, PrepareModuleInput | PrepareModuleOutput):
+        return False
+    layouts = [getattr(style, name, None) for name in ("input_layouts", "desired_input_layouts",
+                                                       "input_kwarg_layouts", "desired_input_kwarg_layouts",
+                                                       "output_layouts", "desired_output_layouts")]
+    flat = [p for value in layouts if value for p in (value.values() if isinstance(value, dict) else value)]
+    return not any(isinstance(p, Partial) for p in flat)
 
 
 def parallelize_module(module: nn.Module, device_mesh: Any = None,
@@ -216,8 +380,9 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     keys may hold torch's wildcards). Refuses any other style in one sentence."""
     styles = parallelize_plan.values() if isinstance(parallelize_plan, dict) else [parallelize_plan]
     for style in styles:
-        if style is not None and not isinstance(style, ColwiseParallel | RowwiseParallel | ExpertParallel):
+        if style is not None and not _keeps_bits(style):
             raise UsageError(f"detrace.parallel.parallelize_module takes detrace's ColwiseParallel, "
-                             f"RowwiseParallel and ExpertParallel, not {type(style).__module__}."
+                             f"RowwiseParallel, SequenceParallel and ExpertParallel (and torch's PrepareModuleInput "
+                             f"and PrepareModuleOutput without Partial layouts), not {type(style).__module__}."
                              f"{type(style).__name__} (its reductions add in an order that depends on the mesh)")
     return torch_parallelize_module(module, device_mesh, parallelize_plan, src_data_rank=src_data_rank)

@@ -84,11 +84,11 @@ def _tree(parts: list[torch.Tensor]) -> torch.Tensor:
     return _tree_sum([[p] for p in parts])[0]
 
 
-def _split(t: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """`t`'s last dimension in chunks, each copied into an allocation of its own: a chunk's operand then has the
-    same layout and alignment at every T (a view at an offset would not: a CPU dot product's bits may depend on
-    its operand's alignment, and `contiguous()` keeps a view that happens to be contiguous)."""
-    return [p.clone(memory_format=torch.contiguous_format) for p in t.split(chunk, dim=-1)]
+def _split(t: torch.Tensor, chunk: int, dim: int = -1) -> list[torch.Tensor]:
+    """`t`'s dimension `dim` (the last by default) in chunks, each copied into an allocation of its own: a chunk's
+    operand then has the same layout and alignment at every T (a view at an offset would not: a CPU dot product's
+    bits may depend on its operand's alignment, and `contiguous()` keeps a view that happens to be contiguous)."""
+    return [p.clone(memory_format=torch.contiguous_format) for p in t.split(chunk, dim=dim)]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
