@@ -46,41 +46,52 @@ from transformers.masking_utils import create_causal_mask
 from detrace.parallel.layout import LAYOUT_ENV, Layout
 
 
-def imports(api: str) -> tuple[Any, Any, Any, Any]:
-    """(fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel) from detrace or from torch."""
+def imports(api: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel, SequenceParallel) from detrace or from
+    torch."""
     if api == "detrace":
-        from detrace.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+        from detrace.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            fully_shard,
+            parallelize_module,
+        )
     else:
         from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
         from torch.distributed.tensor.parallel import (  # type: ignore[assignment]
             ColwiseParallel,
             RowwiseParallel,
+            SequenceParallel,
             parallelize_module,
         )
-    return fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel
+    return fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel, SequenceParallel
 
 
-def build(api: str, mesh: DeviceMesh, stages: tuple[int, ...] = (), total: int = 1) -> LlamaForCausalLM:
+def build(api: str, mesh: DeviceMesh, stages: tuple[int, ...] = (), total: int = 1, *,
+          sequence_parallel: bool = False) -> LlamaForCausalLM:
     """The tiny Llama, the same whole model on every rank, parallelized on `mesh` (dimensions data, tp); with
     `stages` (of `total` pipeline stages), only this rank's stages of it (mesh dimension pp)."""
-    fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel = imports(api)
+    fully_shard, parallelize_module, ColwiseParallel, RowwiseParallel, SequenceParallel = imports(api)
     torch.manual_seed(0)  # the same whole model on every rank; the plan and fully_shard keep their shards
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, attn_implementation="eager")
     model = LlamaForCausalLM(config)
-    # torchtitan's plan for a Llama without sequence parallelism; T = 1 too, so that every mesh computes alike
-    parallelize_module(model, mesh["tp"], {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-        "model.layers.*.mlp.up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
+    if sequence_parallel:
+        parallelize_module(model, mesh["tp"], sequence_plan(ColwiseParallel, RowwiseParallel, SequenceParallel))
+    else:  # torchtitan's plan for a Llama without sequence parallelism; T = 1 too, so that every mesh computes alike
+        parallelize_module(model, mesh["tp"], {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+            "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+            "model.layers.*.mlp.up_proj": ColwiseParallel(),
+            "model.layers.*.mlp.down_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        })
     if stages:
         keep_stages(model, stages, total)
     shards = data_mesh(mesh)
@@ -95,6 +106,38 @@ def build(api: str, mesh: DeviceMesh, stages: tuple[int, ...] = (), total: int =
                 fully_shard(piece, mesh=shards)
     # (one pipeline per data rank: the schedule sums each stage's microbatches itself)
     return model
+
+
+def sequence_plan(ColwiseParallel: Any, RowwiseParallel: Any, SequenceParallel: Any) -> dict[str, Any]:
+    """torchtitan's plan for a Llama with sequence parallelism, on Hugging Face's names: between the decoder layers
+    the activations are sharded on the sequence (Shard(1)); the norms run on their rank's tokens; attention and
+    the MLP gather the sequence first (PrepareModuleInput: the attention takes it as the keyword hidden_states)
+    and their row-wise projections give their rank's tokens of the sum. The embedding and the row-wise outputs
+    stay DTensors, so that the model reads the whole sequence's length from the embedding's output (its positions
+    and causal mask)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.layers.*.input_layernorm": SequenceParallel(),
+        "model.layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                       desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                       use_local_output=True),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.layers.*.post_attention_layernorm": SequenceParallel(),
+        "model.layers.*.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                 use_local_output=True),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -221,12 +264,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
                    help="the pipeline schedule of the pp layouts (default 1f1b)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="torchtitan's plan with sequence parallelism (the norms' activations sharded on the sequence)")
     args = p.parse_args()
     torch.set_num_threads(1)
     layout = Layout.parse(os.environ.get(LAYOUT_ENV, "1x1"))
     if layout.dims - {"dp", "fsdp", "tp", "pp"}:
         raise SystemExit(f"this example runs pipeline, data and tensor parallelism, not {layout.name}")
     data, tp, pp = layout.data, layout.size("tp"), layout.size("pp")
+    if args.sequence_parallel and pp > 1:
+        raise SystemExit(f"this example runs --sequence-parallel without pipeline stages, not on {layout.name}")
     if "WORLD_SIZE" not in os.environ:  # one process without torchrun
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     dist.init_process_group("gloo")
@@ -234,7 +281,7 @@ def main() -> None:
         raise SystemExit(f"layout {layout.name} takes {pp * data * tp} processes, not {dist.get_world_size()}")
     mesh = init_device_mesh("cpu", (pp, data, tp), mesh_dim_names=("pp", "data", "tp"))
     stages, total = rank_stages(args.schedule, mesh.get_local_rank("pp"), pp) if pp > 1 else ((), 1)
-    model = build(args.api, mesh, stages, total)
+    model = build(args.api, mesh, stages, total, sequence_parallel=args.sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = (pipeline(args.api, args.schedule, model, mesh, stages, total, args.microbatches // data)
                 if pp > 1 else None)
