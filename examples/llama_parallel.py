@@ -3,6 +3,7 @@ the same bits on every mesh with detrace's imports instead of torch's.
 
     detrace check-topology --layouts 1x1,fsdp2,tp2,fsdp2xtp2 -- python examples/llama_parallel.py --api detrace
     detrace check-topology --layouts 1x1,tp2 -- python examples/llama_parallel.py --api torch     # differs
+    detrace check-topology --layouts 1x1,tp2,fsdp2xtp2 -- python examples/llama_parallel.py --sequence-parallel
     detrace check-topology --layouts fsdp2xtp2,1x1,tp2 --resume-at 1 -- python examples/llama_parallel.py
     detrace check-topology --layouts 1x1,pp2,pp2xtp2,pp2xfsdp2 -- python examples/llama_parallel.py --api detrace
     detrace check-topology --layouts 1x1,pp2 -- python examples/llama_parallel.py --schedule interleaved-1f1b
@@ -14,7 +15,8 @@ replicated over dp), `tp` splits it with the plan. The loop is torchtitan's grad
 accumulation: the global batch is M microbatches of a fixed size, drawn from a generator seeded by the step; the
 rank of data-parallel coordinate d runs microbatches [d n, (d + 1) n) with n = M / (data ranks), one backward each,
 each loss scaled by 1 / n (torch's averaging does the rest). The only difference between `--api detrace` and
-`--api torch` is where `fully_shard`, `parallelize_module`, `ColwiseParallel` and `RowwiseParallel` come from.
+`--api torch` is where `fully_shard`, `parallelize_module`, `ColwiseParallel`, `RowwiseParallel` and
+`SequenceParallel` come from; `--sequence-parallel` uses torchtitan's plan with sequence parallelism.
 
 Layouts with `pp` (`pp2`, `pp2xtp2`, `pp2xfsdp2`) pipeline the model: after the plan, the model's pieces (the
 embedding, each decoder layer, the norm with the head) are cut into contiguous stages, each rank keeping its
