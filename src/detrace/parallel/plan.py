@@ -342,7 +342,8 @@ class SequenceParallel(TorchSequenceParallel, _Style):
                 raise UsageError(f"SequenceParallel(chunks={self.chunks}) must divide the sequence length "
                                  f"({x.shape[1] * size})")
             width = x.shape[1] // count
-            copies = _Copies.apply(combine, count, *(module.get_parameter(n).to_local() for n in params))
+            copies = _Copies.apply(combine, count, *(module.get_parameter(n).to_local()  # type: ignore[attr-defined]
+                                                     for n in params))
             outs = []
             inside[0] = True
             try:
