@@ -300,6 +300,35 @@ def test_sequence_parallel_sums_a_norms_gradients_in_the_tree_over_fixed_sequenc
     assert torch.equal(x.grad, torch.cat(input_grads, dim=1))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sequence_parallel_at_one_process_gives_the_bits_of_each_ranks_block_added_in_the_tree(one_rank: None,
+                                                                                              ranks: int) -> None:
+    """Rank t of T runs its block of the sequence in its chunks / T chunks, as one process running that block with
+    SequenceParallel(chunks=8 // T); the ranks' sums are then added in the tree over the ranks. So at one process
+    the style gives what T ranks give (the chunks' gradients added in running order instead give other bits here)."""
+    from detrace.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain = torch.nn.LayerNorm(16)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_()
+    mesh = init_device_mesh("cpu", (1,))
+    x, g = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    whole = parallelize_module(copy.deepcopy(plain), mesh, SequenceParallel())
+    whole(x).to_local().backward(g)
+    blocks = []
+    for xt, gt in zip(x.split(64 // ranks, dim=1), g.split(64 // ranks, dim=1), strict=True):
+        block = parallelize_module(copy.deepcopy(plain), mesh, SequenceParallel(chunks=8 // ranks))
+        block(xt).to_local().backward(gt)
+        blocks.append([p.grad.to_local() for p in block.parameters()])  # type: ignore[union-attr]
+    for k, p in enumerate(whole.parameters()):
+        leaves = [grads[k] for grads in blocks]
+        while len(leaves) > 1:
+            leaves = [a + b for a, b in zip(leaves[::2], leaves[1::2], strict=True)]
+        assert torch.equal(p.grad.to_local(), leaves[0])  # type: ignore[union-attr]
+
+
 def test_sequence_parallel_layouts_refuse_what_they_cannot_keep_in_one_sentence(one_rank: None) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
