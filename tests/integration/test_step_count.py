@@ -6,6 +6,7 @@ run inside a checkpoint load or by torch's initialisation of a fresh optimizer's
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,9 +80,13 @@ def test_a_load_of_a_file_the_stopped_run_did_not_save_leaves_the_count_alone(
 
 def test_a_malformed_list_of_saves_is_refused_in_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_NATIVE_SAVED, "[3")
+    backward, meta_path = torch.autograd.backward, list(sys.meta_path)
     with pytest.raises(UsageError, match="DETRACE_NATIVE_SAVED is not the saves of check-resume"), \
             detrace.trace(tmp_path / "run"):
         pass
+    # the refusal comes from a rung installed after others: what they replaced is put back (the program the
+    # start-up hook lets run on must run untouched; a later tracer wrapped a dead one's torch.autograd.backward)
+    assert torch.autograd.backward is backward and sys.meta_path == meta_path
 
 
 def test_dcp_initialising_a_fresh_optimizer_is_no_training_step(tmp_path: Path) -> None:

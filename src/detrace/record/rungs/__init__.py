@@ -28,18 +28,31 @@ Undo = Callable[[], None]
 
 
 def install(tracer: Tracer) -> list[Undo]:
-    """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables."""
-    undo = [clock.install_pre(tracer), clock.install_restore(tracer), *metrics.install(tracer),
-            *batch.install(tracer),  # at every rung: the model's forward begins a step (detrace.record.steps)
-            *state_parts.install(tracer),  # at every rung, before the stop of checkpoints: check-resume's parts
-            *checkpoints.install(tracer)]  # at every rung: the program's own checkpoint saves and loads
-    rung = tracer.config.rung
-    if rung_includes(rung, "semantic"):
-        # (loader_samples: the indices of a plain DataLoader's batches, which the batch rung records there)
-        undo += semantic.install(tracer) + compiled.install(tracer) + loader_samples.install(tracer)
-    if rung_includes(rung, "module"):
-        undo += module.install(tracer)
-    if rung_includes(rung, "op"):
-        undo += op.install(tracer)
-    undo.append(clock.install_post(tracer))
-    return undo + opaque.install()  # the hooks above, hidden from Dynamo (see detrace.record.opaque)
+    """Install the step clock and every rung up to `tracer.config.rung`; returns the undo callables. A rung that
+    refuses to install (a bad variable it reads: a UsageError) leaves nothing installed: what the rungs before it
+    replaced (torch.autograd.backward among them) is put back before the error goes on, so that the program the
+    start-up hook lets run on after the refusal runs untouched."""
+    undo: list[Undo] = []
+    try:
+        undo += [clock.install_pre(tracer), clock.install_restore(tracer)]
+        undo += metrics.install(tracer)
+        undo += batch.install(tracer)  # at every rung: the model's forward begins a step (detrace.record.steps)
+        undo += state_parts.install(tracer)  # at every rung, before the stop of checkpoints: check-resume's parts
+        undo += checkpoints.install(tracer)  # at every rung: the program's own checkpoint saves and loads
+        rung = tracer.config.rung
+        if rung_includes(rung, "semantic"):
+            # (loader_samples: the indices of a plain DataLoader's batches, which the batch rung records there)
+            undo += semantic.install(tracer)
+            undo += compiled.install(tracer)
+            undo += loader_samples.install(tracer)
+        if rung_includes(rung, "module"):
+            undo += module.install(tracer)
+        if rung_includes(rung, "op"):
+            undo += op.install(tracer)
+        undo.append(clock.install_post(tracer))
+        undo += opaque.install()  # the hooks above, hidden from Dynamo (see detrace.record.opaque)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return undo

@@ -21,6 +21,7 @@ phase ("backward") that module and op records carry.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -97,6 +98,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
         input_step, weight_step = stage.backward_one_chunk, stage.backward_weight_one_chunk
         given = inspect.signature(input_step)
 
+        @functools.wraps(input_step)  # its signature is the step's (`given`, of a wrapper of it, binds the same)
         def backward_one_chunk(*args: Any, **kwargs: Any) -> Any:
             bound = given.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -106,6 +108,7 @@ def install(tracer: Tracer) -> list[Callable[[], None]]:
             with backward_of([] if loss is None else loss, None):
                 return input_step(*args, **kwargs)
 
+        @functools.wraps(weight_step)
         def backward_weight_one_chunk(*args: Any, **kwargs: Any) -> Any:
             with backward_of([], None):
                 return weight_step(*args, **kwargs)
