@@ -93,14 +93,22 @@ _MACHINE = "DETRACE_TESTS_MACHINE"
 """The folder of the machine lock: made by the controlling pytest process, inherited by its workers."""
 
 
+_ROOM = pytest.StashKey[str]()
+"""The machine lock's folder this pytest process made (a pytest run inside a test inherits its parent's)."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        os.environ[_MACHINE] = tempfile.mkdtemp(prefix="detrace-tests-")
+        os.environ[_MACHINE] = config.stash[_ROOM] = tempfile.mkdtemp(prefix="detrace-tests-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput") and _MACHINE in os.environ:
-        shutil.rmtree(os.environ.pop(_MACHINE), ignore_errors=True)
+    # Only the folder this process made: a pytest run inside a test (test_suite_browser's, with -n 0) removed its
+    # parent's, and the parent's next test to begin crashed its worker (FileNotFoundError: .../turnstile).
+    room = config.stash.get(_ROOM, None)
+    if room is not None:
+        os.environ.pop(_MACHINE, None)
+        shutil.rmtree(room, ignore_errors=True)
 
 
 @contextmanager
