@@ -514,39 +514,22 @@ def test_dtensor_local_box(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_wrap_dataloader_next_index_sees_each_batchs_indices_and_undoes() -> None:
+@pytest.mark.parametrize(("wrapper", "seen_as"), [("wrap_dataloader_next_index", list),
+                                                   ("wrap_dataloader_next", lambda batch: batch.tolist())])
+def test_wrap_dataloader_iterator_sees_each_batch_and_undoes(wrapper: str, seen_as: Any) -> None:
+    """wrap_dataloader_next_index sees each batch's dataset indices as the iterator draws them, wrap_dataloader_next
+    each batch handed to the loop; after the undo, neither sees anything."""
     seen: list[list[int]] = []
 
     def wrap(original):  # type: ignore[no-untyped-def]
-        def next_index(iterator):  # type: ignore[no-untyped-def]
-            indices = original(iterator)
-            seen.append(indices)
-            return indices
-        return next_index
+        def step(iterator):  # type: ignore[no-untyped-def]
+            value = original(iterator)
+            seen.append(seen_as(value))
+            return value
+        return step
 
     loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
-    undo = _compat.wrap_dataloader_next_index(wrap)
-    try:
-        assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4]]
-    finally:
-        undo()
-    assert seen == [[0, 1], [2, 3], [4]]
-    list(loader)
-    assert len(seen) == 3
-
-
-def test_wrap_dataloader_next_sees_each_batch_handed_to_the_loop_and_undoes() -> None:
-    seen: list[list[int]] = []
-
-    def wrap(original):  # type: ignore[no-untyped-def]
-        def next_batch(iterator):  # type: ignore[no-untyped-def]
-            batch = original(iterator)
-            seen.append(batch.tolist())
-            return batch
-        return next_batch
-
-    loader = torch.utils.data.DataLoader(list(range(5)), batch_size=2)
-    undo = _compat.wrap_dataloader_next(wrap)
+    undo = getattr(_compat, wrapper)(wrap)
     try:
         assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4]]
     finally:
